@@ -1,0 +1,3 @@
+"""Version of lightning_avgpipe."""
+
+__version__ = "0.1.0"

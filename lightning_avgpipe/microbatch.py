@@ -1,0 +1,85 @@
+"""Manipulation of micro-batches: split a batch along its first dimension, merge outputs back, and sign shapes."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+def batch_size(batch: Any) -> int:
+    """Size of the first dimension of the first tensor found in ``batch``."""
+    for leaf in _leaves(batch):
+        if leaf.dim() == 0:
+            raise ValueError("Cannot split a batch that holds a 0-dim tensor; batch tensors need a batch dimension.")
+        return int(leaf.shape[0])
+    raise TypeError(f"The batch holds no tensor (got {type(batch).__name__}); cannot split it into micro-batches.")
+
+
+def split(batch: Any, chunks: int) -> list[Any]:
+    """Split every tensor of ``batch`` into ``chunks`` micro-batches along dim 0; other leaves are shared.
+
+    Sizes differ by at most one when the batch does not divide evenly (``torch.tensor_split``).
+    """
+    size = batch_size(batch)
+    if chunks < 1 or chunks > size:
+        raise ValueError(
+            f"Cannot split a batch of {size} samples into num_microbatches={chunks}; "
+            f"use between 1 and {size} micro-batches, or a larger batch_size in your DataLoader."
+        )
+    return [_select(batch, i, chunks, size) for i in range(chunks)]
+
+
+def _select(obj: Any, index: int, chunks: int, size: int) -> Any:
+    if isinstance(obj, Tensor):
+        if obj.dim() == 0 or obj.shape[0] != size:
+            raise ValueError(
+                f"Batch tensors disagree on the batch dimension ({tuple(obj.shape)} vs {size} samples); every "
+                "tensor in a pipelined batch needs the samples on dim 0."
+            )
+        return torch.tensor_split(obj, chunks)[index]
+    if isinstance(obj, Mapping):
+        return type(obj)({k: _select(v, index, chunks, size) for k, v in obj.items()})  # type: ignore[call-arg]
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(_select(v, index, chunks, size) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_select(v, index, chunks, size) for v in obj)
+    return obj
+
+
+def merge(outputs: Sequence[Any]) -> Any:
+    """Inverse of :func:`split` for step outputs: concatenate tensors with a batch dim, keep structure.
+
+    Scalars (0-dim tensors) cannot be concatenated and are averaged; anything else comes back as a list.
+    """
+    first = outputs[0]
+    if first is None:
+        return None
+    if isinstance(first, Tensor):
+        if first.dim() == 0:
+            return torch.stack(list(outputs)).float().mean()
+        return torch.cat(list(outputs))
+    if isinstance(first, Mapping):
+        return type(first)({k: merge([o[k] for o in outputs]) for k in first})  # type: ignore[call-arg]
+    if isinstance(first, tuple) and hasattr(first, "_fields"):
+        return type(first)(*(merge([o[i] for o in outputs]) for i in range(len(first))))
+    if isinstance(first, (list, tuple)):
+        return type(first)(merge([o[i] for o in outputs]) for i in range(len(first)))
+    return list(outputs)
+
+
+def signature(obj: Any) -> tuple[Any, ...]:
+    """A hashable description of the shapes and dtypes of every tensor in ``obj`` (the metadata cache key)."""
+    return tuple((tuple(t.shape), t.dtype) for t in _leaves(obj))
+
+
+def _leaves(obj: Any) -> list[Tensor]:
+    if isinstance(obj, Tensor):
+        return [obj]
+    if isinstance(obj, Mapping):
+        return [leaf for v in obj.values() for leaf in _leaves(v)]
+    if isinstance(obj, (list, tuple)):
+        return [leaf for v in obj for leaf in _leaves(v)]
+    return []

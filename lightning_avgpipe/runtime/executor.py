@@ -1,0 +1,132 @@
+"""The executor: runs one stage's lowered action list, whatever the schedule that produced it."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_avgpipe.runtime.p2p import Link, flatten_output
+from lightning_avgpipe.schedules.actions import Action, Kind
+
+StageFn = Callable[[Any], Any]
+HeadFn = Callable[[int, Any], Any]
+
+
+class StageExecutor:
+    """Runs plans for one stage.
+
+    Args:
+        stage: this stage's index.
+        num_stages: stages in the pipeline.
+        stage_fn: this stage's layers applied in order to one unit's input.
+        link: transfers to and from the neighbouring stages (``None`` when ``num_stages == 1``).
+    """
+
+    def __init__(self, stage: int, num_stages: int, stage_fn: StageFn, link: Link | None) -> None:
+        self.stage = stage
+        self.num_stages = num_stages
+        self.stage_fn = stage_fn
+        self.link = link
+        self.is_first = stage == 0
+        self.is_last = stage == num_stages - 1
+
+    def run(
+        self,
+        actions: Sequence[Action],
+        keys: Sequence[Hashable],
+        *,
+        training: bool,
+        inputs: Callable[[int], Any] | None = None,
+        head: HeadFn | None = None,
+        forward_context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+    ) -> dict[int, Any]:
+        """Run ``actions`` for units ``0..len(keys)-1``.
+
+        Args:
+            actions: this stage's lowered plan.
+            keys: per unit, the metadata key both neighbours compute for it (see :mod:`.p2p`).
+            training: run backwards too; otherwise forwards run under ``torch.no_grad``.
+            inputs: on the first stage, unit -> the first layer's input.
+            head: on the last stage, ``(unit, output) -> value``. In training the value must be the scalar loss
+                to backpropagate for that unit (already weighted); in evaluation it is returned as is.
+            forward_context: entered around every forward (autocast, for example).
+
+        Returns:
+            On the last stage, unit -> the head's value (detached in training); elsewhere an empty dict.
+        """
+        results: dict[int, Any] = {}
+        stash: dict[int, tuple[list[Tensor], list[Tensor]]] = {}  # unit -> (inputs needing grad, outputs to backprop)
+        outgoing: dict[int, Any] = {}
+        input_grads: dict[int, list[Tensor]] = {}
+        link = self.link
+        grad_mode = torch.enable_grad() if training else torch.no_grad()
+        with grad_mode:
+            for action in actions:
+                kind, u = action.kind, action.unit
+                if kind is Kind.RECV_F:
+                    assert link is not None
+                    link.post_activations(u, keys[u])
+                elif kind is Kind.FORWARD:
+                    if self.is_first:
+                        assert inputs is not None, "the first stage needs inputs"
+                        x = inputs(u)
+                    else:
+                        assert link is not None
+                        x = link.wait_activations(u, training)
+                    with forward_context():
+                        y = self.stage_fn(x)
+                    if self.is_last:
+                        assert head is not None, "the last stage needs a head"
+                        value = head(u, y)
+                        if training:
+                            if not isinstance(value, Tensor) or value.dim() != 0:
+                                raise TypeError(
+                                    f"The training head must return a scalar loss tensor, got {type(value).__name__}."
+                                )
+                            stash[u] = (_needing_grad(x), [value])
+                            value = value.detach()
+                        results[u] = value
+                    else:
+                        outgoing[u] = y
+                        if training:
+                            outs = [t for t in flatten_output(y, f"stage {self.stage}") if t.requires_grad]
+                            stash[u] = (_needing_grad(x), outs)
+                elif kind is Kind.SEND_F:
+                    assert link is not None
+                    link.send_activations(keys[u], outgoing.pop(u))
+                elif kind is Kind.RECV_B:
+                    assert link is not None
+                    link.post_grads(u, stash[u][1])
+                elif kind is Kind.BACKWARD:
+                    ins, outs = stash.pop(u)
+                    if self.is_last:
+                        torch.autograd.backward(outs)
+                    elif outs:
+                        assert link is not None
+                        torch.autograd.backward(outs, link.wait_grads(u))
+                    elif link is not None:
+                        link.wait_grads(u)
+                    if not self.is_first:
+                        input_grads[u] = [t.grad if t.grad is not None else torch.zeros_like(t) for t in ins]
+                elif kind is Kind.SEND_B:
+                    assert link is not None
+                    link.send_grads(input_grads.pop(u))
+                else:  # pragma: no cover - Kind is closed
+                    raise ValueError(f"unknown action {action}")
+        if link is not None:
+            link.wait_sends()
+        if stash or outgoing or input_grads:
+            raise RuntimeError(f"stage {self.stage}: plan left units unfinished: {sorted(stash) or sorted(outgoing)}")
+        return results
+
+
+def _needing_grad(x: Any) -> list[Tensor]:
+    if isinstance(x, Tensor):
+        return [x] if x.requires_grad else []
+    if isinstance(x, (tuple, list)):
+        return [t for t in x if isinstance(t, Tensor) and t.requires_grad]
+    return []

@@ -1,0 +1,62 @@
+"""Actions: the small values a pipeline plan is made of."""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+
+
+class Kind(str, enum.Enum):
+    """What an action does. Compute kinds run the stage; the others move tensors between neighbours."""
+
+    FORWARD = "F"
+    BACKWARD = "B"
+    SEND_F = "SF"  # send this unit's activations to stage + 1
+    RECV_F = "RF"  # post the receive of this unit's activations from stage - 1
+    SEND_B = "SB"  # send this unit's input gradients to stage - 1
+    RECV_B = "RB"  # post the receive of this unit's output gradients from stage + 1
+
+    @property
+    def is_compute(self) -> bool:
+        return self in (Kind.FORWARD, Kind.BACKWARD)
+
+
+_PATTERN = re.compile(r"^(\d+)(SF|RF|SB|RB|F|B)(\d+)$")
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    """One step of one stage: ``1F0`` is stage 1's forward of unit 0, ``0RB3`` stage 0 posting unit 3's grad receive.
+
+    A *unit* is one micro-batch of one replica; the executor maps unit indices to (replica, micro-batch).
+    """
+
+    stage: int
+    kind: Kind
+    unit: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind.value}{self.unit}"
+
+    def __repr__(self) -> str:
+        return f"Action({self})"
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        """Inverse of ``str``: ``Action.parse("1F0") == Action(1, Kind.FORWARD, 0)``."""
+        match = _PATTERN.match(text.strip())
+        if match is None:
+            raise ValueError(
+                f"Cannot parse action {text!r}: expected '<stage><kind><unit>' with kind one of "
+                f"{[k.value for k in Kind]}, for example '1F0'."
+            )
+        return cls(int(match.group(1)), Kind(match.group(2)), int(match.group(3)))
+
+
+def F(stage: int, unit: int) -> Action:  # noqa: N802 - reads like the notation in the paper's figures
+    return Action(stage, Kind.FORWARD, unit)
+
+
+def B(stage: int, unit: int) -> Action:  # noqa: N802
+    return Action(stage, Kind.BACKWARD, unit)

@@ -1,0 +1,157 @@
+"""Schedule generators: AFAB, 1F1B and advance-forward plans as per-stage action lists, then lowered with comms.
+
+All three schedules are one family. Stage ``s`` of ``S`` first runs ``w`` forwards ("warm-up"), then alternates
+one forward and one backward, then drains the remaining backwards::
+
+    w = min(U, S - s - 1 + k)      U units per iteration, k advance forwards
+
+    k = 0          -> 1F1B (PipeDream-flush / DAPPLE): peak stash S - s
+    0 < k < U      -> AvgPipe's advance forward propagation: k extra forwards run early, in bubble time
+    k >= U         -> AFAB (GPipe): all forwards, then all backwards, peak stash U
+
+The 1F1B timeline for S = 4, U = 6 (F = forward of unit, B = backward, costs 1 and 2)::
+
+    stage 0 | F0 F1 F2 F3 .  .  .  B0 B0 F4 B1 B1 F5 B2 B2 .  B3 B3 .  B4 B4 .  B5 B5
+    stage 1 |    F0 F1 F2 .  .  B0 B0 F3 B1 B1 F4 B2 B2 F5 B3 B3 ...
+    stage 2 |       F0 F1 .  B0 B0 F2 B1 B1 F3 ...
+    stage 3 |          F0 B0 B0 F1 B1 B1 F2 ...
+
+(``python -m lightning_avgpipe schedule --stages 4 --microbatches 6`` prints the exact simulated table.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lightning_avgpipe.schedules.actions import Action, Kind
+
+SCHEDULES: tuple[str, ...] = ("afab", "1f1b", "advance")
+
+
+def check_schedule_name(schedule: str) -> str:
+    """Return the normalised schedule name or raise a ``ValueError`` that lists the valid ones."""
+    name = str(schedule).lower().replace("-", "").replace("_", "")
+    aliases = {"gpipe": "afab", "afab": "afab", "1f1b": "1f1b", "advance": "advance"}
+    if name not in aliases:
+        raise ValueError(
+            f"schedule={schedule!r} is not a known schedule. Use one of {list(SCHEDULES)} "
+            "('afab' = GPipe all-forward-all-backward, '1f1b' = one-forward-one-backward, "
+            "'advance' = AvgPipe's advance forward propagation)."
+        )
+    return aliases[name]
+
+
+def warmup_forwards(schedule: str, num_stages: int, num_units: int, stage: int, advance_forwards: int = 0) -> int:
+    """Number of forwards stage ``stage`` runs before its first backward (see the module docstring)."""
+    schedule = check_schedule_name(schedule)
+    if schedule == "afab":
+        return num_units
+    extra = advance_forwards if schedule == "advance" else 0
+    return min(num_units, num_stages - stage - 1 + extra)
+
+
+def compute_order(
+    schedule: str, num_stages: int, num_units: int, stage: int, advance_forwards: int = 0, training: bool = True
+) -> list[Action]:
+    """The compute actions (forwards and backwards) of one stage, in execution order."""
+    _check_sizes(num_stages, num_units, advance_forwards)
+    if not 0 <= stage < num_stages:
+        raise ValueError(f"stage={stage} is outside [0, {num_stages}); pass a stage index below num_stages.")
+    if not training:
+        return [Action(stage, Kind.FORWARD, u) for u in range(num_units)]
+    w = warmup_forwards(schedule, num_stages, num_units, stage, advance_forwards)
+    order = [Action(stage, Kind.FORWARD, u) for u in range(w)]
+    for i in range(num_units - w):  # steady state: one forward, one backward
+        order.append(Action(stage, Kind.FORWARD, w + i))
+        order.append(Action(stage, Kind.BACKWARD, i))
+    order.extend(Action(stage, Kind.BACKWARD, u) for u in range(num_units - w, num_units))  # drain
+    return order
+
+
+def _recv_for(action: Action, num_stages: int) -> Action | None:
+    if action.kind is Kind.FORWARD and action.stage > 0:
+        return Action(action.stage, Kind.RECV_F, action.unit)
+    if action.kind is Kind.BACKWARD and action.stage < num_stages - 1:
+        return Action(action.stage, Kind.RECV_B, action.unit)
+    return None
+
+
+def _send_for(action: Action, num_stages: int) -> Action | None:
+    if action.kind is Kind.FORWARD and action.stage < num_stages - 1:
+        return Action(action.stage, Kind.SEND_F, action.unit)
+    if action.kind is Kind.BACKWARD and action.stage > 0:
+        return Action(action.stage, Kind.SEND_B, action.unit)
+    return None
+
+
+def lower(compute: Sequence[Action], num_stages: int) -> list[Action]:
+    """Add sends and receives to a stage's compute order.
+
+    The receive a compute action needs is posted one compute action ahead (before the *previous* compute runs),
+    so the transfer overlaps that compute; the send goes out right after the compute that produced it and never
+    blocks (the executor waits on sends only when it must free their buffers).
+    """
+    out: list[Action] = []
+    posted: set[Action] = set()
+
+    def post(action: Action) -> None:
+        recv = _recv_for(action, num_stages)
+        if recv is not None and recv not in posted:
+            posted.add(recv)
+            out.append(recv)
+
+    for i, action in enumerate(compute):
+        post(action)
+        if i + 1 < len(compute):
+            post(compute[i + 1])
+        out.append(action)
+        send = _send_for(action, num_stages)
+        if send is not None:
+            out.append(send)
+    return out
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every stage's lowered action list for one iteration: a value that can be printed, compared and simulated."""
+
+    schedule: str
+    num_stages: int
+    num_units: int
+    advance_forwards: int
+    training: bool
+    stages: tuple[tuple[Action, ...], ...]
+
+    def compute(self, stage: int) -> list[Action]:
+        """Stage ``stage``'s compute actions only."""
+        return [a for a in self.stages[stage] if a.kind.is_compute]
+
+    def __str__(self) -> str:
+        lines = [
+            f"Plan(schedule={self.schedule}, stages={self.num_stages}, units={self.num_units}, "
+            f"advance_forwards={self.advance_forwards}, training={self.training})"
+        ]
+        lines += [f"  stage {s}: " + " ".join(str(a) for a in acts) for s, acts in enumerate(self.stages)]
+        return "\n".join(lines)
+
+
+def build_plan(
+    schedule: str, num_stages: int, num_units: int, advance_forwards: int = 0, training: bool = True
+) -> Plan:
+    """Build the lowered plan of every stage for ``num_units`` units (micro-batches times replicas)."""
+    name = check_schedule_name(schedule)
+    stages = tuple(
+        tuple(lower(compute_order(name, num_stages, num_units, s, advance_forwards, training), num_stages))
+        for s in range(num_stages)
+    )
+    return Plan(name, num_stages, num_units, advance_forwards if name == "advance" else 0, training, stages)
+
+
+def _check_sizes(num_stages: int, num_units: int, advance_forwards: int) -> None:
+    if not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"num_stages={num_stages!r} must be an int >= 1.")
+    if not isinstance(num_units, int) or num_units < 1:
+        raise ValueError(f"num_units={num_units!r} must be an int >= 1 (micro-batches times replicas).")
+    if not isinstance(advance_forwards, int) or advance_forwards < 0:
+        raise ValueError(f"advance_forwards={advance_forwards!r} must be an int >= 0 (0 gives 1F1B).")

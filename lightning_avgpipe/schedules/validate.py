@@ -1,0 +1,78 @@
+"""Plan validation: every unit forwarded then backwarded once, sends matched by receives in order, no deadlock."""
+
+from __future__ import annotations
+
+from lightning_avgpipe.schedules.actions import Kind
+from lightning_avgpipe.schedules.generate import Plan
+from lightning_avgpipe.schedules.simulate import DeadlockError, simulate
+
+
+class PlanError(ValueError):
+    """A plan that the executor must not run."""
+
+
+def plan_errors(plan: Plan) -> list[str]:
+    """Everything wrong with ``plan``; an empty list means it is valid."""
+    errors: list[str] = []
+    S, U = plan.num_stages, plan.num_units
+    if len(plan.stages) != S:
+        return [f"plan has {len(plan.stages)} stage lists for num_stages={S}"]
+    for s, actions in enumerate(plan.stages):
+        seen: dict[tuple[Kind, int], int] = {}
+        for i, a in enumerate(actions):
+            if a.stage != s:
+                errors.append(f"stage {s} holds action {a} of stage {a.stage}")
+            if not 0 <= a.unit < U:
+                errors.append(f"stage {s}: {a} names unit {a.unit} outside [0, {U})")
+            if (a.kind, a.unit) in seen:
+                errors.append(f"stage {s}: {a} appears twice")
+            seen[(a.kind, a.unit)] = i
+        wanted = {Kind.FORWARD}
+        if plan.training:
+            wanted.add(Kind.BACKWARD)
+        if s > 0:
+            wanted.add(Kind.RECV_F)
+            if plan.training:
+                wanted.add(Kind.SEND_B)
+        if s < S - 1:
+            wanted.add(Kind.SEND_F)
+            if plan.training:
+                wanted.add(Kind.RECV_B)
+        for kind in Kind:
+            for u in range(U):
+                present = (kind, u) in seen
+                if present and kind not in wanted:
+                    errors.append(f"stage {s}: unexpected {s}{kind.value}{u}")
+                elif not present and kind in wanted:
+                    errors.append(f"stage {s}: missing {s}{kind.value}{u}")
+        for u in range(U):
+            order = [(Kind.RECV_F, Kind.FORWARD), (Kind.FORWARD, Kind.SEND_F), (Kind.FORWARD, Kind.BACKWARD),
+                     (Kind.RECV_B, Kind.BACKWARD), (Kind.BACKWARD, Kind.SEND_B)]
+            for first, then in order:
+                if (first, u) in seen and (then, u) in seen and seen[(first, u)] > seen[(then, u)]:
+                    errors.append(f"stage {s}: {s}{then.value}{u} comes before {s}{first.value}{u}")
+    # Point-to-point channels are FIFO (NCCL matches by order): both ends must agree on the unit order.
+    for s in range(S - 1):
+        sends = [a.unit for a in plan.stages[s] if a.kind is Kind.SEND_F]
+        recvs = [a.unit for a in plan.stages[s + 1] if a.kind is Kind.RECV_F]
+        if sends != recvs:
+            errors.append(f"activations {s}->{s + 1}: sent in order {sends}, received in order {recvs}")
+        if plan.training:
+            gsends = [a.unit for a in plan.stages[s + 1] if a.kind is Kind.SEND_B]
+            grecvs = [a.unit for a in plan.stages[s] if a.kind is Kind.RECV_B]
+            if gsends != grecvs:
+                errors.append(f"gradients {s + 1}->{s}: sent in order {gsends}, received in order {grecvs}")
+    if not errors:
+        try:
+            simulate(plan)
+        except DeadlockError as err:
+            errors.append(str(err))
+    return errors
+
+
+def validate_plan(plan: Plan) -> Plan:
+    """Return ``plan`` unchanged if it is valid, else raise :class:`PlanError` listing every problem."""
+    errors = plan_errors(plan)
+    if errors:
+        raise PlanError(f"Invalid {plan.schedule} plan ({len(errors)} problems):\n  " + "\n  ".join(errors))
+    return plan
