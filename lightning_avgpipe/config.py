@@ -1,0 +1,48 @@
+"""The pipeline configuration: a frozen dataclass mapped one to one onto AvgPipeStrategy's keyword arguments."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+from lightning_avgpipe.partition import check_partition
+from lightning_avgpipe.schedules import check_schedule_name
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """How a model is pipelined. See :class:`~lightning_avgpipe.AvgPipeStrategy` for when to change each field."""
+
+    # Stages per pipeline (processes that hold consecutive layers). None: every device of the job.
+    num_stages: Optional[int] = None
+    # Micro-batches per batch. More shrink the bubble ((S-1)/(M+S-1)) but make each unit smaller. None: 2 * stages.
+    num_microbatches: Optional[int] = None
+    # "1f1b" (memory-lean), "afab" (GPipe: all forwards then all backwards), or "advance" (1F1B + k early forwards).
+    schedule: str = "1f1b"
+    # Forwards each stage runs early beyond 1F1B's warm-up; only used by schedule="advance".
+    advance_forwards: int = 0
+    # "balanced" (profiled time), "parameters", "uniform", or a list of layer counts per stage.
+    partition: Union[str, Sequence[int]] = "balanced"
+    # Seconds a point-to-point wait may block before the job fails with a message (collectives use it too).
+    timeout: float = field(default=1800.0)
+
+    def __post_init__(self) -> None:
+        if self.num_stages is not None and (not isinstance(self.num_stages, int) or self.num_stages < 1):
+            raise ValueError(f"num_stages={self.num_stages!r} must be an int >= 1 (or None for all devices).")
+        m = self.num_microbatches
+        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
+            raise ValueError(
+                f"num_microbatches={m!r} must be an int >= 1 (or None for 2 x num_stages); it splits each batch."
+            )
+        object.__setattr__(self, "schedule", check_schedule_name(self.schedule))
+        if not isinstance(self.advance_forwards, int) or self.advance_forwards < 0:
+            raise ValueError(f"advance_forwards={self.advance_forwards!r} must be an int >= 0 (0 gives 1F1B).")
+        if not isinstance(self.partition, str):
+            object.__setattr__(self, "partition", tuple(self.partition))
+        check_partition(self.partition, num_stages=None if isinstance(self.partition, str) else self.num_stages)
+        if not self.timeout > 0:
+            raise ValueError(f"timeout={self.timeout!r} must be a positive number of seconds.")
+
+    def microbatches_for(self, num_stages: int) -> int:
+        return self.num_microbatches if self.num_microbatches is not None else 2 * num_stages

@@ -1,0 +1,198 @@
+"""Running the user's step hooks on the last stage, and mirroring what they log to every stage.
+
+On the last stage, the user's ``training_step`` (or validation/test/predict step) runs once per micro-batch with
+``self(x)`` returning the pipeline's output for that micro-batch. What the step logs is recorded instead of
+logged, averaged over the micro-batches (weighted by their size, so a logged mean equals the full batch's), and
+replayed with ``self.log`` on every rank of the pipeline once per step: the logger on rank 0 (stage 0), the
+progress bar and callbacks such as ``ModelCheckpoint`` see the same values on every rank. torchmetrics objects
+travel as their state, so epoch-level ``compute()`` gives the same result everywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torchmetrics import Metric
+
+from lightning_avgpipe.plugin.contract import PipelineContractError, pipeline_inputs, same_structure
+
+
+class Guard:
+    """Set while a user step runs under the pipeline: layers must then not be called directly."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.hook: str = ""
+
+    def check(self, name: str) -> None:
+        if self.active:
+            raise PipelineContractError(
+                f"`{self.hook}` called the pipelined layer '{name}' directly. Under strategy='avgpipe' a step must "
+                "get the model output through `self(x)` (the layers run on their own stages)."
+            )
+
+
+class Elsewhere(nn.Identity):
+    """Placeholder for a layer that lives on another stage: keeps the module tree and state-dict keys honest."""
+
+    def __init__(self, name: str, stage: int, guard: Guard) -> None:
+        super().__init__()
+        self.layer_name = name
+        self.stage = stage
+        self._guard = guard
+
+    def forward(self, x: Any) -> Any:
+        self._guard.check(self.layer_name)
+        return x
+
+    def extra_repr(self) -> str:
+        return f"{self.layer_name} on stage {self.stage}"
+
+
+class Anchor(nn.Module):
+    """An empty parameter for a stage whose layers have none, so ``configure_optimizers`` still gets a parameter.
+
+    It never appears in state dicts: checkpoints keep exactly the unsplit model's keys.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.anchor = nn.Parameter(torch.empty(0))
+        self._register_state_dict_hook(Anchor._drop)
+
+    @staticmethod
+    def _drop(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        state_dict.pop(prefix + "anchor", None)
+
+
+@dataclass
+class _Record:
+    name: str
+    value: Any
+    kwargs: dict[str, Any]
+    weights: list[float] = field(default_factory=list)
+    values: list[Any] = field(default_factory=list)
+
+
+class StepBridge:
+    """Calls the user's step hooks with the pipeline output substituted for ``self(x)``, recording their logs."""
+
+    def __init__(self, module: nn.Module, guard: Guard) -> None:
+        self.module = module
+        self.guard = guard
+        self._records: dict[str, _Record] = {}
+
+    def call_step(self, hook: str, output: Any, micro: Any, weight: float, *args: Any) -> Any:
+        """Run ``module.<hook>(micro, *args)`` where ``self(x)`` returns ``output``; record what it logs."""
+        module = self.module
+        expected = pipeline_inputs(module, micro)
+        calls = 0
+
+        def forward(*f_args: Any, **f_kwargs: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            if calls > 1:
+                raise PipelineContractError(
+                    f"`{hook}` called self(...) twice for one micro-batch; under strategy='avgpipe' a step may run the "
+                    "model once."
+                )
+            given = f_args[0] if len(f_args) == 1 and not f_kwargs else (f_args, f_kwargs)
+            if not same_structure(given, expected):
+                raise PipelineContractError(
+                    f"`{hook}` called self(...) with an input that differs from pipeline_inputs(batch). Make "
+                    "`pipeline_inputs(self, batch)` return exactly what your step passes to self(...)."
+                )
+            return output
+
+        def log(name: str, value: Any, *l_args: Any, **l_kwargs: Any) -> None:
+            if l_args:
+                raise TypeError("Pass self.log options by keyword under strategy='avgpipe'.")
+            rec = self._records.get(name)
+            if rec is None:
+                rec = self._records[name] = _Record(name, value, dict(l_kwargs))
+            rec.values.append(value)
+            rec.weights.append(weight)
+
+        module.forward = forward  # type: ignore[method-assign]
+        module.log = log  # type: ignore[method-assign]
+        self.guard.active, self.guard.hook = True, hook
+        try:
+            result = getattr(module, hook)(micro, *args)
+        finally:
+            self.guard.active = False
+            del module.forward
+            del module.log
+        if calls == 0:
+            raise PipelineContractError(
+                f"`{hook}` never called self(...). Under strategy='avgpipe' the model output of a step comes from "
+                "self(x), with x = pipeline_inputs(batch)."
+            )
+        return result
+
+    def take_logs(self) -> list[tuple[str, str, Any, dict[str, Any]]]:
+        """The step's logs, reduced over micro-batches, as picklable records; clears the recorder."""
+        out: list[tuple[str, str, Any, dict[str, Any]]] = []
+        names = {id(m): n for n, m in self.module.named_modules()}
+        for rec in self._records.values():
+            last = rec.values[-1]
+            if isinstance(last, Metric):
+                state = {k: _to_cpu(getattr(last, k)) for k in last._defaults}
+                extra = {"count": last._update_count, "cache": _to_cpu(last._forward_cache)}
+                out.append((rec.name, "metric", (names.get(id(last)), state, extra), rec.kwargs))
+            else:
+                total = sum(rec.weights)
+                mean = sum(w * _as_tensor(v) for w, v in zip(rec.weights, rec.values)) / total
+                out.append((rec.name, "value", mean.detach().cpu(), rec.kwargs))
+        self._records.clear()
+        return out
+
+
+def replay_logs(module: nn.Module, logs: Sequence[tuple[str, str, Any, dict[str, Any]]], device: torch.device) -> None:
+    """Log ``logs`` (from :meth:`StepBridge.take_logs` on the last stage) through ``module.log`` on this rank."""
+    modules = dict(module.named_modules())
+    for name, kind, payload, kwargs in logs:
+        if kind == "value":
+            module.log(name, payload.to(device), **kwargs)  # type: ignore[operator]
+            continue
+        qualname, state, extra = payload
+        metric = modules.get(qualname) if qualname is not None else None
+        if not isinstance(metric, Metric):
+            raise PipelineContractError(
+                f"self.log({name!r}, metric) logs a torchmetrics Metric that is not a submodule of the LightningModule; "
+                "assign it as an attribute (self.metric = ...) so every stage can mirror it."
+            )
+        for key, value in state.items():
+            setattr(metric, key, _to_device(value, device))
+        metric._update_count = extra["count"]
+        metric._forward_cache = _to_device(extra["cache"], device)
+        metric._computed = None
+        module.log(name, metric, **kwargs)  # type: ignore[operator]
+
+
+def _as_tensor(v: Any) -> Tensor:
+    return v.detach().float() if isinstance(v, Tensor) else torch.tensor(float(v))
+
+
+def _to_cpu(v: Any) -> Any:
+    if isinstance(v, Tensor):
+        return v.detach().cpu()
+    if isinstance(v, list):
+        return [_to_cpu(x) for x in v]
+    return v
+
+
+def _to_device(v: Any, device: torch.device) -> Any:
+    if isinstance(v, Tensor):
+        return v.to(device)
+    if isinstance(v, list):
+        return [_to_device(x, device) for x in v]
+    return v
+
+
+def guard_layers(layers: Mapping[str, nn.Module], guard: Guard) -> list[Any]:
+    """Make the given (owned) layers refuse direct calls while ``guard`` is active; returns the hook handles."""
+    return [layer.register_forward_pre_hook(lambda _m, _a, n=name: guard.check(n)) for name, layer in layers.items()]

@@ -1,0 +1,106 @@
+"""The pipeline contract of a LightningModule: its layers in order, and what the first layer takes from a batch.
+
+A module is pipeline-ready when it implements ``configure_pipeline()``, returning the layers in order (an
+``nn.Sequential`` or a list of modules that are attributes of the module), and its ``forward`` applies exactly
+those layers in order. Its ``training_step`` / ``validation_step`` / ``test_step`` / ``predict_step`` then work
+unchanged: under the pipeline, ``self(x)`` inside a step returns the last stage's output for the micro-batch.
+``pipeline_inputs(batch)`` says what ``x`` is; the default takes ``batch[0]`` of a tuple or list, or the batch
+itself when it is a tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch import Tensor, nn
+
+CONTRACT_HELP = (
+    "Implement `configure_pipeline(self)` returning the layers in order (an nn.Sequential or a list of submodules), "
+    "with `forward` applying exactly those layers in order; see docs/contract.md."
+)
+
+
+class PipelineContractError(TypeError):
+    """The LightningModule does not meet the pipeline contract."""
+
+
+def pipeline_layers(module: nn.Module) -> list[nn.Module]:
+    """Call ``module.configure_pipeline()`` and check what it returns."""
+    hook = getattr(module, "configure_pipeline", None)
+    if not callable(hook):
+        raise PipelineContractError(
+            f"{type(module).__name__} has no `configure_pipeline()` hook, which strategy='avgpipe' needs. {CONTRACT_HELP}"
+        )
+    layers = hook()
+    if isinstance(layers, nn.Sequential):
+        layers = list(layers.children())
+    elif isinstance(layers, (list, tuple, nn.ModuleList)):
+        layers = list(layers)
+    else:
+        raise PipelineContractError(
+            f"{type(module).__name__}.configure_pipeline() returned {type(layers).__name__}. {CONTRACT_HELP}"
+        )
+    if not layers or not all(isinstance(layer, nn.Module) for layer in layers):
+        raise PipelineContractError(
+            f"{type(module).__name__}.configure_pipeline() must return at least one nn.Module, got "
+            f"{[type(layer).__name__ for layer in layers]}. {CONTRACT_HELP}"
+        )
+    if len({id(layer) for layer in layers}) != len(layers):
+        raise PipelineContractError(
+            f"{type(module).__name__}.configure_pipeline() lists the same module twice; each layer must appear once."
+        )
+    registered = {id(m) for m in module.modules()}
+    strays = [i for i, layer in enumerate(layers) if id(layer) not in registered]
+    if strays:
+        raise PipelineContractError(
+            f"Layers {strays} returned by configure_pipeline() are not submodules of {type(module).__name__}; "
+            "assign them as attributes (for example self.layers = nn.Sequential(...)) so checkpoints hold them."
+        )
+    inside = {id(p) for layer in layers for p in layer.parameters()}
+    outside = [name for name, p in module.named_parameters() if id(p) not in inside]
+    if outside:
+        raise PipelineContractError(
+            f"Parameters {outside[:5]} of {type(module).__name__} are not in any layer of configure_pipeline(); every "
+            "trainable parameter must belong to a pipelined layer (move it into one of the layers)."
+        )
+    return layers
+
+
+def default_pipeline_inputs(batch: Any) -> Any:
+    """The first layer's input of a batch: the batch if it is a tensor, else its first element."""
+    if isinstance(batch, Tensor):
+        return batch
+    if isinstance(batch, (tuple, list)) and batch:
+        return batch[0]
+    kind = "dict" if isinstance(batch, Mapping) else type(batch).__name__
+    raise PipelineContractError(
+        f"Cannot tell the model input of a {kind} batch. Implement `pipeline_inputs(self, batch)` in your "
+        "LightningModule returning what the first pipelined layer takes (for example batch['input_ids'])."
+    )
+
+
+def pipeline_inputs(module: nn.Module, batch: Any) -> Any:
+    hook = getattr(module, "pipeline_inputs", None)
+    return hook(batch) if callable(hook) else default_pipeline_inputs(batch)
+
+
+def same_structure(a: Any, b: Any) -> bool:
+    """True when ``a`` and ``b`` are the same object or equal tensors in the same structure."""
+    if a is b:
+        return True
+    if isinstance(a, Tensor) and isinstance(b, Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype and bool((a == b).all())
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(same_structure(x, y) for x, y in zip(a, b))
+    return False
+
+
+def locate(root: nn.Module, layer: nn.Module) -> list[tuple[nn.Module, str]]:
+    """Every (parent, attribute name) under which ``layer`` is registered in ``root``."""
+    return [
+        (parent, name)
+        for parent in root.modules()
+        for name, child in parent.named_children()
+        if child is layer
+    ]

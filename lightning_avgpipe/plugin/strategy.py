@@ -1,0 +1,600 @@
+"""AvgPipeStrategy: Lightning hook glue over the partitioner, the schedules and the stage executor."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_avgpipe import microbatch
+from lightning_avgpipe.config import PipelineConfig
+from lightning_avgpipe.partition import partition_layers
+from lightning_avgpipe.plugin.bridge import Anchor, Elsewhere, Guard, StepBridge, guard_layers, replay_logs
+from lightning_avgpipe.plugin.contract import PipelineContractError, locate, pipeline_inputs, pipeline_layers
+from lightning_avgpipe.plugin.gradients import clip_grad_norm_across
+from lightning_avgpipe.runtime import Link, StageExecutor
+from lightning_avgpipe.schedules import Plan, build_plan, validate_plan
+
+log = logging.getLogger(__name__)
+
+
+class AvgPipeStrategy(ParallelStrategy):
+    """Pipeline-parallel training: the model's layers split over ``num_stages`` processes, micro-batches in flight.
+
+    The result equals plain training with gradient accumulation over the same micro-batches: the schedule and
+    the partition change speed and memory, never the arithmetic.
+
+    Args:
+        num_stages: processes per pipeline. ``None`` uses every device of the job. Raise it when the model does not
+            fit one device; lower it when stages are too short to hide communication.
+        num_microbatches: micro-batches per batch (``None``: 2 x stages). More micro-batches shrink the idle
+            bubble, ``(S - 1) / (M + S - 1)`` of each step, but each one is smaller and runs less efficiently; the
+            DataLoader's batch size must be at least this.
+        schedule: ``"1f1b"`` keeps at most ``S - s`` micro-batches of activations on stage ``s`` (the default);
+            ``"afab"`` (GPipe) runs all forwards first, which keeps all ``M`` and communicates less often;
+            ``"advance"`` sits between them with ``advance_forwards`` extra early forwards.
+        advance_forwards: early forwards per stage for ``schedule="advance"``; 0 is 1F1B.
+        partition: ``"balanced"`` profiles each layer on ``LightningModule.example_input_array`` and splits to
+            even out forward+backward time (falls back to ``"parameters"`` without an example input);
+            ``"parameters"`` evens out parameter bytes; ``"uniform"`` layer counts; or a list of layer counts per
+            stage, e.g. ``[3, 5]``.
+        timeout: seconds a collective or a point-to-point wait may block before the job fails with a message.
+        process_group_backend: ``"gloo"`` or ``"nccl"``; ``None`` picks by device.
+    """
+
+    strategy_name = "avgpipe"
+
+    def __init__(
+        self,
+        num_stages: Optional[int] = None,
+        num_microbatches: Optional[int] = None,
+        schedule: str = "1f1b",
+        advance_forwards: int = 0,
+        partition: Union[str, list[int]] = "balanced",
+        timeout: float = 1800.0,
+        process_group_backend: Optional[str] = None,
+        accelerator: Optional[pl.accelerators.Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self.config = PipelineConfig(
+            num_stages=num_stages,
+            num_microbatches=num_microbatches,
+            schedule=schedule,
+            advance_forwards=advance_forwards,
+            partition=partition,
+            timeout=timeout,
+        )
+        self._process_group_backend = process_group_backend
+        self._num_nodes = 1
+        self._num_stages: Optional[int] = None
+        self._pipeline_group: Any = None
+        self._pipeline_ranks: list[int] = []
+        self._partition: Optional[list[int]] = None
+        self._executor: Optional[StageExecutor] = None
+        self._bridge: Optional[StepBridge] = None
+        self._guard = Guard()
+        self._hook_handles: list[Any] = []
+        self._plans: dict[tuple[bool, int], Plan] = {}
+        self._stage_params: list[nn.Parameter] = []
+        self._grad_stash: Optional[list[Optional[Tensor]]] = None
+        self._full_keys: list[str] = []
+        self._full_batch: Optional[int] = None
+
+    # -- topology ------------------------------------------------------------------------------------------------
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
+    def num_stages(self) -> int:
+        """Stages per pipeline (known once processes are up)."""
+        if self._num_stages is None:
+            raise RuntimeError("AvgPipeStrategy.num_stages is known once the trainer has set up its processes.")
+        return self._num_stages
+
+    @property
+    def stage(self) -> int:
+        """This rank's stage index."""
+        return self.global_rank % self.num_stages
+
+    @property
+    def group_index(self) -> int:
+        """This rank's pipeline group (data-parallel index)."""
+        return self.global_rank // self.num_stages
+
+    @property
+    def partition(self) -> list[int]:
+        """Layers per stage, once decided at setup."""
+        if self._partition is None:
+            raise RuntimeError("The partition is decided in AvgPipeStrategy.setup(); it is not known yet.")
+        return list(self._partition)
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.config.microbatches_for(self.num_stages)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # All stages of a pipeline group read the same batches; only groups get distinct shards.
+        return {"num_replicas": self.world_size // self.num_stages, "rank": self.group_index}
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        assert self.cluster_environment is not None
+        _init_dist_connection(self.cluster_environment, backend, timeout=timedelta(seconds=self.config.timeout))
+        self._setup_topology()
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    def _setup_topology(self) -> None:
+        world = self.world_size
+        stages = self.config.num_stages or world
+        if world % stages != 0:
+            raise ValueError(
+                f"devices x num_nodes = {world} is not a multiple of num_stages={stages}; use a number of devices that "
+                f"num_stages divides (for example {stages * max(1, world // stages)}), or change num_stages."
+            )
+        groups = world // stages
+        if groups > 1:
+            raise NotImplementedError(
+                f"devices x num_nodes = {world} with num_stages={stages} makes {groups} pipeline groups; several "
+                f"groups (D > 1) are not supported yet. Use num_stages={world}."
+            )
+        self._num_stages = stages
+        for d in range(groups):  # every rank must create every group, in the same order
+            ranks = list(range(d * stages, (d + 1) * stages))
+            group = dist.new_group(ranks, timeout=timedelta(seconds=self.config.timeout)) if world > 1 else None
+            if d == self.group_index:
+                self._pipeline_group, self._pipeline_ranks = group, ranks
+
+    # -- setup ---------------------------------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        assert module is not None and self.model is not None
+        self._check_support(module, trainer)
+        if self._executor is None:
+            self._split(module)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+        self._install_global_clipping()
+
+    def _check_support(self, module: pl.LightningModule, trainer: pl.Trainer) -> None:
+        if not module.automatic_optimization:
+            raise PipelineContractError(
+                f"{type(module).__name__} uses manual optimization (automatic_optimization=False), which "
+                "strategy='avgpipe' does not support: the strategy runs backward itself. Use automatic optimization."
+            )
+        precision = getattr(self.precision_plugin, "precision", "32-true")
+        if isinstance(self.precision_plugin, MixedPrecision) and precision == "16-mixed":
+            raise ValueError(
+                "precision='16-mixed' is not supported by strategy='avgpipe': its loss scaler sees only the last "
+                "stage's loss. Use precision='bf16-mixed' (no loss scaling needed) or '32-true'."
+            )
+
+    def _split(self, module: pl.LightningModule) -> None:
+        layers = pipeline_layers(module)
+        stages, stage = self.num_stages, self.stage
+        if len(layers) < stages:
+            raise ValueError(
+                f"num_stages={stages} is more than the {len(layers)} layers configure_pipeline() returns; use at most "
+                f"{len(layers)} stages or split the model into more layers."
+            )
+        self._full_keys = list(module.state_dict().keys())
+        sizes: Optional[list[int]] = None
+        if self.global_rank == 0:
+            sample = getattr(module, "example_input_array", None)
+            spec = self.config.partition
+            if spec == "balanced" and sample is None:
+                rank_zero_info(
+                    "AvgPipe: partition='balanced' profiles layers on `example_input_array`, which this module does "
+                    "not set; balancing by parameters instead."
+                )
+            sizes = partition_layers(layers, stages, spec if isinstance(spec, str) else list(spec), sample)
+        sizes = self.broadcast(sizes, src=0)
+        assert sizes is not None
+        self._partition = list(sizes)
+        start = sum(sizes[:stage])
+        owned = layers[start : start + sizes[stage]]
+        names = {id(m): n for n, m in module.named_modules()}
+        for index, layer in enumerate(layers):
+            if start <= index < start + sizes[stage]:
+                continue
+            owner = next(s for s in range(stages) if index < sum(sizes[: s + 1]))
+            for parent, attr in locate(module, layer):
+                setattr(parent, attr, Elsewhere(names[id(layer)], owner, self._guard))
+        rank_zero_info(f"AvgPipe: {stages} stages, layers per stage {sizes}, schedule={self.config.schedule}.")
+        self._hook_handles = guard_layers({names[id(m)]: m for m in owned}, self._guard)
+        self._stage_params = [p for layer in owned for p in layer.parameters()]
+        if not self._stage_params:
+            module._avgpipe_anchor = Anchor()  # a parameter-free stage still builds the user's optimizer
+        ranks = self._pipeline_ranks
+        link = (
+            Link(
+                ranks[stage - 1] if stage > 0 else None,
+                ranks[stage + 1] if stage < stages - 1 else None,
+                self.root_device,
+                name=f"stage {stage} (rank {self.global_rank})",
+            )
+            if stages > 1
+            else None
+        )
+
+        def stage_fn(x: Any) -> Any:
+            for layer in owned:
+                x = layer(x)
+            return x
+
+        self._executor = StageExecutor(stage, stages, stage_fn, link)
+        self._bridge = StepBridge(module, self._guard)
+
+    def _install_global_clipping(self) -> None:
+        group = self._pipeline_group
+
+        def clip_grad_by_norm(optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+            clip_grad_norm_across(list(self.precision_plugin.main_params(optimizer)), float(clip_val), group)
+
+        self.precision_plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # -- steps ---------------------------------------------------------------------------------------------------
+    def _plan(self, training: bool, units: int) -> Plan:
+        key = (training, units)
+        if key not in self._plans:
+            cfg = self.config
+            self._plans[key] = validate_plan(
+                build_plan(cfg.schedule, self.num_stages, units, cfg.advance_forwards, training)
+            )
+        return self._plans[key]
+
+    def _microbatches(self, batch: Any, training: bool) -> tuple[list[Any], list[float]]:
+        size = microbatch.batch_size(batch)
+        m = self.num_microbatches
+        if training:
+            if self._full_batch is None:
+                self._full_batch = size
+            if size > self._full_batch:
+                self._full_batch = size
+        if size < m:
+            if training and size == self._full_batch:
+                raise ValueError(
+                    f"The batch has {size} samples but num_microbatches={m}; use a DataLoader batch_size of at least "
+                    f"{m} or fewer micro-batches."
+                )
+            m = size  # a short last batch of an epoch: one sample per micro-batch
+        micro = microbatch.split(batch, m)
+        return micro, [microbatch.batch_size(mb) / size for mb in micro]
+
+    def _run(self, hook: str, batch: Any, args: Sequence[Any], training: bool) -> tuple[dict[int, Any], Any]:
+        assert self._executor is not None and self._bridge is not None
+        module = self.lightning_module
+        micro, weights = self._microbatches(batch, training)
+        keys = [(hook, microbatch.signature(mb)) for mb in micro]
+        bridge = self._bridge
+        accumulate = module.trainer.accumulate_grad_batches if training else 1
+
+        def head(u: int, output: Any) -> Any:
+            out = bridge.call_step(hook, output, micro[u], weights[u], *args)
+            if not training:
+                return out
+            loss = out.get("loss") if isinstance(out, Mapping) else out
+            if not isinstance(loss, Tensor) or loss.dim() != 0:
+                raise PipelineContractError(
+                    f"training_step must return a scalar loss tensor (or a dict with 'loss') under strategy='avgpipe', "
+                    f"got {type(out).__name__}."
+                )
+            return loss * (weights[u] / accumulate)
+
+        context = {
+            "training_step": self.precision_plugin.train_step_context,
+            "validation_step": self.precision_plugin.val_step_context,
+            "test_step": self.precision_plugin.test_step_context,
+            "predict_step": self.precision_plugin.predict_step_context,
+        }[hook]
+        results = self._executor.run(
+            self._plan(training, len(micro)).stages[self.stage],
+            keys,
+            training=training,
+            inputs=lambda u: pipeline_inputs(module, micro[u]),
+            head=head,
+            forward_context=context,
+        )
+        return results, weights
+
+    def _share(self, payload: Any) -> Any:
+        """Broadcast ``payload`` from this pipeline's last stage to its other stages."""
+        if self.num_stages == 1:
+            return payload
+        box = [payload]
+        dist.broadcast_object_list(box, src=self._pipeline_ranks[-1], group=self._pipeline_group)
+        return box[0]
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        batch, rest = args[0], args[1:]
+        params = self._stage_params
+        saved = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        try:
+            results, _ = self._run("training_step", batch, rest, training=True)
+        finally:
+            # Lightning zeroes gradients after training_step; keep this step's apart until backward() adds them.
+            self._grad_stash = [p.grad for p in params]
+            for p, g in zip(params, saved):
+                p.grad = g
+        payload = None
+        if self._executor is not None and self._executor.is_last:
+            accumulate = self.lightning_module.trainer.accumulate_grad_batches
+            loss = torch.stack([r.float() for r in results.values()]).sum() * accumulate
+            payload = (loss.cpu(), self._bridge.take_logs() if self._bridge else [])
+        loss, logs = self._share(payload)
+        replay_logs(self.lightning_module, logs, self.root_device)
+        return loss.to(self.root_device)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        # The pipeline already ran every backward inside training_step; here the hooks run and the gradients land.
+        module = self.lightning_module
+        assert module is not None
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        stash, self._grad_stash = self._grad_stash, None
+        if stash is not None:
+            for p, g in zip(self._stage_params, stash):
+                if g is None:
+                    continue
+                if p.grad is None:
+                    p.grad = g
+                else:
+                    p.grad.add_(g)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    def _eval(self, hook: str, args: Sequence[Any], share_output: bool) -> Any:
+        results, _ = self._run(hook, args[0], args[1:], training=False)
+        payload = None
+        output = None
+        if self._executor is not None and self._executor.is_last:
+            output = microbatch.merge([results[u] for u in sorted(results)])
+            logs = self._bridge.take_logs() if self._bridge else []
+            payload = (_cpu(output) if share_output else None, logs)
+        shared, logs = self._share(payload)
+        replay_logs(self.lightning_module, logs, self.root_device)
+        if share_output and output is None:
+            output = shared
+        return output
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval("validation_step", args, share_output=False)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval("test_step", args, share_output=False)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval("predict_step", args, share_output=True)
+
+    # -- collectives ---------------------------------------------------------------------------------------------
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    @override
+    def reduce(
+        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+    ) -> Union[Tensor, Any]:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # -- checkpoints ---------------------------------------------------------------------------------------------
+    def _gather(self, obj: Any) -> Optional[list[Any]]:
+        """Gather ``obj`` from every stage of this pipeline onto its first stage (other ranks get ``None``)."""
+        if self.num_stages == 1:
+            return [obj]
+        dst = self._pipeline_ranks[0]
+        out: Optional[list[Any]] = [None] * self.num_stages if self.global_rank == dst else None
+        dist.gather_object(obj, out, dst=dst, group=self._pipeline_group)
+        return out
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The unsplit model's state dict, under its own names, assembled on rank 0 (empty elsewhere)."""
+        assert self.lightning_module is not None
+        local = {k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()}
+        parts = self._gather(local)
+        if parts is None:
+            return {}
+        merged: dict[str, Any] = {}
+        for part in parts:
+            merged.update(part)
+        missing = [k for k in self._full_keys if k not in merged]
+        if missing:
+            raise RuntimeError(f"Assembling the checkpoint lost keys {missing[:5]}; this is a bug in AvgPipeStrategy.")
+        ordered = {k: merged.pop(k) for k in self._full_keys}
+        ordered.update(merged)
+        return ordered
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """Every stage's optimizer state, gathered on rank 0 as ``{"avgpipe_stages": [...], "partition": [...]}``."""
+        inner = getattr(optimizer, "_optimizer", optimizer)
+        parts = self._gather(inner.state_dict())
+        if parts is None:
+            return {}
+        return {"avgpipe_stages": parts, "partition": self.partition}
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        assert self.lightning_module is not None
+        full = checkpoint["state_dict"]
+        local_keys = self.lightning_module.state_dict().keys()
+        missing = [k for k in local_keys if k not in full]
+        if strict and missing:
+            raise KeyError(
+                f"The checkpoint lacks {missing[:5]} that stage {self.stage} holds; it was saved from another model."
+            )
+        self.lightning_module.load_state_dict({k: full[k] for k in local_keys if k in full}, strict=False)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        states = checkpoint.get("optimizer_states", [])
+        for optimizer, state in zip(self.optimizers, states):
+            if "avgpipe_stages" not in state:
+                raise ValueError("This checkpoint was not saved by AvgPipeStrategy; its optimizer state cannot be split.")
+            if list(state["partition"]) != self.partition:
+                rank_zero_info(
+                    f"AvgPipe: the checkpoint's partition {state['partition']} differs from {self.partition}; "
+                    "optimizer state is not restored (weights are)."
+                )
+                continue
+            optimizer.load_state_dict(state["avgpipe_stages"][self.stage])
+        _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Write on rank 0 to a temporary file, then rename: a crash never leaves a half-written checkpoint."""
+        if not self.is_global_zero:
+            return
+        path = Path(filepath)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        try:
+            self.checkpoint_io.save_checkpoint(checkpoint, tmp, storage_options=storage_options)
+            os.replace(tmp, path)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+
+    @override
+    def teardown(self) -> None:
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(
+                cls.strategy_name, cls, description="AvgPipe pipeline parallelism (lightning_avgpipe)"
+            )
+
+
+def _cpu(obj: Any) -> Any:
+    if isinstance(obj, Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, Mapping):
+        return {k: _cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cpu(v) for v in obj)
+    return obj

@@ -1,0 +1,51 @@
+"""One rank of a Lightning run under AvgPipeStrategy, driven by a JSON argument; rank 0 writes results.json."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as L
+import torch
+
+from lightning_avgpipe import AvgPipeStrategy
+from tests.helpers.lit import PipeNet, loader
+
+
+class Recorder(L.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.losses.append(float(outputs["loss"]) * trainer.accumulate_grad_batches)
+
+
+def main(cfg: dict[str, Any]) -> None:
+    torch.set_num_threads(1)
+    out = Path(cfg["out"])
+    model = PipeNet(**cfg.get("model", {}))
+    rec = Recorder()
+    trainer_kwargs = dict(
+        accelerator="cpu", devices=cfg["devices"], strategy=AvgPipeStrategy(**cfg["strategy"]),
+        max_steps=cfg["steps"], logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, callbacks=[rec], num_sanity_val_steps=cfg.get("sanity", 0),
+        limit_val_batches=cfg.get("limit_val_batches", 0), default_root_dir=str(out),
+    )
+    trainer_kwargs.update(cfg.get("trainer", {}))
+    trainer = L.Trainer(**trainer_kwargs)
+    bs = cfg.get("batch_size", 12)
+    trainer.fit(model, loader(bs), loader(bs) if cfg.get("limit_val_batches") else None,
+                ckpt_path=cfg.get("ckpt_path"))
+    trainer.save_checkpoint(out / "final.ckpt")
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    preds = trainer.predict(model, loader(bs)) if cfg.get("predict") else None
+    result = {"losses": rec.losses, "metrics": metrics, "rank": trainer.global_rank,
+              "preds": torch.cat(preds).tolist() if preds else None}
+    (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))

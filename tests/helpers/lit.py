@@ -1,0 +1,112 @@
+"""A pipeline-ready LightningModule for tests, and the plain-PyTorch reference it must match."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as L
+import torch
+import torch.nn.functional as F
+import torchmetrics
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_avgpipe import microbatch
+from tests.helpers.models import make_layers
+
+
+def dataset(n: int = 48, inputs: int = 8, classes: int = 4) -> TensorDataset:
+    g = torch.Generator().manual_seed(7)
+    return TensorDataset(torch.randn(n, inputs, generator=g), torch.randint(0, classes, (n,), generator=g))
+
+
+def loader(batch_size: int = 12, n: int = 48) -> DataLoader:
+    return DataLoader(dataset(n), batch_size=batch_size, shuffle=False)
+
+
+class PipeNet(L.LightningModule):
+    def __init__(self, lr: float = 0.1, optimizer: str = "sgd", scheduler: bool = False) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.layers = nn.Sequential(*make_layers())
+        self.val_acc = torchmetrics.Accuracy(task="multiclass", num_classes=4)
+
+    def configure_pipeline(self) -> nn.Sequential:
+        return self.layers
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        logits = self(x)
+        self.val_acc(logits, y)
+        self.log("val_loss", F.cross_entropy(logits, y))
+        self.log("val_acc", self.val_acc)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, _ = batch
+        return self(x)
+
+    def configure_optimizers(self) -> Any:
+        return build_optimizer(self.parameters(), self.hparams.lr, self.hparams.optimizer, self.hparams.scheduler)
+
+
+def build_optimizer(params: Any, lr: float, name: str, scheduler: bool) -> Any:
+    params = list(params)
+    opt = {
+        "sgd": lambda: torch.optim.SGD(params, lr=lr, momentum=0.9),
+        "adam": lambda: torch.optim.Adam(params, lr=lr),
+        "adamw": lambda: torch.optim.AdamW(params, lr=lr),
+    }[name]()
+    if not scheduler:
+        return opt
+    return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)}
+
+
+def reference(
+    steps: int, m: int, lr: float = 0.1, optimizer: str = "sgd", scheduler: bool = False, clip: float | None = None,
+    accumulate: int = 1, batch_size: int = 12,
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Plain training of PipeNet's layers with gradient accumulation over the same micro-batches."""
+    layers = nn.Sequential(*make_layers())
+    built = build_optimizer(layers.parameters(), lr, optimizer, scheduler)
+    opt = built["optimizer"] if isinstance(built, dict) else built
+    sched = built["lr_scheduler"] if isinstance(built, dict) else None
+    data = dataset()
+    batches = []
+    for epoch in range(steps * accumulate * batch_size // len(data) + 1):
+        # Lightning always shuffles training data through DistributedSampler(seed=0), one epoch at a time.
+        order = torch.randperm(len(data), generator=torch.Generator().manual_seed(epoch)).tolist()
+        for start in range(0, len(order), batch_size):
+            idx = order[start : start + batch_size]
+            batches.append((data.tensors[0][idx], data.tensors[1][idx]))
+    per_epoch = -(-len(data) // batch_size)
+    losses: list[float] = []
+    step = 0
+    i = 0
+    opt.zero_grad()
+    while step < steps:
+        x, y = batches[i % len(batches)]
+        total = 0.0
+        for mx, my in zip(microbatch.split(x, m), microbatch.split(y, m)):
+            loss = F.cross_entropy(layers(mx), my) * (len(mx) / len(x))
+            (loss / accumulate).backward()
+            total += loss.item()
+        losses.append(total)
+        i += 1
+        if i % accumulate == 0:
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(layers.parameters(), clip)
+            opt.step()
+            opt.zero_grad()
+            step += 1
+            if sched is not None and i % per_epoch == 0:
+                sched.step()
+    return losses, {f"layers.{k}": v for k, v in layers.state_dict().items()}

@@ -1,0 +1,73 @@
+"""Trainer(strategy=AvgPipeStrategy(...)) on 2 and 4 gloo processes equals plain training with accumulation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.helpers.launch import launch_ranks
+from tests.helpers.lit import PipeNet, reference
+
+
+def run_lightning(tmp_path: Path, devices: int, strategy: dict[str, Any], steps: int = 4, **extra: Any
+                  ) -> list[dict[str, Any]]:
+    cfg = {"out": str(tmp_path), "devices": devices, "steps": steps, "strategy": strategy, **extra}
+    results = launch_ranks(["-m", "tests.helpers.lightning_worker", json.dumps(cfg)], devices, timeout=300)
+    failed = [f"rank {r} exited {code}:\n{out[-3000:]}" for r, (code, out) in enumerate(results) if code != 0]
+    assert not failed, "\n".join(failed)
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(devices)]
+
+
+def final_state(tmp_path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(tmp_path / "final.ckpt", weights_only=False)["state_dict"]
+
+
+def assert_matches(tmp_path: Path, results: list[dict[str, Any]], m: int, steps: int = 4, **ref: Any) -> None:
+    ref_losses, ref_state = reference(steps * ref.get("accumulate", 1), m, **ref)
+    for r in results:  # every rank reports the same, broadcast loss
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses))
+    state = final_state(tmp_path)
+    layer_keys = [k for k in state if k.startswith("layers.")]
+    assert sorted(layer_keys) == sorted(ref_state)
+    for key in ref_state:
+        torch.testing.assert_close(state[key], ref_state[key], msg=lambda msg, key=key: f"{key}: {msg}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("devices", "strategy"),
+    [
+        (2, {"num_microbatches": 4, "schedule": "1f1b", "partition": [3, 3]}),
+        (2, {"num_microbatches": 3, "schedule": "afab", "partition": [1, 5]}),
+        (4, {"num_microbatches": 4, "schedule": "1f1b", "partition": [1, 2, 2, 1]}),
+        (4, {"num_microbatches": 6, "schedule": "afab", "partition": "uniform"}),
+    ],
+    ids=["S2-1f1b-even", "S2-afab-uneven", "S4-1f1b-uneven", "S4-afab-uniform"],
+)
+def test_equivalence(tmp_path: Path, devices: int, strategy: dict[str, Any]) -> None:
+    results = run_lightning(tmp_path, devices, strategy)
+    assert_matches(tmp_path, results, strategy["num_microbatches"])
+
+
+@pytest.mark.slow
+def test_adam_clipping_accumulation_scheduler(tmp_path: Path) -> None:
+    """Global-norm clipping, accumulate_grad_batches, an lr scheduler and Adam all keep the arithmetic exact."""
+    strategy = {"num_microbatches": 2, "partition": [2, 4]}
+    results = run_lightning(
+        tmp_path, 2, strategy, steps=3, model={"optimizer": "adam", "lr": 0.01, "scheduler": True},
+        trainer={"gradient_clip_val": 0.05, "accumulate_grad_batches": 2},
+    )
+    assert_matches(tmp_path, results, 2, steps=3, optimizer="adam", lr=0.01, scheduler=True, clip=0.05, accumulate=2)
+
+
+@pytest.mark.slow
+def test_checkpoint_loads_without_strategy(tmp_path: Path) -> None:
+    run_lightning(tmp_path, 2, {"num_microbatches": 2, "partition": [4, 2]}, steps=2)
+    model = PipeNet.load_from_checkpoint(tmp_path / "final.ckpt")
+    _, ref_state = reference(2, 2)
+    for key, value in ref_state.items():
+        torch.testing.assert_close(model.state_dict()[key], value)
