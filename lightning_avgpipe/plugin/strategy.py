@@ -116,6 +116,7 @@ class AvgPipeStrategy(ParallelStrategy):
         self._grad_stash: Optional[list[Optional[Tensor]]] = None
         self._full_keys: list[str] = []
         self._full_batch: Optional[int] = None
+        self._example_input: Any = None
 
     # -- topology ------------------------------------------------------------------------------------------------
     @property
@@ -291,6 +292,10 @@ class AvgPipeStrategy(ParallelStrategy):
             owner = next(s for s in range(stages) if index < sum(sizes[: s + 1]))
             for parent, attr in locate(module, layer):
                 setattr(parent, attr, Elsewhere(names[id(layer)], owner, self._guard))
+        # Summaries and graph loggers run forward(example_input_array) on one rank, which a split model cannot do;
+        # hide it while the model is split (it is back after teardown).
+        self._example_input = getattr(module, "example_input_array", None)
+        module.example_input_array = None
         rank_zero_info(f"AvgPipe: {stages} stages, layers per stage {sizes}, schedule={self.config.schedule}.")
         self._hook_handles = guard_layers({names[id(m)]: m for m in owned}, self._guard)
         self._stage_params = [p for layer in owned for p in layer.parameters()]
@@ -579,6 +584,9 @@ class AvgPipeStrategy(ParallelStrategy):
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles = []
+        module = self.lightning_module
+        if module is not None and self._example_input is not None:
+            module.example_input_array = self._example_input
         super().teardown()
 
     @classmethod

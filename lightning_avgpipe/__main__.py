@@ -1,0 +1,55 @@
+"""Command line: ``python -m lightning_avgpipe schedule ...`` prints a plan; anything else is LightningCLI.
+
+    python -m lightning_avgpipe schedule --stages 4 --microbatches 8 --schedule 1f1b
+    python -m lightning_avgpipe fit --config cfg.yaml        # LightningCLI with strategy="avgpipe" registered
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from lightning_avgpipe.schedules import SCHEDULES, build_plan, simulate, timeline_table, validate_plan
+
+
+def schedule_command(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m lightning_avgpipe schedule",
+        description="Print a pipeline plan: every stage's actions, and the simulated timeline as a table.",
+    )
+    p.add_argument("--stages", type=int, default=4, help="pipeline stages S")
+    p.add_argument("--microbatches", type=int, default=8, help="micro-batches M per batch")
+    p.add_argument("--pipelines", type=int, default=1, help="parallel pipelines N (units = N x M)")
+    p.add_argument("--schedule", default="1f1b", choices=[*SCHEDULES, "gpipe"])
+    p.add_argument("--advance-forwards", type=int, default=0, help="early forwards k for --schedule advance")
+    p.add_argument("--forward-cost", type=float, default=1.0, help="time of one forward in the table")
+    p.add_argument("--backward-cost", type=float, default=2.0, help="time of one backward in the table")
+    p.add_argument("--actions", action="store_true", help="also print the lowered action lists (with comms)")
+    args = p.parse_args(argv)
+    plan = validate_plan(
+        build_plan(args.schedule, args.stages, args.microbatches * args.pipelines, args.advance_forwards)
+    )
+    sim = simulate(plan, args.forward_cost, args.backward_cost)
+    print(
+        f"schedule={plan.schedule} stages={plan.num_stages} units={plan.num_units} "
+        f"advance_forwards={plan.advance_forwards}: step time {sim.step_time:g}, "
+        f"bubble {sim.bubble_fraction:.1%}, peak stash per stage {list(sim.peak_stash)}"
+    )
+    print(timeline_table(sim))
+    if args.actions:
+        print(plan)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "schedule":
+        return schedule_command(argv[1:])
+    from lightning_avgpipe.cli import cli_main
+
+    cli_main(argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
