@@ -79,9 +79,10 @@ class StageExecutor:
                         x = link.wait_activations(u, training)
                     with forward_context():
                         y = self.stage_fn(x)
+                        if self.is_last:  # the loss / user step runs in the same context (autocast) as the model
+                            assert head is not None, "the last stage needs a head"
+                            value = head(u, y)
                     if self.is_last:
-                        assert head is not None, "the last stage needs a head"
-                        value = head(u, y)
                         if training:
                             if not isinstance(value, Tensor) or value.dim() != 0:
                                 raise TypeError(

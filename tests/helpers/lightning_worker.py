@@ -7,18 +7,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as L
+import lightning.pytorch as pl
 import torch
 
 from lightning_avgpipe import AvgPipeStrategy
 from tests.helpers.lit import PipeNet, loader
 
 
-class Recorder(L.Callback):
+class Recorder(pl.Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self.losses.append(float(outputs["loss"]) * trainer.accumulate_grad_batches)
 
@@ -34,8 +34,19 @@ def main(cfg: dict[str, Any]) -> None:
         enable_checkpointing=False, callbacks=[rec], num_sanity_val_steps=cfg.get("sanity", 0),
         limit_val_batches=cfg.get("limit_val_batches", 0), default_root_dir=str(out),
     )
+    if cfg.get("monitor"):
+        trainer_kwargs["enable_checkpointing"] = True
+        trainer_kwargs["callbacks"].append(
+            pl.callbacks.ModelCheckpoint(dirpath=out / "ckpts", monitor=cfg["monitor"], mode="max", save_top_k=1)
+        )
+    if cfg.get("every_n_train_steps"):
+        trainer_kwargs["enable_checkpointing"] = True
+        trainer_kwargs["callbacks"].append(
+            pl.callbacks.ModelCheckpoint(dirpath=out / "every", every_n_train_steps=cfg["every_n_train_steps"],
+                                         save_top_k=-1)
+        )
     trainer_kwargs.update(cfg.get("trainer", {}))
-    trainer = L.Trainer(**trainer_kwargs)
+    trainer = pl.Trainer(**trainer_kwargs)
     bs = cfg.get("batch_size", 12)
     trainer.fit(model, loader(bs), loader(bs) if cfg.get("limit_val_batches") else None,
                 ckpt_path=cfg.get("ckpt_path"))

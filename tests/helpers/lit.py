@@ -72,7 +72,7 @@ def build_optimizer(params: Any, lr: float, name: str, scheduler: bool) -> Any:
 
 def reference(
     steps: int, m: int, lr: float = 0.1, optimizer: str = "sgd", scheduler: bool = False, clip: float | None = None,
-    accumulate: int = 1, batch_size: int = 12,
+    accumulate: int = 1, batch_size: int = 12, bf16: bool = False,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Plain training of PipeNet's layers with gradient accumulation over the same micro-batches."""
     layers = nn.Sequential(*make_layers())
@@ -96,7 +96,8 @@ def reference(
         x, y = batches[i % len(batches)]
         total = 0.0
         for mx, my in zip(microbatch.split(x, m), microbatch.split(y, m)):
-            loss = F.cross_entropy(layers(mx), my) * (len(mx) / len(x))
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):  # as Lightning: forward and loss only
+                loss = F.cross_entropy(layers(mx), my) * (len(mx) / len(x))
             (loss / accumulate).backward()
             total += loss.item()
         losses.append(total)
@@ -110,3 +111,13 @@ def reference(
             if sched is not None and i % per_epoch == 0:
                 sched.step()
     return losses, {f"layers.{k}": v for k, v in layers.state_dict().items()}
+
+
+def evaluate(state: dict[str, torch.Tensor], batch_size: int = 12) -> tuple[float, float, torch.Tensor]:
+    """Validation loss, accuracy and logits of the plain model with ``state`` on the (unshuffled) loader."""
+    layers = nn.Sequential(*make_layers())
+    layers.load_state_dict({k.removeprefix("layers."): v for k, v in state.items()})
+    with torch.no_grad():
+        logits = torch.cat([layers(x) for x, _ in loader(batch_size)])
+    y = dataset().tensors[1]
+    return F.cross_entropy(logits, y).item(), (logits.argmax(-1) == y).float().mean().item(), logits
