@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
         num_microbatches=args.microbatches, schedule=args.schedule, partition=args.partition
     )
     trainer = L.Trainer(accelerator=args.accelerator, devices=args.devices, strategy=strategy,
-                        max_steps=args.max_steps, val_check_interval=100, limit_val_batches=20,
+                        max_steps=args.max_steps, val_check_interval=min(100, args.max_steps), limit_val_batches=20,
                         precision=args.precision, log_every_n_steps=10, default_root_dir="runs/char_gpt")
     trainer.fit(model, dm)
     if trainer.is_global_zero:
