@@ -254,8 +254,8 @@ class AvgPipeStrategy(ParallelStrategy):
                 f"{type(module).__name__} uses manual optimization (automatic_optimization=False), which "
                 "strategy='avgpipe' does not support: the strategy runs backward itself. Use automatic optimization."
             )
-        precision = getattr(self.precision_plugin, "precision", "32-true")
-        if isinstance(self.precision_plugin, MixedPrecision) and precision == "16-mixed":
+        plugin = self.precision_plugin
+        if isinstance(plugin, MixedPrecision) and (plugin.precision == "16-mixed" or plugin.scaler is not None):
             raise ValueError(
                 "precision='16-mixed' is not supported by strategy='avgpipe': its loss scaler sees only the last "
                 "stage's loss. Use precision='bf16-mixed' (no loss scaling needed) or '32-true'."
@@ -296,7 +296,10 @@ class AvgPipeStrategy(ParallelStrategy):
         # hide it while the model is split (it is back after teardown).
         self._example_input = getattr(module, "example_input_array", None)
         module.example_input_array = None
-        rank_zero_info(f"AvgPipe: {stages} stages, layers per stage {sizes}, schedule={self.config.schedule}.")
+        rank_zero_info(
+            f"AvgPipe: {stages} stages, layers per stage {sizes}, schedule={self.config.schedule}, "
+            f"num_microbatches={self.num_microbatches}."
+        )
         self._hook_handles = guard_layers({names[id(m)]: m for m in owned}, self._guard)
         self._stage_params = [p for layer in owned for p in layer.parameters()]
         if not self._stage_params:

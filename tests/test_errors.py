@@ -1,0 +1,126 @@
+"""Bad input fails before training with a message that names the argument, the value and the fix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_avgpipe import AvgPipeStrategy, PipelineContractError
+from tests.helpers.lit import PipeNet, loader
+
+
+def fit(model: pl.LightningModule, batch_size: int = 12, **strategy: Any) -> pl.Trainer:
+    plugins = strategy.pop("plugins", None)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=AvgPipeStrategy(**strategy), max_steps=1, logger=False,
+        enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0,
+        plugins=plugins,
+    )
+    trainer.fit(model, loader(batch_size))
+    return trainer
+
+
+class NoContract(PipeNet):
+    configure_pipeline = None  # type: ignore[assignment]
+
+
+class StrayLayers(PipeNet):
+    def configure_pipeline(self) -> nn.Sequential:
+        return nn.Sequential(nn.Linear(8, 4))
+
+
+class ExtraParameter(PipeNet):
+    def __init__(self) -> None:
+        super().__init__()
+        self.temperature = nn.Parameter(torch.ones(()))
+
+
+class CallsLayersDirectly(PipeNet):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self.layers(x), y)
+
+
+class NeverCallsSelf(PipeNet):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return torch.zeros((), requires_grad=True)
+
+
+class TransformsInput(PipeNet):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self(x * 2), y)
+
+
+class Manual(PipeNet):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+
+@pytest.mark.parametrize(
+    ("model", "error", "match"),
+    [
+        (NoContract, PipelineContractError, "configure_pipeline"),
+        (StrayLayers, PipelineContractError, "not submodules"),
+        (ExtraParameter, PipelineContractError, "temperature"),
+        (CallsLayersDirectly, PipelineContractError, "called the pipelined layer 'layers.0' directly"),
+        (NeverCallsSelf, PipelineContractError, "never called self"),
+        (TransformsInput, PipelineContractError, "differs from pipeline_inputs"),
+        (Manual, PipelineContractError, "manual optimization"),
+    ],
+)
+def test_contract_errors(model: type, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        fit(model())
+
+
+def test_partition_list_wrong_sum() -> None:
+    with pytest.raises(ValueError, match=r"partition=\[4\] sums to 4 layers but configure_pipeline\(\) returns 6"):
+        fit(PipeNet(), partition=[4])
+
+
+def test_more_microbatches_than_samples() -> None:
+    with pytest.raises(ValueError, match="The batch has 12 samples but num_microbatches=16"):
+        fit(PipeNet(), num_microbatches=16)
+
+
+def test_unknown_schedule_lists_valid_ones() -> None:
+    with pytest.raises(ValueError, match=r"schedule='zigzag'.*\['afab', '1f1b', 'advance'\]"):
+        AvgPipeStrategy(schedule="zigzag")
+
+
+def test_bad_microbatch_count() -> None:
+    with pytest.raises(ValueError, match="num_microbatches=0 must be an int >= 1"):
+        AvgPipeStrategy(num_microbatches=0)
+
+
+def test_16_mixed_is_refused() -> None:
+    """fp16 with a GradScaler would scale only the last stage's loss (on CPU, Lightning maps "16-mixed" to bf16)."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    with pytest.raises(ValueError, match="precision='16-mixed' is not supported.*bf16-mixed"):
+        fit(PipeNet(), plugins=[MixedPrecision("16-mixed", "cpu")])
+
+
+def test_dict_batch_needs_pipeline_inputs() -> None:
+    from lightning_avgpipe.plugin.contract import default_pipeline_inputs
+
+    with pytest.raises(PipelineContractError, match="Implement `pipeline_inputs"):
+        default_pipeline_inputs({"x": torch.zeros(2, 8)})
+
+
+def test_single_stage_equals_plain_training() -> None:
+    """S = 1: the strategy is plain training with accumulation over micro-batches (here 4 of 3 samples)."""
+    from tests.helpers.lit import reference
+
+    trainer = fit(PipeNet(), num_microbatches=4)
+    _, ref_state = reference(1, 4)
+    state = trainer.lightning_module.state_dict()
+    for key, value in ref_state.items():
+        torch.testing.assert_close(state[key], value)
