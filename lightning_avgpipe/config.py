@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Union
 
 from lightning_avgpipe.partition import check_partition
 from lightning_avgpipe.schedules import check_schedule_name
@@ -15,15 +14,15 @@ class PipelineConfig:
     """How a model is pipelined. See :class:`~lightning_avgpipe.AvgPipeStrategy` for when to change each field."""
 
     # Stages per pipeline (processes that hold consecutive layers). None: every device of the job.
-    num_stages: Optional[int] = None
+    num_stages: int | None = None
     # Micro-batches per batch. More shrink the bubble ((S-1)/(M+S-1)) but make each unit smaller. None: 2 * stages.
-    num_microbatches: Optional[int] = None
+    num_microbatches: int | None = None
     # "1f1b" (memory-lean), "afab" (GPipe: all forwards then all backwards), or "advance" (1F1B + k early forwards).
     schedule: str = "1f1b"
     # Forwards each stage runs early beyond 1F1B's warm-up; only used by schedule="advance".
     advance_forwards: int = 0
     # "balanced" (profiled time), "parameters", "uniform", or a list of layer counts per stage.
-    partition: Union[str, Sequence[int]] = "balanced"
+    partition: str | Sequence[int] = "balanced"
     # Seconds a point-to-point wait may block before the job fails with a message (collectives use it too).
     timeout: float = field(default=1800.0)
 

@@ -44,7 +44,8 @@ def test_torchrun(tmp_path: Path) -> None:
 
 
 CLI = ["-m", "lightning_avgpipe", "fit", "--config", str(ROOT / "examples" / "char_gpt.yaml"),
-       "--trainer.max_steps", "3", "--trainer.limit_val_batches", "2", "--trainer.val_check_interval", "3", "--trainer.enable_progress_bar", "false",
+       "--trainer.max_steps", "3", "--trainer.limit_val_batches", "2", "--trainer.val_check_interval", "3",
+       "--trainer.enable_progress_bar", "false",
        "--model.init_args.n_layer", "2", "--data.init_args.max_chars", "200000"]
 
 

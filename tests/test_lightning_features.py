@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.helpers.lit import PipeNet, evaluate, reference
-from tests.test_strategy_equivalence import assert_matches, final_state, run_lightning
+from tests.test_strategy_equivalence import final_state, run_lightning
 
 pytestmark = pytest.mark.slow
 

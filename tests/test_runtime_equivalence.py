@@ -55,12 +55,13 @@ def _worker(rank: int, world: int, schedule: str, partition: list[int], m: int) 
         mbs = microbatch.split((x, y), m)
         keys = [microbatch.signature(mb) for mb in mbs]
 
-        def head(u: int, out: torch.Tensor) -> torch.Tensor:
-            return F.cross_entropy(out, mbs[u][1]) * (len(mbs[u][1]) / len(y))
+        def head(u: int, out: torch.Tensor, mbs: list = mbs, n: int = len(y)) -> torch.Tensor:
+            return F.cross_entropy(out, mbs[u][1]) * (len(mbs[u][1]) / n)
 
         if opt:
             opt.zero_grad()
-        results = executor.run(plan.stages[rank], keys, training=True, inputs=lambda u: mbs[u][0], head=head)
+        results = executor.run(plan.stages[rank], keys, training=True, inputs=lambda u, mbs=mbs: mbs[u][0],
+                               head=head)
         if opt:
             opt.step()
         losses.append(sum(r.item() for r in results.values()))

@@ -118,7 +118,7 @@ class StepBridge:
             rec.weights.append(weight)
 
         module.forward = forward  # type: ignore[method-assign]
-        module.log = log  # type: ignore[method-assign]
+        module.log = log  # type: ignore[method-assign,assignment]
         self.guard.active, self.guard.hook = True, hook
         try:
             result = getattr(module, hook)(micro, *args)
@@ -144,9 +144,10 @@ class StepBridge:
                 extra = {"count": last._update_count, "cache": _to_cpu(last._forward_cache)}
                 out.append((rec.name, "metric", (names.get(id(last)), state, extra), rec.kwargs))
             else:
-                total = sum(rec.weights)
-                mean = sum(w * _as_tensor(v) for w, v in zip(rec.weights, rec.values)) / total
-                out.append((rec.name, "value", mean.detach().cpu(), rec.kwargs))
+                values = torch.stack([_as_tensor(v).cpu() for v in rec.values])
+                weights = torch.tensor(rec.weights, dtype=values.dtype)
+                mean = (values * weights).sum() / weights.sum()  # size-weighted: equals the full batch's mean
+                out.append((rec.name, "value", mean, rec.kwargs))
         self._records.clear()
         return out
 
@@ -162,7 +163,8 @@ def replay_logs(module: nn.Module, logs: Sequence[tuple[str, str, Any, dict[str,
         metric = modules.get(qualname) if qualname is not None else None
         if not isinstance(metric, Metric):
             raise PipelineContractError(
-                f"self.log({name!r}, metric) logs a torchmetrics Metric that is not a submodule of the LightningModule; "
+                f"self.log({name!r}, metric) logs a torchmetrics Metric that is not a submodule of the "
+                "LightningModule; "
                 "assign it as an attribute (self.metric = ...) so every stage can mirror it."
             )
         for key, value in state.items():
@@ -174,7 +176,9 @@ def replay_logs(module: nn.Module, logs: Sequence[tuple[str, str, Any, dict[str,
 
 
 def _as_tensor(v: Any) -> Tensor:
-    return v.detach().float() if isinstance(v, Tensor) else torch.tensor(float(v))
+    if isinstance(v, Tensor):
+        return v.detach().float()
+    return torch.tensor(float(v))
 
 
 def _to_cpu(v: Any) -> Any:

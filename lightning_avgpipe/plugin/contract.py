@@ -30,7 +30,8 @@ def pipeline_layers(module: nn.Module) -> list[nn.Module]:
     hook = getattr(module, "configure_pipeline", None)
     if not callable(hook):
         raise PipelineContractError(
-            f"{type(module).__name__} has no `configure_pipeline()` hook, which strategy='avgpipe' needs. {CONTRACT_HELP}"
+            f"{type(module).__name__} has no `configure_pipeline()` hook, which strategy='avgpipe' needs. "
+            f"{CONTRACT_HELP}"
         )
     layers = hook()
     if isinstance(layers, nn.Sequential):

@@ -7,7 +7,7 @@ import os
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -73,18 +73,18 @@ class AvgPipeStrategy(ParallelStrategy):
 
     def __init__(
         self,
-        num_stages: Optional[int] = None,
-        num_microbatches: Optional[int] = None,
+        num_stages: int | None = None,
+        num_microbatches: int | None = None,
         schedule: str = "1f1b",
         advance_forwards: int = 0,
-        partition: Union[str, list[int]] = "balanced",
+        partition: str | list[int] = "balanced",
         timeout: float = 1800.0,
-        process_group_backend: Optional[str] = None,
-        accelerator: Optional[pl.accelerators.Accelerator] = None,
-        parallel_devices: Optional[list[torch.device]] = None,
-        cluster_environment: Optional[ClusterEnvironment] = None,
-        checkpoint_io: Optional[CheckpointIO] = None,
-        precision_plugin: Optional[Precision] = None,
+        process_group_backend: str | None = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -103,19 +103,19 @@ class AvgPipeStrategy(ParallelStrategy):
         )
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
-        self._num_stages: Optional[int] = None
+        self._num_stages: int | None = None
         self._pipeline_group: Any = None
         self._pipeline_ranks: list[int] = []
-        self._partition: Optional[list[int]] = None
-        self._executor: Optional[StageExecutor] = None
-        self._bridge: Optional[StepBridge] = None
+        self._partition: list[int] | None = None
+        self._executor: StageExecutor | None = None
+        self._bridge: StepBridge | None = None
         self._guard = Guard()
         self._hook_handles: list[Any] = []
         self._plans: dict[tuple[bool, int], Plan] = {}
         self._stage_params: list[nn.Parameter] = []
-        self._grad_stash: Optional[list[Optional[Tensor]]] = None
+        self._grad_stash: list[Tensor | None] | None = None
         self._full_keys: list[str] = []
-        self._full_batch: Optional[int] = None
+        self._full_batch: int | None = None
         self._example_input: Any = None
 
     # -- topology ------------------------------------------------------------------------------------------------
@@ -138,9 +138,16 @@ class AvgPipeStrategy(ParallelStrategy):
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     @property
-    @override
     def is_distributed(self) -> bool:
+        # Read by Lightning's accelerator connector (hasattr): samplers and sync_dist logging need it.
         return True
+
+    @property
+    def _module(self) -> pl.LightningModule:
+        module = self.lightning_module
+        if module is None:
+            raise RuntimeError("AvgPipeStrategy has no LightningModule yet; the Trainer attaches it in fit/validate.")
+        return module
 
     @property
     def num_stages(self) -> int:
@@ -177,7 +184,7 @@ class AvgPipeStrategy(ParallelStrategy):
         return {"num_replicas": self.world_size // self.num_stages, "rank": self.group_index}
 
     @property
-    def process_group_backend(self) -> Optional[str]:
+    def process_group_backend(self) -> str | None:
         return self._process_group_backend
 
     @property
@@ -206,7 +213,7 @@ class AvgPipeStrategy(ParallelStrategy):
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
     def _setup_topology(self) -> None:
         world = self.world_size
@@ -270,7 +277,7 @@ class AvgPipeStrategy(ParallelStrategy):
                 f"{len(layers)} stages or split the model into more layers."
             )
         self._full_keys = list(module.state_dict().keys())
-        sizes: Optional[list[int]] = None
+        sizes: list[int] | None = None
         if self.global_rank == 0:
             sample = getattr(module, "example_input_array", None)
             spec = self.config.partition
@@ -327,7 +334,7 @@ class AvgPipeStrategy(ParallelStrategy):
     def _install_global_clipping(self) -> None:
         group = self._pipeline_group
 
-        def clip_grad_by_norm(optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        def clip_grad_by_norm(optimizer: Optimizer, clip_val: int | float) -> None:
             clip_grad_norm_across(list(self.precision_plugin.main_params(optimizer)), float(clip_val), group)
 
         self.precision_plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
@@ -367,7 +374,7 @@ class AvgPipeStrategy(ParallelStrategy):
 
     def _run(self, hook: str, batch: Any, args: Sequence[Any], training: bool) -> tuple[dict[int, Any], Any]:
         assert self._executor is not None and self._bridge is not None
-        module = self.lightning_module
+        module = self._module
         micro, weights = self._microbatches(batch, training)
         keys = [(hook, microbatch.signature(mb)) for mb in micro]
         bridge = self._bridge
@@ -425,15 +432,15 @@ class AvgPipeStrategy(ParallelStrategy):
                 p.grad = g
         payload = None
         if self._executor is not None and self._executor.is_last:
-            accumulate = self.lightning_module.trainer.accumulate_grad_batches
+            accumulate = self._module.trainer.accumulate_grad_batches
             loss = torch.stack([r.float() for r in results.values()]).sum() * accumulate
             payload = (loss.cpu(), self._bridge.take_logs() if self._bridge else [])
         loss, logs = self._share(payload)
-        replay_logs(self.lightning_module, logs, self.root_device)
+        replay_logs(self._module, logs, self.root_device)
         return loss.to(self.root_device)
 
     @override
-    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         # The pipeline already ran every backward inside training_step; here the hooks run and the gradients land.
         module = self.lightning_module
         assert module is not None
@@ -461,7 +468,7 @@ class AvgPipeStrategy(ParallelStrategy):
             logs = self._bridge.take_logs() if self._bridge else []
             payload = (_cpu(output) if share_output else None, logs)
         shared, logs = self._share(payload)
-        replay_logs(self.lightning_module, logs, self.root_device)
+        replay_logs(self._module, logs, self.root_device)
         if share_output and output is None:
             output = shared
         return output
@@ -480,7 +487,7 @@ class AvgPipeStrategy(ParallelStrategy):
 
     # -- collectives ---------------------------------------------------------------------------------------------
     @override
-    def barrier(self, name: Optional[str] = None) -> None:
+    def barrier(self, name: str | None = None) -> None:
         if not _distributed_is_initialized():
             return
         if dist.get_backend() == "nccl":
@@ -498,19 +505,19 @@ class AvgPipeStrategy(ParallelStrategy):
 
     @override
     def reduce(
-        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
-    ) -> Union[Tensor, Any]:
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Tensor | Any:
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
-    def _gather(self, obj: Any) -> Optional[list[Any]]:
+    def _gather(self, obj: Any) -> list[Any] | None:
         """Gather ``obj`` from every stage of this pipeline onto its first stage (other ranks get ``None``)."""
         if self.num_stages == 1:
             return [obj]
         dst = self._pipeline_ranks[0]
-        out: Optional[list[Any]] = [None] * self.num_stages if self.global_rank == dst else None
+        out: list[Any] | None = [None] * self.num_stages if self.global_rank == dst else None
         dist.gather_object(obj, out, dst=dst, group=self._pipeline_group)
         return out
 
@@ -558,7 +565,9 @@ class AvgPipeStrategy(ParallelStrategy):
         states = checkpoint.get("optimizer_states", [])
         for optimizer, state in zip(self.optimizers, states):
             if "avgpipe_stages" not in state:
-                raise ValueError("This checkpoint was not saved by AvgPipeStrategy; its optimizer state cannot be split.")
+                raise ValueError(
+                    "This checkpoint was not saved by AvgPipeStrategy; its optimizer state cannot be split by stage."
+                )
             if list(state["partition"]) != self.partition:
                 rank_zero_info(
                     f"AvgPipe: the checkpoint's partition {state['partition']} differs from {self.partition}; "
@@ -569,7 +578,7 @@ class AvgPipeStrategy(ParallelStrategy):
         _optimizers_to_device(self.optimizers, self.root_device)
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Write on rank 0 to a temporary file, then rename: a crash never leaves a half-written checkpoint."""
         if not self.is_global_zero:
             return

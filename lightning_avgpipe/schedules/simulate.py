@@ -119,7 +119,9 @@ def simulate(
                 progressed = True
                 remaining -= 1
         if not progressed:
-            stuck = ", ".join(f"stage {s} at {plan.stages[s][pos[s]]}" for s in range(S) if pos[s] < len(plan.stages[s]))
+            stuck = ", ".join(
+                f"stage {s} at {plan.stages[s][pos[s]]}" for s in range(S) if pos[s] < len(plan.stages[s])
+            )
             raise DeadlockError(f"The plan deadlocks: {stuck} wait for messages that are never sent.")
     return Simulation(
         events=tuple(tuple(e) for e in events),

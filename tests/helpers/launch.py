@@ -46,5 +46,6 @@ def launch_ranks(args: list[str], world_size: int, timeout: float = 240.0, env: 
                 texts.append(p.communicate(timeout=5)[0] or "")
             except Exception:  # noqa: BLE001
                 texts.append("")
-        raise TimeoutError(f"ranks did not finish within {timeout}s:\n" + "\n---\n".join(t[-3000:] for t in texts)) from err
+        tails = "\n---\n".join(t[-3000:] for t in texts)
+        raise TimeoutError(f"ranks did not finish within {timeout}s:\n{tails}") from err
     return [(p.returncode, out) for p, out in zip(procs, outputs)]
