@@ -35,7 +35,7 @@ def schedule_command(argv: list[str]) -> int:
         f"advance_forwards={plan.advance_forwards}: step time {sim.step_time:g}, "
         f"bubble {sim.bubble_fraction:.1%}, peak stash per stage {list(sim.peak_stash)}"
     )
-    print(timeline_table(sim))
+    print(timeline_table(sim, resolution=min(args.forward_cost, args.backward_cost)))
     if args.actions:
         print(plan)
     return 0

@@ -27,7 +27,9 @@ class PipelineConfig:
     timeout: float = field(default=1800.0)
 
     def __post_init__(self) -> None:
-        if self.num_stages is not None and (not isinstance(self.num_stages, int) or self.num_stages < 1):
+        if self.num_stages is not None and (
+            not isinstance(self.num_stages, int) or isinstance(self.num_stages, bool) or self.num_stages < 1
+        ):
             raise ValueError(f"num_stages={self.num_stages!r} must be an int >= 1 (or None for all devices).")
         m = self.num_microbatches
         if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
@@ -35,12 +37,13 @@ class PipelineConfig:
                 f"num_microbatches={m!r} must be an int >= 1 (or None for 2 x num_stages); it splits each batch."
             )
         object.__setattr__(self, "schedule", check_schedule_name(self.schedule))
-        if not isinstance(self.advance_forwards, int) or self.advance_forwards < 0:
+        k = self.advance_forwards
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
             raise ValueError(f"advance_forwards={self.advance_forwards!r} must be an int >= 0 (0 gives 1F1B).")
         if not isinstance(self.partition, str):
             object.__setattr__(self, "partition", tuple(self.partition))
         check_partition(self.partition, num_stages=None if isinstance(self.partition, str) else self.num_stages)
-        if not self.timeout > 0:
+        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
             raise ValueError(f"timeout={self.timeout!r} must be a positive number of seconds.")
 
     def microbatches_for(self, num_stages: int) -> int:

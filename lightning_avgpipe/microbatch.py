@@ -41,7 +41,7 @@ def _select(obj: Any, index: int, chunks: int, size: int) -> Any:
             )
         return torch.tensor_split(obj, chunks)[index]
     if isinstance(obj, Mapping):
-        return type(obj)({k: _select(v, index, chunks, size) for k, v in obj.items()})  # type: ignore[call-arg]
+        return _like(obj, {k: _select(v, index, chunks, size) for k, v in obj.items()})
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
         return type(obj)(*(_select(v, index, chunks, size) for v in obj))
     if isinstance(obj, (list, tuple)):
@@ -62,12 +62,25 @@ def merge(outputs: Sequence[Any]) -> Any:
             return torch.stack(list(outputs)).float().mean()
         return torch.cat(list(outputs))
     if isinstance(first, Mapping):
-        return type(first)({k: merge([o[k] for o in outputs]) for k in first})  # type: ignore[call-arg]
+        return _like(first, {k: merge([o[k] for o in outputs]) for k in first})
     if isinstance(first, tuple) and hasattr(first, "_fields"):
         return type(first)(*(merge([o[i] for o in outputs]) for i in range(len(first))))
     if isinstance(first, (list, tuple)):
         return type(first)(merge([o[i] for o in outputs]) for i in range(len(first)))
     return list(outputs)
+
+
+def _like(mapping: Mapping[Any, Any], items: dict[Any, Any]) -> Any:
+    """A mapping of ``mapping``'s type holding ``items`` (dict subclasses keep extras like a default factory)."""
+    if isinstance(mapping, dict):
+        out = mapping.copy()
+        out.clear()
+        out.update(items)
+        return out
+    try:
+        return type(mapping)(items)  # type: ignore[call-arg]
+    except TypeError:
+        return items
 
 
 def signature(obj: Any) -> tuple[Any, ...]:

@@ -80,12 +80,6 @@ def test_unknown_schedule_is_an_argparse_error(capsys: pytest.CaptureFixture[str
         assert f"'{name}'" in err
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: __main__.schedule_command draws timeline_table(sim) at the default resolution 1.0 whatever the "
-    "costs; timeline_table rounds event bounds to slots, so with --forward-cost 0.5 --backward-cost 1 stage 0's F0 "
-    "(0.0-0.5) vanishes and the 4.5-long step is cut to 4 columns.",
-)
 def test_fractional_costs_still_draw_every_action(capsys: pytest.CaptureFixture[str]) -> None:
     _, lines = _run(capsys, "--stages", "2", "--microbatches", "2", "--forward-cost", "0.5", "--backward-cost", "1")
     for s, cells in _rows(lines).items():

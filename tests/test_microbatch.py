@@ -170,11 +170,6 @@ def test_signature_changes_with_shape_and_dtype() -> None:
     ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: microbatch._select/merge rebuild a Mapping with type(obj)({...}); defaultdict's constructor takes "
-    "default_factory first, so split(defaultdict) raises TypeError 'first argument must be callable or None'.",
-)
 def test_split_defaultdict() -> None:
     batch: defaultdict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(0))
     batch["x"] = torch.arange(4)

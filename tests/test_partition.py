@@ -258,22 +258,11 @@ class _DictIn(nn.Module):
         return self.lin(d["h"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: partition/profile.py _detach() does not detach tensors inside dicts (only Tensor/list/tuple), so "
-    "the next layer's backward runs into the previous layer's freed graph: RuntimeError 'Trying to backward "
-    "through the graph a second time'.",
-)
 def test_profile_layers_handles_dict_activations() -> None:
     costs = profile_layers([_DictOut(), _DictIn()], torch.randn(3, 4))
     assert len(costs) == 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: partition/profile.py profile_layers() runs each layer (repeats + 1) times in training mode and "
-    "restores only gradients: BatchNorm running_mean/running_var/num_batches_tracked are updated by profiling.",
-)
 def test_profile_layers_leaves_buffers_untouched() -> None:
     torch.manual_seed(0)
     layers = [nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)]
@@ -284,11 +273,6 @@ def test_profile_layers_leaves_buffers_untouched() -> None:
         assert torch.equal(after[k], v), k
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: partition/profile.py profile_layers() consumes the global torch RNG (e.g. nn.Dropout draws masks "
-    "on every profiled forward); the strategy profiles on rank 0 only, so rank 0's RNG stream diverges.",
-)
 def test_profile_layers_leaves_the_rng_untouched() -> None:
     torch.manual_seed(0)
     layers = [nn.Linear(4, 4), nn.Dropout(0.5), nn.Linear(4, 2)]

@@ -141,6 +141,7 @@ def build_plan(
 ) -> Plan:
     """Build the lowered plan of every stage for ``num_units`` units (micro-batches times replicas)."""
     name = check_schedule_name(schedule)
+    _check_sizes(num_stages, num_units, advance_forwards)
     stages = tuple(
         tuple(lower(compute_order(name, num_stages, num_units, s, advance_forwards, training), num_stages))
         for s in range(num_stages)
@@ -149,7 +150,7 @@ def build_plan(
 
 
 def _check_sizes(num_stages: int, num_units: int, advance_forwards: int) -> None:
-    if not isinstance(num_stages, int) or num_stages < 1:
+    if not isinstance(num_stages, int) or isinstance(num_stages, bool) or num_stages < 1:
         raise ValueError(f"num_stages={num_stages!r} must be an int >= 1.")
     if not isinstance(num_units, int) or num_units < 1:
         raise ValueError(f"num_units={num_units!r} must be an int >= 1 (micro-batches times replicas).")

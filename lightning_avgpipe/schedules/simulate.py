@@ -7,6 +7,7 @@ the link latency and the transfer time). A plan that cannot make progress is a d
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -133,7 +134,7 @@ def simulate(
 
 def timeline_table(sim: Simulation, resolution: float = 1.0) -> str:
     """Render a simulation as a per-stage text timeline, one column per ``resolution`` time units."""
-    slots = int(round(sim.step_time / resolution))
+    slots = max(1, math.ceil(sim.step_time / resolution - 1e-9))
     rows = []
     width = 1
     cells: list[list[str]] = []
@@ -142,7 +143,9 @@ def timeline_table(sim: Simulation, resolution: float = 1.0) -> str:
         for ev in stage_events:
             label = f"{ev.action.kind.value}{ev.action.unit}"
             width = max(width, len(label))
-            for t in range(int(round(ev.start / resolution)), int(round(ev.end / resolution))):
+            first = int(math.floor(ev.start / resolution + 1e-9))
+            last = max(first + 1, int(round(ev.end / resolution)))  # every action gets at least one column
+            for t in range(first, last):
                 if 0 <= t < slots:
                     row[t] = label
         cells.append(row)
