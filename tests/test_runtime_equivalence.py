@@ -22,13 +22,15 @@ def _apply(layers: list[nn.Module], x: object) -> object:
     return x
 
 
-def reference(schedule_m: int, steps: int = STEPS) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+def reference(
+    schedule_m: int, steps: int = STEPS, sizes: list[int] | None = None
+) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
     layers = make_layers()
     params = [p for layer in layers for p in layer.parameters()]
     opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
     losses = []
     for step in range(steps):
-        x, y = make_batch(step)
+        x, y = make_batch(step, sizes[step] if sizes else 12)
         opt.zero_grad()
         total = 0.0
         for mx, my in zip(microbatch.split(x, schedule_m), microbatch.split(y, schedule_m)):
@@ -40,7 +42,9 @@ def reference(schedule_m: int, steps: int = STEPS) -> tuple[list[float], list[di
     return losses, [{k: v.clone() for k, v in layer.state_dict().items()} for layer in layers]
 
 
-def _worker(rank: int, world: int, schedule: str, partition: list[int], m: int) -> dict:
+def _worker(
+    rank: int, world: int, schedule: str, partition: list[int], m: int, sizes: list[int] | None = None
+) -> dict:
     layers = make_layers()
     start = sum(partition[:rank])
     own = layers[start : start + partition[rank]]
@@ -50,8 +54,8 @@ def _worker(rank: int, world: int, schedule: str, partition: list[int], m: int) 
     executor = StageExecutor(rank, world, lambda x: _apply(own, x), link)
     plan = validate_plan(build_plan(schedule, world, m))
     losses = []
-    for step in range(STEPS):
-        x, y = make_batch(step)
+    for step in range(len(sizes) if sizes else STEPS):
+        x, y = make_batch(step, sizes[step] if sizes else 12)
         mbs = microbatch.split((x, y), m)
         keys = [microbatch.signature(mb) for mb in mbs]
 
@@ -65,7 +69,12 @@ def _worker(rank: int, world: int, schedule: str, partition: list[int], m: int) 
         if opt:
             opt.step()
         losses.append(sum(r.item() for r in results.values()))
-    return {"losses": losses, "states": {start + i: layer.state_dict() for i, layer in enumerate(own)}}
+    return {
+        "losses": losses,
+        "states": {start + i: layer.state_dict() for i, layer in enumerate(own)},
+        "meta_sent": len(link._sent_meta),
+        "meta_received": len(link._recv_meta),
+    }
 
 
 @pytest.mark.timeout(180)
@@ -91,3 +100,16 @@ def test_pipeline_matches_plain_training(schedule: str, partition: list[int], m:
             torch.testing.assert_close(state, ref_states[index])
             seen += 1
     assert seen == len(ref_states)
+
+
+@pytest.mark.timeout(180)
+def test_shapes_change_between_steps_and_metadata_is_sent_once_per_shape() -> None:
+    """Batches of 12, 12, 7, 12 samples in 3 micro-batches: sizes 4 and 3/2 give 3 distinct shapes."""
+    sizes = [12, 12, 7, 12]
+    outs = run_distributed(_worker, 2, "1f1b", [3, 3], 3, sizes)
+    ref_losses, ref_states = reference(3, len(sizes), sizes)
+    torch.testing.assert_close(torch.tensor(outs[-1]["losses"]), torch.tensor(ref_losses))
+    for out in outs:
+        for index, state in out["states"].items():
+            torch.testing.assert_close(state, ref_states[index])
+    assert outs[0]["meta_sent"] == 3 and outs[1]["meta_received"] == 3
