@@ -1,0 +1,176 @@
+"""Elastic averaging (DESIGN.md §4): N replicas of a stage pulled toward a reference that moves by their mean update.
+
+Per iteration, for every replica n (on every stage, in parallel)::
+
+    Δw_n   = what the user's optimizer does to w_n this step (its own state, its own lr schedule)
+    w_n   <- w_n + Δw_n - alpha · (w_n - w_ref)          alpha defaults to 1/(N·D)
+    w_ref <- w_ref + (1 / (N·D)) · Σ_{n, d} Δw_n
+
+If w_ref is the mean of the replicas, the pulls cancel in the mean and w_ref stays the mean. Only one extra
+buffer per replica is kept: the pre-step offset ``d_n = w_n - w_ref``. After the optimizer step, ``w_n' = w_n +
+Δw_n``, so ``Σ Δw_n = Σ (w_n' - w_ref - d_n)`` and the pull is ``w_n <- w_n' - alpha · d_n``.
+
+With D pipeline groups the sum of updates is all-reduced over the stage group (the D ranks holding this stage).
+``synchronous=False`` starts that all-reduce without waiting and finishes it before the next pull, so the
+communication overlaps the next iteration's pipeline (the reference is never more than one iteration stale).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+
+def default_alpha(num_replicas: int, num_groups: int = 1) -> float:
+    """One over the number of replicas averaged: 1 / (N·D)."""
+    return 1.0 / (num_replicas * num_groups)
+
+
+def check_alpha(alpha: float) -> float:
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 < float(alpha) <= 1.0:
+        raise ValueError(
+            f"elastic_alpha={alpha!r} must be a number in (0, 1]: the share of the distance to the reference each "
+            "replica moves per step. Use None for the default 1/(num_pipelines x groups)."
+        )
+    return float(alpha)
+
+
+class ElasticAveraging:
+    """Replicas of one stage's layers tied to the reference layers by the rule above.
+
+    Args:
+        reference: this stage's layers in the reference model (what evaluation and checkpoints use).
+        num_replicas: N, the parallel pipelines.
+        num_groups: D, the pipeline groups whose updates are averaged through ``group``.
+        alpha: the elastic coefficient; ``None`` for ``1 / (N·D)``.
+        group: the stage process group (the D ranks holding this stage); ``None`` when D = 1.
+        synchronous: finish the reference update before returning from :meth:`finish_step`.
+        share_first: with N·D = 1 the replica *is* the reference (no copy, bit-identical to plain training).
+    """
+
+    def __init__(
+        self,
+        reference: Sequence[nn.Module],
+        num_replicas: int,
+        num_groups: int = 1,
+        alpha: float | None = None,
+        group: Any = None,
+        synchronous: bool = True,
+        share_first: bool = True,
+    ) -> None:
+        if not isinstance(num_replicas, int) or isinstance(num_replicas, bool) or num_replicas < 1:
+            raise ValueError(f"num_pipelines={num_replicas!r} must be an int >= 1.")
+        self.reference = list(reference)
+        self.num_replicas = num_replicas
+        self.num_groups = num_groups
+        self.alpha = check_alpha(alpha) if alpha is not None else default_alpha(num_replicas, num_groups)
+        self.group = group
+        self.synchronous = synchronous
+        self.trivial = share_first and num_replicas * num_groups == 1
+        self.replicas: list[list[nn.Module]] = (
+            [self.reference] if self.trivial else [[copy.deepcopy(m) for m in self.reference] for _ in range(num_replicas)]
+        )
+        self._ref_params = [p for m in self.reference for p in m.parameters()]
+        self._offsets: list[list[Tensor]] | None = None
+        self._pending: tuple[Any, Tensor] | None = None
+
+    # -- parameters --------------------------------------------------------------------------------------------
+    def replica_params(self, n: int) -> list[nn.Parameter]:
+        return [p for m in self.replicas[n] for p in m.parameters()]
+
+    def all_replica_params(self) -> list[nn.Parameter]:
+        return [p for n in range(self.num_replicas) for p in self.replica_params(n)]
+
+    @property
+    def reference_params(self) -> list[nn.Parameter]:
+        return self._ref_params
+
+    def reset_replicas(self) -> None:
+        """Copy the reference into every replica (start of training, or a resume with another layout)."""
+        if self.trivial:
+            return
+        with torch.no_grad():
+            for n in range(self.num_replicas):
+                for mod, ref in zip(self.replicas[n], self.reference):
+                    mod.load_state_dict(ref.state_dict())
+
+    # -- the update --------------------------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """Before the optimizers step: remember each replica's offset ``w_n - w_ref``."""
+        if self.trivial:
+            return
+        self.wait()
+        with torch.no_grad():
+            self._offsets = [
+                torch._foreach_sub([p.detach() for p in self.replica_params(n)], [p.detach() for p in self._ref_params])
+                for n in range(self.num_replicas)
+            ]
+
+    def finish_step(self) -> None:
+        """After the optimizers stepped: pull each replica and move the reference by the mean update."""
+        if self.trivial:
+            return
+        if self._offsets is None:
+            raise RuntimeError("ElasticAveraging.finish_step() without begin_step(); call begin_step() first.")
+        ref = [p.detach() for p in self._ref_params]
+        total = [torch.zeros_like(p) for p in ref]
+        with torch.no_grad():
+            for n, offsets in enumerate(self._offsets):
+                w = [p.detach() for p in self.replica_params(n)]
+                delta = torch._foreach_sub(torch._foreach_sub(w, ref), offsets)  # Δw_n = w_n' - (w_ref + d_n)
+                torch._foreach_add_(total, delta)
+                torch._foreach_add_(w, offsets, alpha=-self.alpha)  # the elastic pull
+        self._offsets = None
+        flat = torch.cat([t.reshape(-1) for t in total]) if total else torch.zeros(0)
+        if self.group is not None and self.num_groups > 1:
+            work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            self._pending = (work, flat)
+            if self.synchronous:
+                self.wait()
+        else:
+            self._pending = (None, flat)
+            self.wait()
+
+    def wait(self) -> None:
+        """Apply a reference update still in flight (before a pull, an evaluation or a checkpoint)."""
+        if self._pending is None:
+            return
+        work, flat = self._pending
+        self._pending = None
+        if work is not None:
+            work.wait()
+        flat = flat / (self.num_replicas * self.num_groups)
+        with torch.no_grad():
+            offset = 0
+            for p in self._ref_params:
+                n = p.numel()
+                p.add_(flat[offset : offset + n].view_as(p))
+                offset += n
+            self._average_buffers()
+
+    def _average_buffers(self) -> None:
+        """Floating buffers (BatchNorm statistics) of the reference: the mean over this rank's replicas."""
+        for i, ref_mod in enumerate(self.reference):
+            for name, buf in ref_mod.named_buffers():
+                reps = [dict(r[i].named_buffers())[name] for r in self.replicas]
+                if buf.is_floating_point():
+                    buf.copy_(torch.stack([b.detach() for b in reps]).mean(0))
+                else:
+                    buf.copy_(reps[0])
+
+    # -- what the user sees -------------------------------------------------------------------------------------
+    def divergence(self) -> list[Tensor]:
+        """Per replica, ``‖w_n - w_ref‖² `` and ``‖w_ref‖²`` summed over this stage (add across stages, then sqrt)."""
+        with torch.no_grad():
+            ref = [p.detach().float() for p in self._ref_params]
+            ref_sq = sum((p * p).sum() for p in ref) if ref else torch.zeros(())
+            out = []
+            for n in range(self.num_replicas):
+                diff = torch._foreach_sub([p.detach().float() for p in self.replica_params(n)], ref) if ref else []
+                out.append(torch.stack([sum((d * d).sum() for d in diff) if diff else torch.zeros(()), ref_sq]))
+        return out
