@@ -42,12 +42,12 @@ def schedule_command(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "schedule":
-        return schedule_command(argv[1:])
+    args = sys.argv[1:] if argv is None else argv
+    if args and args[0] == "schedule":
+        return schedule_command(args[1:])
     from lightning_avgpipe.cli import cli_main
 
-    cli_main(argv)
+    cli_main(argv)  # None: LightningCLI reads sys.argv itself (and does not warn about explicit args)
     return 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from lightning_avgpipe.elastic import check_alpha
 from lightning_avgpipe.partition import check_partition
 from lightning_avgpipe.schedules import check_schedule_name
 
@@ -23,6 +24,12 @@ class PipelineConfig:
     advance_forwards: int = 0
     # "balanced" (profiled time), "parameters", "uniform", or a list of layer counts per stage.
     partition: str | Sequence[int] = "balanced"
+    # N parallel pipelines (replicas per stage) tied by elastic averaging; 1 is plain pipeline training.
+    num_pipelines: int = 1
+    # Share of the distance to the reference each replica moves per step; None: 1 / (N x groups).
+    elastic_alpha: float | None = None
+    # Finish the reference update (an all-reduce across groups) inside the step instead of overlapping it.
+    sync_reference: bool = False
     # Seconds a point-to-point wait may block before the job fails with a message (collectives use it too).
     timeout: float = field(default=1800.0)
 
@@ -43,6 +50,11 @@ class PipelineConfig:
         if not isinstance(self.partition, str):
             object.__setattr__(self, "partition", tuple(self.partition))
         check_partition(self.partition, num_stages=None if isinstance(self.partition, str) else self.num_stages)
+        n = self.num_pipelines
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"num_pipelines={n!r} must be an int >= 1 (1 = plain pipeline training).")
+        if self.elastic_alpha is not None:
+            check_alpha(self.elastic_alpha)
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
             raise ValueError(f"timeout={self.timeout!r} must be a positive number of seconds.")
 

@@ -73,10 +73,12 @@ class ElasticAveraging:
         self.synchronous = synchronous
         self.trivial = share_first and num_replicas * num_groups == 1
         self.replicas: list[list[nn.Module]] = (
-            [self.reference] if self.trivial else [[copy.deepcopy(m) for m in self.reference] for _ in range(num_replicas)]
+            [self.reference]
+            if self.trivial
+            else [[copy.deepcopy(m) for m in self.reference] for _ in range(num_replicas)]
         )
         self._ref_params = [p for m in self.reference for p in m.parameters()]
-        self._offsets: list[list[Tensor]] | None = None
+        self._offsets: list[Any] | None = None
         self._pending: tuple[Any, Tensor] | None = None
 
     # -- parameters --------------------------------------------------------------------------------------------
@@ -168,9 +170,16 @@ class ElasticAveraging:
         """Per replica, ``‖w_n - w_ref‖² `` and ``‖w_ref‖²`` summed over this stage (add across stages, then sqrt)."""
         with torch.no_grad():
             ref = [p.detach().float() for p in self._ref_params]
-            ref_sq = sum((p * p).sum() for p in ref) if ref else torch.zeros(())
+            ref_sq = _sum_sq(ref)
             out = []
             for n in range(self.num_replicas):
                 diff = torch._foreach_sub([p.detach().float() for p in self.replica_params(n)], ref) if ref else []
-                out.append(torch.stack([sum((d * d).sum() for d in diff) if diff else torch.zeros(()), ref_sq]))
+                out.append(torch.stack([_sum_sq(diff), ref_sq]))
         return out
+
+
+def _sum_sq(tensors: Sequence[Tensor]) -> Tensor:
+    total = torch.zeros((), dtype=torch.float32, device=tensors[0].device if tensors else None)
+    for t in tensors:
+        total = total + (t * t).sum()
+    return total

@@ -87,6 +87,7 @@ def _worker(
         ("afab", [2, 1, 2, 1], 6),
         ("1f1b", [2, 2, 1, 1], 2),
         ("advance", [2, 1, 1, 2], 4),
+        ("1f1b", [3, 3], 1),
     ],
 )
 def test_pipeline_matches_plain_training(schedule: str, partition: list[int], m: int) -> None:

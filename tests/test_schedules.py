@@ -338,6 +338,23 @@ def test_rejects_a_receive_after_its_compute() -> None:
     assert "stage 1: 1F0 comes before 1RF0" in errors
 
 
+def test_rejects_a_gradient_receive_before_its_forward() -> None:
+    """The gradient buffer is shaped like the unit's output: it cannot be posted before that forward ran."""
+    plan = _base()
+    actions = [a for a in plan.stages[0] if a != Action(0, Kind.RECV_B, 0)]
+    actions.insert(0, Action(0, Kind.RECV_B, 0))
+    errors = _errors_of(_replace_stage(plan, 0, actions))
+    assert "stage 0: 0RB0 comes before 0F0" in errors
+
+
+@pytest.mark.parametrize("S", [2, 3, 4])
+def test_one_unit_posts_gradient_receives_after_the_forward(S: int) -> None:
+    plan = validate_plan(build_plan("1f1b", S, 1))
+    for s in range(S - 1):
+        acts = [str(a) for a in plan.stages[s]]
+        assert acts.index(f"{s}F0") < acts.index(f"{s}RB0") < acts.index(f"{s}B0")
+
+
 def test_rejects_a_send_before_its_compute() -> None:
     plan = _base()
     actions = [a for a in plan.stages[1] if a != Action(1, Kind.SEND_B, 3)]

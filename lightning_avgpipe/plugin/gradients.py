@@ -1,4 +1,4 @@
-"""Gradient clipping by the global norm over every stage of a pipeline."""
+"""Gradient clipping by the global norm over every stage of a pipeline, one norm per replica."""
 
 from __future__ import annotations
 
@@ -10,21 +10,24 @@ import torch.distributed as dist
 from torch import Tensor
 
 
-def clip_grad_norm_across(params: Sequence[Tensor], max_norm: float, group: Any = None) -> Tensor:
-    """Scale gradients so the 2-norm over all stages' parameters is at most ``max_norm``; returns that norm.
+def clip_grad_norm_across(param_sets: Sequence[Sequence[Tensor]], max_norm: float, group: Any = None) -> Tensor:
+    """Clip each set's gradients to a 2-norm of at most ``max_norm`` over all stages; returns the norms.
 
-    Same arithmetic as ``torch.nn.utils.clip_grad_norm_`` on the unsplit model: the squared norms of every stage
-    are summed (one all-reduce over the pipeline group) before the common clip coefficient is applied.
+    Each set is one replica's parameters on this stage. The arithmetic is ``torch.nn.utils.clip_grad_norm_`` on
+    the unsplit model: the squared norms of every stage are summed (one all-reduce over the pipeline group for
+    all sets at once) before each set's clip coefficient is applied.
     """
-    grads = [p.grad for p in params if p.grad is not None]
-    device = grads[0].device if grads else torch.device("cpu")
-    local = torch.zeros((), dtype=torch.float32, device=device)
-    for g in grads:
-        local += g.detach().float().pow(2).sum()
+    grads = [[p.grad for p in params if p.grad is not None] for params in param_sets]
+    device = next((g[0].device for g in grads if g), torch.device("cpu"))
+    local = torch.zeros(len(grads), dtype=torch.float32, device=device)
+    for i, gs in enumerate(grads):
+        for g in gs:
+            local[i] += g.detach().float().pow(2).sum()
     if dist.is_available() and dist.is_initialized() and (group is None or dist.get_world_size(group) > 1):
         dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
     total = local.sqrt()
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:
-        g.detach().mul_(coef.to(g.dtype))
+    for i, gs in enumerate(grads):
+        for g in gs:
+            g.detach().mul_(coef[i].to(g.dtype))
     return total

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -31,14 +32,18 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_avgpipe import microbatch
 from lightning_avgpipe.config import PipelineConfig
+from lightning_avgpipe.elastic import ElasticAveraging
 from lightning_avgpipe.partition import partition_layers
 from lightning_avgpipe.plugin.bridge import Anchor, Elsewhere, Guard, StepBridge, guard_layers, replay_logs
 from lightning_avgpipe.plugin.contract import PipelineContractError, locate, pipeline_inputs, pipeline_layers
+from lightning_avgpipe.plugin.data import GroupedBatches
 from lightning_avgpipe.plugin.gradients import clip_grad_norm_across
+from lightning_avgpipe.plugin.optim import ElasticOptimizer, clone_optimizer
 from lightning_avgpipe.runtime import Link, StageExecutor
 from lightning_avgpipe.schedules import Plan, build_plan, validate_plan
 
@@ -65,6 +70,14 @@ class AvgPipeStrategy(ParallelStrategy):
             even out forward+backward time (falls back to ``"parameters"`` without an example input);
             ``"parameters"`` evens out parameter bytes; ``"uniform"`` layer counts; or a list of layer counts per
             stage, e.g. ``[3, 5]``.
+        num_pipelines: N parallel pipelines: every stage process holds its stage of N replicas, each training on
+            its own batch of the DataLoader's size B, tied to a reference model by elastic averaging. One
+            iteration then carries N x M micro-batches (bubble (S-1)/(N·M+S-1)) without a bigger batch for any
+            replica, at the cost of N weight copies and optimizer states per stage. 1 is plain pipeline training.
+        elastic_alpha: how far each replica moves toward the reference per step; ``None`` is 1/(N x groups).
+            Lower it if replicas should explore more, raise it (at most 1) to keep them closer.
+        sync_reference: finish the reference update across pipeline groups inside the step; by default the
+            all-reduce overlaps the next iteration (the reference is at most one iteration stale).
         timeout: seconds a collective or a point-to-point wait may block before the job fails with a message.
         process_group_backend: ``"gloo"`` or ``"nccl"``; ``None`` picks by device.
     """
@@ -78,6 +91,9 @@ class AvgPipeStrategy(ParallelStrategy):
         schedule: str = "1f1b",
         advance_forwards: int = 0,
         partition: str | list[int] = "balanced",
+        num_pipelines: int = 1,
+        elastic_alpha: float | None = None,
+        sync_reference: bool = False,
         timeout: float = 1800.0,
         process_group_backend: str | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
@@ -99,6 +115,9 @@ class AvgPipeStrategy(ParallelStrategy):
             schedule=schedule,
             advance_forwards=advance_forwards,
             partition=partition,
+            num_pipelines=num_pipelines,
+            elastic_alpha=elastic_alpha,
+            sync_reference=sync_reference,
             timeout=timeout,
         )
         self._process_group_backend = process_group_backend
@@ -117,6 +136,11 @@ class AvgPipeStrategy(ParallelStrategy):
         self._full_keys: list[str] = []
         self._full_batch: int | None = None
         self._example_input: Any = None
+        self._owned: list[nn.Module] = []
+        self._replica_fns: list[Any] = []
+        self._stage_group: Any = None
+        self._elastic: ElasticAveraging | None = None
+        self._step_started: float | None = None
 
     # -- topology ------------------------------------------------------------------------------------------------
     @property
@@ -174,6 +198,15 @@ class AvgPipeStrategy(ParallelStrategy):
         return list(self._partition)
 
     @property
+    def num_groups(self) -> int:
+        """D, the pipeline groups (data-parallel degree): world size / stages."""
+        return self.world_size // self.num_stages
+
+    @property
+    def num_pipelines(self) -> int:
+        return self.config.num_pipelines
+
+    @property
     def num_microbatches(self) -> int:
         return self.config.microbatches_for(self.num_stages)
 
@@ -181,7 +214,7 @@ class AvgPipeStrategy(ParallelStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # All stages of a pipeline group read the same batches; only groups get distinct shards.
-        return {"num_replicas": self.world_size // self.num_stages, "rank": self.group_index}
+        return {"num_replicas": self.num_groups, "rank": self.group_index}
 
     @property
     def process_group_backend(self) -> str | None:
@@ -224,17 +257,20 @@ class AvgPipeStrategy(ParallelStrategy):
                 f"num_stages divides (for example {stages * max(1, world // stages)}), or change num_stages."
             )
         groups = world // stages
-        if groups > 1:
-            raise NotImplementedError(
-                f"devices x num_nodes = {world} with num_stages={stages} makes {groups} pipeline groups; several "
-                f"groups (D > 1) are not supported yet. Use num_stages={world}."
-            )
         self._num_stages = stages
-        for d in range(groups):  # every rank must create every group, in the same order
+        timeout = timedelta(seconds=self.config.timeout)
+        # Every rank must create every group, in the same order. Pipeline group d: the S ranks of group d (p2p and
+        # the loss broadcast); stage group s: the D ranks holding stage s (averaging reference updates).
+        for d in range(groups):
             ranks = list(range(d * stages, (d + 1) * stages))
-            group = dist.new_group(ranks, timeout=timedelta(seconds=self.config.timeout)) if world > 1 else None
+            group = dist.new_group(ranks, timeout=timeout) if world > 1 else None
             if d == self.group_index:
                 self._pipeline_group, self._pipeline_ranks = group, ranks
+        for s in range(stages):
+            ranks = [d * stages + s for d in range(groups)]
+            group = dist.new_group(ranks, timeout=timeout) if world > 1 else None
+            if s == self.stage:
+                self._stage_group = group
 
     # -- setup ---------------------------------------------------------------------------------------------------
     @override
@@ -248,6 +284,8 @@ class AvgPipeStrategy(ParallelStrategy):
             self._split(module)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        if self._elastic is None:
+            self._make_replicas()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -308,8 +346,8 @@ class AvgPipeStrategy(ParallelStrategy):
             f"num_microbatches={self.num_microbatches}."
         )
         self._hook_handles = guard_layers({names[id(m)]: m for m in owned}, self._guard)
-        self._stage_params = [p for layer in owned for p in layer.parameters()]
-        if not self._stage_params:
+        self._owned = owned
+        if not any(True for layer in owned for _ in layer.parameters()):
             module._avgpipe_anchor = Anchor()  # a parameter-free stage still builds the user's optimizer
         ranks = self._pipeline_ranks
         link = (
@@ -323,19 +361,54 @@ class AvgPipeStrategy(ParallelStrategy):
             else None
         )
 
-        def stage_fn(x: Any) -> Any:
-            for layer in owned:
-                x = layer(x)
-            return x
-
-        self._executor = StageExecutor(stage, stages, stage_fn, link)
+        self._executor = StageExecutor(stage, stages, _sequential(owned), link)
         self._bridge = StepBridge(module, self._guard)
+        for metric in module.modules():
+            if isinstance(metric, Metric):  # mirrored on every stage: sync each pipeline group's state once
+                metric.process_group = self._stage_group
+
+    def _make_replicas(self) -> None:
+        """Stage ``s`` of the N replicas, copies of the reference (the module's own layers) on this device."""
+        cfg = self.config
+        self._elastic = ElasticAveraging(
+            self._owned, cfg.num_pipelines, self.num_groups, cfg.elastic_alpha, self._stage_group, cfg.sync_reference
+        )
+        self._stage_params = self._elastic.all_replica_params()
+        if not self._elastic.trivial:
+            rank_zero_info(
+                f"AvgPipe: {cfg.num_pipelines} parallel pipelines x {self.num_groups} groups, elastic alpha "
+                f"{self._elastic.alpha:g}, reference update {'synchronous' if cfg.sync_reference else 'overlapped'}."
+            )
+
+        self._replica_fns = [_sequential(layers) for layers in self._elastic.replicas]
+
+    @property
+    def elastic(self) -> ElasticAveraging:
+        """The replicas and reference of this stage (after setup)."""
+        if self._elastic is None:
+            raise RuntimeError("AvgPipeStrategy creates the replicas in setup(); they do not exist yet.")
+        return self._elastic
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        super().setup_optimizers(trainer)
+        elastic = self.elastic
+        if elastic.trivial:
+            return
+        user = self.optimizers[0]
+        clones = [
+            clone_optimizer(user, elastic.replica_params(n), elastic.reference_params)
+            for n in range(elastic.num_replicas)
+        ]
+        self.optimizers = [ElasticOptimizer(user, clones, elastic)]
 
     def _install_global_clipping(self) -> None:
         group = self._pipeline_group
 
         def clip_grad_by_norm(optimizer: Optimizer, clip_val: int | float) -> None:
-            clip_grad_norm_across(list(self.precision_plugin.main_params(optimizer)), float(clip_val), group)
+            elastic = self.elastic
+            sets = [elastic.replica_params(n) for n in range(elastic.num_replicas)]
+            clip_grad_norm_across(sets, float(clip_val), group)
 
         self.precision_plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
 
@@ -372,16 +445,33 @@ class AvgPipeStrategy(ParallelStrategy):
         micro = microbatch.split(batch, m)
         return micro, [microbatch.batch_size(mb) / size for mb in micro]
 
-    def _run(self, hook: str, batch: Any, args: Sequence[Any], training: bool) -> tuple[dict[int, Any], Any]:
+    def _run(self, hook: str, batch: Any, args: Sequence[Any], training: bool) -> dict[int, Any]:
+        """Run one batch (training: N batches, one per replica) through the pipeline; last stage: unit -> value.
+
+        Units are (replica, micro-batch) pairs, replica-major. In training a unit's loss is weighted by its share
+        of its replica's batch (each replica's gradient is its own batch mean); what is logged or reported is
+        weighted by its share of all N batches (the mean over replicas).
+        """
         assert self._executor is not None and self._bridge is not None
         module = self._module
-        micro, weights = self._microbatches(batch, training)
+        replicas = self.num_pipelines if training else 1
+        batches = batch if replicas > 1 else [batch]
+        if len(batches) != replicas:
+            raise RuntimeError(f"expected {replicas} batches (one per parallel pipeline), got {len(batches)}")
+        micro: list[Any] = []
+        weights: list[float] = []
+        owner: list[int] = []
+        for n, b in enumerate(batches):
+            parts, shares = self._microbatches(b, training)
+            micro += parts
+            weights += shares
+            owner += [n] * len(parts)
         keys = [(hook, microbatch.signature(mb)) for mb in micro]
         bridge = self._bridge
         accumulate = module.trainer.accumulate_grad_batches if training else 1
 
         def head(u: int, output: Any) -> Any:
-            out = bridge.call_step(hook, output, micro[u], weights[u], *args)
+            out = bridge.call_step(hook, output, micro[u], weights[u] / replicas, *args)
             if not training:
                 return out
             loss = out.get("loss") if isinstance(out, Mapping) else out
@@ -405,8 +495,9 @@ class AvgPipeStrategy(ParallelStrategy):
             inputs=lambda u: pipeline_inputs(module, micro[u]),
             head=head,
             forward_context=context,
+            stage_fn_for=(lambda u: self._replica_fns[owner[u]]) if training else None,
         )
-        return results, weights
+        return results
 
     def _share(self, payload: Any) -> Any:
         """Broadcast ``payload`` from this pipeline's last stage to its other stages."""
@@ -417,14 +508,42 @@ class AvgPipeStrategy(ParallelStrategy):
         return box[0]
 
     @override
+    def process_dataloader(self, dataloader: object) -> object:
+        # Each training iteration gives every one of the N pipelines its own batch of the user's size B.
+        module = self.lightning_module
+        if self.num_pipelines > 1 and module is not None and module.trainer.training:
+            return GroupedBatches(dataloader, self.num_pipelines)
+        return dataloader
+
+    def _log_progress(self, batch: Any) -> None:
+        """Log samples/s (over the last iteration) and, with replicas, their divergence from the reference."""
+        module = self._module
+        now = time.perf_counter()
+        batches = batch if self.num_pipelines > 1 else [batch]
+        if self._step_started is not None and now > self._step_started:
+            samples = sum(microbatch.batch_size(b) for b in batches) * self.num_groups
+            module.log("avgpipe/samples_per_sec", samples / (now - self._step_started), on_step=True, on_epoch=False)
+        self._step_started = now
+        elastic = self.elastic
+        if elastic.trivial:
+            return
+        sums = torch.stack(elastic.divergence())  # (N, 2): ‖w_n - w_ref‖², ‖w_ref‖² on this stage
+        if self.num_stages > 1:
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self._pipeline_group)
+        divergence = sums[:, 0].sqrt() / sums[:, 1].sqrt().clamp_min(1e-12)
+        module.log("avgpipe/divergence", divergence.mean(), on_step=True, on_epoch=False)
+        module.log("avgpipe/divergence_max", divergence.max(), on_step=True, on_epoch=False)
+
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         batch, rest = args[0], args[1:]
         params = self._stage_params
         saved = [p.grad for p in params]
         for p in params:
             p.grad = None
+        self._log_progress(batch)
         try:
-            results, _ = self._run("training_step", batch, rest, training=True)
+            results = self._run("training_step", batch, rest, training=True)
         finally:
             # Lightning zeroes gradients after training_step; keep this step's apart until backward() adds them.
             self._grad_stash = [p.grad for p in params]
@@ -433,7 +552,7 @@ class AvgPipeStrategy(ParallelStrategy):
         payload = None
         if self._executor is not None and self._executor.is_last:
             accumulate = self._module.trainer.accumulate_grad_batches
-            loss = torch.stack([r.float() for r in results.values()]).sum() * accumulate
+            loss = torch.stack([r.float() for r in results.values()]).sum() * accumulate / self.num_pipelines
             payload = (loss.cpu(), self._bridge.take_logs() if self._bridge else [])
         loss, logs = self._share(payload)
         replay_logs(self._module, logs, self.root_device)
@@ -460,7 +579,9 @@ class AvgPipeStrategy(ParallelStrategy):
         return closure_loss
 
     def _eval(self, hook: str, args: Sequence[Any], share_output: bool) -> Any:
-        results, _ = self._run(hook, args[0], args[1:], training=False)
+        if self._elastic is not None:
+            self._elastic.wait()  # evaluate the up-to-date reference
+        results = self._run(hook, args[0], args[1:], training=False)
         payload = None
         output = None
         if self._executor is not None and self._executor.is_last:
@@ -507,9 +628,18 @@ class AvgPipeStrategy(ParallelStrategy):
     def reduce(
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor | Any:
+        # Every stage of a pipeline holds the same (mirrored) logged values: reduce over the D ranks that hold this
+        # stage, so self.log(..., sync_dist=True) counts each pipeline group once, whatever reduce_fx is.
         if isinstance(tensor, Tensor):
+            group = group if group is not None else self._stage_group
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        flag = torch.tensor(int(decision), device=self.root_device)
+        flag = _sync_ddp_if_available(flag, None, reduce_op="sum")
+        return bool(flag == self.world_size) if all else bool(flag)
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
     def _gather(self, obj: Any) -> list[Any] | None:
@@ -524,8 +654,9 @@ class AvgPipeStrategy(ParallelStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The unsplit model's state dict, under its own names, assembled on rank 0 (empty elsewhere)."""
-        assert self.lightning_module is not None
-        local = {k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()}
+        if self._elastic is not None:
+            self._elastic.wait()  # the checkpoint holds the up-to-date reference
+        local = {k: v.detach().cpu() for k, v in self._module.state_dict().items()}
         parts = self._gather(local)
         if parts is None:
             return {}
@@ -539,42 +670,72 @@ class AvgPipeStrategy(ParallelStrategy):
         ordered.update(merged)
         return ordered
 
+    @property
+    def _layout(self) -> dict[str, Any]:
+        return {
+            "stages": self.num_stages,
+            "groups": self.num_groups,
+            "pipelines": self.num_pipelines,
+            "partition": self.partition,
+        }
+
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """Every stage's optimizer state, gathered on rank 0 as ``{"avgpipe_stages": [...], "partition": [...]}``."""
+        """Every rank's optimizer state (and its replicas' weights when N·D > 1), gathered on rank 0.
+
+        Saved as ``{"avgpipe_layout": {...}, "avgpipe_ranks": [per global rank {"optim", "replicas"}]}`` so a
+        resume with the same layout continues exactly.
+        """
         inner = getattr(optimizer, "_optimizer", optimizer)
-        parts = self._gather(inner.state_dict())
+        elastic = self.elastic
+        replicas = (
+            []
+            if elastic.trivial
+            else [[_cpu(m.state_dict()) for m in layers] for layers in elastic.replicas]
+        )
+        entry = {"optim": inner.state_dict(), "replicas": replicas}
+        if self.world_size == 1:
+            parts: list[Any] | None = [entry]
+        else:
+            parts = [None] * self.world_size if self.is_global_zero else None
+            dist.gather_object(entry, parts, dst=0)
         if parts is None:
             return {}
-        return {"avgpipe_stages": parts, "partition": self.partition}
+        return {"avgpipe_layout": self._layout, "avgpipe_ranks": parts}
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        assert self.lightning_module is not None
+        module = self._module
         full = checkpoint["state_dict"]
-        local_keys = self.lightning_module.state_dict().keys()
+        local_keys = module.state_dict().keys()
         missing = [k for k in local_keys if k not in full]
         if strict and missing:
             raise KeyError(
                 f"The checkpoint lacks {missing[:5]} that stage {self.stage} holds; it was saved from another model."
             )
-        self.lightning_module.load_state_dict({k: full[k] for k in local_keys if k in full}, strict=False)
+        module.load_state_dict({k: full[k] for k in local_keys if k in full}, strict=False)
+        self.elastic.reset_replicas()  # replicas restart from the loaded reference unless the checkpoint has them
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         states = checkpoint.get("optimizer_states", [])
         for optimizer, state in zip(self.optimizers, states):
-            if "avgpipe_stages" not in state:
+            if "avgpipe_layout" not in state:
                 raise ValueError(
-                    "This checkpoint was not saved by AvgPipeStrategy; its optimizer state cannot be split by stage."
+                    "This checkpoint's optimizer state was not saved by AvgPipeStrategy and cannot be split by stage; "
+                    "load its weights with MyModule.load_from_checkpoint(path) and start a new fit instead."
                 )
-            if list(state["partition"]) != self.partition:
+            if state["avgpipe_layout"] != self._layout:
                 rank_zero_info(
-                    f"AvgPipe: the checkpoint's partition {state['partition']} differs from {self.partition}; "
-                    "optimizer state is not restored (weights are)."
+                    f"AvgPipe: the checkpoint's layout {state['avgpipe_layout']} differs from {self._layout}; the "
+                    "weights are restored, the replicas start from the reference and optimizer states start fresh."
                 )
                 continue
-            optimizer.load_state_dict(state["avgpipe_stages"][self.stage])
+            entry = state["avgpipe_ranks"][self.global_rank]
+            optimizer.load_state_dict(entry["optim"])
+            for layers, saved in zip(self.elastic.replicas, entry["replicas"]):
+                for layer, layer_state in zip(layers, saved):
+                    layer.load_state_dict(layer_state)
         _optimizers_to_device(self.optimizers, self.root_device)
 
     @override
@@ -618,3 +779,14 @@ def _cpu(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(_cpu(v) for v in obj)
     return obj
+
+
+def _sequential(layers: Sequence[nn.Module]) -> Any:
+    """The layers applied in order (what nn.Sequential does, without registering them anywhere)."""
+
+    def stage_fn(x: Any) -> Any:
+        for layer in layers:
+            x = layer(x)
+        return x
+
+    return stage_fn

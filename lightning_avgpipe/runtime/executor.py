@@ -43,6 +43,7 @@ class StageExecutor:
         inputs: Callable[[int], Any] | None = None,
         head: HeadFn | None = None,
         forward_context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+        stage_fn_for: Callable[[int], StageFn] | None = None,
     ) -> dict[int, Any]:
         """Run ``actions`` for units ``0..len(keys)-1``.
 
@@ -54,6 +55,7 @@ class StageExecutor:
             head: on the last stage, ``(unit, output) -> value``. In training the value must be the scalar loss
                 to backpropagate for that unit (already weighted); in evaluation it is returned as is.
             forward_context: entered around every forward (autocast, for example).
+            stage_fn_for: unit -> the layers that run it (a replica's), instead of the executor's ``stage_fn``.
 
         Returns:
             On the last stage, unit -> the head's value (detached in training); elsewhere an empty dict.
@@ -78,7 +80,7 @@ class StageExecutor:
                         assert link is not None
                         x = link.wait_activations(u, training)
                     with forward_context():
-                        y = self.stage_fn(x)
+                        y = (stage_fn_for(u) if stage_fn_for is not None else self.stage_fn)(x)
                         if self.is_last:  # the loss / user step runs in the same context (autocast) as the model
                             assert head is not None, "the last stage needs a head"
                             value = head(u, y)

@@ -94,21 +94,29 @@ def lower(compute: Sequence[Action], num_stages: int) -> list[Action]:
     """
     out: list[Action] = []
     posted: set[Action] = set()
+    forwarded: set[int] = set()
 
     def post(action: Action) -> None:
         recv = _recv_for(action, num_stages)
-        if recv is not None and recv not in posted:
-            posted.add(recv)
-            out.append(recv)
+        if recv is None or recv in posted:
+            return
+        if recv.kind is Kind.RECV_B and recv.unit not in forwarded:
+            return  # a gradient buffer is shaped like the unit's output: post it after that forward
+        posted.add(recv)
+        out.append(recv)
 
     for i, action in enumerate(compute):
         post(action)
         if i + 1 < len(compute):
             post(compute[i + 1])
         out.append(action)
+        if action.kind is Kind.FORWARD:
+            forwarded.add(action.unit)
         send = _send_for(action, num_stages)
         if send is not None:
             out.append(send)
+        if i + 1 < len(compute):
+            post(compute[i + 1])  # the next backward's receive, once its forward has run
     return out
 
 
