@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,9 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_avgpipe import AvgPipeStrategy
-from tests.helpers.lit import PipeNet, loader
+from torch.utils.data import DataLoader, Subset
+
+from tests.helpers.lit import PipeNet, dataset, loader
 
 
 class Recorder(pl.Callback):
@@ -21,6 +24,21 @@ class Recorder(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self.losses.append(float(outputs["loss"]) * trainer.accumulate_grad_batches)
+
+
+def group_loader(cfg: dict[str, Any], batch_size: int = 12) -> DataLoader:
+    """Pipeline group d's batches: batches d, d + D, d + 2D, ... of the dataset in order (no shuffling).
+
+    With D = 1 that is every batch in order, so N parallel pipelines in one group see exactly the batches that
+    D groups of one pipeline each see (replica n <-> group n).
+    """
+    stages = cfg["strategy"].get("num_stages") or cfg["devices"]
+    groups = cfg["devices"] // stages
+    d = int(os.environ.get("LOCAL_RANK", "0")) // stages
+    data = dataset()
+    count = len(data) // batch_size
+    indices = [i for b in range(d, count, groups) for i in range(b * batch_size, (b + 1) * batch_size)]
+    return DataLoader(Subset(data, indices), batch_size=batch_size, shuffle=False)
 
 
 def main(cfg: dict[str, Any]) -> None:
@@ -46,9 +64,12 @@ def main(cfg: dict[str, Any]) -> None:
                                          save_top_k=-1)
         )
     trainer_kwargs.update(cfg.get("trainer", {}))
-    trainer = pl.Trainer(**trainer_kwargs)
     bs = cfg.get("batch_size", 12)
-    trainer.fit(model, loader(bs), loader(bs) if cfg.get("limit_val_batches") else None,
+    if cfg.get("group_data"):
+        trainer_kwargs["use_distributed_sampler"] = False
+    trainer = pl.Trainer(**trainer_kwargs)
+    train_loader = group_loader(cfg, bs) if cfg.get("group_data") else loader(bs)
+    trainer.fit(model, train_loader, loader(bs) if cfg.get("limit_val_batches") else None,
                 ckpt_path=cfg.get("ckpt_path"))
     trainer.save_checkpoint(out / "final.ckpt")
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}

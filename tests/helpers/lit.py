@@ -121,3 +121,50 @@ def evaluate(state: dict[str, torch.Tensor], batch_size: int = 12) -> tuple[floa
         logits = torch.cat([layers(x) for x, _ in loader(batch_size)])
     y = dataset().tensors[1]
     return F.cross_entropy(logits, y).item(), (logits.argmax(-1) == y).float().mean().item(), logits
+
+
+def epoch_batches(epoch: int, batch_size: int = 12) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One epoch of training batches in the order Lightning's DistributedSampler(seed=0, num_replicas=1) gives."""
+    data = dataset()
+    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(epoch)).tolist()
+    return [(data.tensors[0][order[i : i + batch_size]], data.tensors[1][order[i : i + batch_size]])
+            for i in range(0, len(order), batch_size)]
+
+
+def reference_elastic(
+    steps: int, m: int, pipelines: int, lr: float = 0.1, optimizer: str = "sgd", batch_size: int = 12,
+) -> tuple[list[float], dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
+    """AvgPipe on one process: N replicas, each on its own consecutive batch, their own optimizer, then the rule.
+
+    Returns the per-iteration loss (mean over replicas), the reference's state and every replica's state.
+    """
+    from lightning_avgpipe.elastic import ElasticAveraging
+
+    layers = list(make_layers())
+    elastic = ElasticAveraging(layers, num_replicas=pipelines)
+    opts = [build_optimizer(elastic.replica_params(n), lr, optimizer, False) for n in range(pipelines)]
+    losses: list[float] = []
+    epoch = 0
+    while len(losses) < steps:
+        batches = epoch_batches(epoch, batch_size)
+        for t in range(len(batches) // pipelines):
+            if len(losses) == steps:
+                break
+            total = 0.0
+            for n in range(pipelines):
+                x, y = batches[t * pipelines + n]
+                opts[n].zero_grad()
+                net = nn.Sequential(*elastic.replicas[n])
+                for mx, my in zip(microbatch.split(x, m), microbatch.split(y, m)):
+                    loss = F.cross_entropy(net(mx), my) * (len(mx) / len(x))
+                    loss.backward()
+                    total += loss.item() / pipelines
+            elastic.begin_step()
+            for opt in opts:
+                opt.step()
+            elastic.finish_step()
+            losses.append(total)
+        epoch += 1
+    ref = {f"layers.{k}": v for k, v in nn.Sequential(*layers).state_dict().items()}
+    reps = [{f"layers.{k}": v for k, v in nn.Sequential(*r).state_dict().items()} for r in elastic.replicas]
+    return losses, ref, reps
