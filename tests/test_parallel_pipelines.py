@@ -72,3 +72,25 @@ def test_two_groups_equal_two_pipelines_in_one_group(tmp_path: Path, sync: bool)
     # each group's loss is its own pipeline's; their mean is the N = 2 run's loss
     losses_b = torch.tensor([b[0]["losses"], b[2]["losses"]]).mean(0)
     torch.testing.assert_close(losses_b, torch.tensor(a[0]["losses"]))
+
+
+def test_resume_with_replicas_is_exact_and_another_layout_starts_from_the_reference(tmp_path: Path) -> None:
+    model = {"optimizer": "adam", "lr": 0.01}
+    strategy: dict[str, Any] = {"num_microbatches": 2, "partition": [3, 3], "num_pipelines": 2}
+    straight = tmp_path / "straight"
+    full = run_lightning(straight, 2, strategy, steps=4, model=model, every_n_train_steps=2)
+    midway = straight / "every" / "epoch=0-step=2.ckpt"
+    resumed = tmp_path / "resumed"
+    rest = run_lightning(resumed, 2, strategy, steps=4, model=model, ckpt_path=str(midway))
+    assert rest[0]["losses"] == full[0]["losses"][2:]
+    a, b = final_state(straight), final_state(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    ra, rb = replicas_from_checkpoint(straight / "final.ckpt"), replicas_from_checkpoint(resumed / "final.ckpt")
+    for rank in ra:
+        for la, lb in zip(ra[rank], rb[rank]):
+            for sa, sb in zip(la, lb):
+                assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    # another N: weights restored, replicas restart from the reference, and the run says so
+    other = run_lightning(tmp_path / "other", 2, {**strategy, "num_pipelines": 3}, steps=3, model=model,
+                          ckpt_path=str(midway))
+    assert "the replicas start from the reference" in other[0]["output"]

@@ -19,7 +19,7 @@ def run_lightning(tmp_path: Path, devices: int, strategy: dict[str, Any], steps:
     results = launch_ranks(["-m", "tests.helpers.lightning_worker", json.dumps(cfg)], devices, timeout=300)
     failed = [f"rank {r} exited {code}:\n{out[-3000:]}" for r, (code, out) in enumerate(results) if code != 0]
     assert not failed, "\n".join(failed)
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(devices)]
+    return [dict(json.loads((tmp_path / f"rank{r}.json").read_text()), output=results[r][1]) for r in range(devices)]
 
 
 def final_state(tmp_path: Path) -> dict[str, torch.Tensor]:
