@@ -1,0 +1,96 @@
+"""The documentation builds with ``mkdocs build --strict``, and every schedule command it quotes runs as shown."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+COMMAND = "python -m lightning_avgpipe schedule"
+# A quoted command ends at the end of its line or at the closing backtick of inline code.
+_COMMAND_RE = re.compile(re.escape(COMMAND) + r"[^`\n]*")
+_FENCE_RE = re.compile(r"^```[^\n]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
+
+
+def _pages() -> list[Path]:
+    return sorted(DOCS.glob("*.md"))
+
+
+def quoted_commands() -> list[str]:
+    """Every distinct ``python -m lightning_avgpipe schedule ...`` command in the docs, in order of appearance."""
+    seen: dict[str, None] = {}
+    for page in _pages():
+        for match in _COMMAND_RE.finditer(page.read_text()):
+            seen[match.group(0).strip()] = None
+    return list(seen)
+
+
+def transcripts() -> list[tuple[str, str, str]]:
+    """Fenced blocks that start with ``$ python -m lightning_avgpipe schedule ...``: (page, command, output)."""
+    found = []
+    for page in _pages():
+        for block in _FENCE_RE.finditer(page.read_text()):
+            first, _, rest = block.group(1).partition("\n")
+            if first.startswith("$ " + COMMAND):
+                found.append((page.name, first[2:].strip(), rest))
+    return found
+
+
+@cache
+def run_command(command: str) -> subprocess.CompletedProcess[str]:
+    """Run a quoted command from the repository root with this interpreter (once per distinct command)."""
+    argv = shlex.split(command)
+    assert argv[0] == "python", command
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    return subprocess.run(
+        [sys.executable, *argv[1:]], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def _lines(text: str) -> list[str]:
+    return [line.rstrip() for line in text.rstrip().splitlines()]
+
+
+def test_mkdocs_build_strict(tmp_path: Path) -> None:
+    pytest.importorskip("mkdocs", reason="mkdocs is not installed; `pip install -e .[docs]` to build the docs")
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(ROOT / "mkdocs.yml"),
+         "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    warnings = [line for line in (proc.stdout + proc.stderr).splitlines() if "WARNING" in line]
+    assert not warnings, "\n".join(warnings)
+    assert (tmp_path / "site" / "index.html").exists()
+
+
+def test_docs_quote_schedule_commands() -> None:
+    assert quoted_commands(), f"no `{COMMAND}` found in {DOCS}"
+    assert transcripts(), f"no fenced `$ {COMMAND}` transcript found in {DOCS}"
+
+
+@pytest.mark.parametrize("command", quoted_commands(), ids=lambda c: c[len(COMMAND) :].strip() or "defaults")
+def test_quoted_schedule_command_runs(command: str) -> None:
+    proc = run_command(command)
+    assert proc.returncode == 0, f"`{command}` exited {proc.returncode}:\n{proc.stderr[-3000:]}"
+
+
+@pytest.mark.parametrize(
+    ("page", "command", "output"), transcripts(), ids=[f"{p}:{c[len(COMMAND):].strip()}" for p, c, _ in transcripts()]
+)
+def test_quoted_schedule_output_is_current(page: str, command: str, output: str) -> None:
+    """The output pasted under a command is what the command prints today (trailing spaces aside)."""
+    proc = run_command(command)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _lines(proc.stdout) == _lines(output), (
+        f"{page}: the output quoted under `{command}` is out of date; paste the current output:\n{proc.stdout}"
+    )
