@@ -19,11 +19,12 @@ background load on a shared machine hits all rows alike. The first ``--warmup`` 
 timed from a barrier to the end of ``optimizer.step()`` on each rank; the step time is the slowest rank's.
 
 Pipeline efficiency = ideal step time / measured step time, where the ideal is the slowest stage's compute alone:
-each round also runs a *compute probe* in which both ranks at once run their own stage's layers (a private copy,
-with its own AdamW) forward and backward over all micro-batches and then the optimizer step, without any
-communication (stage inputs and output gradients are precomputed). The ideal ignores the pipeline bubble, so even
-a perfect 1F1B with balanced stages is bounded by M / (M + S - 1). The single-process row has no pipeline and
-its efficiency is reported as n/a (``null`` in JSON).
+each round also runs a *compute probe* per stage in which that rank alone (the other one idles) runs its own
+stage's layers (a private copy, with its own AdamW) forward and backward over all micro-batches and then the
+optimizer step, without any communication (stage inputs and output gradients are precomputed). The same probe with
+both stages computing at once is reported too (it shows how much the two ranks slow each other down on this
+machine). The ideal ignores the pipeline bubble, so even a perfect 1F1B with balanced stages is bounded by
+M / (M + S - 1). The single-process row has no pipeline and its efficiency is reported as n/a (``null`` in JSON).
 
 Correctness is checked, not assumed: every row's first-step loss (same weights, same data) must match the
 single-process loss within float tolerance, and ours-1f1b and torch-1f1b must agree on the first step; the final
@@ -68,7 +69,9 @@ LABELS = {
     "torch-gpipe": "torch.distributed.pipelining ScheduleGPipe",
     "single": "single process, grad accumulation",
 }
-PROBE = "probe"  # the per-stage compute-only measurement behind the ideal step time
+# the per-stage compute-only measurements behind the ideal step time: each stage alone (the other rank idles),
+# and both stages at once (as in the pipeline, sharing the machine)
+PROBES = tuple(f"probe-solo-{r}" for r in range(WORLD)) + ("probe-both",)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -79,7 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--batch-size", type=int, default=32, help="samples per optimizer step")
     p.add_argument("--microbatches", type=int, default=4, help="micro-batches per step (must divide the batch)")
-    p.add_argument("--steps", type=int, default=40, help="timed steps per row")
+    p.add_argument("--steps", type=int, default=60, help="timed steps per row")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per row before the timed ones")
     p.add_argument("--n-layer", type=int, default=4, help="transformer blocks")
     p.add_argument("--n-embd", type=int, default=128, help="embedding width")
@@ -305,16 +308,20 @@ def rank_main(rank: int, args: argparse.Namespace, data: Tensor, vocab_size: int
     probe = Probe(base, start, count, rank, args, batches[0])
 
     times: dict[str, list[float]] = {name: [] for name in ROWS}
-    probe_times: list[tuple[float, float]] = []
+    probe_times: dict[str, list[tuple[float, float]]] = {"solo": [], "both": []}
     losses: dict[str, list[float | None]] = {name: [] for name in ROWS}
-    names = [*ROWS, PROBE]
+    names = [*ROWS, *PROBES]
     for i in range(total):
         shift = i % len(names)
         for name in names[shift:] + names[:shift]:  # rotate so no row always runs right after the same one
             dist.barrier()
             t0 = time.perf_counter()
-            if name == PROBE:
-                probe_times.append(probe.run())
+            if name == "probe-both":
+                probe_times["both"].append(probe.run())
+                continue
+            if name.startswith("probe-solo-"):
+                if name == f"probe-solo-{rank}":
+                    probe_times["solo"].append(probe.run())
                 continue
             rows[name].step(i)
             times[name].append(time.perf_counter() - t0)
@@ -403,16 +410,22 @@ def summarise(args: argparse.Namespace, per_rank: list[dict[str, Any]], vocab_si
     step_times = {
         name: [max(r["times"][name][i] for r in per_rank) for i in range(w, w + args.steps)] for name in ROWS
     }
-    stages = []
-    for r in per_rank:
-        fb = [t[0] for t in r["probe"][w:]]
-        opt = [t[1] for t in r["probe"][w:]]
-        both = [a + b for a, b in zip(fb, opt, strict=True)]
-        stages.append({"stage": r["rank"], "layers": args.partition[r["rank"]], "fwd_bwd_s": statistics.median(fb),
-                       "optimizer_s": statistics.median(opt), "compute_s": statistics.median(both)})
+    def stage_costs(kind: str) -> list[dict[str, Any]]:
+        stages = []
+        for r in per_rank:
+            fb = [t[0] for t in r["probe"][kind][w:]]
+            opt = [t[1] for t in r["probe"][kind][w:]]
+            total = [a + b for a, b in zip(fb, opt, strict=True)]
+            stages.append({"stage": r["rank"], "layers": args.partition[r["rank"]],
+                           "fwd_bwd_s": statistics.median(fb), "optimizer_s": statistics.median(opt),
+                           "compute_s": statistics.median(total)})
+        return stages
+
+    stages, stages_both = stage_costs("solo"), stage_costs("both")
     ideal = max(s["compute_s"] for s in stages)
+    ideal_both = max(s["compute_s"] for s in stages_both)
     # paired estimates: within one round all rows ran back to back, so per-round ratios cancel slow load drifts
-    ideal_per_round = [max(sum(r["probe"][i]) for r in per_rank) for i in range(w, w + args.steps)]
+    ideal_per_round = [max(sum(r["probe"]["solo"][i]) for r in per_rank) for i in range(w, w + args.steps)]
 
     def loss_of(name: str, i: int) -> float:
         owner = 0 if name == "single" else WORLD - 1
@@ -440,6 +453,7 @@ def summarise(args: argparse.Namespace, per_rank: list[dict[str, Any]], vocab_si
                 t / u for t, u in zip(step_times["torch-1f1b"], step_times[name], strict=True)),
             "paired_pipeline_efficiency": None if name == "single" else statistics.median(
                 a / u for a, u in zip(ideal_per_round, step_times[name], strict=True)),
+            "pipeline_efficiency_vs_both_stages_at_once": None if name == "single" else ideal_both / medians[name],
             "first_step_loss": loss_of(name, 0),
             "final_loss": loss_of(name, args.warmup + args.steps - 1),
         })
@@ -465,8 +479,10 @@ def summarise(args: argparse.Namespace, per_rank: list[dict[str, Any]], vocab_si
         "ideal": {
             "step_s": ideal,
             "definition": "max over stages of the median (forward+backward over all micro-batches + optimizer "
-                          "step) of that stage's layers alone, both stages running at once, no communication",
+                          "step) of that stage's layers alone: no communication, the other rank idle",
             "stages": stages,
+            "step_s_both_stages_at_once": ideal_both,
+            "stages_both_at_once": stages_both,
             "bubble_bound_1f1b": m / (m + s - 1),
         },
         "checks": {
@@ -502,14 +518,18 @@ def format_table(summary: dict[str, Any]) -> str:
             f"{r['speedup_vs_single']:9.3f}x {fmt(r['pipeline_efficiency']):>9} "
             f"{fmt(r['paired_pipeline_efficiency']):>9}"
         )
-    stage_txt = ", ".join(
-        f"stage {s['stage']} ({s['layers']} layers) {s['fwd_bwd_s'] * 1e3:.1f} + {s['optimizer_s'] * 1e3:.1f} ms"
-        for s in ideal["stages"]
-    )
+    def stage_txt(stages: list[dict[str, Any]]) -> str:
+        return ", ".join(
+            f"stage {s['stage']} ({s['layers']} layers) {s['fwd_bwd_s'] * 1e3:.1f} + {s['optimizer_s'] * 1e3:.1f} ms"
+            for s in stages
+        )
+
     lines += [
         "",
-        f"ideal step (slowest stage's compute alone: fwd+bwd over all micro-batches + AdamW): "
-        f"{ideal['step_s'] * 1e3:.1f} ms  [{stage_txt}]",
+        f"ideal step = slowest stage's compute alone (fwd+bwd over all micro-batches + AdamW, no communication, "
+        f"other rank idle): {ideal['step_s'] * 1e3:.1f} ms  [{stage_txt(ideal['stages'])}]",
+        f"  (both stages computing at once, no communication: {ideal['step_s_both_stages_at_once'] * 1e3:.1f} ms  "
+        f"[{stage_txt(ideal['stages_both_at_once'])}])",
         f"samples/s, vs torch 1F1B, vs single and pipe eff (= ideal / step) use median step times; (paired) = "
         f"median over rounds of the same ratio within one round. single: pipe eff n/a (no pipeline). 1F1B with "
         f"perfectly balanced stages is bounded by M/(M+S-1) = {ideal['bubble_bound_1f1b']:.2f}.",
