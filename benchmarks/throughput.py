@@ -1,6 +1,6 @@
 """Throughput of this project's pipeline runtime against torch.distributed.pipelining and plain training.
 
-    PYTHONPATH=. python benchmarks/throughput.py                      # defaults: about 1-2 minutes on 2 CPU cores
+    PYTHONPATH=. python benchmarks/throughput.py                      # defaults: about 1 minute on 2 idle CPU cores
     PYTHONPATH=. python benchmarks/throughput.py --steps 20 --json runs/throughput.json
 
 One invocation spawns 2 gloo ranks (1 thread each) that train the same character GPT (``examples/char_gpt.py``)
@@ -150,7 +150,7 @@ def _adamw(params: list[nn.Parameter], args: argparse.Namespace) -> torch.optim.
 
 
 class Row:
-    """One way of training; ``step(i)`` runs optimizer step ``i`` on this rank and returns nothing timed-relevant."""
+    """One way of training: ``step(i)`` runs optimizer step ``i`` (batch ``i``) on this rank."""
 
     def step(self, i: int) -> None:
         raise NotImplementedError
