@@ -1,0 +1,567 @@
+"""Throughput of this project's pipeline runtime against torch.distributed.pipelining and plain training.
+
+    PYTHONPATH=. python benchmarks/throughput.py                      # defaults: about 1 minute on 2 idle CPU cores
+    PYTHONPATH=. python benchmarks/throughput.py --steps 20 --json runs/throughput.json
+
+One invocation spawns 2 gloo ranks (1 thread each) that train the same character GPT (``examples/char_gpt.py``)
+from the same initial weights, on the same batches, split into the same micro-batches, with the same layer
+partition and AdamW doing real optimizer steps, with:
+
+- ``ours-1f1b``   this project's ``StageExecutor`` + ``Link`` running ``build_plan("1f1b", ...)``
+- ``ours-afab``   the same runtime running ``build_plan("afab", ...)``
+- ``torch-1f1b``  ``torch.distributed.pipelining.Schedule1F1B`` over a hand-built ``PipelineStage`` per rank
+- ``torch-gpipe`` ``torch.distributed.pipelining.ScheduleGPipe`` over the same stages
+- ``single``      the whole model in one process (rank 0, 1 thread) with gradient accumulation over the same
+                  micro-batches; the other rank idles meanwhile
+
+Rows are interleaved: every round runs one training step of every row (in a rotating order), so a burst of
+background load on a shared machine hits all rows alike. The first ``--warmup`` rounds are not timed. A step is
+timed from a barrier to the end of ``optimizer.step()`` on each rank; the step time is the slowest rank's.
+
+Pipeline efficiency = ideal step time / measured step time, where the ideal is the slowest stage's compute alone:
+each round also runs a *compute probe* per stage in which that rank alone (the other one idles) runs its own
+stage's layers (a private copy, with its own AdamW) forward and backward over all micro-batches and then the
+optimizer step, without any communication (stage inputs and output gradients are precomputed). The same probe with
+both stages computing at once is reported too (it shows how much the two ranks slow each other down on this
+machine). The ideal ignores the pipeline bubble, so even a perfect 1F1B with balanced stages is bounded by
+M / (M + S - 1). The single-process row has no pipeline and its efficiency is reported as n/a (``null`` in JSON).
+
+Correctness is checked, not assumed: every row's first-step loss (same weights, same data) must match the
+single-process loss within float tolerance, and ours-1f1b and torch-1f1b must agree on the first step; the final
+losses and the largest weight difference between ours-1f1b and torch-1f1b after all steps are reported. The
+script exits with status 1 when a check fails (after printing the table).
+
+Absolute times are noise on a shared machine; compare the ratios of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import io
+import json
+import math
+import os
+import socket
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: make `examples` and this checkout's package importable
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+import torch.nn.functional as F  # noqa: E402, N812
+from torch import Tensor, nn  # noqa: E402
+
+WORLD = 2
+ROWS = ("ours-1f1b", "ours-afab", "torch-1f1b", "torch-gpipe", "single")
+LABELS = {
+    "ours-1f1b": "lightning_avgpipe 1F1B (StageExecutor)",
+    "ours-afab": "lightning_avgpipe AFAB (StageExecutor)",
+    "torch-1f1b": "torch.distributed.pipelining Schedule1F1B",
+    "torch-gpipe": "torch.distributed.pipelining ScheduleGPipe",
+    "single": "single process, grad accumulation",
+}
+# the per-stage compute-only measurements behind the ideal step time: each stage alone (the other rank idles),
+# and both stages at once (as in the pipeline, sharing the machine)
+PROBES = tuple(f"probe-solo-{r}" for r in range(WORLD)) + ("probe-both",)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# arguments and data
+# ---------------------------------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--batch-size", type=int, default=32, help="samples per optimizer step")
+    p.add_argument("--microbatches", type=int, default=4, help="micro-batches per step (must divide the batch)")
+    p.add_argument("--steps", type=int, default=60, help="timed steps per row")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per row before the timed ones")
+    p.add_argument("--n-layer", type=int, default=4, help="transformer blocks")
+    p.add_argument("--n-embd", type=int, default=128, help="embedding width")
+    p.add_argument("--n-head", type=int, default=4, help="attention heads")
+    p.add_argument("--block-size", type=int, default=64, help="context length in characters")
+    p.add_argument("--partition", default=None,
+                   help="layers per stage, e.g. '3,3' (Embed + blocks + Head = n_layer + 2 layers); default: "
+                        "Embed and the first half of the blocks on stage 0, the rest and the Head on stage 1")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--corpus-chars", type=int, default=200_000, help="characters of stdlib docstrings to sample from")
+    p.add_argument("--rtol", type=float, default=1e-5, help="relative tolerance of the first-step loss checks")
+    p.add_argument("--timeout", type=float, default=900.0, help="kill the ranks after this many seconds")
+    p.add_argument("--json", dest="json_path", default=None, help="also write the figures to this JSON file")
+    args = p.parse_args(argv)
+    n_layers = args.n_layer + 2
+    if args.partition is None:
+        first = 1 + args.n_layer // 2
+        args.partition = [first, n_layers - first]
+    else:
+        args.partition = [int(v) for v in str(args.partition).split(",")]
+    if len(args.partition) != WORLD or sum(args.partition) != n_layers or min(args.partition) < 1:
+        p.error(f"--partition must be {WORLD} positive counts summing to n_layer + 2 = {n_layers}, "
+                f"got {args.partition}")
+    if args.batch_size % args.microbatches:
+        p.error(f"--microbatches={args.microbatches} must divide --batch-size={args.batch_size} (torch's schedules "
+                "and ours would otherwise weight uneven micro-batches differently)")
+    if args.microbatches < WORLD:
+        p.error(f"--microbatches must be >= {WORLD} (torch's Schedule1F1B needs at least one per stage)")
+    if args.steps < 1 or args.warmup < 0:
+        p.error("--steps must be >= 1 and --warmup >= 0")
+    if args.n_embd % args.n_head:
+        p.error("--n-embd must be a multiple of --n-head")
+    return args
+
+
+def make_batches(data: Tensor, block_size: int, batch_size: int, count: int, seed: int) -> list[tuple[Tensor, Tensor]]:
+    """``count`` batches of random windows of the corpus: inputs ``(B, T)`` and next-character targets."""
+    g = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(count):
+        starts = torch.randint(0, len(data) - block_size - 1, (batch_size,), generator=g)
+        x = torch.stack([data[s : s + block_size] for s in starts.tolist()])
+        y = torch.stack([data[s + 1 : s + block_size + 1] for s in starts.tolist()])
+        batches.append((x, y))
+    return batches
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# one rank
+# ---------------------------------------------------------------------------------------------------------------
+def _apply(layers: list[nn.Module], x: Any) -> Any:
+    for layer in layers:
+        x = layer(x)
+    return x
+
+
+def _ce(logits: Tensor, y: Tensor) -> Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def _adamw(params: list[nn.Parameter], args: argparse.Namespace) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+
+
+class Row:
+    """One way of training: ``step(i)`` runs optimizer step ``i`` (batch ``i``) on this rank."""
+
+    def step(self, i: int) -> None:
+        raise NotImplementedError
+
+    def loss(self) -> float | None:
+        """The last step's loss where this rank knows it (the last stage; rank 0 for ``single``)."""
+        return None
+
+
+class OursRow(Row):
+    def __init__(self, schedule: str, own: list[nn.Module], rank: int, args: argparse.Namespace,
+                 batches: list[tuple[Tensor, Tensor]]) -> None:
+        from lightning_avgpipe import microbatch
+        from lightning_avgpipe.runtime import Link, StageExecutor
+        from lightning_avgpipe.schedules import build_plan, validate_plan
+
+        self.own, self.batches, self.rank = own, batches, rank
+        self.m = args.microbatches
+        self.split, self.signature = microbatch.split, microbatch.signature
+        self.opt = _adamw([p for layer in own for p in layer.parameters()], args)
+        link = Link(rank - 1 if rank > 0 else None, rank + 1 if rank < WORLD - 1 else None, torch.device("cpu"))
+        self.executor = StageExecutor(rank, WORLD, lambda x: _apply(own, x), link)
+        self.actions = validate_plan(build_plan(schedule, WORLD, self.m)).stages[rank]
+        self._results: dict[int, Tensor] = {}
+
+    def step(self, i: int) -> None:
+        x, y = self.batches[i]
+        mbs = self.split((x, y), self.m)
+        keys = [self.signature(mb) for mb in mbs]
+
+        def head(u: int, out: Tensor) -> Tensor:
+            return _ce(out, mbs[u][1]) * (len(mbs[u][1]) / len(y))
+
+        self.opt.zero_grad(set_to_none=True)
+        self._results = self.executor.run(self.actions, keys, training=True, inputs=lambda u: mbs[u][0], head=head)
+        self.opt.step()
+
+    def loss(self) -> float | None:
+        return float(sum(r.item() for r in self._results.values())) if self._results else None
+
+
+class TorchRow(Row):
+    def __init__(self, schedule: str, own: list[nn.Module], rank: int, args: argparse.Namespace,
+                 batches: list[tuple[Tensor, Tensor]]) -> None:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        self.batches, self.rank = batches, rank
+        self.module = nn.Sequential(*own)
+        self.opt = _adamw(list(self.module.parameters()), args)
+        stage = PipelineStage(self.module, rank, WORLD, torch.device("cpu"))
+        cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule]
+        # loss_fn averages over a micro-batch; scale_grads=True divides the summed gradients by M: the batch mean.
+        self.schedule = cls(stage, n_microbatches=args.microbatches, loss_fn=_ce, scale_grads=True)
+        self._losses: list[Tensor] = []
+
+    def step(self, i: int) -> None:
+        x, y = self.batches[i]
+        self.opt.zero_grad(set_to_none=True)
+        if self.rank == 0:
+            self.schedule.step(x, return_outputs=False)
+        elif self.rank == WORLD - 1:
+            self._losses = []
+            self.schedule.step(target=y, losses=self._losses, return_outputs=False)
+        else:  # pragma: no cover - WORLD == 2
+            self.schedule.step(return_outputs=False)
+        self.opt.step()
+
+    def loss(self) -> float | None:
+        return float(torch.stack([v.detach() for v in self._losses]).mean()) if self._losses else None
+
+
+class SingleRow(Row):
+    """Plain training of the whole model with gradient accumulation; only rank 0 works."""
+
+    def __init__(self, layers: list[nn.Module], rank: int, args: argparse.Namespace,
+                 batches: list[tuple[Tensor, Tensor]]) -> None:
+        self.active = rank == 0
+        self.model = nn.Sequential(*layers)
+        self.opt = _adamw(list(self.model.parameters()), args)
+        self.batches, self.m = batches, args.microbatches
+        self._loss: float | None = None
+
+    def step(self, i: int) -> None:
+        if not self.active:
+            return
+        x, y = self.batches[i]
+        self.opt.zero_grad(set_to_none=True)
+        total = torch.zeros(())
+        for mx, my in zip(torch.tensor_split(x, self.m), torch.tensor_split(y, self.m), strict=True):
+            loss = _ce(self.model(mx), my) * (len(my) / len(y))
+            loss.backward()
+            total += loss.detach()
+        self.opt.step()
+        self._loss = float(total)
+
+    def loss(self) -> float | None:
+        return self._loss
+
+
+class Probe:
+    """This rank's stage compute alone: forward+backward of all micro-batches, then AdamW, no communication."""
+
+    def __init__(self, layers: list[nn.Module], start: int, count: int, rank: int, args: argparse.Namespace,
+                 batch: tuple[Tensor, Tensor]) -> None:
+        self.own = copy.deepcopy(layers[start : start + count])
+        self.opt = _adamw([p for layer in self.own for p in layer.parameters()], args)
+        self.is_first, self.is_last = rank == 0, rank == WORLD - 1
+        x, y = batch
+        self.targets = list(torch.tensor_split(y, args.microbatches))
+        self.scale = 1.0 / args.microbatches
+        with torch.no_grad():  # the stage's real inputs, computed by the upstream layers of the (untrained) model
+            self.inputs = [_apply(layers[:start], mx) for mx in torch.tensor_split(x, args.microbatches)]
+            outs = [_apply(self.own, inp) for inp in self.inputs]
+        g = torch.Generator().manual_seed(args.seed + 7)
+        self.out_grads = [torch.randn(o.shape, generator=g) * 1e-3 for o in outs]
+
+    def run(self) -> tuple[float, float]:
+        """Seconds of forward+backward over all micro-batches, and of the optimizer step."""
+        t0 = time.perf_counter()
+        self.opt.zero_grad(set_to_none=True)
+        for u, inp in enumerate(self.inputs):
+            if not self.is_first:
+                inp = inp.detach().requires_grad_(True)  # the pipeline computes the input gradient to send back
+            out = _apply(self.own, inp)
+            if self.is_last:
+                (_ce(out, self.targets[u]) * self.scale).backward()
+            else:
+                out.backward(self.out_grads[u])
+        t1 = time.perf_counter()
+        self.opt.step()
+        return t1 - t0, time.perf_counter() - t1
+
+
+def rank_main(rank: int, args: argparse.Namespace, data: Tensor, vocab_size: int) -> dict[str, Any]:
+    from examples.char_gpt import GPTConfig, gpt_layers
+
+    cfg = GPTConfig(vocab_size=vocab_size, block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
+                    n_embd=args.n_embd, dropout=0.0)
+    torch.manual_seed(args.seed)
+    base = list(gpt_layers(cfg))  # identical on every rank: same seed, same construction order
+    total = args.warmup + args.steps
+    batches = make_batches(data, args.block_size, args.batch_size, total, args.seed + 1)
+    start, count = sum(args.partition[:rank]), args.partition[rank]
+
+    def own_copy() -> list[nn.Module]:
+        return copy.deepcopy(base)[start : start + count]
+
+    rows: dict[str, Row] = {
+        "ours-1f1b": OursRow("1f1b", own_copy(), rank, args, batches),
+        "ours-afab": OursRow("afab", own_copy(), rank, args, batches),
+        "torch-1f1b": TorchRow("1f1b", own_copy(), rank, args, batches),
+        "torch-gpipe": TorchRow("gpipe", own_copy(), rank, args, batches),
+        "single": SingleRow(copy.deepcopy(base), rank, args, batches),
+    }
+    probe = Probe(base, start, count, rank, args, batches[0])
+
+    times: dict[str, list[float]] = {name: [] for name in ROWS}
+    probe_times: dict[str, list[tuple[float, float]]] = {"solo": [], "both": []}
+    losses: dict[str, list[float | None]] = {name: [] for name in ROWS}
+    names = [*ROWS, *PROBES]
+    for i in range(total):
+        shift = i % len(names)
+        for name in names[shift:] + names[:shift]:  # rotate so no row always runs right after the same one
+            dist.barrier()
+            t0 = time.perf_counter()
+            if name == "probe-both":
+                probe_times["both"].append(probe.run())
+                continue
+            if name.startswith("probe-solo-"):
+                if name == f"probe-solo-{rank}":
+                    probe_times["solo"].append(probe.run())
+                continue
+            rows[name].step(i)
+            times[name].append(time.perf_counter() - t0)
+            losses[name].append(rows[name].loss())
+    dist.barrier()
+
+    # ours-1f1b vs torch-1f1b: the same stage, trained by two runtimes from the same weights on the same data
+    ours = [p for layer in rows["ours-1f1b"].own for p in layer.parameters()]  # type: ignore[attr-defined]
+    theirs = list(rows["torch-1f1b"].module.parameters())  # type: ignore[attr-defined]
+    with torch.no_grad():
+        diff = max((float((a - b).abs().max()) for a, b in zip(ours, theirs, strict=True)), default=0.0)
+    return {"rank": rank, "times": times, "probe": probe_times, "losses": losses, "param_diff": diff}
+
+
+def _entry(rank: int, port: int, args: argparse.Namespace, data: Tensor, vocab_size: int, queue: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # already set
+        pass
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+        result = rank_main(rank, args, data, vocab_size)
+        buf = io.BytesIO()
+        torch.save(result, buf)
+        queue.put((rank, "ok", buf.getvalue()))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch(args: argparse.Namespace, data: Tensor, vocab_size: int) -> list[dict[str, Any]]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(r, port, args, data, vocab_size, queue)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    results: dict[int, dict[str, Any]] = {}
+    errors: list[str] = []
+    deadline = time.monotonic() + args.timeout
+    try:
+        while len(results) + len(errors) < WORLD:
+            if not queue.empty():
+                rank, status, payload = queue.get()
+                if status == "ok":
+                    results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+                else:
+                    errors.append(f"rank {rank}:\n{payload}")
+                    deadline = min(deadline, time.monotonic() + 20.0)  # the other rank should fail fast now
+                continue
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the ranks did not finish within {args.timeout:.0f}s (done: {sorted(results)})")
+            if any(p.exitcode not in (None, 0) for p in procs):
+                time.sleep(0.5)
+                if queue.empty():
+                    raise RuntimeError(f"a rank died without a result (exit codes {[p.exitcode for p in procs]}); "
+                                       f"errors: {errors}")
+            time.sleep(0.02)
+        if errors:
+            raise RuntimeError("\n".join(errors))
+        return [results[r] for r in range(WORLD)]
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# figures
+# ---------------------------------------------------------------------------------------------------------------
+def summarise(args: argparse.Namespace, per_rank: list[dict[str, Any]], vocab_size: int) -> dict[str, Any]:
+    w = args.warmup
+    # step time of a row = the slowest rank's time for that step
+    step_times = {
+        name: [max(r["times"][name][i] for r in per_rank) for i in range(w, w + args.steps)] for name in ROWS
+    }
+    def stage_costs(kind: str) -> list[dict[str, Any]]:
+        stages = []
+        for r in per_rank:
+            fb = [t[0] for t in r["probe"][kind][w:]]
+            opt = [t[1] for t in r["probe"][kind][w:]]
+            total = [a + b for a, b in zip(fb, opt, strict=True)]
+            stages.append({"stage": r["rank"], "layers": args.partition[r["rank"]],
+                           "fwd_bwd_s": statistics.median(fb), "optimizer_s": statistics.median(opt),
+                           "compute_s": statistics.median(total)})
+        return stages
+
+    stages, stages_both = stage_costs("solo"), stage_costs("both")
+    ideal = max(s["compute_s"] for s in stages)
+    ideal_both = max(s["compute_s"] for s in stages_both)
+    # paired estimates: within one round all rows ran back to back, so per-round ratios cancel slow load drifts
+    ideal_per_round = [max(sum(r["probe"]["solo"][i]) for r in per_rank) for i in range(w, w + args.steps)]
+
+    def loss_of(name: str, i: int) -> float:
+        owner = 0 if name == "single" else WORLD - 1
+        value = per_rank[owner]["losses"][name][i]
+        assert value is not None, f"{name} has no loss on rank {owner}"
+        return float(value)
+
+    medians = {name: statistics.median(ts) for name, ts in step_times.items()}
+    sps = {name: args.batch_size / medians[name] for name in ROWS}
+    rows = []
+    for name in ROWS:
+        rows.append({
+            "name": name,
+            "label": LABELS[name],
+            "step_s_median": medians[name],
+            "step_s_min": min(step_times[name]),
+            "step_s_max": max(step_times[name]),
+            "step_s": step_times[name],
+            "samples_per_s": sps[name],
+            "ratio_to_torch_1f1b": sps[name] / sps["torch-1f1b"],
+            "speedup_vs_single": sps[name] / sps["single"],
+            # the single process has no pipeline: its efficiency is not defined here (null), not 1.0
+            "pipeline_efficiency": None if name == "single" else ideal / medians[name],
+            "paired_ratio_to_torch_1f1b": statistics.median(
+                t / u for t, u in zip(step_times["torch-1f1b"], step_times[name], strict=True)),
+            "paired_pipeline_efficiency": None if name == "single" else statistics.median(
+                a / u for a, u in zip(ideal_per_round, step_times[name], strict=True)),
+            "pipeline_efficiency_vs_both_stages_at_once": None if name == "single" else ideal_both / medians[name],
+            "first_step_loss": loss_of(name, 0),
+            "final_loss": loss_of(name, args.warmup + args.steps - 1),
+        })
+
+    first = {row["name"]: row["first_step_loss"] for row in rows}
+
+    def close(a: float, b: float) -> bool:
+        return math.isclose(a, b, rel_tol=args.rtol, abs_tol=args.rtol)
+
+    mismatches = [name for name in ROWS if not close(first[name], first["single"])]
+    if not close(first["ours-1f1b"], first["torch-1f1b"]):
+        mismatches.append("ours-1f1b vs torch-1f1b")
+    m, s = args.microbatches, WORLD
+    return {
+        "config": {
+            "world_size": WORLD, "threads_per_rank": 1, "batch_size": args.batch_size, "microbatches": m,
+            "steps": args.steps, "warmup": args.warmup, "n_layer": args.n_layer, "n_embd": args.n_embd,
+            "n_head": args.n_head, "block_size": args.block_size, "vocab_size": vocab_size,
+            "partition": args.partition, "optimizer": "AdamW", "lr": args.lr, "weight_decay": args.weight_decay,
+            "seed": args.seed, "torch": torch.__version__,
+        },
+        "rows": rows,
+        "ideal": {
+            "step_s": ideal,
+            "definition": "max over stages of the median (forward+backward over all micro-batches + optimizer "
+                          "step) of that stage's layers alone: no communication, the other rank idle",
+            "stages": stages,
+            "step_s_both_stages_at_once": ideal_both,
+            "stages_both_at_once": stages_both,
+            "bubble_bound_1f1b": m / (m + s - 1),
+        },
+        "checks": {
+            "first_step_loss": first,
+            "rtol": args.rtol,
+            "max_param_diff_ours_vs_torch_1f1b": max(r["param_diff"] for r in per_rank),
+            "ok": not mismatches,
+            "mismatches": mismatches,
+        },
+    }
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    c, ideal, checks = summary["config"], summary["ideal"], summary["checks"]
+    lines = [
+        f"GPT n_layer={c['n_layer']} n_embd={c['n_embd']} n_head={c['n_head']} block_size={c['block_size']} "
+        f"vocab={c['vocab_size']} | batch {c['batch_size']} in {c['microbatches']} micro-batches | "
+        f"{c['world_size']} gloo ranks x 1 thread, partition {c['partition']} | AdamW | "
+        f"{c['steps']} timed steps after {c['warmup']} warm-up, interleaved | torch {c['torch']}",
+        "",
+        f"{'row':<12} {'step ms':>8} {'(min-max)':>11} {'samples/s':>10} {'vs torch 1F1B':>14} {'(paired)':>9} "
+        f"{'vs single':>10} {'pipe eff':>9} {'(paired)':>9}",
+    ]
+
+    def fmt(value: float | None) -> str:
+        return "n/a" if value is None else f"{value:.2f}"
+
+    for r in summary["rows"]:
+        spread = f"({r['step_s_min'] * 1e3:.0f}-{r['step_s_max'] * 1e3:.0f})"
+        lines.append(
+            f"{r['name']:<12} {r['step_s_median'] * 1e3:8.1f} {spread:>11} {r['samples_per_s']:10.1f} "
+            f"{r['ratio_to_torch_1f1b']:13.3f}x {r['paired_ratio_to_torch_1f1b']:8.3f}x "
+            f"{r['speedup_vs_single']:9.3f}x {fmt(r['pipeline_efficiency']):>9} "
+            f"{fmt(r['paired_pipeline_efficiency']):>9}"
+        )
+    def stage_txt(stages: list[dict[str, Any]]) -> str:
+        return ", ".join(
+            f"stage {s['stage']} ({s['layers']} layers) {s['fwd_bwd_s'] * 1e3:.1f} + {s['optimizer_s'] * 1e3:.1f} ms"
+            for s in stages
+        )
+
+    lines += [
+        "",
+        f"ideal step = slowest stage's compute alone (fwd+bwd over all micro-batches + AdamW, no communication, "
+        f"other rank idle): {ideal['step_s'] * 1e3:.1f} ms  [{stage_txt(ideal['stages'])}]",
+        f"  (both stages computing at once, no communication: {ideal['step_s_both_stages_at_once'] * 1e3:.1f} ms  "
+        f"[{stage_txt(ideal['stages_both_at_once'])}])",
+        f"samples/s, vs torch 1F1B, vs single and pipe eff (= ideal / step) use median step times; (paired) = "
+        f"median over rounds of the same ratio within one round. single: pipe eff n/a (no pipeline). 1F1B with "
+        f"perfectly balanced stages is bounded by M/(M+S-1) = {ideal['bubble_bound_1f1b']:.2f}.",
+        "first-step loss: " + ", ".join(f"{k} {v:.6f}" for k, v in checks["first_step_loss"].items()),
+        "final loss:      " + ", ".join(f"{r['name']} {r['final_loss']:.6f}" for r in summary["rows"]),
+        f"max |w_ours-1f1b - w_torch-1f1b| after all steps: {checks['max_param_diff_ours_vs_torch_1f1b']:.2e}",
+        "correctness: " + ("OK (first-step losses agree within rtol "
+                           f"{checks['rtol']:g})" if checks["ok"] else f"MISMATCH {checks['mismatches']}"),
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from examples.text_data import encode, stdlib_docstrings
+
+    text = stdlib_docstrings(args.corpus_chars)
+    data, chars = encode(text)
+    if len(data) < args.block_size + 2:
+        raise SystemExit(f"the corpus has {len(data)} characters, fewer than block_size + 2")
+    started = time.perf_counter()
+    per_rank = launch(args, data, len(chars))
+    summary = summarise(args, per_rank, len(chars))
+    summary["wall_s"] = time.perf_counter() - started
+    print(format_table(summary))
+    if args.json_path:
+        path = Path(args.json_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(summary, indent=2) + "\n")
+        print(f"wrote {path}")
+    return 0 if summary["checks"]["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

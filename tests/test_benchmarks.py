@@ -1,0 +1,39 @@
+"""Smoke test of benchmarks/throughput.py: it runs end to end and writes every row. No timing assertions."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ROWS = {"ours-1f1b", "ours-afab", "torch-1f1b", "torch-gpipe", "single"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_throughput_benchmark_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "throughput.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    cmd = [
+        sys.executable, str(ROOT / "benchmarks" / "throughput.py"),
+        "--steps", "2", "--warmup", "1", "--n-layer", "2", "--n-embd", "16", "--n-head", "2", "--block-size", "8",
+        "--batch-size", "4", "--microbatches", "2", "--corpus-chars", "20000", "--timeout", "100", "--json", str(out),
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "samples/s" in proc.stdout
+    summary = json.loads(out.read_text())
+    rows = {row["name"]: row for row in summary["rows"]}
+    assert set(rows) == ROWS
+    for name, row in rows.items():
+        assert row["samples_per_s"] > 0, name
+        assert len(row["step_s"]) == 2, name
+        assert (row["pipeline_efficiency"] is None) == (name == "single"), name
+    assert rows["torch-1f1b"]["ratio_to_torch_1f1b"] == pytest.approx(1.0)
+    assert summary["ideal"]["step_s"] > 0
+    assert summary["checks"]["ok"], summary["checks"]
