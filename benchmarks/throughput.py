@@ -1,7 +1,7 @@
 """Throughput of this project's pipeline runtime against torch.distributed.pipelining and plain training.
 
-    PYTHONPATH=. python benchmarks/throughput.py                      # defaults: about 1 minute on 2 idle CPU cores
-    PYTHONPATH=. python benchmarks/throughput.py --steps 20 --json runs/throughput.json
+    PYTHONPATH=. python benchmarks/throughput.py                      # defaults: about 1.5 minutes on 2 idle CPU cores
+    PYTHONPATH=. python benchmarks/throughput.py --steps 20 --pipelines 1,2 --json runs/throughput.json
 
 One invocation spawns 2 gloo ranks (1 thread each) that train the same character GPT (``examples/char_gpt.py``)
 from the same initial weights, on the same batches, split into the same micro-batches, with the same layer
@@ -13,10 +13,17 @@ partition and AdamW doing real optimizer steps, with:
 - ``torch-gpipe`` ``torch.distributed.pipelining.ScheduleGPipe`` over the same stages
 - ``single``      the whole model in one process (rank 0, 1 thread) with gradient accumulation over the same
                   micro-batches; the other rank idles meanwhile
+- ``avgpipe-N``   AvgPipe with N parallel pipelines (``--pipelines``, default 1,2,4): the same executor running
+                  ``build_plan("1f1b", 2, N*M)`` over N*M units (replica-major: unit n*M + m is replica n's micro-batch
+                  m, run through replica n's layers via ``stage_fn_for``), N replicas per stage tied by
+                  ``ElasticAveraging`` (alpha = 1/N; N = 1 is the trivial case, the replica is the reference), one
+                  AdamW per replica (``clone_optimizer``); each step consumes N batches of the same size B as the
+                  other rows, then ``begin_step()``, the N optimizer steps, ``finish_step()``
 
 Rows are interleaved: every round runs one training step of every row (in a rotating order), so a burst of
 background load on a shared machine hits all rows alike. The first ``--warmup`` rounds are not timed. A step is
-timed from a barrier to the end of ``optimizer.step()`` on each rank; the step time is the slowest rank's.
+timed from a barrier to the end of ``optimizer.step()`` (for avgpipe rows: of ``finish_step()``) on each rank; the
+step time is the slowest rank's. samples/s = samples per step (B, or N*B for avgpipe-N) / median step time.
 
 Pipeline efficiency = ideal step time / measured step time, where the ideal is the slowest stage's compute alone:
 each round also runs a *compute probe* per stage in which that rank alone (the other one idles) runs its own
@@ -25,11 +32,18 @@ optimizer step, without any communication (stage inputs and output gradients are
 both stages computing at once is reported too (it shows how much the two ranks slow each other down on this
 machine). The ideal ignores the pipeline bubble, so even a perfect 1F1B with balanced stages is bounded by
 M / (M + S - 1). The single-process row has no pipeline and its efficiency is reported as n/a (``null`` in JSON).
+For avgpipe-N the ideal is N times the probe (N*M units' forward+backward and N optimizer steps) plus the elastic
+update (``begin_step()`` + ``finish_step()`` on a private N-replica copy of the stage, timed in the same solo slot);
+the 1F1B bubble bound becomes N*M / (N*M + S - 1).
 
 Correctness is checked, not assumed: every row's first-step loss (same weights, same data) must match the
 single-process loss within float tolerance, and ours-1f1b and torch-1f1b must agree on the first step; the final
-losses and the largest weight difference between ours-1f1b and torch-1f1b after all steps are reported. The
-script exits with status 1 when a check fails (after printing the table).
+losses and the largest weight difference between ours-1f1b and torch-1f1b after all steps are reported. Each
+avgpipe-N row's loss (mean over its replicas) over the first ``--check-steps`` steps must match a single-process
+AvgPipe (the whole model, N replicas, the same batches, clone optimizers and ``ElasticAveraging``, as in
+``tests/helpers/lit.py::reference_elastic``) computed on rank 0 after the timed run; for N = 1 that is plain
+training, so avgpipe-N1's first-step loss equals every other row's. Every loss must be finite. The script exits
+with status 1 when a check fails (after printing the table).
 
 Absolute times are noise on a shared machine; compare the ratios of one run.
 """
@@ -69,6 +83,10 @@ LABELS = {
     "torch-gpipe": "torch.distributed.pipelining ScheduleGPipe",
     "single": "single process, grad accumulation",
 }
+AVG_PREFIX = "avgpipe-N"
+# parts of an avgpipe step timed inside the row (per rank): the pipeline (zero_grad + the executor's run over N*M
+# units), the N optimizer steps, and the elastic update (begin_step() + finish_step())
+AVG_PARTS = ("pipeline", "optimizers", "elastic")
 # the per-stage compute-only measurements behind the ideal step time: each stage alone (the other rank idles),
 # and both stages at once (as in the pipeline, sharing the machine)
 PROBES = tuple(f"probe-solo-{r}" for r in range(WORLD)) + ("probe-both",)
@@ -97,8 +115,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--corpus-chars", type=int, default=200_000, help="characters of stdlib docstrings to sample from")
     p.add_argument("--rtol", type=float, default=1e-5, help="relative tolerance of the first-step loss checks")
     p.add_argument("--timeout", type=float, default=900.0, help="kill the ranks after this many seconds")
+    p.add_argument("--pipelines", default="1,2,4",
+                   help="N values of the avgpipe-N rows (N parallel pipelines with elastic averaging), "
+                        "comma-separated; 'none' for no avgpipe rows")
+    p.add_argument("--check-steps", type=int, default=3,
+                   help="steps of every avgpipe-N row compared with a single-process AvgPipe (at least 1)")
     p.add_argument("--json", dest="json_path", default=None, help="also write the figures to this JSON file")
     args = p.parse_args(argv)
+    text = str(args.pipelines).strip().lower()
+    try:
+        args.pipelines = [] if text in ("", "none") else sorted({int(v) for v in text.split(",")})
+    except ValueError:
+        p.error(f"--pipelines must be comma-separated ints, got {args.pipelines!r}")
+    if any(n < 1 for n in args.pipelines):
+        p.error(f"--pipelines values must be >= 1, got {args.pipelines}")
+    if args.check_steps < 1:
+        p.error("--check-steps must be >= 1")
     n_layers = args.n_layer + 2
     if args.partition is None:
         first = 1 + args.n_layer // 2
@@ -118,6 +150,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.n_embd % args.n_head:
         p.error("--n-embd must be a multiple of --n-head")
     return args
+
+
+def row_names(args: argparse.Namespace) -> list[str]:
+    return [*ROWS, *(f"{AVG_PREFIX}{n}" for n in args.pipelines)]
+
+
+def pipelines_of(name: str) -> int:
+    """N for an avgpipe-N row, 1 for every other row (one batch of B samples per step)."""
+    return int(name[len(AVG_PREFIX):]) if name.startswith(AVG_PREFIX) else 1
 
 
 def make_batches(data: Tensor, block_size: int, batch_size: int, count: int, seed: int) -> list[tuple[Tensor, Tensor]]:
@@ -250,6 +291,120 @@ class SingleRow(Row):
         return self._loss
 
 
+class AvgPipeRow(Row):
+    """AvgPipe with N parallel pipelines: N replicas of this stage, N*M units through one 1F1B plan, elastic update.
+
+    Step ``i`` consumes batches ``i*N .. i*N + N-1`` (replica n takes batch ``i*N + n``, as ``GroupedBatches`` and
+    ``reference_elastic`` do), so avgpipe-N1 sees exactly the other rows' batches.
+    """
+
+    def __init__(self, n: int, own: list[nn.Module], rank: int, args: argparse.Namespace,
+                 batches: list[tuple[Tensor, Tensor]]) -> None:
+        from lightning_avgpipe import microbatch
+        from lightning_avgpipe.elastic import ElasticAveraging
+        from lightning_avgpipe.plugin.optim import clone_optimizer
+        from lightning_avgpipe.runtime import Link, StageExecutor
+        from lightning_avgpipe.schedules import build_plan, validate_plan
+
+        self.n, self.m, self.batches, self.rank = n, args.microbatches, batches, rank
+        self.split, self.signature = microbatch.split, microbatch.signature
+        # D = 1, alpha = 1/N, synchronous reference update; N = 1: the replica is the reference (no copy)
+        self.elastic = ElasticAveraging(own, n)
+        user = _adamw(self.elastic.reference_params, args)  # what a user configures; each replica gets a clone
+        self.opts = [clone_optimizer(user, self.elastic.replica_params(r), self.elastic.reference_params)
+                     for r in range(n)]
+        self.fns = [(lambda x, layers=layers: _apply(layers, x)) for layers in self.elastic.replicas]
+        link = Link(rank - 1 if rank > 0 else None, rank + 1 if rank < WORLD - 1 else None, torch.device("cpu"))
+        self.executor = StageExecutor(rank, WORLD, self.fns[0], link)
+        self.actions = validate_plan(build_plan("1f1b", WORLD, n * self.m)).stages[rank]
+        self._results: dict[int, Tensor] = {}
+        self.parts: dict[str, list[float]] = {part: [] for part in AVG_PARTS}
+
+    def step(self, i: int) -> None:
+        t0 = time.perf_counter()
+        mbs: list[tuple[Tensor, Tensor]] = []
+        owner: list[int] = []
+        weight: list[float] = []
+        for r in range(self.n):
+            x, y = self.batches[i * self.n + r]
+            parts = self.split((x, y), self.m)
+            mbs += parts
+            owner += [r] * len(parts)
+            weight += [len(part[1]) / len(y) for part in parts]  # each replica's gradient is its batch mean
+        keys = [self.signature(mb) for mb in mbs]
+        fns = self.fns
+
+        def head(u: int, out: Tensor) -> Tensor:
+            return _ce(out, mbs[u][1]) * weight[u]
+
+        for opt in self.opts:
+            opt.zero_grad(set_to_none=True)
+        self._results = self.executor.run(self.actions, keys, training=True, inputs=lambda u: mbs[u][0], head=head,
+                                          stage_fn_for=lambda u: fns[owner[u]])
+        t1 = time.perf_counter()
+        self.elastic.begin_step()
+        t2 = time.perf_counter()
+        for opt in self.opts:
+            opt.step()
+        t3 = time.perf_counter()
+        self.elastic.finish_step()
+        t4 = time.perf_counter()
+        self.parts["pipeline"].append(t1 - t0)
+        self.parts["optimizers"].append(t3 - t2)
+        self.parts["elastic"].append((t2 - t1) + (t4 - t3))
+
+    def loss(self) -> float | None:
+        """The mean over replicas of each replica's batch loss (what the strategy logs)."""
+        return float(sum(r.item() for r in self._results.values())) / self.n if self._results else None
+
+
+def elastic_reference(base: list[nn.Module], n: int, steps: int, args: argparse.Namespace,
+                      batches: list[tuple[Tensor, Tensor]]) -> list[float]:
+    """AvgPipe in one process (as ``tests/helpers/lit.py::reference_elastic``): the per-step mean-over-replicas loss.
+
+    The whole model, N replicas each on its own consecutive batch with gradient accumulation over the same
+    micro-batches, one AdamW clone per replica, then the elastic update.
+    """
+    from lightning_avgpipe import microbatch
+    from lightning_avgpipe.elastic import ElasticAveraging
+    from lightning_avgpipe.plugin.optim import clone_optimizer
+
+    elastic = ElasticAveraging(copy.deepcopy(base), n)
+    user = _adamw(elastic.reference_params, args)
+    opts = [clone_optimizer(user, elastic.replica_params(r), elastic.reference_params) for r in range(n)]
+    losses = []
+    for i in range(steps):
+        total = torch.zeros(())
+        for r in range(n):
+            x, y = batches[i * n + r]
+            opts[r].zero_grad(set_to_none=True)
+            for mx, my in microbatch.split((x, y), args.microbatches):
+                loss = _ce(_apply(elastic.replicas[r], mx), my) * (len(my) / len(y))
+                loss.backward()
+                total += loss.detach()
+        elastic.begin_step()
+        for opt in opts:
+            opt.step()
+        elastic.finish_step()
+        losses.append(float(total) / n)
+    return losses
+
+
+class ElasticProbe:
+    """The elastic update alone: ``begin_step()`` + ``finish_step()`` on a private N-replica copy of this stage."""
+
+    def __init__(self, layers: list[nn.Module], n: int) -> None:
+        from lightning_avgpipe.elastic import ElasticAveraging
+
+        self.elastic = ElasticAveraging(copy.deepcopy(layers), n)
+
+    def run(self) -> float:
+        t0 = time.perf_counter()
+        self.elastic.begin_step()
+        self.elastic.finish_step()
+        return time.perf_counter() - t0
+
+
 class Probe:
     """This rank's stage compute alone: forward+backward of all micro-batches, then AdamW, no communication."""
 
@@ -292,7 +447,8 @@ def rank_main(rank: int, args: argparse.Namespace, data: Tensor, vocab_size: int
     torch.manual_seed(args.seed)
     base = list(gpt_layers(cfg))  # identical on every rank: same seed, same construction order
     total = args.warmup + args.steps
-    batches = make_batches(data, args.block_size, args.batch_size, total, args.seed + 1)
+    # batch i is the other rows' step i; avgpipe-N's step i takes batches i*N .. i*N + N-1 (the same first `total`)
+    batches = make_batches(data, args.block_size, args.batch_size, total * max([1, *args.pipelines]), args.seed + 1)
     start, count = sum(args.partition[:rank]), args.partition[rank]
 
     def own_copy() -> list[nn.Module]:
@@ -305,12 +461,17 @@ def rank_main(rank: int, args: argparse.Namespace, data: Tensor, vocab_size: int
         "torch-gpipe": TorchRow("gpipe", own_copy(), rank, args, batches),
         "single": SingleRow(copy.deepcopy(base), rank, args, batches),
     }
+    for n in args.pipelines:
+        rows[f"{AVG_PREFIX}{n}"] = AvgPipeRow(n, own_copy(), rank, args, batches)
     probe = Probe(base, start, count, rank, args, batches[0])
+    elastic_probes = {n: ElasticProbe(base[start : start + count], n) for n in args.pipelines if n > 1}
 
-    times: dict[str, list[float]] = {name: [] for name in ROWS}
+    all_rows = row_names(args)
+    times: dict[str, list[float]] = {name: [] for name in all_rows}
     probe_times: dict[str, list[tuple[float, float]]] = {"solo": [], "both": []}
-    losses: dict[str, list[float | None]] = {name: [] for name in ROWS}
-    names = [*ROWS, *PROBES]
+    elastic_times: dict[int, list[float]] = {n: [] for n in elastic_probes}
+    losses: dict[str, list[float | None]] = {name: [] for name in all_rows}
+    names = [*all_rows, *PROBES]
     for i in range(total):
         shift = i % len(names)
         for name in names[shift:] + names[:shift]:  # rotate so no row always runs right after the same one
@@ -322,6 +483,8 @@ def rank_main(rank: int, args: argparse.Namespace, data: Tensor, vocab_size: int
             if name.startswith("probe-solo-"):
                 if name == f"probe-solo-{rank}":
                     probe_times["solo"].append(probe.run())
+                    for n, ep in elastic_probes.items():
+                        elastic_times[n].append(ep.run())
                 continue
             rows[name].step(i)
             times[name].append(time.perf_counter() - t0)
@@ -333,7 +496,13 @@ def rank_main(rank: int, args: argparse.Namespace, data: Tensor, vocab_size: int
     theirs = list(rows["torch-1f1b"].module.parameters())  # type: ignore[attr-defined]
     with torch.no_grad():
         diff = max((float((a - b).abs().max()) for a, b in zip(ours, theirs, strict=True)), default=0.0)
-    return {"rank": rank, "times": times, "probe": probe_times, "losses": losses, "param_diff": diff}
+    # single-process AvgPipe over the first steps, for the avgpipe rows' loss check (rank 0; the other rank waits)
+    check_steps = min(args.check_steps, total)
+    reference = {n: elastic_reference(base, n, check_steps, args, batches) for n in args.pipelines} if rank == 0 else {}
+    parts = {name: row.parts for name, row in rows.items() if isinstance(row, AvgPipeRow)}
+    dist.barrier()
+    return {"rank": rank, "times": times, "probe": probe_times, "losses": losses, "param_diff": diff,
+            "elastic_probe": elastic_times, "avgpipe_parts": parts, "elastic_reference": reference}
 
 
 def _entry(rank: int, port: int, args: argparse.Namespace, data: Tensor, vocab_size: int, queue: Any) -> None:
@@ -406,10 +575,11 @@ def launch(args: argparse.Namespace, data: Tensor, vocab_size: int) -> list[dict
 # ---------------------------------------------------------------------------------------------------------------
 def summarise(args: argparse.Namespace, per_rank: list[dict[str, Any]], vocab_size: int) -> dict[str, Any]:
     w = args.warmup
+    names = row_names(args)
+    timed = range(w, w + args.steps)
     # step time of a row = the slowest rank's time for that step
-    step_times = {
-        name: [max(r["times"][name][i] for r in per_rank) for i in range(w, w + args.steps)] for name in ROWS
-    }
+    step_times = {name: [max(r["times"][name][i] for r in per_rank) for i in timed] for name in names}
+    samples = {name: pipelines_of(name) * args.batch_size for name in names}
     def stage_costs(kind: str) -> list[dict[str, Any]]:
         stages = []
         for r in per_rank:
@@ -425,7 +595,38 @@ def summarise(args: argparse.Namespace, per_rank: list[dict[str, Any]], vocab_si
     ideal = max(s["compute_s"] for s in stages)
     ideal_both = max(s["compute_s"] for s in stages_both)
     # paired estimates: within one round all rows ran back to back, so per-round ratios cancel slow load drifts
-    ideal_per_round = [max(sum(r["probe"]["solo"][i]) for r in per_rank) for i in range(w, w + args.steps)]
+    ideal_per_round = [max(sum(r["probe"]["solo"][i]) for r in per_rank) for i in timed]
+
+    # avgpipe-N: N times the probe (N*M units + N optimizer steps) plus the elastic update, per stage
+    def elastic_s(r: dict[str, Any], n: int, i: int) -> float:
+        return r["elastic_probe"][n][i] if n > 1 else 0.0
+
+    def avg_ideal_round(n: int, i: int) -> float:
+        return max(n * sum(r["probe"]["solo"][i]) + elastic_s(r, n, i) for r in per_rank)
+
+    avg_ideal: dict[str, dict[str, Any]] = {}
+    for n in args.pipelines:
+        avg_stages = []
+        for st, r in zip(stages, per_rank, strict=True):
+            el = statistics.median(elastic_s(r, n, i) for i in timed)
+            avg_stages.append({"stage": st["stage"], "layers": st["layers"], "fwd_bwd_s": n * st["fwd_bwd_s"],
+                               "optimizer_s": n * st["optimizer_s"], "elastic_s": el,
+                               "compute_s": statistics.median(n * sum(r["probe"]["solo"][i]) + elastic_s(r, n, i)
+                                                              for i in timed)})
+        units = n * args.microbatches
+        avg_ideal[f"{AVG_PREFIX}{n}"] = {
+            "step_s": max(st["compute_s"] for st in avg_stages), "stages": avg_stages,
+            "step_s_both_stages_at_once": max(n * sb["compute_s"] + st["elastic_s"]
+                                              for sb, st in zip(stages_both, avg_stages, strict=True)),
+            "bubble_bound_1f1b": units / (units + WORLD - 1),
+            "per_round": [avg_ideal_round(n, i) for i in timed],
+        }
+
+    def row_ideal(name: str) -> float:
+        return avg_ideal[name]["step_s"] if name in avg_ideal else ideal
+
+    def row_ideal_round(name: str) -> list[float]:
+        return avg_ideal[name]["per_round"] if name in avg_ideal else ideal_per_round
 
     def loss_of(name: str, i: int) -> float:
         owner = 0 if name == "single" else WORLD - 1
@@ -434,12 +635,16 @@ def summarise(args: argparse.Namespace, per_rank: list[dict[str, Any]], vocab_si
         return float(value)
 
     medians = {name: statistics.median(ts) for name, ts in step_times.items()}
-    sps = {name: args.batch_size / medians[name] for name in ROWS}
+    sps = {name: samples[name] / medians[name] for name in names}
     rows = []
-    for name in ROWS:
-        rows.append({
+    for name in names:
+        n = pipelines_of(name)
+        avg = name.startswith(AVG_PREFIX)
+        row: dict[str, Any] = {
             "name": name,
-            "label": LABELS[name],
+            "label": LABELS.get(name, f"AvgPipe, {n} parallel pipeline(s) with elastic averaging, 1F1B over N*M units"),
+            "pipelines": n if avg else None,
+            "samples_per_step": samples[name],
             "step_s_median": medians[name],
             "step_s_min": min(step_times[name]),
             "step_s_max": max(step_times[name]),
@@ -448,15 +653,25 @@ def summarise(args: argparse.Namespace, per_rank: list[dict[str, Any]], vocab_si
             "ratio_to_torch_1f1b": sps[name] / sps["torch-1f1b"],
             "speedup_vs_single": sps[name] / sps["single"],
             # the single process has no pipeline: its efficiency is not defined here (null), not 1.0
-            "pipeline_efficiency": None if name == "single" else ideal / medians[name],
+            "pipeline_efficiency": None if name == "single" else row_ideal(name) / medians[name],
+            # samples/s ratio within each round: (samples / t_row) / (B / t_torch)
             "paired_ratio_to_torch_1f1b": statistics.median(
-                t / u for t, u in zip(step_times["torch-1f1b"], step_times[name], strict=True)),
+                (samples[name] / args.batch_size) * t / u
+                for t, u in zip(step_times["torch-1f1b"], step_times[name], strict=True)),
             "paired_pipeline_efficiency": None if name == "single" else statistics.median(
-                a / u for a, u in zip(ideal_per_round, step_times[name], strict=True)),
-            "pipeline_efficiency_vs_both_stages_at_once": None if name == "single" else ideal_both / medians[name],
+                a / u for a, u in zip(row_ideal_round(name), step_times[name], strict=True)),
+            "pipeline_efficiency_vs_both_stages_at_once": None if name == "single" else (
+                avg_ideal[name]["step_s_both_stages_at_once"] if avg else ideal_both) / medians[name],
             "first_step_loss": loss_of(name, 0),
             "final_loss": loss_of(name, args.warmup + args.steps - 1),
-        })
+        }
+        if avg:
+            # medians per stage of the parts of the step timed inside the row
+            row["parts_s"] = [
+                {part: statistics.median(r["avgpipe_parts"][name][part][i] for i in timed) for part in AVG_PARTS}
+                for r in per_rank
+            ]
+        rows.append(row)
 
     first = {row["name"]: row["first_step_loss"] for row in rows}
 
@@ -466,6 +681,25 @@ def summarise(args: argparse.Namespace, per_rank: list[dict[str, Any]], vocab_si
     mismatches = [name for name in ROWS if not close(first[name], first["single"])]
     if not close(first["ours-1f1b"], first["torch-1f1b"]):
         mismatches.append("ours-1f1b vs torch-1f1b")
+    # avgpipe-N: the mean-over-replicas loss of the first steps against a single-process AvgPipe (N = 1: plain
+    # training, so avgpipe-N1's first-step loss also equals every other row's)
+    reference = per_rank[0]["elastic_reference"]
+    check_steps = min(args.check_steps, args.warmup + args.steps)
+    avg_checks: dict[str, Any] = {}
+    for n in args.pipelines:
+        name = f"{AVG_PREFIX}{n}"
+        ours = [loss_of(name, i) for i in range(check_steps)]
+        ok = all(close(a, b) for a, b in zip(ours, reference[n], strict=True))
+        avg_checks[name] = {"losses": ours, "single_process": reference[n],
+                            "max_rel_diff": max(abs(a - b) / abs(b) for a, b in zip(ours, reference[n], strict=True)),
+                            "ok": ok}
+        if not ok:
+            mismatches.append(f"{name} vs single-process AvgPipe (first {check_steps} steps)")
+        if n == 1 and not close(first[name], first["single"]):
+            mismatches.append(name)
+    nonfinite = [name for name in names
+                 if not all(math.isfinite(loss_of(name, i)) for i in range(args.warmup + args.steps))]
+    mismatches += [f"{name}: non-finite loss" for name in nonfinite]
     m, s = args.microbatches, WORLD
     return {
         "config": {
@@ -473,7 +707,8 @@ def summarise(args: argparse.Namespace, per_rank: list[dict[str, Any]], vocab_si
             "steps": args.steps, "warmup": args.warmup, "n_layer": args.n_layer, "n_embd": args.n_embd,
             "n_head": args.n_head, "block_size": args.block_size, "vocab_size": vocab_size,
             "partition": args.partition, "optimizer": "AdamW", "lr": args.lr, "weight_decay": args.weight_decay,
-            "seed": args.seed, "torch": torch.__version__,
+            "seed": args.seed, "torch": torch.__version__, "pipelines": args.pipelines,
+            "check_steps": check_steps,
         },
         "rows": rows,
         "ideal": {
@@ -484,11 +719,16 @@ def summarise(args: argparse.Namespace, per_rank: list[dict[str, Any]], vocab_si
             "step_s_both_stages_at_once": ideal_both,
             "stages_both_at_once": stages_both,
             "bubble_bound_1f1b": m / (m + s - 1),
+            "avgpipe": {k: {kk: vv for kk, vv in v.items() if kk != "per_round"} for k, v in avg_ideal.items()},
+            "avgpipe_definition": "per stage: N x (the probe's forward+backward over M micro-batches + optimizer "
+                                  "step) + the elastic update (begin_step + finish_step on a private N-replica "
+                                  "copy, in the same solo slot); max over stages",
         },
         "checks": {
             "first_step_loss": first,
             "rtol": args.rtol,
             "max_param_diff_ours_vs_torch_1f1b": max(r["param_diff"] for r in per_rank),
+            "avgpipe_vs_single_process": avg_checks,
             "ok": not mismatches,
             "mismatches": mismatches,
         },
@@ -503,8 +743,8 @@ def format_table(summary: dict[str, Any]) -> str:
         f"{c['world_size']} gloo ranks x 1 thread, partition {c['partition']} | AdamW | "
         f"{c['steps']} timed steps after {c['warmup']} warm-up, interleaved | torch {c['torch']}",
         "",
-        f"{'row':<12} {'step ms':>8} {'(min-max)':>11} {'samples/s':>10} {'vs torch 1F1B':>14} {'(paired)':>9} "
-        f"{'vs single':>10} {'pipe eff':>9} {'(paired)':>9}",
+        f"{'row':<12} {'samples':>7} {'step ms':>8} {'(min-max)':>11} {'samples/s':>10} {'vs torch 1F1B':>14} "
+        f"{'(paired)':>9} {'vs single':>10} {'pipe eff':>9} {'(paired)':>9}",
     ]
 
     def fmt(value: float | None) -> str:
@@ -513,7 +753,8 @@ def format_table(summary: dict[str, Any]) -> str:
     for r in summary["rows"]:
         spread = f"({r['step_s_min'] * 1e3:.0f}-{r['step_s_max'] * 1e3:.0f})"
         lines.append(
-            f"{r['name']:<12} {r['step_s_median'] * 1e3:8.1f} {spread:>11} {r['samples_per_s']:10.1f} "
+            f"{r['name']:<12} {r['samples_per_step']:7d} {r['step_s_median'] * 1e3:8.1f} {spread:>11} "
+            f"{r['samples_per_s']:10.1f} "
             f"{r['ratio_to_torch_1f1b']:13.3f}x {r['paired_ratio_to_torch_1f1b']:8.3f}x "
             f"{r['speedup_vs_single']:9.3f}x {fmt(r['pipeline_efficiency']):>9} "
             f"{fmt(r['paired_pipeline_efficiency']):>9}"
@@ -533,11 +774,35 @@ def format_table(summary: dict[str, Any]) -> str:
         f"samples/s, vs torch 1F1B, vs single and pipe eff (= ideal / step) use median step times; (paired) = "
         f"median over rounds of the same ratio within one round. single: pipe eff n/a (no pipeline). 1F1B with "
         f"perfectly balanced stages is bounded by M/(M+S-1) = {ideal['bubble_bound_1f1b']:.2f}.",
+    ]
+    avg_rows = [r for r in summary["rows"] if r["pipelines"] is not None]
+    if avg_rows:
+        lines += [
+            f"avgpipe-N: N replicas per stage, each step N batches of {c['batch_size']} (samples = N*B), 1F1B over "
+            f"N*M units; ideal = N x the probe + the elastic update (begin_step + finish_step alone); 1F1B bubble "
+            f"bound N*M/(N*M+S-1): "
+            + ", ".join(f"N{r['pipelines']} {ideal['avgpipe'][r['name']]['bubble_bound_1f1b']:.2f}" for r in avg_rows),
+        ]
+        for r in avg_rows:
+            ai = ideal["avgpipe"][r["name"]]
+            per_stage = "; ".join(
+                f"stage {k}: pipeline {p['pipeline'] * 1e3:.1f} + {r['pipelines']} AdamW steps "
+                f"{p['optimizers'] * 1e3:.1f} + elastic {p['elastic'] * 1e3:.2f} ms"
+                f" (alone {ai['stages'][k]['elastic_s'] * 1e3:.2f})"
+                for k, p in enumerate(r["parts_s"])
+            )
+            lines.append(f"  {r['name']} ideal {ai['step_s'] * 1e3:.1f} ms; in-step medians {per_stage}")
+    lines += [
         "first-step loss: " + ", ".join(f"{k} {v:.6f}" for k, v in checks["first_step_loss"].items()),
         "final loss:      " + ", ".join(f"{r['name']} {r['final_loss']:.6f}" for r in summary["rows"]),
         f"max |w_ours-1f1b - w_torch-1f1b| after all steps: {checks['max_param_diff_ours_vs_torch_1f1b']:.2e}",
-        "correctness: " + ("OK (first-step losses agree within rtol "
-                           f"{checks['rtol']:g})" if checks["ok"] else f"MISMATCH {checks['mismatches']}"),
+        *(f"{name} mean-over-replicas loss, first {len(v['losses'])} steps: "
+          + " ".join(f"{x:.6f}" for x in v["losses"]) + " | single-process AvgPipe: "
+          + " ".join(f"{x:.6f}" for x in v["single_process"]) + f" (max rel diff {v['max_rel_diff']:.1e})"
+          for name, v in checks["avgpipe_vs_single_process"].items()),
+        "correctness: " + ("OK (first-step losses agree, avgpipe rows match single-process AvgPipe, within "
+                           f"rtol {checks['rtol']:g}; all losses finite)" if checks["ok"]
+                           else f"MISMATCH {checks['mismatches']}"),
     ]
     return "\n".join(lines)
 

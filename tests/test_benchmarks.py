@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-ROWS = {"ours-1f1b", "ours-afab", "torch-1f1b", "torch-gpipe", "single"}
+ROWS = {"ours-1f1b", "ours-afab", "torch-1f1b", "torch-gpipe", "single", "avgpipe-N1", "avgpipe-N2"}
 
 
 @pytest.mark.slow
@@ -23,6 +23,7 @@ def test_throughput_benchmark_smoke(tmp_path: Path) -> None:
         sys.executable, str(ROOT / "benchmarks" / "throughput.py"),
         "--steps", "2", "--warmup", "1", "--n-layer", "2", "--n-embd", "16", "--n-head", "2", "--block-size", "8",
         "--batch-size", "4", "--microbatches", "2", "--corpus-chars", "20000", "--timeout", "100", "--json", str(out),
+        "--pipelines", "1,2",
     ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -37,3 +38,12 @@ def test_throughput_benchmark_smoke(tmp_path: Path) -> None:
     assert rows["torch-1f1b"]["ratio_to_torch_1f1b"] == pytest.approx(1.0)
     assert summary["ideal"]["step_s"] > 0
     assert summary["checks"]["ok"], summary["checks"]
+    # AvgPipe rows: N batches of B per step, a ratio to torch's 1F1B, their own ideal, and the loss checks
+    for n in (1, 2):
+        row = rows[f"avgpipe-N{n}"]
+        assert row["pipelines"] == n and row["samples_per_step"] == 4 * n
+        assert row["samples_per_s"] == pytest.approx(4 * n / row["step_s_median"])
+        assert row["ratio_to_torch_1f1b"] > 0 and row["pipeline_efficiency"] > 0
+        assert summary["ideal"]["avgpipe"][f"avgpipe-N{n}"]["step_s"] > 0
+        assert summary["checks"]["avgpipe_vs_single_process"][f"avgpipe-N{n}"]["ok"]
+    assert rows["avgpipe-N1"]["first_step_loss"] == pytest.approx(rows["single"]["first_step_loss"], rel=1e-5)
