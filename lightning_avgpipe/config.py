@@ -30,6 +30,10 @@ class PipelineConfig:
     elastic_alpha: float | None = None
     # Finish the reference update (an all-reduce across groups) inside the step instead of overlapping it.
     sync_reference: bool = False
+    # Point-to-point style: "eager" posts receives one compute ahead as separate operations (fast on gloo);
+    # "batched" posts them just in time, each run of comms as one batch_isend_irecv (required by NCCL's in-order,
+    # rendezvous semantics); "auto" picks "batched" on NCCL and "eager" otherwise.
+    p2p: str = "auto"
     # Seconds a point-to-point wait may block before the job fails with a message (collectives use it too).
     timeout: float = field(default=1800.0)
 
@@ -50,6 +54,8 @@ class PipelineConfig:
         if not isinstance(self.partition, str):
             object.__setattr__(self, "partition", tuple(self.partition))
         check_partition(self.partition, num_stages=None if isinstance(self.partition, str) else self.num_stages)
+        if self.p2p not in ("auto", "eager", "batched"):
+            raise ValueError(f"p2p={self.p2p!r} is not one of ['auto', 'eager', 'batched']; 'auto' suits most jobs.")
         n = self.num_pipelines
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"num_pipelines={n!r} must be an int >= 1 (1 = plain pipeline training).")

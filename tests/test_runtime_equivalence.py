@@ -43,7 +43,8 @@ def reference(
 
 
 def _worker(
-    rank: int, world: int, schedule: str, partition: list[int], m: int, sizes: list[int] | None = None
+    rank: int, world: int, schedule: str, partition: list[int], m: int, sizes: list[int] | None = None,
+    batched: bool = False,
 ) -> dict:
     layers = make_layers()
     start = sum(partition[:rank])
@@ -51,8 +52,8 @@ def _worker(
     params = [p for layer in own for p in layer.parameters()]
     opt = torch.optim.SGD(params, lr=0.1, momentum=0.9) if params else None
     link = Link(rank - 1 if rank > 0 else None, rank + 1 if rank < world - 1 else None, torch.device("cpu"))
-    executor = StageExecutor(rank, world, lambda x: _apply(own, x), link)
-    plan = validate_plan(build_plan(schedule, world, m))
+    executor = StageExecutor(rank, world, lambda x: _apply(own, x), link, coalesce=batched)
+    plan = validate_plan(build_plan(schedule, world, m, recv_lookahead=0 if batched else 1), nccl=batched)
     losses = []
     for step in range(len(sizes) if sizes else STEPS):
         x, y = make_batch(step, sizes[step] if sizes else 12)
@@ -114,3 +115,15 @@ def test_shapes_change_between_steps_and_metadata_is_sent_once_per_shape() -> No
         for index, state in out["states"].items():
             torch.testing.assert_close(state, ref_states[index])
     assert outs[0]["meta_sent"] == 3 and outs[1]["meta_received"] == 3
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(("schedule", "partition"), [("1f1b", [1, 2, 2, 1]), ("advance", [3, 3])])
+def test_batched_p2p_mode_matches(schedule: str, partition: list[int]) -> None:
+    """The NCCL-safe mode (receives just in time, each run of comms one batch_isend_irecv) on gloo."""
+    outs = run_distributed(_worker, len(partition), schedule, partition, 4, [12, 12, 7], True)
+    ref_losses, ref_states = reference(4, 3, [12, 12, 7])
+    torch.testing.assert_close(torch.tensor(outs[-1]["losses"]), torch.tensor(ref_losses))
+    for out in outs:
+        for index, state in out["states"].items():
+            torch.testing.assert_close(state, ref_states[index])

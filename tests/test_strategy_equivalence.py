@@ -45,8 +45,10 @@ def assert_matches(tmp_path: Path, results: list[dict[str, Any]], m: int, steps:
         (2, {"num_microbatches": 3, "schedule": "afab", "partition": [1, 5]}),
         (4, {"num_microbatches": 4, "schedule": "1f1b", "partition": [1, 2, 2, 1]}),
         (4, {"num_microbatches": 6, "schedule": "afab", "partition": "uniform"}),
+        (4, {"num_microbatches": 4, "schedule": "advance", "advance_forwards": 1, "partition": [2, 1, 1, 2],
+             "p2p": "batched"}),
     ],
-    ids=["S2-1f1b-even", "S2-afab-uneven", "S4-1f1b-uneven", "S4-afab-uniform"],
+    ids=["S2-1f1b-even", "S2-afab-uneven", "S4-1f1b-uneven", "S4-afab-uniform", "S4-advance-batched-p2p"],
 )
 def test_equivalence(tmp_path: Path, devices: int, strategy: dict[str, Any]) -> None:
     results = run_lightning(tmp_path, devices, strategy)

@@ -78,6 +78,9 @@ class AvgPipeStrategy(ParallelStrategy):
             Lower it if replicas should explore more, raise it (at most 1) to keep them closer.
         sync_reference: finish the reference update across pipeline groups inside the step; by default the
             all-reduce overlaps the next iteration (the reference is at most one iteration stale).
+        p2p: ``"eager"`` posts each receive one compute early as its own operation (overlaps transfers, best on
+            gloo); ``"batched"`` posts receives just in time and issues each run of communication as one
+            ``batch_isend_irecv`` group, which NCCL needs to avoid deadlock; ``"auto"`` picks by backend.
         timeout: seconds a collective or a point-to-point wait may block before the job fails with a message.
         process_group_backend: ``"gloo"`` or ``"nccl"``; ``None`` picks by device.
     """
@@ -94,6 +97,7 @@ class AvgPipeStrategy(ParallelStrategy):
         num_pipelines: int = 1,
         elastic_alpha: float | None = None,
         sync_reference: bool = False,
+        p2p: str = "auto",
         timeout: float = 1800.0,
         process_group_backend: str | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
@@ -118,6 +122,7 @@ class AvgPipeStrategy(ParallelStrategy):
             num_pipelines=num_pipelines,
             elastic_alpha=elastic_alpha,
             sync_reference=sync_reference,
+            p2p=p2p,
             timeout=timeout,
         )
         self._process_group_backend = process_group_backend
@@ -196,6 +201,11 @@ class AvgPipeStrategy(ParallelStrategy):
         if self._partition is None:
             raise RuntimeError("The partition is decided in AvgPipeStrategy.setup(); it is not known yet.")
         return list(self._partition)
+
+    @property
+    def _batched_p2p(self) -> bool:
+        mode = self.config.p2p
+        return mode == "batched" or (mode == "auto" and self._process_group_backend == "nccl")
 
     @property
     def num_groups(self) -> int:
@@ -361,7 +371,7 @@ class AvgPipeStrategy(ParallelStrategy):
             else None
         )
 
-        self._executor = StageExecutor(stage, stages, _sequential(owned), link)
+        self._executor = StageExecutor(stage, stages, _sequential(owned), link, coalesce=self._batched_p2p)
         self._bridge = StepBridge(module, self._guard)
         for metric in module.modules():
             if isinstance(metric, Metric):  # mirrored on every stage: sync each pipeline group's state once
@@ -422,9 +432,9 @@ class AvgPipeStrategy(ParallelStrategy):
         key = (training, units)
         if key not in self._plans:
             cfg = self.config
-            self._plans[key] = validate_plan(
-                build_plan(cfg.schedule, self.num_stages, units, cfg.advance_forwards, training)
-            )
+            batched = self._batched_p2p
+            plan = build_plan(cfg.schedule, self.num_stages, units, cfg.advance_forwards, training, int(not batched))
+            self._plans[key] = validate_plan(plan, nccl=batched)
         return self._plans[key]
 
     def _microbatches(self, batch: Any, training: bool) -> tuple[list[Any], list[float]]:

@@ -24,15 +24,20 @@ class StageExecutor:
         num_stages: stages in the pipeline.
         stage_fn: this stage's layers applied in order to one unit's input.
         link: transfers to and from the neighbouring stages (``None`` when ``num_stages == 1``).
+        coalesce: issue each run of communication actions between two computes as one ``batch_isend_irecv``
+            group (needed on NCCL with plans lowered with ``recv_lookahead=0``; see :mod:`..schedules.nccl`).
     """
 
-    def __init__(self, stage: int, num_stages: int, stage_fn: StageFn, link: Link | None) -> None:
+    def __init__(
+        self, stage: int, num_stages: int, stage_fn: StageFn, link: Link | None, coalesce: bool = False
+    ) -> None:
         self.stage = stage
         self.num_stages = num_stages
         self.stage_fn = stage_fn
         self.link = link
         self.is_first = stage == 0
         self.is_last = stage == num_stages - 1
+        self.coalesce = coalesce and link is not None
 
     def run(
         self,
@@ -69,6 +74,12 @@ class StageExecutor:
         with grad_mode:
             for action in actions:
                 kind, u = action.kind, action.unit
+                if self.coalesce:
+                    assert link is not None
+                    if kind.is_compute:
+                        link.flush_batch()
+                    else:
+                        link.begin_batch()
                 if kind is Kind.RECV_F:
                     assert link is not None
                     link.post_activations(u, keys[u])

@@ -99,6 +99,19 @@ def _check_dtype(t: Tensor, where: str) -> None:
         raise StageOutputError(f"{where} returned a tensor of dtype {t.dtype}, which cannot be sent between stages.")
 
 
+class _Deferred:
+    """A send or receive posted inside a batch: its work exists once the batch is issued."""
+
+    def __init__(self, link: Link) -> None:
+        self.link = link
+        self.work: Any = None
+
+    def wait(self) -> None:
+        if self.work is None:
+            self.link.flush_batch()  # a wait inside an open batch: issue what is collected first
+        self.work.wait()
+
+
 @dataclass
 class _Incoming:
     key: Hashable
@@ -126,6 +139,29 @@ class Link:
         self._unresolved: deque[int] = deque()
         self._grads_in: dict[int, tuple[list[Tensor], list[Any]]] = {}
         self._sends: list[tuple[Any, Tensor]] = []
+        self._batch: list[tuple[dist.P2POp, _Deferred]] | None = None
+
+    # -- batching (NCCL) -------------------------------------------------------------------------------------------
+    def begin_batch(self) -> None:
+        """Collect the following sends and receives, to issue them as one batch_isend_irecv group."""
+        if self._batch is None:
+            self._batch = []
+
+    def flush_batch(self) -> None:
+        """Issue the collected operations together (one NCCL group)."""
+        batch, self._batch = self._batch, None
+        if batch:
+            works = dist.batch_isend_irecv([op for op, _ in batch])
+            for (_, handle), work in zip(batch, works):
+                handle.work = work
+
+    def _p2p(self, send: bool, tensor: Tensor, peer: int) -> Any:
+        if self._batch is not None:
+            handle = _Deferred(self)
+            op = dist.P2POp(dist.isend if send else dist.irecv, tensor, peer, self.group)
+            self._batch.append((op, handle))
+            return handle
+        return (dist.isend if send else dist.irecv)(tensor, peer, group=self.group)
 
     # -- activations, forward direction ------------------------------------------------------------------------
     def send_activations(self, key: Hashable, value: Any) -> None:
@@ -158,7 +194,7 @@ class Link:
             self._post_data(inc, self._recv_meta[key])
         else:
             inc.meta_buf = torch.empty(META_LEN, dtype=torch.int64, device=self.device)
-            inc.meta_work = dist.irecv(inc.meta_buf, src=self.prev_rank, group=self.group)
+            inc.meta_work = self._p2p(False, inc.meta_buf, self.prev_rank)
             self._unresolved.append(unit)
 
     def wait_activations(self, unit: int, training: bool) -> Any:
@@ -191,14 +227,15 @@ class Link:
     def _post_data(self, inc: _Incoming, meta: OutputMeta) -> None:
         inc.meta = meta
         inc.bufs = [torch.empty(tm.shape, dtype=tm.dtype, device=self.device) for tm in meta.tensors]
-        inc.works = [dist.irecv(b, src=self.prev_rank, group=self.group) for b in inc.bufs]
+        assert self.prev_rank is not None
+        inc.works = [self._p2p(False, b, self.prev_rank) for b in inc.bufs]
 
     # -- gradients, backward direction ---------------------------------------------------------------------------
     def post_grads(self, unit: int, like: Sequence[Tensor]) -> None:
         """Post the receive of the gradients of ``unit``'s outputs (``like``) from the next stage."""
         assert self.next_rank is not None
         bufs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in like]
-        self._grads_in[unit] = (bufs, [dist.irecv(b, src=self.next_rank, group=self.group) for b in bufs])
+        self._grads_in[unit] = (bufs, [self._p2p(False, b, self.next_rank) for b in bufs])
 
     def wait_grads(self, unit: int) -> list[Tensor]:
         bufs, works = self._grads_in.pop(unit)
@@ -214,10 +251,12 @@ class Link:
     # -- sends -----------------------------------------------------------------------------------------------------
     def _isend(self, tensor: Tensor, dst: int | None = None) -> None:
         dst = self.next_rank if dst is None else dst
-        self._sends.append((dist.isend(tensor, dst=dst, group=self.group), tensor))
+        assert dst is not None
+        self._sends.append((self._p2p(True, tensor, dst), tensor))
 
     def wait_sends(self) -> None:
         """Wait for every send posted so far (their buffers may be freed afterwards)."""
+        self.flush_batch()
         for work, _ in self._sends:
             work.wait()
         self._sends.clear()
