@@ -30,6 +30,9 @@ class PipelineConfig:
     elastic_alpha: float | None = None
     # Finish the reference update (an all-reduce across groups) inside the step instead of overlapping it.
     sync_reference: bool = False
+    # How a stage runs its N replicas: "sequential" (N x M units through the schedule) or "batched" (M units, the
+    # N replicas of each stacked and run as one torch.func.vmap call: fewer, larger operations, a bigger bubble).
+    replica_execution: str = "sequential"
     # Point-to-point style: "eager" posts receives one compute ahead as separate operations (fast on gloo);
     # "batched" posts them just in time, each run of comms as one batch_isend_irecv (required by NCCL's in-order,
     # rendezvous semantics); "auto" picks "batched" on NCCL and "eager" otherwise.
@@ -54,6 +57,10 @@ class PipelineConfig:
         if not isinstance(self.partition, str):
             object.__setattr__(self, "partition", tuple(self.partition))
         check_partition(self.partition, num_stages=None if isinstance(self.partition, str) else self.num_stages)
+        if self.replica_execution not in ("sequential", "batched"):
+            raise ValueError(
+                f"replica_execution={self.replica_execution!r} is not one of ['sequential', 'batched']."
+            )
         if self.p2p not in ("auto", "eager", "batched"):
             raise ValueError(f"p2p={self.p2p!r} is not one of ['auto', 'eager', 'batched']; 'auto' suits most jobs.")
         n = self.num_pipelines

@@ -44,6 +44,7 @@ from lightning_avgpipe.plugin.contract import PipelineContractError, locate, pip
 from lightning_avgpipe.plugin.data import GroupedBatches
 from lightning_avgpipe.plugin.gradients import clip_grad_norm_across
 from lightning_avgpipe.plugin.optim import ElasticOptimizer, clone_optimizer
+from lightning_avgpipe.replicas import BatchedReplicas, select, stack
 from lightning_avgpipe.runtime import Link, StageExecutor
 from lightning_avgpipe.schedules import Plan, build_plan, validate_plan
 
@@ -78,6 +79,10 @@ class AvgPipeStrategy(ParallelStrategy):
             Lower it if replicas should explore more, raise it (at most 1) to keep them closer.
         sync_reference: finish the reference update across pipeline groups inside the step; by default the
             all-reduce overlaps the next iteration (the reference is at most one iteration stale).
+        replica_execution: ``"sequential"`` runs N x M units through the schedule, one replica's micro-batch
+            each (the smallest bubble); ``"batched"`` runs M units, each stacking micro-batch m of all N replicas
+            into one ``torch.func.vmap`` call over stacked weights: fewer, larger operations, for micro-batches
+            too small to keep a device busy (layers must have no buffers).
         p2p: ``"eager"`` posts each receive one compute early as its own operation (overlaps transfers, best on
             gloo); ``"batched"`` posts receives just in time and issues each run of communication as one
             ``batch_isend_irecv`` group, which NCCL needs to avoid deadlock; ``"auto"`` picks by backend.
@@ -97,6 +102,7 @@ class AvgPipeStrategy(ParallelStrategy):
         num_pipelines: int = 1,
         elastic_alpha: float | None = None,
         sync_reference: bool = False,
+        replica_execution: str = "sequential",
         p2p: str = "auto",
         timeout: float = 1800.0,
         process_group_backend: str | None = None,
@@ -122,6 +128,7 @@ class AvgPipeStrategy(ParallelStrategy):
             num_pipelines=num_pipelines,
             elastic_alpha=elastic_alpha,
             sync_reference=sync_reference,
+            replica_execution=replica_execution,
             p2p=p2p,
             timeout=timeout,
         )
@@ -143,6 +150,7 @@ class AvgPipeStrategy(ParallelStrategy):
         self._example_input: Any = None
         self._owned: list[nn.Module] = []
         self._replica_fns: list[Any] = []
+        self._batched: BatchedReplicas | None = None
         self._stage_group: Any = None
         self._elastic: ElasticAveraging | None = None
         self._step_started: float | None = None
@@ -391,6 +399,8 @@ class AvgPipeStrategy(ParallelStrategy):
             )
 
         self._replica_fns = [_sequential(layers) for layers in self._elastic.replicas]
+        if cfg.replica_execution == "batched" and not self._elastic.trivial:
+            self._batched = BatchedReplicas(self._elastic.replicas)
 
     @property
     def elastic(self) -> ElasticAveraging:
@@ -479,6 +489,8 @@ class AvgPipeStrategy(ParallelStrategy):
         keys = [(hook, microbatch.signature(mb)) for mb in micro]
         bridge = self._bridge
         accumulate = module.trainer.accumulate_grad_batches if training else 1
+        if training and self._batched is not None:
+            return self._run_batched(hook, micro, weights, owner, args, accumulate)
 
         def head(u: int, output: Any) -> Any:
             out = bridge.call_step(hook, output, micro[u], weights[u] / replicas, *args)
@@ -508,6 +520,47 @@ class AvgPipeStrategy(ParallelStrategy):
             stage_fn_for=(lambda u: self._replica_fns[owner[u]]) if training else None,
         )
         return results
+
+    def _run_batched(
+        self, hook: str, micro: list[Any], weights: list[float], owner: list[int], args: Sequence[Any], accumulate: int
+    ) -> dict[int, Any]:
+        """Training with ``replica_execution="batched"``: unit m carries micro-batch m of every replica, stacked."""
+        assert self._executor is not None and self._bridge is not None and self._batched is not None
+        module, bridge, n = self._module, self._bridge, self.num_pipelines
+        per = [[u for u in range(len(micro)) if owner[u] == r] for r in range(n)]
+        if len({len(units) for units in per}) != 1 or len({microbatch.signature(micro[us[0]]) for us in per}) != 1:
+            raise ValueError(
+                "replica_execution='batched' needs the N batches of an iteration to have the same shape; use "
+                "drop_last=True in the DataLoader or replica_execution='sequential'."
+            )
+        units = [[per[r][m] for r in range(n)] for m in range(len(per[0]))]  # unit m -> its N micro-batches
+        keys = [(hook, "batched", microbatch.signature(micro[us[0]])) for us in units]
+
+        def head(m: int, output: Any) -> Tensor:
+            total: Tensor | None = None
+            for r, u in enumerate(units[m]):
+                out = bridge.call_step(hook, select(output, r), micro[u], weights[u] / n, *args)
+                loss = out.get("loss") if isinstance(out, Mapping) else out
+                if not isinstance(loss, Tensor) or loss.dim() != 0:
+                    raise PipelineContractError(
+                        "training_step must return a scalar loss tensor (or a dict with 'loss'), got "
+                        f"{type(out).__name__}."
+                    )
+                term = loss * (weights[u] / accumulate)
+                total = term if total is None else total + term
+            assert total is not None
+            return total
+
+        batched = self._batched
+        return self._executor.run(
+            self._plan(True, len(units)).stages[self.stage],
+            keys,
+            training=True,
+            inputs=lambda m: stack([pipeline_inputs(module, micro[u]) for u in units[m]]),
+            head=head,
+            forward_context=self.precision_plugin.train_step_context,
+            stage_fn_for=lambda m: batched,
+        )
 
     def _share(self, payload: Any) -> Any:
         """Broadcast ``payload`` from this pipeline's last stage to its other stages."""
@@ -553,7 +606,11 @@ class AvgPipeStrategy(ParallelStrategy):
             p.grad = None
         self._log_progress(batch)
         try:
+            if self._batched is not None:
+                self._batched.begin()
             results = self._run("training_step", batch, rest, training=True)
+            if self._batched is not None:
+                self._batched.finish()
         finally:
             # Lightning zeroes gradients after training_step; keep this step's apart until backward() adds them.
             self._grad_stash = [p.grad for p in params]
