@@ -623,7 +623,10 @@ class AvgPipeStrategy(ParallelStrategy):
             payload = (loss.cpu(), self._bridge.take_logs() if self._bridge else [])
         loss, logs = self._share(payload)
         replay_logs(self._module, logs, self.root_device)
-        return loss.to(self.root_device)
+        loss = loss.to(self.root_device)
+        if not self.elastic.trivial:  # the mean over replicas, whatever the user logs
+            self._module.log("avgpipe/loss", loss, on_step=True, on_epoch=False)
+        return loss
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
