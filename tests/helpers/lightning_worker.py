@@ -10,10 +10,9 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-
-from lightning_avgpipe import AvgPipeStrategy
 from torch.utils.data import DataLoader, Subset
 
+from lightning_avgpipe import AvgPipeStrategy
 from tests.helpers.lit import PipeNet, dataset, loader
 
 
