@@ -156,14 +156,18 @@ class ElasticAveraging:
             self._average_buffers()
 
     def _average_buffers(self) -> None:
-        """Floating buffers (BatchNorm statistics) of the reference: the mean over this rank's replicas."""
+        """Floating buffers (BatchNorm statistics) of the reference: the mean over all N·D replicas."""
         for i, ref_mod in enumerate(self.reference):
             for name, buf in ref_mod.named_buffers():
                 reps = [dict(r[i].named_buffers())[name] for r in self.replicas]
-                if buf.is_floating_point():
-                    buf.copy_(torch.stack([b.detach() for b in reps]).mean(0))
-                else:
+                if not buf.is_floating_point():
                     buf.copy_(reps[0])
+                    continue
+                mean = torch.stack([b.detach() for b in reps]).mean(0)
+                if self.group is not None and self.num_groups > 1:
+                    dist.all_reduce(mean, op=dist.ReduceOp.SUM, group=self.group)
+                    mean /= self.num_groups
+                buf.copy_(mean)
 
     # -- what the user sees -------------------------------------------------------------------------------------
     def divergence(self) -> list[Tensor]:

@@ -84,6 +84,7 @@ class ElasticOptimizer(Optimizer):
         for opt in self.replicas:
             opt.step()
         self.elastic.finish_step()
+        self.user._opt_called = True  # type: ignore[attr-defined]  # lr schedulers check the user's optimizer stepped
         return loss
 
     def state_dict(self) -> dict[str, Any]:

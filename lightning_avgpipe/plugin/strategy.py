@@ -579,17 +579,25 @@ class AvgPipeStrategy(ParallelStrategy):
         return dataloader
 
     def _log_progress(self, batch: Any) -> None:
-        """Log samples/s (over the last iteration) and, with replicas, their divergence from the reference."""
-        module = self._module
+        """Log samples/s over the last iteration (not counting time spent in validation in between)."""
         now = time.perf_counter()
         batches = batch if self.num_pipelines > 1 else [batch]
         if self._step_started is not None and now > self._step_started:
             samples = sum(microbatch.batch_size(b) for b in batches) * self.num_groups
-            module.log("avgpipe/samples_per_sec", samples / (now - self._step_started), on_step=True, on_epoch=False)
+            rate = samples / (now - self._step_started)
+            self._module.log("avgpipe/samples_per_sec", rate, on_step=True, on_epoch=False)
         self._step_started = now
-        elastic = self.elastic
+
+    def _log_divergence(self) -> None:
+        """With replicas: ‖w_n − w_ref‖ / ‖w_ref‖ over all stages, mean and max over replicas.
+
+        Measured after this step's pipeline, once the previous step's reference update has landed (so an
+        overlapped all-reduce still had the whole pipeline to hide behind).
+        """
+        module, elastic = self._module, self.elastic
         if elastic.trivial:
             return
+        elastic.wait()
         sums = torch.stack(elastic.divergence())  # (N, 2): ‖w_n - w_ref‖², ‖w_ref‖² on this stage
         if self.num_stages > 1:
             dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self._pipeline_group)
@@ -611,6 +619,7 @@ class AvgPipeStrategy(ParallelStrategy):
             results = self._run("training_step", batch, rest, training=True)
             if self._batched is not None:
                 self._batched.finish()
+            self._log_divergence()
         finally:
             # Lightning zeroes gradients after training_step; keep this step's apart until backward() adds them.
             self._grad_stash = [p.grad for p in params]
@@ -651,6 +660,7 @@ class AvgPipeStrategy(ParallelStrategy):
     def _eval(self, hook: str, args: Sequence[Any], share_output: bool) -> Any:
         if self._elastic is not None:
             self._elastic.wait()  # evaluate the up-to-date reference
+        self._step_started = None  # the next training step's samples/s must not include this evaluation
         results = self._run(hook, args[0], args[1:], training=False)
         payload = None
         output = None
@@ -798,8 +808,16 @@ class AvgPipeStrategy(ParallelStrategy):
             if state["avgpipe_layout"] != self._layout:
                 rank_zero_info(
                     f"AvgPipe: the checkpoint's layout {state['avgpipe_layout']} differs from {self._layout}; the "
-                    "weights are restored, the replicas start from the reference and optimizer states start fresh."
+                    "weights and the optimizer's hyperparameters (lr, ...) are restored, the replicas start from the "
+                    "reference and optimizer states start fresh."
                 )
+                saved = state["avgpipe_ranks"][0]["optim"]
+                groups = saved.get("user_param_groups") or [
+                    {k: v for k, v in g.items() if k != "params"} for g in saved.get("param_groups", [])
+                ]
+                if len(groups) == len(optimizer.param_groups):
+                    for group, values in zip(optimizer.param_groups, groups):
+                        group.update({k: v for k, v in values.items() if k != "params"})
                 continue
             entry = state["avgpipe_ranks"][self.global_rank]
             optimizer.load_state_dict(entry["optim"])
@@ -824,6 +842,8 @@ class AvgPipeStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        if self._elastic is not None:
+            self._elastic.wait()  # the model the user keeps is the up-to-date reference
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles = []

@@ -38,6 +38,9 @@ class StageExecutor:
         self.is_first = stage == 0
         self.is_last = stage == num_stages - 1
         self.coalesce = coalesce and link is not None
+        if self.coalesce:
+            assert link is not None
+            link.always_batch = True
 
     def run(
         self,

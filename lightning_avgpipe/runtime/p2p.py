@@ -140,6 +140,9 @@ class Link:
         self._grads_in: dict[int, tuple[list[Tensor], list[Any]]] = {}
         self._sends: list[tuple[Any, Tensor]] = []
         self._batch: list[tuple[dist.P2POp, _Deferred]] | None = None
+        # NCCL runs batched point-to-point operations on the whole group's communicator and single ones on a
+        # two-rank one: a batched send never matches a single receive. In batched mode every operation is batched.
+        self.always_batch = False
 
     # -- batching (NCCL) -------------------------------------------------------------------------------------------
     def begin_batch(self) -> None:
@@ -152,10 +155,17 @@ class Link:
         batch, self._batch = self._batch, None
         if batch:
             works = dist.batch_isend_irecv([op for op, _ in batch])
+            if len(works) != len(batch):  # NCCL coalesces the group into one request that completes them all
+                works = [works[-1]] * len(batch)
             for (_, handle), work in zip(batch, works):
                 handle.work = work
 
     def _p2p(self, send: bool, tensor: Tensor, peer: int) -> Any:
+        if self._batch is None and self.always_batch:
+            self.begin_batch()
+            handle = self._p2p(send, tensor, peer)
+            self.flush_batch()
+            return handle
         if self._batch is not None:
             handle = _Deferred(self)
             op = dist.P2POp(dist.isend if send else dist.irecv, tensor, peer, self.group)
