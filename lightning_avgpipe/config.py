@@ -37,6 +37,8 @@ class PipelineConfig:
     # "batched" posts them just in time, each run of comms as one batch_isend_irecv (required by NCCL's in-order,
     # rendezvous semantics); "auto" picks "batched" on NCCL and "eager" otherwise.
     p2p: str = "auto"
+    # Seconds a stage waits for a neighbour after the first training step before failing with its name.
+    p2p_timeout: float = 30.0
     # Seconds a point-to-point wait may block before the job fails with a message (collectives use it too).
     timeout: float = field(default=1800.0)
 
@@ -68,6 +70,9 @@ class PipelineConfig:
             raise ValueError(f"num_pipelines={n!r} must be an int >= 1 (1 = plain pipeline training).")
         if self.elastic_alpha is not None:
             check_alpha(self.elastic_alpha)
+        t = self.p2p_timeout
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+            raise ValueError(f"p2p_timeout={t!r} must be a positive number of seconds.")
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
             raise ValueError(f"timeout={self.timeout!r} must be a positive number of seconds.")
 

@@ -46,6 +46,7 @@ from lightning_avgpipe.plugin.gradients import clip_grad_norm_across
 from lightning_avgpipe.plugin.optim import ElasticOptimizer, clone_optimizer
 from lightning_avgpipe.replicas import BatchedReplicas, select, stack
 from lightning_avgpipe.runtime import Link, StageExecutor
+from lightning_avgpipe.runtime.p2p import PeerFailureError, first_failure, report_failure
 from lightning_avgpipe.schedules import Plan, build_plan, validate_plan
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,10 @@ class AvgPipeStrategy(ParallelStrategy):
         p2p: ``"eager"`` posts each receive one compute early as its own operation (overlaps transfers, best on
             gloo); ``"batched"`` posts receives just in time and issues each run of communication as one
             ``batch_isend_irecv`` group, which NCCL needs to avoid deadlock; ``"auto"`` picks by backend.
-        timeout: seconds a collective or a point-to-point wait may block before the job fails with a message.
+        p2p_timeout: seconds a stage waits, after the first training step, for a neighbour's activations or
+            gradients before the job fails naming that neighbour. Raise it if one step of a stage legitimately
+            takes longer (very large models); lower it to fail faster.
+        timeout: seconds a collective (and a point-to-point wait in the first step) may block before failing.
         process_group_backend: ``"gloo"`` or ``"nccl"``; ``None`` picks by device.
     """
 
@@ -104,6 +108,7 @@ class AvgPipeStrategy(ParallelStrategy):
         sync_reference: bool = False,
         replica_execution: str = "sequential",
         p2p: str = "auto",
+        p2p_timeout: float = 30.0,
         timeout: float = 1800.0,
         process_group_backend: str | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
@@ -130,6 +135,7 @@ class AvgPipeStrategy(ParallelStrategy):
             sync_reference=sync_reference,
             replica_execution=replica_execution,
             p2p=p2p,
+            p2p_timeout=p2p_timeout,
             timeout=timeout,
         )
         self._process_group_backend = process_group_backend
@@ -374,6 +380,7 @@ class AvgPipeStrategy(ParallelStrategy):
                 ranks[stage + 1] if stage < stages - 1 else None,
                 self.root_device,
                 name=f"stage {stage} (rank {self.global_rank})",
+                stage=stage,
             )
             if stages > 1
             else None
@@ -567,7 +574,15 @@ class AvgPipeStrategy(ParallelStrategy):
         if self.num_stages == 1:
             return payload
         box = [payload]
-        dist.broadcast_object_list(box, src=self._pipeline_ranks[-1], group=self._pipeline_group)
+        src = self._pipeline_ranks[-1]
+        try:
+            dist.broadcast_object_list(box, src=src, group=self._pipeline_group)
+        except RuntimeError as err:
+            raise PeerFailureError(
+                f"stage {self.stage} (rank {self.global_rank}): the step's results from rank {src} (stage "
+                f"{self.num_stages - 1}, the last) did not arrive: a rank of this pipeline failed, was killed or is "
+                f"stuck. {first_failure()}({str(err).splitlines()[0][:160]})"
+            ) from err
         return box[0]
 
     @override
@@ -631,6 +646,8 @@ class AvgPipeStrategy(ParallelStrategy):
             loss = torch.stack([r.float() for r in results.values()]).sum() * accumulate / self.num_pipelines
             payload = (loss.cpu(), self._bridge.take_logs() if self._bridge else [])
         loss, logs = self._share(payload)
+        if self._executor is not None and self._executor.link is not None:
+            self._executor.link.timeout = self.config.p2p_timeout  # the first step may be slow; later ones are bounded
         replay_logs(self._module, logs, self.root_device)
         loss = loss.to(self.root_device)
         if not self.elastic.trivial:  # the mean over replicas, whatever the user logs
@@ -839,6 +856,13 @@ class AvgPipeStrategy(ParallelStrategy):
         finally:
             if tmp.exists():
                 tmp.unlink()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        # The rank where a failure starts records it, so the others' messages name it (not just their neighbour).
+        if _distributed_is_initialized() and not isinstance(exception, PeerFailureError):
+            stage = f"stage {self.stage}" if self._num_stages else "setup"
+            report_failure(f"rank {self.global_rank} ({stage}): {type(exception).__name__}: {str(exception)[:200]}")
 
     @override
     def teardown(self) -> None:

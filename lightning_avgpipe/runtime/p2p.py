@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -31,6 +32,10 @@ _DTYPES: tuple[torch.dtype, ...] = (
 
 class StageOutputError(TypeError):
     """A stage produced something that cannot travel to the next stage."""
+
+
+class PeerFailureError(RuntimeError):
+    """A neighbouring stage stopped answering: it failed, was killed, or is stuck."""
 
 
 @dataclass(frozen=True)
@@ -106,10 +111,13 @@ class _Deferred:
         self.link = link
         self.work: Any = None
 
-    def wait(self) -> None:
+    def wait(self, timeout: timedelta | None = None) -> None:
         if self.work is None:
             self.link.flush_batch()  # a wait inside an open batch: issue what is collected first
-        self.work.wait()
+        if timeout is None:
+            self.work.wait()
+        else:
+            self.work.wait(timeout)
 
 
 @dataclass
@@ -126,10 +134,19 @@ class Link:
     """The two channels of one stage: activations from ``prev_rank`` / to ``next_rank``, gradients the other way."""
 
     def __init__(
-        self, prev_rank: int | None, next_rank: int | None, device: torch.device, group: Any = None, name: str = "stage"
+        self,
+        prev_rank: int | None,
+        next_rank: int | None,
+        device: torch.device,
+        group: Any = None,
+        name: str = "stage",
+        stage: int | None = None,
     ) -> None:
         self.prev_rank = prev_rank
         self.next_rank = next_rank
+        self.stage = stage
+        # Seconds a receive may wait before the job fails naming the silent neighbour; None: the process group's.
+        self.timeout: float | None = None
         self.device = device
         self.group = group
         self.name = name
@@ -218,7 +235,7 @@ class Link:
         inc = self._incoming.pop(unit)
         assert inc.works is not None and inc.bufs is not None and inc.meta is not None
         for w in inc.works:
-            w.wait()
+            self._wait(w, f"the activations of unit {unit}", self.prev_rank, -1)
         tensors = []
         for buf, tm in zip(inc.bufs, inc.meta.tensors):
             if training and tm.requires_grad:
@@ -228,7 +245,7 @@ class Link:
 
     def _resolve(self, unit: int) -> None:
         inc = self._incoming[unit]
-        inc.meta_work.wait()
+        self._wait(inc.meta_work, f"the activation header of unit {unit}", self.prev_rank, -1)
         assert inc.meta_buf is not None
         meta = OutputMeta.decode(inc.meta_buf)
         self._recv_meta[inc.key] = meta
@@ -250,7 +267,7 @@ class Link:
     def wait_grads(self, unit: int) -> list[Tensor]:
         bufs, works = self._grads_in.pop(unit)
         for w in works:
-            w.wait()
+            self._wait(w, f"the gradients of unit {unit}", self.next_rank, +1)
         return bufs
 
     def send_grads(self, grads: Sequence[Tensor]) -> None:
@@ -268,8 +285,52 @@ class Link:
         """Wait for every send posted so far (their buffers may be freed afterwards)."""
         self.flush_batch()
         for work, _ in self._sends:
-            work.wait()
+            self._wait(work, "the acknowledgement of a send", None, 0)
         self._sends.clear()
+
+    def _wait(self, work: Any, what: str, peer: int | None, direction: int) -> None:
+        """Wait for ``work``; a dead or silent neighbour becomes a :class:`PeerFailureError` that names it."""
+        try:
+            if self.timeout is None:
+                work.wait()
+            else:
+                work.wait(timedelta(seconds=self.timeout))
+        except RuntimeError as err:
+            if peer is None:
+                who = "a neighbouring stage"
+            elif self.stage is not None:
+                who = f"rank {peer} (stage {self.stage + direction})"
+            else:
+                who = f"rank {peer} (the {'previous' if direction < 0 else 'next'} stage)"
+            timed_out = "timed out" in str(err).lower() or "timeout" in str(err).lower()
+            limit = f" within {self.timeout:g} s" if timed_out and self.timeout is not None else ""
+            raise PeerFailureError(
+                f"{self.name}: {what} from {who} did not arrive{limit}: that rank failed, was killed or is stuck. "
+                f"{first_failure()}({type(err).__name__}: {str(err).splitlines()[0][:160]})"
+            ) from err
+
+
+_FAILURE_KEY = "lightning_avgpipe/first_failure"
+
+
+def report_failure(description: str) -> None:
+    """Record the first real failure of the job in the rendezvous store, for the other ranks' messages."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.compare_set(_FAILURE_KEY, "", description)
+    except Exception:  # noqa: BLE001 - best effort: the store may live on the failed rank
+        pass
+
+
+def first_failure() -> str:
+    """"First failure: ..." if some rank recorded one (see :func:`report_failure`), else ""."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        if store.check([_FAILURE_KEY]):
+            return f"First failure: {store.get(_FAILURE_KEY).decode()}. "
+    except Exception:  # noqa: BLE001
+        pass
+    return ""
 
     def reset(self) -> None:
         """Forget cached metadata (both ends must reset together, e.g. after the layout changed)."""

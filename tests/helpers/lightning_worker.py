@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,25 @@ from torch.utils.data import DataLoader, Subset
 
 from lightning_avgpipe import AvgPipeStrategy
 from tests.helpers.lit import PipeNet, dataset, loader
+
+
+class Fault(pl.Callback):
+    """Make one rank fail inside the pipeline at a given step: raise in, or SIGKILL, its first layer's forward."""
+
+    def __init__(self, rank: int, step: int, kind: str) -> None:
+        self.rank, self.step, self.kind = rank, step, kind
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if trainer.global_rank != self.rank or trainer.global_step != self.step:
+            return
+
+        def fail(*_: Any) -> None:
+            if self.kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError(f"injected failure on rank {self.rank}")
+
+        trainer.strategy._owned[0].register_forward_pre_hook(fail)
 
 
 class Recorder(pl.Callback):
@@ -62,6 +82,8 @@ def main(cfg: dict[str, Any]) -> None:
             pl.callbacks.ModelCheckpoint(dirpath=out / "every", every_n_train_steps=cfg["every_n_train_steps"],
                                          save_top_k=-1)
         )
+    if cfg.get("fault"):
+        trainer_kwargs["callbacks"].append(Fault(**cfg["fault"]))
     trainer_kwargs.update(cfg.get("trainer", {}))
     bs = cfg.get("batch_size", 12)
     if cfg.get("group_data"):

@@ -1,0 +1,45 @@
+"""A failing rank never hangs the job: every rank exits non-zero, quickly, naming the rank that failed."""
+
+from __future__ import annotations
+
+import json
+import re
+import tempfile
+import time
+
+import pytest
+
+from tests.helpers.launch import launch_ranks
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    ("world", "rank", "kind"),
+    [(2, 1, "raise"), (2, 0, "kill"), (4, 2, "raise"), (4, 1, "kill")],
+    ids=["S2-raise-last", "S2-kill-first", "S4-raise-middle", "S4-kill-middle"],
+)
+def test_failing_rank_ends_every_rank_with_a_message(world: int, rank: int, kind: str) -> None:
+    out_dir = tempfile.mkdtemp()
+    cfg = {"out": out_dir, "devices": world, "steps": 6, "strategy": {"num_microbatches": 2, "p2p_timeout": 5},
+           "fault": {"rank": rank, "step": 2, "kind": kind}}
+    start = time.monotonic()
+    results = launch_ranks(["-m", "tests.helpers.lightning_worker", json.dumps(cfg)], world, timeout=120)
+    elapsed = time.monotonic() - start
+    assert elapsed < 90, f"took {elapsed:.0f} s"
+    codes = [code for code, _ in results]
+    assert all(code != 0 for code in codes), codes
+    if kind == "kill":
+        assert codes[rank] == -9
+    for r, (_, out) in enumerate(results):
+        if r == rank:
+            if kind == "raise":
+                assert f"injected failure on rank {rank}" in out
+            continue
+        assert "PeerFailureError" in out, out[-2000:]
+        named = set(map(int, re.findall(r"from rank (\d+) \(stage \d+\) did not arrive", out)))
+        assert named and named <= {r - 1, r + 1}, named  # a neighbour, by rank and stage
+        if kind == "raise":  # the rank where it started is named on every rank
+            assert f"First failure: rank {rank} (stage {rank}): RuntimeError: injected failure" in out, out[-2000:]
+        elif abs(r - rank) == 1:
+            assert rank in named
