@@ -43,3 +43,16 @@ def test_failing_rank_ends_every_rank_with_a_message(world: int, rank: int, kind
             assert f"First failure: rank {rank} (stage {rank}): RuntimeError: injected failure" in out, out[-2000:]
         elif abs(r - rank) == 1:
             assert rank in named
+
+
+def test_non_finite_loss_is_named_on_every_rank() -> None:
+    """A NaN entering stage 1's layers: the last stage names the loss, and every rank stops with a named cause."""
+    out_dir = tempfile.mkdtemp()
+    cfg = {"out": out_dir, "devices": 2, "steps": 4, "strategy": {"num_microbatches": 2, "p2p_timeout": 5},
+           "fault": {"rank": 1, "step": 1, "kind": "nan"}}
+    results = launch_ranks(["-m", "tests.helpers.lightning_worker", json.dumps(cfg)], 2, timeout=120)
+    assert all(code != 0 for code, _ in results)
+    assert "FloatingPointError: stage 1 (rank 1): the loss of unit(s) [0, 1] is not finite" in results[1][1]
+    # stage 0 either sees the NaN come back as its own gradient, or stops on stage 1's failure: named either way
+    pattern = r"stage 0 \(rank 0\): a non-finite gradient in replica 0|First failure: rank 1 \(stage 1\): Floating"
+    assert re.search(pattern, results[0][1]), results[0][1][-2000:]

@@ -106,3 +106,11 @@ def test_batched_replica_execution_matches(tmp_path: Path) -> None:
     state = final_state(tmp_path)
     for key, value in ref_state.items():
         torch.testing.assert_close(state[key], value, msg=lambda m, key=key: f"{key}: {m}")
+
+
+def test_same_seed_same_setting_gives_identical_weights(tmp_path: Path) -> None:
+    strategy: dict[str, Any] = {"num_microbatches": 2, "partition": [3, 3], "num_pipelines": 2, "schedule": "afab"}
+    for name in ("a", "b"):
+        run_lightning(tmp_path / name, 2, strategy, steps=3, model={"optimizer": "adam", "lr": 0.01})
+    a, b = final_state(tmp_path / "a"), final_state(tmp_path / "b")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

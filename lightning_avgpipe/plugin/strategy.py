@@ -640,6 +640,7 @@ class AvgPipeStrategy(ParallelStrategy):
             self._grad_stash = [p.grad for p in params]
             for p, g in zip(params, saved):
                 p.grad = g
+        self._check_finite(results)
         payload = None
         if self._executor is not None and self._executor.is_last:
             accumulate = self._module.trainer.accumulate_grad_batches
@@ -653,6 +654,36 @@ class AvgPipeStrategy(ParallelStrategy):
         if not self.elastic.trivial:  # the mean over replicas, whatever the user logs
             self._module.log("avgpipe/loss", loss, on_step=True, on_epoch=False)
         return loss
+
+    def _check_finite(self, results: Mapping[int, Any]) -> None:
+        """Fail, naming stage, replica and where, on a non-finite loss (last stage) or gradient (every stage).
+
+        One reduction per step; the other ranks then stop with a message that names this rank as the first failure.
+        """
+        where = f"stage {self.stage} (rank {self.global_rank})"
+        fix = "lower the learning rate, clip gradients (Trainer(gradient_clip_val=...)) or check the data"
+        if results:
+            losses = torch.stack([r.detach().float() for r in results.values()])
+            if not bool(torch.isfinite(losses).all()):
+                units = [u for u, r in results.items() if not bool(torch.isfinite(r))]
+                raise FloatingPointError(f"{where}: the loss of unit(s) {units} is not finite; {fix}.")
+        stash = self._grad_stash or []
+        grads = [g for g in stash if g is not None]
+        if not grads:
+            return
+        norms = torch.stack(torch._foreach_norm(grads))
+        if bool(torch.isfinite(norms).all()):
+            return
+        per_replica = len(self._stage_params) // max(1, self.elastic.num_replicas)
+        qualified = {id(p): n for n, p in self._module.named_parameters()}
+        reference = self.elastic.reference_params
+        for i, g in enumerate(stash):
+            if g is not None and not bool(torch.isfinite(g).all()):
+                replica, j = divmod(i, max(1, per_replica))
+                name = qualified.get(id(reference[j]), f"parameter {j}") if j < len(reference) else f"parameter {j}"
+                raise FloatingPointError(
+                    f"{where}: a non-finite gradient in replica {replica}, layer parameter '{name}'; {fix}."
+                )
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
@@ -842,6 +873,24 @@ class AvgPipeStrategy(ParallelStrategy):
                 for layer, layer_state in zip(layers, saved):
                     layer.load_state_dict(layer_state)
         _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load and verify a checkpoint; a truncated or corrupt file is named with what to do instead."""
+        try:
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        except FileNotFoundError:
+            raise
+        except Exception as err:  # unpickling, zip and EOF errors all mean the same to the user
+            raise ValueError(
+                f"Cannot read the checkpoint {checkpoint_path}: it is truncated or corrupt ({type(err).__name__}: "
+                f"{str(err)[:200]}). AvgPipeStrategy renames a checkpoint into place only once it is complete, so "
+                "resume from the previous checkpoint (ModelCheckpoint keeps them under its dirpath)."
+            ) from err
+        missing = [k for k in ("state_dict", "optimizer_states") if k not in checkpoint]
+        if missing:
+            raise ValueError(f"The checkpoint {checkpoint_path} lacks {missing}; it is not a training checkpoint.")
+        return checkpoint
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:

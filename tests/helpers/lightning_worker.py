@@ -33,7 +33,10 @@ class Fault(pl.Callback):
                 os.kill(os.getpid(), signal.SIGKILL)
             raise RuntimeError(f"injected failure on rank {self.rank}")
 
-        trainer.strategy._owned[0].register_forward_pre_hook(fail)
+        def nan(_: Any, args: Any) -> Any:
+            return (args[0] * float("nan"),) if isinstance(args[0], torch.Tensor) else args
+
+        trainer.strategy._owned[0].register_forward_pre_hook(nan if self.kind == "nan" else fail)
 
 
 class Recorder(pl.Callback):
