@@ -37,6 +37,10 @@ class PipelineConfig:
     # "batched" posts them just in time, each run of comms as one batch_isend_irecv (required by NCCL's in-order,
     # rendezvous semantics); "auto" picks "batched" on NCCL and "eager" otherwise.
     p2p: str = "auto"
+    # Folder for timelines (Chrome-trace JSON + PNG Gantt chart, one pair per traced step); None: no traces.
+    trace_dir: str | None = None
+    # Which training steps (global_step values) to trace when trace_dir is set.
+    trace_steps: tuple[int, ...] = (2,)
     # Seconds a stage waits for a neighbour after the first training step before failing with its name.
     p2p_timeout: float = 30.0
     # Seconds a point-to-point wait may block before the job fails with a message (collectives use it too).
@@ -73,6 +77,7 @@ class PipelineConfig:
         t = self.p2p_timeout
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
             raise ValueError(f"p2p_timeout={t!r} must be a positive number of seconds.")
+        object.__setattr__(self, "trace_steps", tuple(int(s) for s in self.trace_steps))
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
             raise ValueError(f"timeout={self.timeout!r} must be a positive number of seconds.")
 

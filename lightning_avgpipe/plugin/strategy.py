@@ -47,6 +47,7 @@ from lightning_avgpipe.plugin.optim import ElasticOptimizer, clone_optimizer
 from lightning_avgpipe.replicas import BatchedReplicas, select, stack
 from lightning_avgpipe.runtime import Link, StageExecutor
 from lightning_avgpipe.runtime.p2p import PeerFailureError, first_failure, report_failure
+from lightning_avgpipe.runtime.trace import ActivationMeter, StepTrace, write_trace
 from lightning_avgpipe.schedules import Plan, build_plan, validate_plan
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,9 @@ class AvgPipeStrategy(ParallelStrategy):
         p2p: ``"eager"`` posts each receive one compute early as its own operation (overlaps transfers, best on
             gloo); ``"batched"`` posts receives just in time and issues each run of communication as one
             ``batch_isend_irecv`` group, which NCCL needs to avoid deadlock; ``"auto"`` picks by backend.
+        trace_dir: a folder for timelines of the steps in ``trace_steps``: ``step<N>.json`` (Chrome trace, opens
+            in Perfetto; a track per rank with compute by unit, waits and sends) and ``step<N>.png`` (a Gantt chart).
+        trace_steps: the training steps (``global_step``) to trace.
         p2p_timeout: seconds a stage waits, after the first training step, for a neighbour's activations or
             gradients before the job fails naming that neighbour. Raise it if one step of a stage legitimately
             takes longer (very large models); lower it to fail faster.
@@ -108,6 +112,8 @@ class AvgPipeStrategy(ParallelStrategy):
         sync_reference: bool = False,
         replica_execution: str = "sequential",
         p2p: str = "auto",
+        trace_dir: str | None = None,
+        trace_steps: list[int] | None = None,
         p2p_timeout: float = 30.0,
         timeout: float = 1800.0,
         process_group_backend: str | None = None,
@@ -135,6 +141,8 @@ class AvgPipeStrategy(ParallelStrategy):
             sync_reference=sync_reference,
             replica_execution=replica_execution,
             p2p=p2p,
+            trace_dir=trace_dir,
+            trace_steps=tuple(trace_steps) if trace_steps is not None else (2,),
             p2p_timeout=p2p_timeout,
             timeout=timeout,
         )
@@ -157,6 +165,8 @@ class AvgPipeStrategy(ParallelStrategy):
         self._owned: list[nn.Module] = []
         self._replica_fns: list[Any] = []
         self._batched: BatchedReplicas | None = None
+        self._meter: ActivationMeter | None = None
+        self._trace: StepTrace | None = None
         self._stage_group: Any = None
         self._elastic: ElasticAveraging | None = None
         self._step_started: float | None = None
@@ -408,6 +418,7 @@ class AvgPipeStrategy(ParallelStrategy):
         self._replica_fns = [_sequential(layers) for layers in self._elastic.replicas]
         if cfg.replica_execution == "batched" and not self._elastic.trivial:
             self._batched = BatchedReplicas(self._elastic.replicas)
+        self._meter = ActivationMeter(self._stage_params)
 
     @property
     def elastic(self) -> ElasticAveraging:
@@ -525,6 +536,8 @@ class AvgPipeStrategy(ParallelStrategy):
             head=head,
             forward_context=context,
             stage_fn_for=(lambda u: self._replica_fns[owner[u]]) if training else None,
+            trace=self._trace if training else None,
+            meter=self._meter if training else None,
         )
         return results
 
@@ -567,6 +580,8 @@ class AvgPipeStrategy(ParallelStrategy):
             head=head,
             forward_context=self.precision_plugin.train_step_context,
             stage_fn_for=lambda m: batched,
+            trace=self._trace,
+            meter=self._meter,
         )
 
     def _share(self, payload: Any) -> Any:
@@ -603,6 +618,51 @@ class AvgPipeStrategy(ParallelStrategy):
             self._module.log("avgpipe/samples_per_sec", rate, on_step=True, on_epoch=False)
         self._step_started = now
 
+    def _log_step_figures(self) -> None:
+        """Per step: bubble fraction, communication wait and peak activation memory of every stage (one
+        all-gather over the pipeline), and the timeline when this step is traced."""
+        trace, module = self._trace, self._module
+        if trace is None:
+            return
+        mine = torch.tensor(trace.summary(), dtype=torch.float64)
+        if self.root_device.type == "cuda":
+            mine[4] = float(torch.cuda.max_memory_allocated(self.root_device))
+            torch.cuda.reset_peak_memory_stats(self.root_device)
+        rows = [mine]
+        if self.num_stages > 1:
+            rows = [torch.zeros_like(mine) for _ in range(self.num_stages)]
+            dist.all_gather(rows, mine, group=self._pipeline_group)
+        table = torch.stack(rows)  # (S, 5): step, compute, wait, bubble, peak bytes
+        module.log("avgpipe/bubble_fraction", float(table[:, 3].mean()), on_step=True, on_epoch=False)
+        module.log("avgpipe/comm_wait_s", float(table[:, 2].max()), on_step=True, on_epoch=False)
+        for s in range(self.num_stages):
+            module.log(f"avgpipe/peak_memory_mb/stage{s}", float(table[s, 4]) / 2**20, on_step=True, on_epoch=False)
+        step = module.trainer.global_step
+        cfg = self.config
+        if cfg.trace_dir is not None and step in cfg.trace_steps:
+            self._write_trace(step, trace)
+
+    def _write_trace(self, step: int, trace: StepTrace) -> None:
+        spans = trace.spans
+        if self.num_stages > 1:
+            gathered: list[Any] | None = [None] * self.num_stages if self.stage == 0 else None
+            dist.gather_object(spans, gathered, dst=self._pipeline_ranks[0], group=self._pipeline_group)
+        else:
+            gathered = [spans]
+        if gathered is None or self.group_index != 0:
+            return
+        cfg = self.config
+        assert cfg.trace_dir is not None
+        names = [f"stage {s} (rank {r})" for s, r in enumerate(self._pipeline_ranks)]
+        title = (
+            f"step {step}: {cfg.schedule}"
+            + (f" k={cfg.advance_forwards}" if cfg.schedule == "advance" else "")
+            + f", S={self.num_stages}, M={self.num_microbatches}, N={self.num_pipelines}"
+        )
+        json_path, png_path = write_trace(Path(cfg.trace_dir) / f"step{step}.json", gathered, title, names)
+        also = f" and {png_path}" if png_path else ""
+        rank_zero_info(f"AvgPipe: timeline of step {step} written to {json_path}{also}")
+
     def _log_divergence(self) -> None:
         """With replicas: ‖w_n − w_ref‖ / ‖w_ref‖ over all stages, mean and max over replicas.
 
@@ -628,6 +688,9 @@ class AvgPipeStrategy(ParallelStrategy):
         for p in params:
             p.grad = None
         self._log_progress(batch)
+        self._trace = StepTrace(self.stage)
+        if self._meter is not None:
+            self._meter.reset()
         try:
             if self._batched is not None:
                 self._batched.begin()
@@ -647,6 +710,7 @@ class AvgPipeStrategy(ParallelStrategy):
             loss = torch.stack([r.float() for r in results.values()]).sum() * accumulate / self.num_pipelines
             payload = (loss.cpu(), self._bridge.take_logs() if self._bridge else [])
         loss, logs = self._share(payload)
+        self._log_step_figures()
         if self._executor is not None and self._executor.link is not None:
             self._executor.link.timeout = self.config.p2p_timeout  # the first step may be slow; later ones are bounded
         replay_logs(self._module, logs, self.root_device)
