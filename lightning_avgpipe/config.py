@@ -21,7 +21,10 @@ class PipelineConfig:
     # "1f1b" (memory-lean), "afab" (GPipe: all forwards then all backwards), or "advance" (1F1B + k early forwards).
     schedule: str = "1f1b"
     # Forwards each stage runs early beyond 1F1B's warm-up; only used by schedule="advance".
-    advance_forwards: int = 0
+    # "auto": raise k from 0 while iterations get faster and memory_limit holds (see autotune.py).
+    advance_forwards: int | str = "auto"
+    # Peak memory a stage may use when choosing k automatically: bytes, or a fraction (<= 1) of the device's memory.
+    memory_limit: float | None = None
     # "balanced" (profiled time), "parameters", "uniform", or a list of layer counts per stage.
     partition: str | Sequence[int] = "balanced"
     # N parallel pipelines (replicas per stage) tied by elastic averaging; 1 is plain pipeline training.
@@ -58,8 +61,15 @@ class PipelineConfig:
             )
         object.__setattr__(self, "schedule", check_schedule_name(self.schedule))
         k = self.advance_forwards
-        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
-            raise ValueError(f"advance_forwards={self.advance_forwards!r} must be an int >= 0 (0 gives 1F1B).")
+        if k != "auto" and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
+            raise ValueError(
+                f"advance_forwards={self.advance_forwards!r} must be an int >= 0 (0 gives 1F1B) or 'auto'."
+            )
+        limit = self.memory_limit
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0):
+            raise ValueError(
+                f"memory_limit={limit!r} must be a number of bytes, or a fraction in (0, 1] of the device's memory."
+            )
         if not isinstance(self.partition, str):
             object.__setattr__(self, "partition", tuple(self.partition))
         check_partition(self.partition, num_stages=None if isinstance(self.partition, str) else self.num_stages)

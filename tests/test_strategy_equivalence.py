@@ -73,3 +73,13 @@ def test_checkpoint_loads_without_strategy(tmp_path: Path) -> None:
     _, ref_state = reference(2, 2)
     for key, value in ref_state.items():
         torch.testing.assert_close(model.state_dict()[key], value)
+
+
+@pytest.mark.slow
+def test_advance_auto_changes_plans_without_changing_the_arithmetic(tmp_path: Path) -> None:
+    """advance_forwards='auto' tries k = 0, 1, ... between iterations; every plan computes the same step."""
+    strategy = {"num_microbatches": 4, "schedule": "advance", "partition": [3, 3]}
+    results = run_lightning(tmp_path, 2, strategy, steps=10, trainer={"log_every_n_steps": 1})
+    assert "advance_forwards='auto' settled on" in results[0]["output"] or results[0]["metrics"][
+        "avgpipe/advance_forwards"] >= 1.0  # it moved past k = 0 or decided, within 10 iterations
+    assert_matches(tmp_path, results, 4, steps=10)

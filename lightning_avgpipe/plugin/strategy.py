@@ -36,6 +36,7 @@ from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_avgpipe import microbatch
+from lightning_avgpipe.autotune import AdvanceSearch
 from lightning_avgpipe.config import PipelineConfig
 from lightning_avgpipe.elastic import ElasticAveraging
 from lightning_avgpipe.partition import partition_layers
@@ -68,7 +69,11 @@ class AvgPipeStrategy(ParallelStrategy):
         schedule: ``"1f1b"`` keeps at most ``S - s`` micro-batches of activations on stage ``s`` (the default);
             ``"afab"`` (GPipe) runs all forwards first, which keeps all ``M`` and communicates less often;
             ``"advance"`` sits between them with ``advance_forwards`` extra early forwards.
-        advance_forwards: early forwards per stage for ``schedule="advance"``; 0 is 1F1B.
+        advance_forwards: early forwards per stage for ``schedule="advance"``; 0 is 1F1B, ``units - 1`` is AFAB.
+            ``"auto"`` (the default) starts at 0 and raises k by one every few iterations while iterations get
+            faster beyond noise and ``memory_limit`` holds, then keeps it (the choice and why are logged).
+        memory_limit: the peak memory a stage may use when ``advance_forwards="auto"`` raises k: bytes, or a
+            fraction (<= 1) of the device's memory (of RAM on CPU, where activation bytes are what is measured).
         partition: ``"balanced"`` profiles each layer on ``LightningModule.example_input_array`` and splits to
             even out forward+backward time (falls back to ``"parameters"`` without an example input);
             ``"parameters"`` evens out parameter bytes; ``"uniform"`` layer counts; or a list of layer counts per
@@ -105,7 +110,8 @@ class AvgPipeStrategy(ParallelStrategy):
         num_stages: int | None = None,
         num_microbatches: int | None = None,
         schedule: str = "1f1b",
-        advance_forwards: int = 0,
+        advance_forwards: int | str = "auto",
+        memory_limit: float | None = None,
         partition: str | list[int] = "balanced",
         num_pipelines: int = 1,
         elastic_alpha: float | None = None,
@@ -135,6 +141,7 @@ class AvgPipeStrategy(ParallelStrategy):
             num_microbatches=num_microbatches,
             schedule=schedule,
             advance_forwards=advance_forwards,
+            memory_limit=memory_limit,
             partition=partition,
             num_pipelines=num_pipelines,
             elastic_alpha=elastic_alpha,
@@ -156,7 +163,7 @@ class AvgPipeStrategy(ParallelStrategy):
         self._bridge: StepBridge | None = None
         self._guard = Guard()
         self._hook_handles: list[Any] = []
-        self._plans: dict[tuple[bool, int], Plan] = {}
+        self._plans: dict[tuple[bool, int, int], Plan] = {}
         self._stage_params: list[nn.Parameter] = []
         self._grad_stash: list[Tensor | None] | None = None
         self._full_keys: list[str] = []
@@ -166,6 +173,9 @@ class AvgPipeStrategy(ParallelStrategy):
         self._replica_fns: list[Any] = []
         self._batched: BatchedReplicas | None = None
         self._meter: ActivationMeter | None = None
+        k = self.config.advance_forwards
+        self._k: int = 0 if k == "auto" else int(k)
+        self._search: AdvanceSearch | None = None
         self._trace: StepTrace | None = None
         self._stage_group: Any = None
         self._elastic: ElasticAveraging | None = None
@@ -456,12 +466,18 @@ class AvgPipeStrategy(ParallelStrategy):
         self.model.to(self.root_device)
 
     # -- steps ---------------------------------------------------------------------------------------------------
+    @property
+    def advance_forwards(self) -> int:
+        """The k in use: fixed, or where ``advance_forwards="auto"`` currently is."""
+        return self._k
+
     def _plan(self, training: bool, units: int) -> Plan:
-        key = (training, units)
+        k = self._k if training else 0
+        key = (training, units, k)
         if key not in self._plans:
             cfg = self.config
             batched = self._batched_p2p
-            plan = build_plan(cfg.schedule, self.num_stages, units, cfg.advance_forwards, training, int(not batched))
+            plan = build_plan(cfg.schedule, self.num_stages, units, k, training, int(not batched))
             self._plans[key] = validate_plan(plan, nccl=batched)
         return self._plans[key]
 
@@ -641,6 +657,40 @@ class AvgPipeStrategy(ParallelStrategy):
         cfg = self.config
         if cfg.trace_dir is not None and step in cfg.trace_steps:
             self._write_trace(step, trace)
+        if cfg.schedule == "advance":
+            module.log("avgpipe/advance_forwards", float(self._k), on_step=True, on_epoch=False)
+            if cfg.advance_forwards == "auto":
+                self._search_k(table)
+
+    def _search_k(self, table: Tensor) -> None:
+        """One observation for ``advance_forwards="auto"``; the decision comes from global rank 0 to every rank."""
+        units = self.num_microbatches * self.num_pipelines
+        if self._search is None:
+            self._search = AdvanceSearch(max_k=max(0, units - 1), memory_limit=self._memory_limit_bytes())
+        search = self._search
+        if search.settled:
+            return
+        S, k = self.num_stages, self._k
+        stash = [min(units, S - s + k) for s in range(S)]  # units in flight at the peak (DESIGN.md §5)
+        unit_bytes = [float(table[s, 4]) / max(1, stash[s]) for s in range(S)]
+        search.observe(float(table[:, 0].max()), [float(v) for v in table[:, 4]], unit_bytes)
+        decision = torch.tensor([search.k, int(search.settled)], dtype=torch.int64, device=self.root_device)
+        if self.world_size > 1:
+            dist.broadcast(decision, src=0)
+        search.k, search.settled = int(decision[0]), bool(decision[1])
+        self._k = search.k
+        if search.settled:
+            rank_zero_info(f"AvgPipe: advance_forwards='auto' {search.reason or f'settled on {search.k} (rank 0)'}.")
+
+    def _memory_limit_bytes(self) -> float | None:
+        limit = self.config.memory_limit
+        if limit is None or limit > 1:
+            return limit
+        if self.root_device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.root_device).total_memory
+        else:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return float(limit) * total
 
     def _write_trace(self, step: int, trace: StepTrace) -> None:
         spans = trace.spans
@@ -656,7 +706,7 @@ class AvgPipeStrategy(ParallelStrategy):
         names = [f"stage {s} (rank {r})" for s, r in enumerate(self._pipeline_ranks)]
         title = (
             f"step {step}: {cfg.schedule}"
-            + (f" k={cfg.advance_forwards}" if cfg.schedule == "advance" else "")
+            + (f" k={self._k}" if cfg.schedule == "advance" else "")
             + f", S={self.num_stages}, M={self.num_microbatches}, N={self.num_pipelines}"
         )
         json_path, png_path = write_trace(Path(cfg.trace_dir) / f"step{step}.json", gathered, title, names)
