@@ -136,3 +136,18 @@ def test_truncated_checkpoint_is_named_and_the_previous_one_loads(tmp_path: Any)
     with pytest.raises(ValueError, match=r"Cannot read the checkpoint .*bad.ckpt: it is truncated or corrupt"):
         trainer.strategy.load_checkpoint(bad)
     assert "state_dict" in trainer.strategy.load_checkpoint(good)
+
+
+def test_batch_that_does_not_split_evenly() -> None:
+    with pytest.raises(ValueError, match=r"A batch of 12 samples does not split into num_microbatches=5 equal"):
+        fit(PipeNet(), num_microbatches=5)
+
+
+class TwoOptimizers(PipeNet):
+    def configure_optimizers(self) -> Any:
+        return [torch.optim.SGD(self.parameters(), lr=0.1), torch.optim.SGD(self.parameters(), lr=0.1)]
+
+
+def test_more_than_one_optimizer() -> None:
+    with pytest.raises(Exception, match="multiple optimizers is only supported with manual optimization"):
+        fit(TwoOptimizers())

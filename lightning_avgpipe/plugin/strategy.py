@@ -496,6 +496,13 @@ class AvgPipeStrategy(ParallelStrategy):
                     f"{m} or fewer micro-batches."
                 )
             m = size  # a short last batch of an epoch: one sample per micro-batch
+        elif training and size == self._full_batch and size % m:
+            divisors = [d for d in range(1, size + 1) if size % d == 0]
+            raise ValueError(
+                f"A batch of {size} samples does not split into num_microbatches={m} equal micro-batches; use a "
+                f"DataLoader batch_size divisible by {m} (e.g. {size + m - size % m}) or num_microbatches in "
+                f"{divisors}. (A shorter last batch of an epoch may split unevenly: losses are weighted by size.)"
+            )
         micro = microbatch.split(batch, m)
         return micro, [microbatch.batch_size(mb) / size for mb in micro]
 
