@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import re
 import tempfile
 import time
 
 import pytest
+import torch
 
 from tests.helpers.launch import launch_ranks
 
@@ -56,3 +58,26 @@ def test_non_finite_loss_is_named_on_every_rank() -> None:
     # stage 0 either sees the NaN come back as its own gradient, or stops on stage 1's failure: named either way
     pattern = r"stage 0 \(rank 0\): a non-finite gradient in replica 0|First failure: rank 1 \(stage 1\): Floating"
     assert re.search(pattern, results[0][1]), results[0][1][-2000:]
+
+
+def test_killed_run_resumed_from_its_last_checkpoint_ends_bit_identical(tmp_path: Path) -> None:
+    """SIGKILL a rank mid-training; resume from the last ModelCheckpoint file; final weights equal an uninterrupted
+    run bit for bit (CPU, fixed seed), and no temporary checkpoint file is left behind."""
+    from tests.test_strategy_equivalence import final_state, run_lightning
+
+    model = {"optimizer": "adam", "lr": 0.01}
+    strategy = {"num_microbatches": 2, "partition": [3, 3], "num_pipelines": 2, "p2p_timeout": 5}
+    straight = tmp_path / "straight"
+    run_lightning(straight, 2, strategy, steps=6, model=model)
+    crashed = tmp_path / "crashed"
+    cfg = {"out": str(crashed), "devices": 2, "steps": 6, "strategy": strategy, "model": model,
+           "every_n_train_steps": 2, "fault": {"rank": 1, "step": 5, "kind": "kill"}}
+    codes = [code for code, _ in launch_ranks(["-m", "tests.helpers.lightning_worker", json.dumps(cfg)], 2)]
+    assert codes[1] == -9 and codes[0] != 0
+    saved = sorted((crashed / "every").glob("*.ckpt"))
+    assert [p.name for p in saved] == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt"], saved
+    assert not list((crashed / "every").glob(".*tmp*"))
+    resumed = tmp_path / "resumed"
+    run_lightning(resumed, 2, strategy, steps=6, model=model, ckpt_path=str(saved[-1]))
+    a, b = final_state(straight), final_state(resumed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
