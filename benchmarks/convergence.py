@@ -1,6 +1,6 @@
 """Statistical efficiency of AvgPipe against plain pipeline training, on real data, with tuned learning rates.
 
-    PYTHONPATH=. python benchmarks/convergence.py                  # defaults: about 5 minutes on 2 busy CPU cores
+    PYTHONPATH=. python benchmarks/convergence.py                  # defaults: ~5 min on 2 CPU cores (10 when busy)
     PYTHONPATH=. python benchmarks/convergence.py --quick          # a ~30 s smoke run (tiny budgets, not a result)
     PYTHONPATH=. python benchmarks/convergence.py --datasets digits --seeds 5 --json runs/conv.json --png runs/conv.png
 
