@@ -62,6 +62,7 @@ class ElasticAveraging:
         group: Any = None,
         synchronous: bool = True,
         share_first: bool = True,
+        device: torch.device | None = None,
     ) -> None:
         if not isinstance(num_replicas, int) or isinstance(num_replicas, bool) or num_replicas < 1:
             raise ValueError(f"num_pipelines={num_replicas!r} must be an int >= 1.")
@@ -72,6 +73,8 @@ class ElasticAveraging:
         self.group = group
         self.synchronous = synchronous
         self.trivial = share_first and num_replicas * num_groups == 1
+        # where tensors that take part in collectives live when this stage has no parameters (NCCL needs CUDA ones)
+        self.device = device or next((p.device for m in self.reference for p in m.parameters()), torch.device("cpu"))
         self.replicas: list[list[nn.Module]] = (
             [self.reference]
             if self.trivial
@@ -113,7 +116,7 @@ class ElasticAveraging:
         self._offsets = [[torch.empty_like(p) for p in ref] for _ in range(self.num_replicas)]
         numel = sum(p.numel() for p in ref)
         dtype = ref[0].dtype if ref else torch.float32
-        self._flat = torch.empty(numel, dtype=dtype, device=ref[0].device if ref else None)
+        self._flat = torch.empty(numel, dtype=dtype, device=self.device)
         self._total, offset = [], 0
         for p in ref:
             self._total.append(self._flat[offset : offset + p.numel()].view_as(p))
@@ -198,16 +201,16 @@ class ElasticAveraging:
         """Per replica, ``‖w_n - w_ref‖² `` and ``‖w_ref‖²`` summed over this stage (add across stages, then sqrt)."""
         with torch.no_grad():
             ref = [p.detach().float() for p in self._ref_params]
-            ref_sq = _sum_sq(ref)
+            ref_sq = _sum_sq(ref, self.device)
             out = []
             for n in range(self.num_replicas):
                 diff = torch._foreach_sub([p.detach().float() for p in self.replica_params(n)], ref) if ref else []
-                out.append(torch.stack([_sum_sq(diff), ref_sq]))
+                out.append(torch.stack([_sum_sq(diff, self.device), ref_sq]))
         return out
 
 
-def _sum_sq(tensors: Sequence[Tensor]) -> Tensor:
-    total = torch.zeros((), dtype=torch.float32, device=tensors[0].device if tensors else None)
+def _sum_sq(tensors: Sequence[Tensor], device: torch.device) -> Tensor:
+    total = torch.zeros((), dtype=torch.float32, device=device)
     for t in tensors:
         total = total + (t * t).sum()
     return total

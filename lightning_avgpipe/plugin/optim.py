@@ -48,6 +48,7 @@ class ElasticOptimizer(Optimizer):
     def __init__(self, user: Optimizer, replicas: Sequence[Optimizer], elastic: ElasticAveraging) -> None:
         # Optimizer.__init__ is not called: the state lives in the replicas' optimizers.
         self.user = user
+        self.optimizer = user  # what LearningRateMonitor looks for when it unwraps an optimizer
         self.replicas = list(replicas)
         self.elastic = elastic
         self.defaults = user.defaults

@@ -326,6 +326,11 @@ class AvgPipeStrategy(ParallelStrategy):
         self._check_support(module, trainer)
         if self._executor is None:
             self._split(module)
+        else:  # a second fit/validate with this strategy: hide the example input and guard the layers again
+            module.example_input_array = None
+            if not self._hook_handles:
+                names = {id(m): n for n, m in module.named_modules()}
+                self._hook_handles = guard_layers({names[id(m)]: m for m in self._owned}, self._guard)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if self._elastic is None:
@@ -351,6 +356,12 @@ class AvgPipeStrategy(ParallelStrategy):
             )
 
     def _split(self, module: pl.LightningModule) -> None:
+        if any(isinstance(m, Elsewhere) for m in module.modules()):
+            raise ValueError(
+                f"This {type(module).__name__} was already split into stages by another AvgPipeStrategy (it holds "
+                "placeholders for layers that lived on other ranks). Give each Trainer a fresh module, for example "
+                "MyModule.load_from_checkpoint(path), or reuse the same Trainer."
+            )
         layers = pipeline_layers(module)
         stages, stage = self.num_stages, self.stage
         if len(layers) < stages:
@@ -416,7 +427,8 @@ class AvgPipeStrategy(ParallelStrategy):
         """Stage ``s`` of the N replicas, copies of the reference (the module's own layers) on this device."""
         cfg = self.config
         self._elastic = ElasticAveraging(
-            self._owned, cfg.num_pipelines, self.num_groups, cfg.elastic_alpha, self._stage_group, cfg.sync_reference
+            self._owned, cfg.num_pipelines, self.num_groups, cfg.elastic_alpha, self._stage_group, cfg.sync_reference,
+            device=self.root_device,
         )
         self._stage_params = self._elastic.all_replica_params()
         if not self._elastic.trivial:
@@ -456,9 +468,16 @@ class AvgPipeStrategy(ParallelStrategy):
         def clip_grad_by_norm(optimizer: Optimizer, clip_val: int | float) -> None:
             elastic = self.elastic
             sets = [elastic.replica_params(n) for n in range(elastic.num_replicas)]
-            clip_grad_norm_across(sets, float(clip_val), group)
+            clip_grad_norm_across(sets, float(clip_val), group, device=self.root_device)
+
+        def clip_grad_by_value(optimizer: Optimizer, clip_val: int | float) -> None:
+            elastic = self.elastic  # the replicas hold the gradients, not the reference the optimizer lists
+            params = [p for n in range(elastic.num_replicas) for p in elastic.replica_params(n) if p.grad is not None]
+            if params:
+                torch.nn.utils.clip_grad_value_(params, float(clip_val))
 
         self.precision_plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+        self.precision_plugin.clip_grad_by_value = clip_grad_by_value  # type: ignore[method-assign]
 
     @override
     def model_to_device(self) -> None:
@@ -647,19 +666,22 @@ class AvgPipeStrategy(ParallelStrategy):
         trace, module = self._trace, self._module
         if trace is None:
             return
-        mine = torch.tensor(trace.summary(), dtype=torch.float64)
-        if self.root_device.type == "cuda":
-            mine[4] = float(torch.cuda.max_memory_allocated(self.root_device))
+        figures = trace.summary()  # step, compute, wait, bubble, peak activation bytes (what the stash holds)
+        if self.root_device.type == "cuda":  # and the allocator's peak, weights and optimizer states included
+            figures.append(float(torch.cuda.max_memory_allocated(self.root_device)))
             torch.cuda.reset_peak_memory_stats(self.root_device)
+        else:
+            figures.append(figures[4])
+        mine = torch.tensor(figures, dtype=torch.float64, device=self.root_device)
         rows = [mine]
         if self.num_stages > 1:
             rows = [torch.zeros_like(mine) for _ in range(self.num_stages)]
             dist.all_gather(rows, mine, group=self._pipeline_group)
-        table = torch.stack(rows)  # (S, 5): step, compute, wait, bubble, peak bytes
+        table = torch.stack(rows).cpu()  # (S, 6): step, compute, wait, bubble, activation peak, device peak
         module.log("avgpipe/bubble_fraction", float(table[:, 3].mean()), on_step=True, on_epoch=False)
         module.log("avgpipe/comm_wait_s", float(table[:, 2].max()), on_step=True, on_epoch=False)
         for s in range(self.num_stages):
-            module.log(f"avgpipe/peak_memory_mb/stage{s}", float(table[s, 4]) / 2**20, on_step=True, on_epoch=False)
+            module.log(f"avgpipe/peak_memory_mb/stage{s}", float(table[s, 5]) / 2**20, on_step=True, on_epoch=False)
         step = module.trainer.global_step
         cfg = self.config
         if cfg.trace_dir is not None and step in cfg.trace_steps:
@@ -1008,7 +1030,11 @@ class AvgPipeStrategy(ParallelStrategy):
                 f"{str(err)[:200]}). AvgPipeStrategy renames a checkpoint into place only once it is complete, so "
                 "resume from the previous checkpoint (ModelCheckpoint keeps them under its dirpath)."
             ) from err
+        module = self.lightning_module
+        fitting = module is not None and module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
         missing = [k for k in ("state_dict", "optimizer_states") if k not in checkpoint]
+        if not fitting and "state_dict" in checkpoint:
+            missing = []  # validate/test/predict need only the weights (save_weights_only checkpoints)
         if missing:
             raise ValueError(f"The checkpoint {checkpoint_path} lacks {missing}; it is not a training checkpoint.")
         return checkpoint

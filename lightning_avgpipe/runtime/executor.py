@@ -91,6 +91,8 @@ class StageExecutor:
                         link.flush_batch()
                     else:
                         link.begin_batch()
+                if kind.is_compute and link is not None:
+                    link.reap_sends()  # sent activations/gradients need not outlive their transfer
                 if kind is Kind.RECV_F:
                     assert link is not None
                     link.post_activations(u, keys[u])

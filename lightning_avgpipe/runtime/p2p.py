@@ -281,6 +281,11 @@ class Link:
         assert dst is not None
         self._sends.append((self._p2p(True, tensor, dst), tensor))
 
+    def reap_sends(self) -> None:
+        """Forget sends that have completed, so their buffers are freed before the end of the step."""
+        if self._sends:
+            self._sends = [(w, t) for w, t in self._sends if not _completed(w)]
+
     def wait_sends(self) -> None:
         """Wait for every send posted so far (their buffers may be freed afterwards)."""
         self.flush_batch()
@@ -310,6 +315,12 @@ class Link:
             ) from err
 
 
+    def reset(self) -> None:
+        """Forget cached metadata (both ends must reset together, e.g. after the layout changed)."""
+        self._sent_meta.clear()
+        self._recv_meta.clear()
+
+
 _FAILURE_KEY = "lightning_avgpipe/first_failure"
 
 
@@ -332,7 +343,13 @@ def first_failure() -> str:
         pass
     return ""
 
-    def reset(self) -> None:
-        """Forget cached metadata (both ends must reset together, e.g. after the layout changed)."""
-        self._sent_meta.clear()
-        self._recv_meta.clear()
+
+def _completed(work: Any) -> bool:
+    if isinstance(work, _Deferred):
+        work = work.work
+        if work is None:
+            return False
+    try:
+        return bool(work.is_completed())
+    except (AttributeError, RuntimeError):
+        return False
