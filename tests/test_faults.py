@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 import re
 import tempfile
 import time
+from pathlib import Path
 
 import pytest
 import torch
