@@ -87,7 +87,10 @@ class PipelineConfig:
         t = self.p2p_timeout
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
             raise ValueError(f"p2p_timeout={t!r} must be a positive number of seconds.")
-        object.__setattr__(self, "trace_steps", tuple(int(s) for s in self.trace_steps))
+        steps = self.trace_steps
+        if isinstance(steps, (str, bytes)) or not all(isinstance(s, int) and not isinstance(s, bool) for s in steps):
+            raise ValueError(f"trace_steps={steps!r} must be a list of training step numbers, e.g. [2, 100].")
+        object.__setattr__(self, "trace_steps", tuple(steps))
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
             raise ValueError(f"timeout={self.timeout!r} must be a positive number of seconds.")
 

@@ -693,7 +693,8 @@ class AvgPipeStrategy(ParallelStrategy):
 
     def _search_k(self, table: Tensor) -> None:
         """One observation for ``advance_forwards="auto"``; the decision comes from global rank 0 to every rank."""
-        units = self.num_microbatches * self.num_pipelines
+        # the plan's units: N x M, or M when the replicas of a micro-batch run as one batched unit
+        units = self.num_microbatches * (1 if self._batched is not None else self.num_pipelines)
         if self._search is None:
             self._search = AdvanceSearch(max_k=max(0, units - 1), memory_limit=self._memory_limit_bytes())
         search = self._search

@@ -75,7 +75,8 @@ class ActivationMeter:
     """
 
     def __init__(self, parameters: Sequence[Tensor] = ()) -> None:
-        self._params = {id(p) for p in parameters}
+        # parameters are excluded by storage: autograd often saves a view of a weight (``weight.t()``)
+        self._params = {p.untyped_storage().data_ptr() for p in parameters if p.numel()}
         self._units: dict[int, int] = {}
         self._seen: set[tuple[int, int]] = set()
         self.current = 0
@@ -86,11 +87,12 @@ class ActivationMeter:
         """Count what the forward of unit ``u`` saves."""
 
         def pack(t: Tensor) -> Tensor:
-            if id(t) not in self._params:
-                key = (t.untyped_storage().data_ptr(), u)
+            ptr = t.untyped_storage().data_ptr() if t.numel() else 0
+            if ptr not in self._params:
+                key = (t.data_ptr(), u)
                 if key not in self._seen:
                     self._seen.add(key)
-                    size = t.untyped_storage().nbytes()
+                    size = t.numel() * t.element_size()  # the tensor itself, not the batch it may be a slice of
                     self._units[u] = self._units.get(u, 0) + size
                     self.current += size
                     self.peak = max(self.peak, self.current)
