@@ -158,13 +158,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--precision", default="32-true")
+    p.add_argument("--pipelines", type=int, default=1, help="N parallel pipelines (AvgPipe's elastic averaging)")
+    p.add_argument("--advance-forwards", default="auto", help="k for --schedule advance: an int or 'auto'")
+    p.add_argument("--trace-dir", default=None, help="write step timelines (JSON for Perfetto + PNG) here")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     L.seed_everything(args.seed, verbose=False)
     dm = CharDataModule(batch_size=args.batch_size)
     model = CharGPT(vocab_size=dm.vocab_size, n_layer=args.n_layer)
+    k = args.advance_forwards if args.advance_forwards == "auto" else int(args.advance_forwards)
     strategy = lightning_avgpipe.AvgPipeStrategy(
-        num_microbatches=args.microbatches, schedule=args.schedule, partition=args.partition
+        num_microbatches=args.microbatches, schedule=args.schedule, partition=args.partition,
+        num_pipelines=args.pipelines, advance_forwards=k, trace_dir=args.trace_dir, trace_steps=[5],
     )
     trainer = L.Trainer(accelerator=args.accelerator, devices=args.devices, strategy=strategy,
                         max_steps=args.max_steps, val_check_interval=min(100, args.max_steps), limit_val_batches=20,

@@ -24,12 +24,14 @@ def schedule_command(argv: list[str]) -> int:
     p.add_argument("--advance-forwards", type=int, default=0, help="early forwards k for --schedule advance")
     p.add_argument("--forward-cost", type=float, default=1.0, help="time of one forward in the table")
     p.add_argument("--backward-cost", type=float, default=2.0, help="time of one backward in the table")
+    p.add_argument("--latency", type=float, default=0.0, help="time of every message between neighbours")
     p.add_argument("--actions", action="store_true", help="also print the lowered action lists (with comms)")
+    p.add_argument("--trace", metavar="PATH", help="write the simulated timeline as a Chrome trace (PATH) and a PNG")
     args = p.parse_args(argv)
     plan = validate_plan(
         build_plan(args.schedule, args.stages, args.microbatches * args.pipelines, args.advance_forwards)
     )
-    sim = simulate(plan, args.forward_cost, args.backward_cost)
+    sim = simulate(plan, args.forward_cost, args.backward_cost, latency=args.latency)
     print(
         f"schedule={plan.schedule} stages={plan.num_stages} units={plan.num_units} "
         f"advance_forwards={plan.advance_forwards}: step time {sim.step_time:g}, "
@@ -38,6 +40,15 @@ def schedule_command(argv: list[str]) -> int:
     print(timeline_table(sim, resolution=min(args.forward_cost, args.backward_cost)))
     if args.actions:
         print(plan)
+    if args.trace:
+        from pathlib import Path
+
+        from lightning_avgpipe.runtime.trace import spans_from_simulation, write_trace
+
+        title = f"simulated {plan.schedule}" + (f" k={plan.advance_forwards}" if plan.schedule == "advance" else "")
+        title += f", S={plan.num_stages}, units={plan.num_units}"
+        json_path, png = write_trace(Path(args.trace), spans_from_simulation(sim), title, time_unit="cost units")
+        print(f"trace written to {json_path}" + (f" and {png}" if png else ""))
     return 0
 
 

@@ -21,7 +21,10 @@ class PipelineConfig:
     # "1f1b" (memory-lean), "afab" (GPipe: all forwards then all backwards), or "advance" (1F1B + k early forwards).
     schedule: str = "1f1b"
     # Forwards each stage runs early beyond 1F1B's warm-up; only used by schedule="advance".
-    advance_forwards: int = 0
+    # "auto": raise k from 0 while iterations get faster and memory_limit holds (see autotune.py).
+    advance_forwards: int | str = "auto"
+    # Peak memory a stage may use when choosing k automatically: bytes, or a fraction (<= 1) of the device's memory.
+    memory_limit: float | None = None
     # "balanced" (profiled time), "parameters", "uniform", or a list of layer counts per stage.
     partition: str | Sequence[int] = "balanced"
     # N parallel pipelines (replicas per stage) tied by elastic averaging; 1 is plain pipeline training.
@@ -30,6 +33,19 @@ class PipelineConfig:
     elastic_alpha: float | None = None
     # Finish the reference update (an all-reduce across groups) inside the step instead of overlapping it.
     sync_reference: bool = False
+    # How a stage runs its N replicas: "sequential" (N x M units through the schedule) or "batched" (M units, the
+    # N replicas of each stacked and run as one torch.func.vmap call: fewer, larger operations, a bigger bubble).
+    replica_execution: str = "sequential"
+    # Point-to-point style: "eager" posts receives one compute ahead as separate operations (fast on gloo);
+    # "batched" posts them just in time, each run of comms as one batch_isend_irecv (required by NCCL's in-order,
+    # rendezvous semantics); "auto" picks "batched" on NCCL and "eager" otherwise.
+    p2p: str = "auto"
+    # Folder for timelines (Chrome-trace JSON + PNG Gantt chart, one pair per traced step); None: no traces.
+    trace_dir: str | None = None
+    # Which training steps (global_step values) to trace when trace_dir is set.
+    trace_steps: tuple[int, ...] = (2,)
+    # Seconds a stage waits for a neighbour after the first training step before failing with its name.
+    p2p_timeout: float = 30.0
     # Seconds a point-to-point wait may block before the job fails with a message (collectives use it too).
     timeout: float = field(default=1800.0)
 
@@ -45,16 +61,36 @@ class PipelineConfig:
             )
         object.__setattr__(self, "schedule", check_schedule_name(self.schedule))
         k = self.advance_forwards
-        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
-            raise ValueError(f"advance_forwards={self.advance_forwards!r} must be an int >= 0 (0 gives 1F1B).")
+        if k != "auto" and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
+            raise ValueError(
+                f"advance_forwards={self.advance_forwards!r} must be an int >= 0 (0 gives 1F1B) or 'auto'."
+            )
+        limit = self.memory_limit
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0):
+            raise ValueError(
+                f"memory_limit={limit!r} must be a number of bytes, or a fraction in (0, 1] of the device's memory."
+            )
         if not isinstance(self.partition, str):
             object.__setattr__(self, "partition", tuple(self.partition))
         check_partition(self.partition, num_stages=None if isinstance(self.partition, str) else self.num_stages)
+        if self.replica_execution not in ("sequential", "batched"):
+            raise ValueError(
+                f"replica_execution={self.replica_execution!r} is not one of ['sequential', 'batched']."
+            )
+        if self.p2p not in ("auto", "eager", "batched"):
+            raise ValueError(f"p2p={self.p2p!r} is not one of ['auto', 'eager', 'batched']; 'auto' suits most jobs.")
         n = self.num_pipelines
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"num_pipelines={n!r} must be an int >= 1 (1 = plain pipeline training).")
         if self.elastic_alpha is not None:
             check_alpha(self.elastic_alpha)
+        t = self.p2p_timeout
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+            raise ValueError(f"p2p_timeout={t!r} must be a positive number of seconds.")
+        steps = self.trace_steps
+        if isinstance(steps, (str, bytes)) or not all(isinstance(s, int) and not isinstance(s, bool) for s in steps):
+            raise ValueError(f"trace_steps={steps!r} must be a list of training step numbers, e.g. [2, 100].")
+        object.__setattr__(self, "trace_steps", tuple(steps))
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
             raise ValueError(f"timeout={self.timeout!r} must be a positive number of seconds.")
 

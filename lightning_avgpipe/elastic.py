@@ -62,6 +62,7 @@ class ElasticAveraging:
         group: Any = None,
         synchronous: bool = True,
         share_first: bool = True,
+        device: torch.device | None = None,
     ) -> None:
         if not isinstance(num_replicas, int) or isinstance(num_replicas, bool) or num_replicas < 1:
             raise ValueError(f"num_pipelines={num_replicas!r} must be an int >= 1.")
@@ -72,13 +73,18 @@ class ElasticAveraging:
         self.group = group
         self.synchronous = synchronous
         self.trivial = share_first and num_replicas * num_groups == 1
+        # where tensors that take part in collectives live when this stage has no parameters (NCCL needs CUDA ones)
+        self.device = device or next((p.device for m in self.reference for p in m.parameters()), torch.device("cpu"))
         self.replicas: list[list[nn.Module]] = (
             [self.reference]
             if self.trivial
             else [[copy.deepcopy(m) for m in self.reference] for _ in range(num_replicas)]
         )
         self._ref_params = [p for m in self.reference for p in m.parameters()]
-        self._offsets: list[Any] | None = None
+        self._offsets: list[list[Tensor]] | None = None
+        self._total: list[Tensor] = []
+        self._flat: Tensor | None = None
+        self._begun = False
         self._pending: tuple[Any, Tensor] | None = None
 
     # -- parameters --------------------------------------------------------------------------------------------
@@ -102,33 +108,57 @@ class ElasticAveraging:
                     mod.load_state_dict(ref.state_dict())
 
     # -- the update --------------------------------------------------------------------------------------------
+    def _buffers(self) -> None:
+        """Allocate once: one offset buffer per replica, and the summed update as views of one flat tensor."""
+        if self._offsets is not None:
+            return
+        ref = [p.detach() for p in self._ref_params]
+        self._offsets = [[torch.empty_like(p) for p in ref] for _ in range(self.num_replicas)]
+        numel = sum(p.numel() for p in ref)
+        dtype = ref[0].dtype if ref else torch.float32
+        self._flat = torch.empty(numel, dtype=dtype, device=self.device)
+        self._total, offset = [], 0
+        for p in ref:
+            self._total.append(self._flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+
     def begin_step(self) -> None:
-        """Before the optimizers step: remember each replica's offset ``w_n - w_ref``."""
+        """Before the optimizers step: remember each replica's offset ``d_n = w_n - w_ref``."""
         if self.trivial:
             return
         self.wait()
-        with torch.no_grad():
-            self._offsets = [
-                torch._foreach_sub([p.detach() for p in self.replica_params(n)], [p.detach() for p in self._ref_params])
-                for n in range(self.num_replicas)
-            ]
-
-    def finish_step(self) -> None:
-        """After the optimizers stepped: pull each replica and move the reference by the mean update."""
-        if self.trivial:
-            return
-        if self._offsets is None:
-            raise RuntimeError("ElasticAveraging.finish_step() without begin_step(); call begin_step() first.")
+        self._buffers()
+        assert self._offsets is not None
         ref = [p.detach() for p in self._ref_params]
-        total = [torch.zeros_like(p) for p in ref]
         with torch.no_grad():
             for n, offsets in enumerate(self._offsets):
+                torch._foreach_copy_(offsets, [p.detach() for p in self.replica_params(n)])
+                torch._foreach_sub_(offsets, ref)
+        self._begun = True
+
+    def finish_step(self) -> None:
+        """After the optimizers stepped: pull each replica and move the reference by the mean update.
+
+        ``Σ_n Δw_n = Σ_n w_n' - N·w_ref - Σ_n d_n``, accumulated in place (about 3N + 1 passes over the weights).
+        """
+        if self.trivial:
+            return
+        if not self._begun or self._offsets is None:
+            raise RuntimeError("ElasticAveraging.finish_step() without begin_step(); call begin_step() first.")
+        self._begun = False
+        ref = [p.detach() for p in self._ref_params]
+        total = self._total
+        with torch.no_grad():
+            if ref:
+                torch._foreach_copy_(total, ref)
+                torch._foreach_mul_(total, -float(self.num_replicas))
+            for n, offsets in enumerate(self._offsets):
                 w = [p.detach() for p in self.replica_params(n)]
-                delta = torch._foreach_sub(torch._foreach_sub(w, ref), offsets)  # Δw_n = w_n' - (w_ref + d_n)
-                torch._foreach_add_(total, delta)
+                torch._foreach_add_(total, w)
+                torch._foreach_sub_(total, offsets)
                 torch._foreach_add_(w, offsets, alpha=-self.alpha)  # the elastic pull
-        self._offsets = None
-        flat = torch.cat([t.reshape(-1) for t in total]) if total else torch.zeros(0)
+        flat = self._flat
+        assert flat is not None
         if self.group is not None and self.num_groups > 1:
             work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
             self._pending = (work, flat)
@@ -142,44 +172,45 @@ class ElasticAveraging:
         """Apply a reference update still in flight (before a pull, an evaluation or a checkpoint)."""
         if self._pending is None:
             return
-        work, flat = self._pending
+        work, _ = self._pending
         self._pending = None
         if work is not None:
             work.wait()
-        flat = flat / (self.num_replicas * self.num_groups)
         with torch.no_grad():
-            offset = 0
-            for p in self._ref_params:
-                n = p.numel()
-                p.add_(flat[offset : offset + n].view_as(p))
-                offset += n
+            if self._ref_params:
+                scale = 1.0 / (self.num_replicas * self.num_groups)
+                torch._foreach_add_([p.detach() for p in self._ref_params], self._total, alpha=scale)
             self._average_buffers()
 
     def _average_buffers(self) -> None:
-        """Floating buffers (BatchNorm statistics) of the reference: the mean over this rank's replicas."""
+        """Floating buffers (BatchNorm statistics) of the reference: the mean over all N·D replicas."""
         for i, ref_mod in enumerate(self.reference):
             for name, buf in ref_mod.named_buffers():
                 reps = [dict(r[i].named_buffers())[name] for r in self.replicas]
-                if buf.is_floating_point():
-                    buf.copy_(torch.stack([b.detach() for b in reps]).mean(0))
-                else:
+                if not buf.is_floating_point():
                     buf.copy_(reps[0])
+                    continue
+                mean = torch.stack([b.detach() for b in reps]).mean(0)
+                if self.group is not None and self.num_groups > 1:
+                    dist.all_reduce(mean, op=dist.ReduceOp.SUM, group=self.group)
+                    mean /= self.num_groups
+                buf.copy_(mean)
 
     # -- what the user sees -------------------------------------------------------------------------------------
     def divergence(self) -> list[Tensor]:
         """Per replica, ``‖w_n - w_ref‖² `` and ``‖w_ref‖²`` summed over this stage (add across stages, then sqrt)."""
         with torch.no_grad():
             ref = [p.detach().float() for p in self._ref_params]
-            ref_sq = _sum_sq(ref)
+            ref_sq = _sum_sq(ref, self.device)
             out = []
             for n in range(self.num_replicas):
                 diff = torch._foreach_sub([p.detach().float() for p in self.replica_params(n)], ref) if ref else []
-                out.append(torch.stack([_sum_sq(diff), ref_sq]))
+                out.append(torch.stack([_sum_sq(diff, self.device), ref_sq]))
         return out
 
 
-def _sum_sq(tensors: Sequence[Tensor]) -> Tensor:
-    total = torch.zeros((), dtype=torch.float32, device=tensors[0].device if tensors else None)
+def _sum_sq(tensors: Sequence[Tensor], device: torch.device) -> Tensor:
+    total = torch.zeros((), dtype=torch.float32, device=device)
     for t in tensors:
         total = total + (t * t).sum()
     return total

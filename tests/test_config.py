@@ -15,7 +15,7 @@ def test_defaults() -> None:
     assert config.num_stages is None
     assert config.num_microbatches is None
     assert config.schedule == "1f1b"
-    assert config.advance_forwards == 0
+    assert config.advance_forwards == "auto" and config.memory_limit is None
     assert config.partition == "balanced"
     assert config.timeout == 1800.0
     assert config.microbatches_for(3) == 6  # None means 2 x stages

@@ -124,3 +124,30 @@ def test_single_stage_equals_plain_training() -> None:
     state = trainer.lightning_module.state_dict()
     for key, value in ref_state.items():
         torch.testing.assert_close(state[key], value)
+
+
+def test_truncated_checkpoint_is_named_and_the_previous_one_loads(tmp_path: Any) -> None:
+    trainer = fit(PipeNet(), num_microbatches=2)
+    good = tmp_path / "good.ckpt"
+    trainer.save_checkpoint(good)
+    assert not list(tmp_path.glob(".*.tmp-*"))  # written through a temporary file, renamed into place
+    bad = tmp_path / "bad.ckpt"
+    bad.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    with pytest.raises(ValueError, match=r"Cannot read the checkpoint .*bad.ckpt: it is truncated or corrupt"):
+        trainer.strategy.load_checkpoint(bad)
+    assert "state_dict" in trainer.strategy.load_checkpoint(good)
+
+
+def test_batch_that_does_not_split_evenly() -> None:
+    with pytest.raises(ValueError, match=r"A batch of 12 samples does not split into num_microbatches=5 equal"):
+        fit(PipeNet(), num_microbatches=5)
+
+
+class TwoOptimizers(PipeNet):
+    def configure_optimizers(self) -> Any:
+        return [torch.optim.SGD(self.parameters(), lr=0.1), torch.optim.SGD(self.parameters(), lr=0.1)]
+
+
+def test_more_than_one_optimizer() -> None:
+    with pytest.raises(Exception, match="multiple optimizers is only supported with manual optimization"):
+        fit(TwoOptimizers())

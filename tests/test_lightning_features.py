@@ -26,7 +26,10 @@ def test_validation_predict_and_model_checkpoint(tmp_path: Path) -> None:
         assert r["metrics"]["val_loss"] == pytest.approx(val_loss, rel=1e-5)
         assert r["metrics"]["val_acc"] == pytest.approx(val_acc, abs=1e-6)
         torch.testing.assert_close(torch.tensor(r["preds"]), logits)
-    assert results[0]["metrics"] == results[1]["metrics"]
+    timing = "avgpipe/samples_per_sec"  # each rank times its own steps; everything else is mirrored exactly
+    assert {k: v for k, v in results[0]["metrics"].items() if k != timing} == {
+        k: v for k, v in results[1]["metrics"].items() if k != timing
+    }
     best = list((tmp_path / "ckpts").glob("*.ckpt"))
     assert len(best) == 1, best
     model = PipeNet.load_from_checkpoint(best[0])

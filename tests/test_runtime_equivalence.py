@@ -43,7 +43,8 @@ def reference(
 
 
 def _worker(
-    rank: int, world: int, schedule: str, partition: list[int], m: int, sizes: list[int] | None = None
+    rank: int, world: int, schedule: str, partition: list[int], m: int, sizes: list[int] | None = None,
+    batched: bool = False,
 ) -> dict:
     layers = make_layers()
     start = sum(partition[:rank])
@@ -51,8 +52,8 @@ def _worker(
     params = [p for layer in own for p in layer.parameters()]
     opt = torch.optim.SGD(params, lr=0.1, momentum=0.9) if params else None
     link = Link(rank - 1 if rank > 0 else None, rank + 1 if rank < world - 1 else None, torch.device("cpu"))
-    executor = StageExecutor(rank, world, lambda x: _apply(own, x), link)
-    plan = validate_plan(build_plan(schedule, world, m))
+    executor = StageExecutor(rank, world, lambda x: _apply(own, x), link, coalesce=batched)
+    plan = validate_plan(build_plan(schedule, world, m, recv_lookahead=0 if batched else 1), nccl=batched)
     losses = []
     for step in range(len(sizes) if sizes else STEPS):
         x, y = make_batch(step, sizes[step] if sizes else 12)
@@ -77,23 +78,44 @@ def _worker(
     }
 
 
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize(
-    ("schedule", "partition", "m"),
-    [
-        ("1f1b", [3, 3], 4),
-        ("afab", [1, 5], 3),
-        ("1f1b", [1, 1, 2, 2], 4),
-        ("afab", [2, 1, 2, 1], 6),
-        ("1f1b", [2, 2, 1, 1], 2),
-        ("advance", [2, 1, 1, 2], 4),
-        ("1f1b", [3, 3], 1),
-    ],
-)
-def test_pipeline_matches_plain_training(schedule: str, partition: list[int], m: int) -> None:
-    world = len(partition)
-    outs = run_distributed(_worker, world, schedule, partition, m)
-    ref_losses, ref_states = reference(m)
+def _cases_worker(rank: int, world: int, cases: list[tuple]) -> list[dict]:
+    """Run several cases in the same processes (starting ranks dominates the cost of these tests)."""
+    return [_worker(rank, world, *case) for case in cases]
+
+
+# (schedule, partition, micro-batches, batch sizes per step or None, batched p2p)
+CASES: dict[str, tuple] = {
+    "S2-1f1b-even": ("1f1b", [3, 3], 4, None, False),
+    "S2-afab-uneven": ("afab", [1, 5], 3, None, False),
+    "S2-1f1b-one-microbatch": ("1f1b", [3, 3], 1, None, False),
+    "S2-1f1b-shapes-change": ("1f1b", [3, 3], 3, [12, 12, 7, 12], False),
+    "S2-advance-batched-p2p": ("advance", [3, 3], 4, [12, 12, 7], True),
+    "S4-1f1b-uneven": ("1f1b", [1, 1, 2, 2], 4, None, False),
+    "S4-afab": ("afab", [2, 1, 2, 1], 6, None, False),
+    "S4-1f1b-fewer-microbatches-than-stages": ("1f1b", [2, 2, 1, 1], 2, None, False),
+    "S4-advance": ("advance", [2, 1, 1, 2], 4, None, False),
+    "S4-1f1b-batched-p2p": ("1f1b", [1, 2, 2, 1], 4, [12, 12, 7], True),
+}
+
+
+@pytest.fixture(scope="module")
+def outcomes() -> dict[str, list[dict]]:
+    """Every case's per-rank results: one process launch per world size."""
+    results: dict[str, list[dict]] = {}
+    for world in (2, 4):
+        names = [name for name, case in CASES.items() if len(case[1]) == world]
+        runs = run_distributed(_cases_worker, world, [CASES[n] for n in names], timeout=300)
+        for i, name in enumerate(names):
+            results[name] = [runs[r][i] for r in range(world)]
+    return results
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", list(CASES))
+def test_pipeline_matches_plain_training(outcomes: dict[str, list[dict]], name: str) -> None:
+    schedule, partition, m, sizes, _ = CASES[name]
+    outs = outcomes[name]
+    ref_losses, ref_states = reference(m, len(sizes) if sizes else STEPS, sizes)
     torch.testing.assert_close(torch.tensor(outs[-1]["losses"]), torch.tensor(ref_losses))
     seen = 0
     for out in outs:
@@ -103,14 +125,8 @@ def test_pipeline_matches_plain_training(schedule: str, partition: list[int], m:
     assert seen == len(ref_states)
 
 
-@pytest.mark.timeout(180)
-def test_shapes_change_between_steps_and_metadata_is_sent_once_per_shape() -> None:
+@pytest.mark.timeout(600)
+def test_metadata_is_sent_once_per_shape(outcomes: dict[str, list[dict]]) -> None:
     """Batches of 12, 12, 7, 12 samples in 3 micro-batches: sizes 4 and 3/2 give 3 distinct shapes."""
-    sizes = [12, 12, 7, 12]
-    outs = run_distributed(_worker, 2, "1f1b", [3, 3], 3, sizes)
-    ref_losses, ref_states = reference(3, len(sizes), sizes)
-    torch.testing.assert_close(torch.tensor(outs[-1]["losses"]), torch.tensor(ref_losses))
-    for out in outs:
-        for index, state in out["states"].items():
-            torch.testing.assert_close(state, ref_states[index])
+    outs = outcomes["S2-1f1b-shapes-change"]
     assert outs[0]["meta_sent"] == 3 and outs[1]["meta_received"] == 3

@@ -417,3 +417,32 @@ def test_rejects_backwards_in_an_eval_plan_and_comms_on_the_wrong_side() -> None
     train = build_plan("1f1b", 2, 2)
     errors = _errors_of(_replace_stage(train, 0, [Action(0, Kind.RECV_F, 0), *train.stages[0]]))
     assert "stage 0: unexpected 0RF0" in errors
+
+
+# -- NCCL semantics -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["afab", "1f1b", "advance"])
+@pytest.mark.parametrize("S", [2, 3, 4, 6])
+def test_just_in_time_coalesced_plans_never_deadlock_under_nccl(name: str, S: int) -> None:
+    from lightning_avgpipe.schedules.nccl import nccl_deadlock
+
+    for U in range(1, 10):
+        for k in ([0] if name != "advance" else range(U + 2)):
+            for training in (True, False):
+                plan = build_plan(name, S, U, k, training, recv_lookahead=0)
+                assert nccl_deadlock(plan, coalesce=True) is None, (name, S, U, k, training)
+                validate_plan(plan, nccl=True)
+
+
+def test_receives_posted_ahead_deadlock_under_nccl_and_the_validator_says_so() -> None:
+    from lightning_avgpipe.schedules.nccl import nccl_deadlock
+
+    plan = build_plan("1f1b", 2, 3)  # recv_lookahead=1: fine on gloo
+    validate_plan(plan)
+    problem = nccl_deadlock(plan, coalesce=False)
+    assert problem is not None and "stage 0 at 0B0" in problem and "stage 1 at 1F1" in problem
+    with pytest.raises(PlanError, match="NCCL deadlock.*recv_lookahead=0"):
+        validate_plan(plan, nccl=True)
+    # the same just-in-time plan without coalescing deadlocks too: the batches are what makes it safe
+    assert nccl_deadlock(build_plan("1f1b", 2, 3, recv_lookahead=0), coalesce=False) is not None

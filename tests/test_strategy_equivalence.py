@@ -45,8 +45,10 @@ def assert_matches(tmp_path: Path, results: list[dict[str, Any]], m: int, steps:
         (2, {"num_microbatches": 3, "schedule": "afab", "partition": [1, 5]}),
         (4, {"num_microbatches": 4, "schedule": "1f1b", "partition": [1, 2, 2, 1]}),
         (4, {"num_microbatches": 6, "schedule": "afab", "partition": "uniform"}),
+        (4, {"num_microbatches": 4, "schedule": "advance", "advance_forwards": 1, "partition": [2, 1, 1, 2],
+             "p2p": "batched"}),
     ],
-    ids=["S2-1f1b-even", "S2-afab-uneven", "S4-1f1b-uneven", "S4-afab-uniform"],
+    ids=["S2-1f1b-even", "S2-afab-uneven", "S4-1f1b-uneven", "S4-afab-uniform", "S4-advance-batched-p2p"],
 )
 def test_equivalence(tmp_path: Path, devices: int, strategy: dict[str, Any]) -> None:
     results = run_lightning(tmp_path, devices, strategy)
@@ -71,3 +73,13 @@ def test_checkpoint_loads_without_strategy(tmp_path: Path) -> None:
     _, ref_state = reference(2, 2)
     for key, value in ref_state.items():
         torch.testing.assert_close(model.state_dict()[key], value)
+
+
+@pytest.mark.slow
+def test_advance_auto_changes_plans_without_changing_the_arithmetic(tmp_path: Path) -> None:
+    """advance_forwards='auto' tries k = 0, 1, ... between iterations; every plan computes the same step."""
+    strategy = {"num_microbatches": 4, "schedule": "advance", "partition": [3, 3]}
+    results = run_lightning(tmp_path, 2, strategy, steps=10, trainer={"log_every_n_steps": 1})
+    assert "advance_forwards='auto' settled on" in results[0]["output"] or results[0]["metrics"][
+        "avgpipe/advance_forwards"] >= 1.0  # it moved past k = 0 or decided, within 10 iterations
+    assert_matches(tmp_path, results, 4, steps=10)

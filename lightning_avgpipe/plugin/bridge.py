@@ -85,6 +85,7 @@ class StepBridge:
         self.module = module
         self.guard = guard
         self._records: dict[str, _Record] = {}
+        self._sent_counts: dict[str, int] = {}  # torchmetrics submodule -> update count last mirrored
 
     def call_step(self, hook: str, output: Any, micro: Any, weight: float, *args: Any) -> Any:
         """Run ``module.<hook>(micro, *args)`` where ``self(x)`` returns ``output``; record what it logs."""
@@ -145,10 +146,29 @@ class StepBridge:
                 out.append((rec.name, "metric", (names.get(id(last)), state, extra), rec.kwargs))
             else:
                 values = torch.stack([_as_tensor(v).cpu() for v in rec.values])
-                weights = torch.tensor(rec.weights, dtype=values.dtype)
-                mean = (values * weights).sum() / weights.sum()  # size-weighted: equals the full batch's mean
-                out.append((rec.name, "value", mean, rec.kwargs))
+                reduce = _reduction(rec.kwargs.get("reduce_fx", "mean"))
+                if reduce == "sum":
+                    value = values.sum()
+                elif reduce == "max":
+                    value = values.max()
+                elif reduce == "min":
+                    value = values.min()
+                else:  # a size-weighted mean equals the full batch's mean
+                    weights = torch.tensor(rec.weights, dtype=values.dtype)
+                    value = (values * weights).sum() / weights.sum()
+                out.append((rec.name, "value", value, rec.kwargs))
         self._records.clear()
+        # Metrics updated in a step but not logged (computed later, e.g. in on_validation_epoch_end) are mirrored too,
+        # so every stage computes the same value.
+        logged = {payload[0] for _, kind, payload, _ in out if kind == "metric"}
+        for qualname, m in self.module.named_modules():
+            if not isinstance(m, Metric):
+                continue
+            if qualname not in logged and m._update_count != self._sent_counts.get(qualname, 0):
+                state = {k: _to_cpu(getattr(m, k)) for k in m._defaults}
+                extra = {"count": m._update_count, "cache": _to_cpu(m._forward_cache)}
+                out.append((qualname, "state", (qualname, state, extra), {}))
+            self._sent_counts[qualname] = m._update_count
         return out
 
 
@@ -161,18 +181,31 @@ def replay_logs(module: nn.Module, logs: Sequence[tuple[str, str, Any, dict[str,
             continue
         qualname, state, extra = payload
         metric = modules.get(qualname) if qualname is not None else None
+        if kind == "state" and isinstance(metric, Metric):
+            _load_metric(metric, state, extra, device)
+            continue
         if not isinstance(metric, Metric):
             raise PipelineContractError(
                 f"self.log({name!r}, metric) logs a torchmetrics Metric that is not a submodule of the "
                 "LightningModule; "
                 "assign it as an attribute (self.metric = ...) so every stage can mirror it."
             )
-        for key, value in state.items():
-            setattr(metric, key, _to_device(value, device))
-        metric._update_count = extra["count"]
-        metric._forward_cache = _to_device(extra["cache"], device)
-        metric._computed = None
+        _load_metric(metric, state, extra, device)
         module.log(name, metric, **kwargs)  # type: ignore[operator]
+
+
+def _load_metric(metric: Metric, state: dict[str, Any], extra: dict[str, Any], device: torch.device) -> None:
+    for key, value in state.items():
+        setattr(metric, key, _to_device(value, device))
+    metric._update_count = extra["count"]
+    metric._forward_cache = _to_device(extra["cache"], device)
+    metric._computed = None
+
+
+def _reduction(fx: Any) -> str:
+    """The name of a ``self.log(reduce_fx=...)``: micro-batches combine the way steps do."""
+    name = fx if isinstance(fx, str) else getattr(fx, "__name__", "mean")
+    return {"amax": "max", "amin": "min"}.get(name, name)
 
 
 def _as_tensor(v: Any) -> Tensor:

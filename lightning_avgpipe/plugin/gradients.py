@@ -10,7 +10,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 
-def clip_grad_norm_across(param_sets: Sequence[Sequence[Tensor]], max_norm: float, group: Any = None) -> Tensor:
+def clip_grad_norm_across(
+    param_sets: Sequence[Sequence[Tensor]], max_norm: float, group: Any = None, device: torch.device | None = None
+) -> Tensor:
     """Clip each set's gradients to a 2-norm of at most ``max_norm`` over all stages; returns the norms.
 
     Each set is one replica's parameters on this stage. The arithmetic is ``torch.nn.utils.clip_grad_norm_`` on
@@ -18,7 +20,7 @@ def clip_grad_norm_across(param_sets: Sequence[Sequence[Tensor]], max_norm: floa
     all sets at once) before each set's clip coefficient is applied.
     """
     grads = [[p.grad for p in params if p.grad is not None] for params in param_sets]
-    device = next((g[0].device for g in grads if g), torch.device("cpu"))
+    device = next((g[0].device for g in grads if g), device or torch.device("cpu"))
     local = torch.zeros(len(grads), dtype=torch.float32, device=device)
     for i, gs in enumerate(grads):
         for g in gs:

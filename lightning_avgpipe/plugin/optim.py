@@ -48,6 +48,7 @@ class ElasticOptimizer(Optimizer):
     def __init__(self, user: Optimizer, replicas: Sequence[Optimizer], elastic: ElasticAveraging) -> None:
         # Optimizer.__init__ is not called: the state lives in the replicas' optimizers.
         self.user = user
+        self.optimizer = user  # what LearningRateMonitor looks for when it unwraps an optimizer
         self.replicas = list(replicas)
         self.elastic = elastic
         self.defaults = user.defaults
@@ -84,6 +85,7 @@ class ElasticOptimizer(Optimizer):
         for opt in self.replicas:
             opt.step()
         self.elastic.finish_step()
+        self.user._opt_called = True  # type: ignore[attr-defined]  # lr schedulers check the user's optimizer stepped
         return loss
 
     def state_dict(self) -> dict[str, Any]:

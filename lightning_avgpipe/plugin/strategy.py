@@ -36,6 +36,7 @@ from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_avgpipe import microbatch
+from lightning_avgpipe.autotune import AdvanceSearch
 from lightning_avgpipe.config import PipelineConfig
 from lightning_avgpipe.elastic import ElasticAveraging
 from lightning_avgpipe.partition import partition_layers
@@ -44,7 +45,10 @@ from lightning_avgpipe.plugin.contract import PipelineContractError, locate, pip
 from lightning_avgpipe.plugin.data import GroupedBatches
 from lightning_avgpipe.plugin.gradients import clip_grad_norm_across
 from lightning_avgpipe.plugin.optim import ElasticOptimizer, clone_optimizer
+from lightning_avgpipe.replicas import BatchedReplicas, select, stack
 from lightning_avgpipe.runtime import Link, StageExecutor
+from lightning_avgpipe.runtime.p2p import PeerFailureError, first_failure, report_failure
+from lightning_avgpipe.runtime.trace import ActivationMeter, StepTrace, write_trace
 from lightning_avgpipe.schedules import Plan, build_plan, validate_plan
 
 log = logging.getLogger(__name__)
@@ -65,7 +69,11 @@ class AvgPipeStrategy(ParallelStrategy):
         schedule: ``"1f1b"`` keeps at most ``S - s`` micro-batches of activations on stage ``s`` (the default);
             ``"afab"`` (GPipe) runs all forwards first, which keeps all ``M`` and communicates less often;
             ``"advance"`` sits between them with ``advance_forwards`` extra early forwards.
-        advance_forwards: early forwards per stage for ``schedule="advance"``; 0 is 1F1B.
+        advance_forwards: early forwards per stage for ``schedule="advance"``; 0 is 1F1B, ``units - 1`` is AFAB.
+            ``"auto"`` (the default) starts at 0 and raises k by one every few iterations while iterations get
+            faster beyond noise and ``memory_limit`` holds, then keeps it (the choice and why are logged).
+        memory_limit: the peak memory a stage may use when ``advance_forwards="auto"`` raises k: bytes, or a
+            fraction (<= 1) of the device's memory (of RAM on CPU, where activation bytes are what is measured).
         partition: ``"balanced"`` profiles each layer on ``LightningModule.example_input_array`` and splits to
             even out forward+backward time (falls back to ``"parameters"`` without an example input);
             ``"parameters"`` evens out parameter bytes; ``"uniform"`` layer counts; or a list of layer counts per
@@ -78,7 +86,20 @@ class AvgPipeStrategy(ParallelStrategy):
             Lower it if replicas should explore more, raise it (at most 1) to keep them closer.
         sync_reference: finish the reference update across pipeline groups inside the step; by default the
             all-reduce overlaps the next iteration (the reference is at most one iteration stale).
-        timeout: seconds a collective or a point-to-point wait may block before the job fails with a message.
+        replica_execution: ``"sequential"`` runs N x M units through the schedule, one replica's micro-batch
+            each (the smallest bubble); ``"batched"`` runs M units, each stacking micro-batch m of all N replicas
+            into one ``torch.func.vmap`` call over stacked weights: fewer, larger operations, for micro-batches
+            too small to keep a device busy (layers must have no buffers).
+        p2p: ``"eager"`` posts each receive one compute early as its own operation (overlaps transfers, best on
+            gloo); ``"batched"`` posts receives just in time and issues each run of communication as one
+            ``batch_isend_irecv`` group, which NCCL needs to avoid deadlock; ``"auto"`` picks by backend.
+        trace_dir: a folder for timelines of the steps in ``trace_steps``: ``step<N>.json`` (Chrome trace, opens
+            in Perfetto; a track per rank with compute by unit, waits and sends) and ``step<N>.png`` (a Gantt chart).
+        trace_steps: the training steps (``global_step``) to trace.
+        p2p_timeout: seconds a stage waits, after the first training step, for a neighbour's activations or
+            gradients before the job fails naming that neighbour. Raise it if one step of a stage legitimately
+            takes longer (very large models); lower it to fail faster.
+        timeout: seconds a collective (and a point-to-point wait in the first step) may block before failing.
         process_group_backend: ``"gloo"`` or ``"nccl"``; ``None`` picks by device.
     """
 
@@ -89,11 +110,17 @@ class AvgPipeStrategy(ParallelStrategy):
         num_stages: int | None = None,
         num_microbatches: int | None = None,
         schedule: str = "1f1b",
-        advance_forwards: int = 0,
+        advance_forwards: int | str = "auto",
+        memory_limit: float | None = None,
         partition: str | list[int] = "balanced",
         num_pipelines: int = 1,
         elastic_alpha: float | None = None,
         sync_reference: bool = False,
+        replica_execution: str = "sequential",
+        p2p: str = "auto",
+        trace_dir: str | None = None,
+        trace_steps: list[int] | None = None,
+        p2p_timeout: float = 30.0,
         timeout: float = 1800.0,
         process_group_backend: str | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
@@ -114,10 +141,16 @@ class AvgPipeStrategy(ParallelStrategy):
             num_microbatches=num_microbatches,
             schedule=schedule,
             advance_forwards=advance_forwards,
+            memory_limit=memory_limit,
             partition=partition,
             num_pipelines=num_pipelines,
             elastic_alpha=elastic_alpha,
             sync_reference=sync_reference,
+            replica_execution=replica_execution,
+            p2p=p2p,
+            trace_dir=trace_dir,
+            trace_steps=tuple(trace_steps) if trace_steps is not None else (2,),
+            p2p_timeout=p2p_timeout,
             timeout=timeout,
         )
         self._process_group_backend = process_group_backend
@@ -130,7 +163,7 @@ class AvgPipeStrategy(ParallelStrategy):
         self._bridge: StepBridge | None = None
         self._guard = Guard()
         self._hook_handles: list[Any] = []
-        self._plans: dict[tuple[bool, int], Plan] = {}
+        self._plans: dict[tuple[bool, int, int], Plan] = {}
         self._stage_params: list[nn.Parameter] = []
         self._grad_stash: list[Tensor | None] | None = None
         self._full_keys: list[str] = []
@@ -138,6 +171,12 @@ class AvgPipeStrategy(ParallelStrategy):
         self._example_input: Any = None
         self._owned: list[nn.Module] = []
         self._replica_fns: list[Any] = []
+        self._batched: BatchedReplicas | None = None
+        self._meter: ActivationMeter | None = None
+        k = self.config.advance_forwards
+        self._k: int = 0 if k == "auto" else int(k)
+        self._search: AdvanceSearch | None = None
+        self._trace: StepTrace | None = None
         self._stage_group: Any = None
         self._elastic: ElasticAveraging | None = None
         self._step_started: float | None = None
@@ -196,6 +235,11 @@ class AvgPipeStrategy(ParallelStrategy):
         if self._partition is None:
             raise RuntimeError("The partition is decided in AvgPipeStrategy.setup(); it is not known yet.")
         return list(self._partition)
+
+    @property
+    def _batched_p2p(self) -> bool:
+        mode = self.config.p2p
+        return mode == "batched" or (mode == "auto" and self._process_group_backend == "nccl")
 
     @property
     def num_groups(self) -> int:
@@ -282,6 +326,11 @@ class AvgPipeStrategy(ParallelStrategy):
         self._check_support(module, trainer)
         if self._executor is None:
             self._split(module)
+        else:  # a second fit/validate with this strategy: hide the example input and guard the layers again
+            module.example_input_array = None
+            if not self._hook_handles:
+                names = {id(m): n for n, m in module.named_modules()}
+                self._hook_handles = guard_layers({names[id(m)]: m for m in self._owned}, self._guard)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if self._elastic is None:
@@ -307,6 +356,12 @@ class AvgPipeStrategy(ParallelStrategy):
             )
 
     def _split(self, module: pl.LightningModule) -> None:
+        if any(isinstance(m, Elsewhere) for m in module.modules()):
+            raise ValueError(
+                f"This {type(module).__name__} was already split into stages by another AvgPipeStrategy (it holds "
+                "placeholders for layers that lived on other ranks). Give each Trainer a fresh module, for example "
+                "MyModule.load_from_checkpoint(path), or reuse the same Trainer."
+            )
         layers = pipeline_layers(module)
         stages, stage = self.num_stages, self.stage
         if len(layers) < stages:
@@ -356,12 +411,13 @@ class AvgPipeStrategy(ParallelStrategy):
                 ranks[stage + 1] if stage < stages - 1 else None,
                 self.root_device,
                 name=f"stage {stage} (rank {self.global_rank})",
+                stage=stage,
             )
             if stages > 1
             else None
         )
 
-        self._executor = StageExecutor(stage, stages, _sequential(owned), link)
+        self._executor = StageExecutor(stage, stages, _sequential(owned), link, coalesce=self._batched_p2p)
         self._bridge = StepBridge(module, self._guard)
         for metric in module.modules():
             if isinstance(metric, Metric):  # mirrored on every stage: sync each pipeline group's state once
@@ -371,7 +427,8 @@ class AvgPipeStrategy(ParallelStrategy):
         """Stage ``s`` of the N replicas, copies of the reference (the module's own layers) on this device."""
         cfg = self.config
         self._elastic = ElasticAveraging(
-            self._owned, cfg.num_pipelines, self.num_groups, cfg.elastic_alpha, self._stage_group, cfg.sync_reference
+            self._owned, cfg.num_pipelines, self.num_groups, cfg.elastic_alpha, self._stage_group, cfg.sync_reference,
+            device=self.root_device,
         )
         self._stage_params = self._elastic.all_replica_params()
         if not self._elastic.trivial:
@@ -381,6 +438,9 @@ class AvgPipeStrategy(ParallelStrategy):
             )
 
         self._replica_fns = [_sequential(layers) for layers in self._elastic.replicas]
+        if cfg.replica_execution == "batched" and not self._elastic.trivial:
+            self._batched = BatchedReplicas(self._elastic.replicas)
+        self._meter = ActivationMeter(self._stage_params)
 
     @property
     def elastic(self) -> ElasticAveraging:
@@ -408,9 +468,16 @@ class AvgPipeStrategy(ParallelStrategy):
         def clip_grad_by_norm(optimizer: Optimizer, clip_val: int | float) -> None:
             elastic = self.elastic
             sets = [elastic.replica_params(n) for n in range(elastic.num_replicas)]
-            clip_grad_norm_across(sets, float(clip_val), group)
+            clip_grad_norm_across(sets, float(clip_val), group, device=self.root_device)
+
+        def clip_grad_by_value(optimizer: Optimizer, clip_val: int | float) -> None:
+            elastic = self.elastic  # the replicas hold the gradients, not the reference the optimizer lists
+            params = [p for n in range(elastic.num_replicas) for p in elastic.replica_params(n) if p.grad is not None]
+            if params:
+                torch.nn.utils.clip_grad_value_(params, float(clip_val))
 
         self.precision_plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+        self.precision_plugin.clip_grad_by_value = clip_grad_by_value  # type: ignore[method-assign]
 
     @override
     def model_to_device(self) -> None:
@@ -418,13 +485,19 @@ class AvgPipeStrategy(ParallelStrategy):
         self.model.to(self.root_device)
 
     # -- steps ---------------------------------------------------------------------------------------------------
+    @property
+    def advance_forwards(self) -> int:
+        """The k in use: fixed, or where ``advance_forwards="auto"`` currently is."""
+        return self._k
+
     def _plan(self, training: bool, units: int) -> Plan:
-        key = (training, units)
+        k = self._k if training else 0
+        key = (training, units, k)
         if key not in self._plans:
             cfg = self.config
-            self._plans[key] = validate_plan(
-                build_plan(cfg.schedule, self.num_stages, units, cfg.advance_forwards, training)
-            )
+            batched = self._batched_p2p
+            plan = build_plan(cfg.schedule, self.num_stages, units, k, training, int(not batched))
+            self._plans[key] = validate_plan(plan, nccl=batched)
         return self._plans[key]
 
     def _microbatches(self, batch: Any, training: bool) -> tuple[list[Any], list[float]]:
@@ -442,6 +515,13 @@ class AvgPipeStrategy(ParallelStrategy):
                     f"{m} or fewer micro-batches."
                 )
             m = size  # a short last batch of an epoch: one sample per micro-batch
+        elif training and size == self._full_batch and size % m:
+            divisors = [d for d in range(1, size + 1) if size % d == 0]
+            raise ValueError(
+                f"A batch of {size} samples does not split into num_microbatches={m} equal micro-batches; use a "
+                f"DataLoader batch_size divisible by {m} (e.g. {size + m - size % m}) or num_microbatches in "
+                f"{divisors}. (A shorter last batch of an epoch may split unevenly: losses are weighted by size.)"
+            )
         micro = microbatch.split(batch, m)
         return micro, [microbatch.batch_size(mb) / size for mb in micro]
 
@@ -469,6 +549,8 @@ class AvgPipeStrategy(ParallelStrategy):
         keys = [(hook, microbatch.signature(mb)) for mb in micro]
         bridge = self._bridge
         accumulate = module.trainer.accumulate_grad_batches if training else 1
+        if training and self._batched is not None:
+            return self._run_batched(hook, micro, weights, owner, args, accumulate)
 
         def head(u: int, output: Any) -> Any:
             out = bridge.call_step(hook, output, micro[u], weights[u] / replicas, *args)
@@ -496,15 +578,68 @@ class AvgPipeStrategy(ParallelStrategy):
             head=head,
             forward_context=context,
             stage_fn_for=(lambda u: self._replica_fns[owner[u]]) if training else None,
+            trace=self._trace if training else None,
+            meter=self._meter if training else None,
         )
         return results
+
+    def _run_batched(
+        self, hook: str, micro: list[Any], weights: list[float], owner: list[int], args: Sequence[Any], accumulate: int
+    ) -> dict[int, Any]:
+        """Training with ``replica_execution="batched"``: unit m carries micro-batch m of every replica, stacked."""
+        assert self._executor is not None and self._bridge is not None and self._batched is not None
+        module, bridge, n = self._module, self._bridge, self.num_pipelines
+        per = [[u for u in range(len(micro)) if owner[u] == r] for r in range(n)]
+        if len({len(units) for units in per}) != 1 or len({microbatch.signature(micro[us[0]]) for us in per}) != 1:
+            raise ValueError(
+                "replica_execution='batched' needs the N batches of an iteration to have the same shape; use "
+                "drop_last=True in the DataLoader or replica_execution='sequential'."
+            )
+        units = [[per[r][m] for r in range(n)] for m in range(len(per[0]))]  # unit m -> its N micro-batches
+        keys = [(hook, "batched", microbatch.signature(micro[us[0]])) for us in units]
+
+        def head(m: int, output: Any) -> Tensor:
+            total: Tensor | None = None
+            for r, u in enumerate(units[m]):
+                out = bridge.call_step(hook, select(output, r), micro[u], weights[u] / n, *args)
+                loss = out.get("loss") if isinstance(out, Mapping) else out
+                if not isinstance(loss, Tensor) or loss.dim() != 0:
+                    raise PipelineContractError(
+                        "training_step must return a scalar loss tensor (or a dict with 'loss'), got "
+                        f"{type(out).__name__}."
+                    )
+                term = loss * (weights[u] / accumulate)
+                total = term if total is None else total + term
+            assert total is not None
+            return total
+
+        batched = self._batched
+        return self._executor.run(
+            self._plan(True, len(units)).stages[self.stage],
+            keys,
+            training=True,
+            inputs=lambda m: stack([pipeline_inputs(module, micro[u]) for u in units[m]]),
+            head=head,
+            forward_context=self.precision_plugin.train_step_context,
+            stage_fn_for=lambda m: batched,
+            trace=self._trace,
+            meter=self._meter,
+        )
 
     def _share(self, payload: Any) -> Any:
         """Broadcast ``payload`` from this pipeline's last stage to its other stages."""
         if self.num_stages == 1:
             return payload
         box = [payload]
-        dist.broadcast_object_list(box, src=self._pipeline_ranks[-1], group=self._pipeline_group)
+        src = self._pipeline_ranks[-1]
+        try:
+            dist.broadcast_object_list(box, src=src, group=self._pipeline_group)
+        except RuntimeError as err:
+            raise PeerFailureError(
+                f"stage {self.stage} (rank {self.global_rank}): the step's results from rank {src} (stage "
+                f"{self.num_stages - 1}, the last) did not arrive: a rank of this pipeline failed, was killed or is "
+                f"stuck. {first_failure()}({str(err).splitlines()[0][:160]})"
+            ) from err
         return box[0]
 
     @override
@@ -516,17 +651,108 @@ class AvgPipeStrategy(ParallelStrategy):
         return dataloader
 
     def _log_progress(self, batch: Any) -> None:
-        """Log samples/s (over the last iteration) and, with replicas, their divergence from the reference."""
-        module = self._module
+        """Log samples/s over the last iteration (not counting time spent in validation in between)."""
         now = time.perf_counter()
         batches = batch if self.num_pipelines > 1 else [batch]
         if self._step_started is not None and now > self._step_started:
             samples = sum(microbatch.batch_size(b) for b in batches) * self.num_groups
-            module.log("avgpipe/samples_per_sec", samples / (now - self._step_started), on_step=True, on_epoch=False)
+            rate = samples / (now - self._step_started)
+            self._module.log("avgpipe/samples_per_sec", rate, on_step=True, on_epoch=False)
         self._step_started = now
-        elastic = self.elastic
+
+    def _log_step_figures(self) -> None:
+        """Per step: bubble fraction, communication wait and peak activation memory of every stage (one
+        all-gather over the pipeline), and the timeline when this step is traced."""
+        trace, module = self._trace, self._module
+        if trace is None:
+            return
+        figures = trace.summary()  # step, compute, wait, bubble, peak activation bytes (what the stash holds)
+        if self.root_device.type == "cuda":  # and the allocator's peak, weights and optimizer states included
+            figures.append(float(torch.cuda.max_memory_allocated(self.root_device)))
+            torch.cuda.reset_peak_memory_stats(self.root_device)
+        else:
+            figures.append(figures[4])
+        mine = torch.tensor(figures, dtype=torch.float64, device=self.root_device)
+        rows = [mine]
+        if self.num_stages > 1:
+            rows = [torch.zeros_like(mine) for _ in range(self.num_stages)]
+            dist.all_gather(rows, mine, group=self._pipeline_group)
+        table = torch.stack(rows).cpu()  # (S, 6): step, compute, wait, bubble, activation peak, device peak
+        module.log("avgpipe/bubble_fraction", float(table[:, 3].mean()), on_step=True, on_epoch=False)
+        module.log("avgpipe/comm_wait_s", float(table[:, 2].max()), on_step=True, on_epoch=False)
+        for s in range(self.num_stages):
+            module.log(f"avgpipe/peak_memory_mb/stage{s}", float(table[s, 5]) / 2**20, on_step=True, on_epoch=False)
+        step = module.trainer.global_step
+        cfg = self.config
+        if cfg.trace_dir is not None and step in cfg.trace_steps:
+            self._write_trace(step, trace)
+        if cfg.schedule == "advance":
+            module.log("avgpipe/advance_forwards", float(self._k), on_step=True, on_epoch=False)
+            if cfg.advance_forwards == "auto":
+                self._search_k(table)
+
+    def _search_k(self, table: Tensor) -> None:
+        """One observation for ``advance_forwards="auto"``; the decision comes from global rank 0 to every rank."""
+        # the plan's units: N x M, or M when the replicas of a micro-batch run as one batched unit
+        units = self.num_microbatches * (1 if self._batched is not None else self.num_pipelines)
+        if self._search is None:
+            self._search = AdvanceSearch(max_k=max(0, units - 1), memory_limit=self._memory_limit_bytes())
+        search = self._search
+        if search.settled:
+            return
+        S, k = self.num_stages, self._k
+        stash = [min(units, S - s + k) for s in range(S)]  # units in flight at the peak (DESIGN.md §5)
+        unit_bytes = [float(table[s, 4]) / max(1, stash[s]) for s in range(S)]
+        search.observe(float(table[:, 0].max()), [float(v) for v in table[:, 4]], unit_bytes)
+        decision = torch.tensor([search.k, int(search.settled)], dtype=torch.int64, device=self.root_device)
+        if self.world_size > 1:
+            dist.broadcast(decision, src=0)
+        search.k, search.settled = int(decision[0]), bool(decision[1])
+        self._k = search.k
+        if search.settled:
+            rank_zero_info(f"AvgPipe: advance_forwards='auto' {search.reason or f'settled on {search.k} (rank 0)'}.")
+
+    def _memory_limit_bytes(self) -> float | None:
+        limit = self.config.memory_limit
+        if limit is None or limit > 1:
+            return limit
+        if self.root_device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.root_device).total_memory
+        else:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return float(limit) * total
+
+    def _write_trace(self, step: int, trace: StepTrace) -> None:
+        spans = trace.spans
+        if self.num_stages > 1:
+            gathered: list[Any] | None = [None] * self.num_stages if self.stage == 0 else None
+            dist.gather_object(spans, gathered, dst=self._pipeline_ranks[0], group=self._pipeline_group)
+        else:
+            gathered = [spans]
+        if gathered is None or self.group_index != 0:
+            return
+        cfg = self.config
+        assert cfg.trace_dir is not None
+        names = [f"stage {s} (rank {r})" for s, r in enumerate(self._pipeline_ranks)]
+        title = (
+            f"step {step}: {cfg.schedule}"
+            + (f" k={self._k}" if cfg.schedule == "advance" else "")
+            + f", S={self.num_stages}, M={self.num_microbatches}, N={self.num_pipelines}"
+        )
+        json_path, png_path = write_trace(Path(cfg.trace_dir) / f"step{step}.json", gathered, title, names)
+        also = f" and {png_path}" if png_path else ""
+        rank_zero_info(f"AvgPipe: timeline of step {step} written to {json_path}{also}")
+
+    def _log_divergence(self) -> None:
+        """With replicas: ‖w_n − w_ref‖ / ‖w_ref‖ over all stages, mean and max over replicas.
+
+        Measured after this step's pipeline, once the previous step's reference update has landed (so an
+        overlapped all-reduce still had the whole pipeline to hide behind).
+        """
+        module, elastic = self._module, self.elastic
         if elastic.trivial:
             return
+        elastic.wait()
         sums = torch.stack(elastic.divergence())  # (N, 2): ‖w_n - w_ref‖², ‖w_ref‖² on this stage
         if self.num_stages > 1:
             dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self._pipeline_group)
@@ -542,21 +768,66 @@ class AvgPipeStrategy(ParallelStrategy):
         for p in params:
             p.grad = None
         self._log_progress(batch)
+        self._trace = StepTrace(self.stage)
+        if self._meter is not None:
+            self._meter.reset()
         try:
+            if self._batched is not None:
+                self._batched.begin()
             results = self._run("training_step", batch, rest, training=True)
+            if self._batched is not None:
+                self._batched.finish()
+            self._log_divergence()
         finally:
             # Lightning zeroes gradients after training_step; keep this step's apart until backward() adds them.
             self._grad_stash = [p.grad for p in params]
             for p, g in zip(params, saved):
                 p.grad = g
+        self._check_finite(results)
         payload = None
         if self._executor is not None and self._executor.is_last:
             accumulate = self._module.trainer.accumulate_grad_batches
             loss = torch.stack([r.float() for r in results.values()]).sum() * accumulate / self.num_pipelines
             payload = (loss.cpu(), self._bridge.take_logs() if self._bridge else [])
         loss, logs = self._share(payload)
+        self._log_step_figures()
+        if self._executor is not None and self._executor.link is not None:
+            self._executor.link.timeout = self.config.p2p_timeout  # the first step may be slow; later ones are bounded
         replay_logs(self._module, logs, self.root_device)
-        return loss.to(self.root_device)
+        loss = loss.to(self.root_device)
+        if not self.elastic.trivial:  # the mean over replicas, whatever the user logs
+            self._module.log("avgpipe/loss", loss, on_step=True, on_epoch=False)
+        return loss
+
+    def _check_finite(self, results: Mapping[int, Any]) -> None:
+        """Fail, naming stage, replica and where, on a non-finite loss (last stage) or gradient (every stage).
+
+        One reduction per step; the other ranks then stop with a message that names this rank as the first failure.
+        """
+        where = f"stage {self.stage} (rank {self.global_rank})"
+        fix = "lower the learning rate, clip gradients (Trainer(gradient_clip_val=...)) or check the data"
+        if results:
+            losses = torch.stack([r.detach().float() for r in results.values()])
+            if not bool(torch.isfinite(losses).all()):
+                units = [u for u, r in results.items() if not bool(torch.isfinite(r))]
+                raise FloatingPointError(f"{where}: the loss of unit(s) {units} is not finite; {fix}.")
+        stash = self._grad_stash or []
+        grads = [g for g in stash if g is not None]
+        if not grads:
+            return
+        norms = torch.stack(torch._foreach_norm(grads))
+        if bool(torch.isfinite(norms).all()):
+            return
+        per_replica = len(self._stage_params) // max(1, self.elastic.num_replicas)
+        qualified = {id(p): n for n, p in self._module.named_parameters()}
+        reference = self.elastic.reference_params
+        for i, g in enumerate(stash):
+            if g is not None and not bool(torch.isfinite(g).all()):
+                replica, j = divmod(i, max(1, per_replica))
+                name = qualified.get(id(reference[j]), f"parameter {j}") if j < len(reference) else f"parameter {j}"
+                raise FloatingPointError(
+                    f"{where}: a non-finite gradient in replica {replica}, layer parameter '{name}'; {fix}."
+                )
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
@@ -581,6 +852,7 @@ class AvgPipeStrategy(ParallelStrategy):
     def _eval(self, hook: str, args: Sequence[Any], share_output: bool) -> Any:
         if self._elastic is not None:
             self._elastic.wait()  # evaluate the up-to-date reference
+        self._step_started = None  # the next training step's samples/s must not include this evaluation
         results = self._run(hook, args[0], args[1:], training=False)
         payload = None
         output = None
@@ -728,8 +1000,16 @@ class AvgPipeStrategy(ParallelStrategy):
             if state["avgpipe_layout"] != self._layout:
                 rank_zero_info(
                     f"AvgPipe: the checkpoint's layout {state['avgpipe_layout']} differs from {self._layout}; the "
-                    "weights are restored, the replicas start from the reference and optimizer states start fresh."
+                    "weights and the optimizer's hyperparameters (lr, ...) are restored, the replicas start from the "
+                    "reference and optimizer states start fresh."
                 )
+                saved = state["avgpipe_ranks"][0]["optim"]
+                groups = saved.get("user_param_groups") or [
+                    {k: v for k, v in g.items() if k != "params"} for g in saved.get("param_groups", [])
+                ]
+                if len(groups) == len(optimizer.param_groups):
+                    for group, values in zip(optimizer.param_groups, groups):
+                        group.update({k: v for k, v in values.items() if k != "params"})
                 continue
             entry = state["avgpipe_ranks"][self.global_rank]
             optimizer.load_state_dict(entry["optim"])
@@ -737,6 +1017,28 @@ class AvgPipeStrategy(ParallelStrategy):
                 for layer, layer_state in zip(layers, saved):
                     layer.load_state_dict(layer_state)
         _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load and verify a checkpoint; a truncated or corrupt file is named with what to do instead."""
+        try:
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        except FileNotFoundError:
+            raise
+        except Exception as err:  # unpickling, zip and EOF errors all mean the same to the user
+            raise ValueError(
+                f"Cannot read the checkpoint {checkpoint_path}: it is truncated or corrupt ({type(err).__name__}: "
+                f"{str(err)[:200]}). AvgPipeStrategy renames a checkpoint into place only once it is complete, so "
+                "resume from the previous checkpoint (ModelCheckpoint keeps them under its dirpath)."
+            ) from err
+        module = self.lightning_module
+        fitting = module is not None and module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
+        missing = [k for k in ("state_dict", "optimizer_states") if k not in checkpoint]
+        if not fitting and "state_dict" in checkpoint:
+            missing = []  # validate/test/predict need only the weights (save_weights_only checkpoints)
+        if missing:
+            raise ValueError(f"The checkpoint {checkpoint_path} lacks {missing}; it is not a training checkpoint.")
+        return checkpoint
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -753,7 +1055,16 @@ class AvgPipeStrategy(ParallelStrategy):
                 tmp.unlink()
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        # The rank where a failure starts records it, so the others' messages name it (not just their neighbour).
+        if _distributed_is_initialized() and not isinstance(exception, PeerFailureError):
+            stage = f"stage {self.stage}" if self._num_stages else "setup"
+            report_failure(f"rank {self.global_rank} ({stage}): {type(exception).__name__}: {str(exception)[:200]}")
+
+    @override
     def teardown(self) -> None:
+        if self._elastic is not None:
+            self._elastic.wait()  # the model the user keeps is the up-to-date reference
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles = []

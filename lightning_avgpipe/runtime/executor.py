@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -10,6 +11,7 @@ import torch
 from torch import Tensor
 
 from lightning_avgpipe.runtime.p2p import Link, flatten_output
+from lightning_avgpipe.runtime.trace import ActivationMeter, StepTrace
 from lightning_avgpipe.schedules.actions import Action, Kind
 
 StageFn = Callable[[Any], Any]
@@ -24,15 +26,23 @@ class StageExecutor:
         num_stages: stages in the pipeline.
         stage_fn: this stage's layers applied in order to one unit's input.
         link: transfers to and from the neighbouring stages (``None`` when ``num_stages == 1``).
+        coalesce: issue each run of communication actions between two computes as one ``batch_isend_irecv``
+            group (needed on NCCL with plans lowered with ``recv_lookahead=0``; see :mod:`..schedules.nccl`).
     """
 
-    def __init__(self, stage: int, num_stages: int, stage_fn: StageFn, link: Link | None) -> None:
+    def __init__(
+        self, stage: int, num_stages: int, stage_fn: StageFn, link: Link | None, coalesce: bool = False
+    ) -> None:
         self.stage = stage
         self.num_stages = num_stages
         self.stage_fn = stage_fn
         self.link = link
         self.is_first = stage == 0
         self.is_last = stage == num_stages - 1
+        self.coalesce = coalesce and link is not None
+        if self.coalesce:
+            assert link is not None
+            link.always_batch = True
 
     def run(
         self,
@@ -44,6 +54,8 @@ class StageExecutor:
         head: HeadFn | None = None,
         forward_context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
         stage_fn_for: Callable[[int], StageFn] | None = None,
+        trace: StepTrace | None = None,
+        meter: ActivationMeter | None = None,
     ) -> dict[int, Any]:
         """Run ``actions`` for units ``0..len(keys)-1``.
 
@@ -56,6 +68,8 @@ class StageExecutor:
                 to backpropagate for that unit (already weighted); in evaluation it is returned as is.
             forward_context: entered around every forward (autocast, for example).
             stage_fn_for: unit -> the layers that run it (a replica's), instead of the executor's ``stage_fn``.
+            trace: filled with this step's timeline (compute, waits on neighbours, sends).
+            meter: counts the activation bytes each unit saves for backward (training).
 
         Returns:
             On the last stage, unit -> the head's value (detached in training); elsewhere an empty dict.
@@ -65,25 +79,40 @@ class StageExecutor:
         outgoing: dict[int, Any] = {}
         input_grads: dict[int, list[Tensor]] = {}
         link = self.link
+        clock = time.perf_counter
+        note = trace.add if trace is not None else (lambda kind, unit, t0, t1: None)
         grad_mode = torch.enable_grad() if training else torch.no_grad()
         with grad_mode:
             for action in actions:
                 kind, u = action.kind, action.unit
+                if self.coalesce:
+                    assert link is not None
+                    if kind.is_compute:
+                        link.flush_batch()
+                    else:
+                        link.begin_batch()
+                if kind.is_compute and link is not None:
+                    link.reap_sends()  # sent activations/gradients need not outlive their transfer
                 if kind is Kind.RECV_F:
                     assert link is not None
                     link.post_activations(u, keys[u])
                 elif kind is Kind.FORWARD:
+                    t0 = clock()
                     if self.is_first:
                         assert inputs is not None, "the first stage needs inputs"
                         x = inputs(u)
                     else:
                         assert link is not None
                         x = link.wait_activations(u, training)
-                    with forward_context():
+                        note("wait", u, t0, clock())
+                    t1 = clock()
+                    counting = meter.unit(u) if meter is not None and training else contextlib.nullcontext()
+                    with forward_context(), counting:
                         y = (stage_fn_for(u) if stage_fn_for is not None else self.stage_fn)(x)
                         if self.is_last:  # the loss / user step runs in the same context (autocast) as the model
                             assert head is not None, "the last stage needs a head"
                             value = head(u, y)
+                    note("F", u, t1, clock())
                     if self.is_last:
                         if training:
                             if not isinstance(value, Tensor) or value.dim() != 0:
@@ -100,28 +129,45 @@ class StageExecutor:
                             stash[u] = (_needing_grad(x), outs)
                 elif kind is Kind.SEND_F:
                     assert link is not None
+                    t0 = clock()
                     link.send_activations(keys[u], outgoing.pop(u))
+                    note("send", u, t0, clock())
                 elif kind is Kind.RECV_B:
                     assert link is not None
                     link.post_grads(u, stash[u][1])
                 elif kind is Kind.BACKWARD:
                     ins, outs = stash.pop(u)
+                    grads = None
+                    if not self.is_last:
+                        assert link is not None
+                        t0 = clock()
+                        grads = link.wait_grads(u)
+                        note("wait", u, t0, clock())
+                    t1 = clock()
                     if self.is_last:
                         torch.autograd.backward(outs)
                     elif outs:
-                        assert link is not None
-                        torch.autograd.backward(outs, link.wait_grads(u))
-                    elif link is not None:
-                        link.wait_grads(u)
+                        torch.autograd.backward(outs, grads)
                     if not self.is_first:
                         input_grads[u] = [t.grad if t.grad is not None else torch.zeros_like(t) for t in ins]
+                    note("B", u, t1, clock())
+                    if meter is not None:
+                        meter.release(u)
                 elif kind is Kind.SEND_B:
                     assert link is not None
+                    t0 = clock()
                     link.send_grads(input_grads.pop(u))
+                    note("send", u, t0, clock())
                 else:  # pragma: no cover - Kind is closed
                     raise ValueError(f"unknown action {action}")
         if link is not None:
+            t0 = clock()
             link.wait_sends()
+            note("wait", -1, t0, clock())
+        if trace is not None:
+            trace.finish()
+            if meter is not None:
+                trace.peak_activation_bytes = meter.peak
         if stash or outgoing or input_grads:
             raise RuntimeError(f"stage {self.stage}: plan left units unfinished: {sorted(stash) or sorted(outgoing)}")
         return results

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -31,6 +32,10 @@ _DTYPES: tuple[torch.dtype, ...] = (
 
 class StageOutputError(TypeError):
     """A stage produced something that cannot travel to the next stage."""
+
+
+class PeerFailureError(RuntimeError):
+    """A neighbouring stage stopped answering: it failed, was killed, or is stuck."""
 
 
 @dataclass(frozen=True)
@@ -99,6 +104,22 @@ def _check_dtype(t: Tensor, where: str) -> None:
         raise StageOutputError(f"{where} returned a tensor of dtype {t.dtype}, which cannot be sent between stages.")
 
 
+class _Deferred:
+    """A send or receive posted inside a batch: its work exists once the batch is issued."""
+
+    def __init__(self, link: Link) -> None:
+        self.link = link
+        self.work: Any = None
+
+    def wait(self, timeout: timedelta | None = None) -> None:
+        if self.work is None:
+            self.link.flush_batch()  # a wait inside an open batch: issue what is collected first
+        if timeout is None:
+            self.work.wait()
+        else:
+            self.work.wait(timeout)
+
+
 @dataclass
 class _Incoming:
     key: Hashable
@@ -113,10 +134,19 @@ class Link:
     """The two channels of one stage: activations from ``prev_rank`` / to ``next_rank``, gradients the other way."""
 
     def __init__(
-        self, prev_rank: int | None, next_rank: int | None, device: torch.device, group: Any = None, name: str = "stage"
+        self,
+        prev_rank: int | None,
+        next_rank: int | None,
+        device: torch.device,
+        group: Any = None,
+        name: str = "stage",
+        stage: int | None = None,
     ) -> None:
         self.prev_rank = prev_rank
         self.next_rank = next_rank
+        self.stage = stage
+        # Seconds a receive may wait before the job fails naming the silent neighbour; None: the process group's.
+        self.timeout: float | None = None
         self.device = device
         self.group = group
         self.name = name
@@ -126,6 +156,39 @@ class Link:
         self._unresolved: deque[int] = deque()
         self._grads_in: dict[int, tuple[list[Tensor], list[Any]]] = {}
         self._sends: list[tuple[Any, Tensor]] = []
+        self._batch: list[tuple[dist.P2POp, _Deferred]] | None = None
+        # NCCL runs batched point-to-point operations on the whole group's communicator and single ones on a
+        # two-rank one: a batched send never matches a single receive. In batched mode every operation is batched.
+        self.always_batch = False
+
+    # -- batching (NCCL) -------------------------------------------------------------------------------------------
+    def begin_batch(self) -> None:
+        """Collect the following sends and receives, to issue them as one batch_isend_irecv group."""
+        if self._batch is None:
+            self._batch = []
+
+    def flush_batch(self) -> None:
+        """Issue the collected operations together (one NCCL group)."""
+        batch, self._batch = self._batch, None
+        if batch:
+            works = dist.batch_isend_irecv([op for op, _ in batch])
+            if len(works) != len(batch):  # NCCL coalesces the group into one request that completes them all
+                works = [works[-1]] * len(batch)
+            for (_, handle), work in zip(batch, works):
+                handle.work = work
+
+    def _p2p(self, send: bool, tensor: Tensor, peer: int) -> Any:
+        if self._batch is None and self.always_batch:
+            self.begin_batch()
+            handle = self._p2p(send, tensor, peer)
+            self.flush_batch()
+            return handle
+        if self._batch is not None:
+            handle = _Deferred(self)
+            op = dist.P2POp(dist.isend if send else dist.irecv, tensor, peer, self.group)
+            self._batch.append((op, handle))
+            return handle
+        return (dist.isend if send else dist.irecv)(tensor, peer, group=self.group)
 
     # -- activations, forward direction ------------------------------------------------------------------------
     def send_activations(self, key: Hashable, value: Any) -> None:
@@ -158,7 +221,7 @@ class Link:
             self._post_data(inc, self._recv_meta[key])
         else:
             inc.meta_buf = torch.empty(META_LEN, dtype=torch.int64, device=self.device)
-            inc.meta_work = dist.irecv(inc.meta_buf, src=self.prev_rank, group=self.group)
+            inc.meta_work = self._p2p(False, inc.meta_buf, self.prev_rank)
             self._unresolved.append(unit)
 
     def wait_activations(self, unit: int, training: bool) -> Any:
@@ -172,7 +235,7 @@ class Link:
         inc = self._incoming.pop(unit)
         assert inc.works is not None and inc.bufs is not None and inc.meta is not None
         for w in inc.works:
-            w.wait()
+            self._wait(w, f"the activations of unit {unit}", self.prev_rank, -1)
         tensors = []
         for buf, tm in zip(inc.bufs, inc.meta.tensors):
             if training and tm.requires_grad:
@@ -182,7 +245,7 @@ class Link:
 
     def _resolve(self, unit: int) -> None:
         inc = self._incoming[unit]
-        inc.meta_work.wait()
+        self._wait(inc.meta_work, f"the activation header of unit {unit}", self.prev_rank, -1)
         assert inc.meta_buf is not None
         meta = OutputMeta.decode(inc.meta_buf)
         self._recv_meta[inc.key] = meta
@@ -191,19 +254,20 @@ class Link:
     def _post_data(self, inc: _Incoming, meta: OutputMeta) -> None:
         inc.meta = meta
         inc.bufs = [torch.empty(tm.shape, dtype=tm.dtype, device=self.device) for tm in meta.tensors]
-        inc.works = [dist.irecv(b, src=self.prev_rank, group=self.group) for b in inc.bufs]
+        assert self.prev_rank is not None
+        inc.works = [self._p2p(False, b, self.prev_rank) for b in inc.bufs]
 
     # -- gradients, backward direction ---------------------------------------------------------------------------
     def post_grads(self, unit: int, like: Sequence[Tensor]) -> None:
         """Post the receive of the gradients of ``unit``'s outputs (``like``) from the next stage."""
         assert self.next_rank is not None
         bufs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in like]
-        self._grads_in[unit] = (bufs, [dist.irecv(b, src=self.next_rank, group=self.group) for b in bufs])
+        self._grads_in[unit] = (bufs, [self._p2p(False, b, self.next_rank) for b in bufs])
 
     def wait_grads(self, unit: int) -> list[Tensor]:
         bufs, works = self._grads_in.pop(unit)
         for w in works:
-            w.wait()
+            self._wait(w, f"the gradients of unit {unit}", self.next_rank, +1)
         return bufs
 
     def send_grads(self, grads: Sequence[Tensor]) -> None:
@@ -214,15 +278,78 @@ class Link:
     # -- sends -----------------------------------------------------------------------------------------------------
     def _isend(self, tensor: Tensor, dst: int | None = None) -> None:
         dst = self.next_rank if dst is None else dst
-        self._sends.append((dist.isend(tensor, dst=dst, group=self.group), tensor))
+        assert dst is not None
+        self._sends.append((self._p2p(True, tensor, dst), tensor))
+
+    def reap_sends(self) -> None:
+        """Forget sends that have completed, so their buffers are freed before the end of the step."""
+        if self._sends:
+            self._sends = [(w, t) for w, t in self._sends if not _completed(w)]
 
     def wait_sends(self) -> None:
         """Wait for every send posted so far (their buffers may be freed afterwards)."""
+        self.flush_batch()
         for work, _ in self._sends:
-            work.wait()
+            self._wait(work, "the acknowledgement of a send", None, 0)
         self._sends.clear()
+
+    def _wait(self, work: Any, what: str, peer: int | None, direction: int) -> None:
+        """Wait for ``work``; a dead or silent neighbour becomes a :class:`PeerFailureError` that names it."""
+        try:
+            if self.timeout is None:
+                work.wait()
+            else:
+                work.wait(timedelta(seconds=self.timeout))
+        except RuntimeError as err:
+            if peer is None:
+                who = "a neighbouring stage"
+            elif self.stage is not None:
+                who = f"rank {peer} (stage {self.stage + direction})"
+            else:
+                who = f"rank {peer} (the {'previous' if direction < 0 else 'next'} stage)"
+            timed_out = "timed out" in str(err).lower() or "timeout" in str(err).lower()
+            limit = f" within {self.timeout:g} s" if timed_out and self.timeout is not None else ""
+            raise PeerFailureError(
+                f"{self.name}: {what} from {who} did not arrive{limit}: that rank failed, was killed or is stuck. "
+                f"{first_failure()}({type(err).__name__}: {str(err).splitlines()[0][:160]})"
+            ) from err
+
 
     def reset(self) -> None:
         """Forget cached metadata (both ends must reset together, e.g. after the layout changed)."""
         self._sent_meta.clear()
         self._recv_meta.clear()
+
+
+_FAILURE_KEY = "lightning_avgpipe/first_failure"
+
+
+def report_failure(description: str) -> None:
+    """Record the first real failure of the job in the rendezvous store, for the other ranks' messages."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.compare_set(_FAILURE_KEY, "", description)
+    except Exception:  # noqa: BLE001 - best effort: the store may live on the failed rank
+        pass
+
+
+def first_failure() -> str:
+    """"First failure: ..." if some rank recorded one (see :func:`report_failure`), else ""."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        if store.check([_FAILURE_KEY]):
+            return f"First failure: {store.get(_FAILURE_KEY).decode()}. "
+    except Exception:  # noqa: BLE001
+        pass
+    return ""
+
+
+def _completed(work: Any) -> bool:
+    if isinstance(work, _Deferred):
+        work = work.work
+        if work is None:
+            return False
+    try:
+        return bool(work.is_completed())
+    except (AttributeError, RuntimeError):
+        return False

@@ -85,13 +85,22 @@ def _send_for(action: Action, num_stages: int) -> Action | None:
     return None
 
 
-def lower(compute: Sequence[Action], num_stages: int) -> list[Action]:
+def lower(compute: Sequence[Action], num_stages: int, recv_lookahead: int = 1) -> list[Action]:
     """Add sends and receives to a stage's compute order.
 
-    The receive a compute action needs is posted one compute action ahead (before the *previous* compute runs),
-    so the transfer overlaps that compute; the send goes out right after the compute that produced it and never
-    blocks (the executor waits on sends only when it must free their buffers).
+    With ``recv_lookahead=1`` the receive a compute action needs is posted one compute action ahead (before the
+    *previous* compute runs), so the transfer overlaps that compute; the send goes out right after the compute
+    that produced it and never blocks (the executor waits on sends only when it must free their buffers). That
+    suits gloo, whose operations progress independently.
+
+    With ``recv_lookahead=0`` a receive is posted right before the compute that needs it, so every stretch of
+    communication between two computes is "send what I just made, receive what I need next". NCCL runs the
+    point-to-point operations between two ranks in order on one stream and a send waits for its receive; the
+    executor then issues each such stretch as one ``batch_isend_irecv`` group, and both neighbours' groups
+    match (the validator's NCCL check proves it for a plan).
     """
+    if recv_lookahead not in (0, 1):
+        raise ValueError(f"recv_lookahead={recv_lookahead!r} must be 0 (just in time, NCCL) or 1 (one ahead, gloo).")
     out: list[Action] = []
     posted: set[Action] = set()
     forwarded: set[int] = set()
@@ -107,7 +116,7 @@ def lower(compute: Sequence[Action], num_stages: int) -> list[Action]:
 
     for i, action in enumerate(compute):
         post(action)
-        if i + 1 < len(compute):
+        if recv_lookahead and i + 1 < len(compute):
             post(compute[i + 1])
         out.append(action)
         if action.kind is Kind.FORWARD:
@@ -115,7 +124,7 @@ def lower(compute: Sequence[Action], num_stages: int) -> list[Action]:
         send = _send_for(action, num_stages)
         if send is not None:
             out.append(send)
-        if i + 1 < len(compute):
+        if recv_lookahead and i + 1 < len(compute):
             post(compute[i + 1])  # the next backward's receive, once its forward has run
     return out
 
@@ -130,6 +139,7 @@ class Plan:
     advance_forwards: int
     training: bool
     stages: tuple[tuple[Action, ...], ...]
+    recv_lookahead: int = 1
 
     def compute(self, stage: int) -> list[Action]:
         """Stage ``stage``'s compute actions only."""
@@ -145,16 +155,24 @@ class Plan:
 
 
 def build_plan(
-    schedule: str, num_stages: int, num_units: int, advance_forwards: int = 0, training: bool = True
+    schedule: str,
+    num_stages: int,
+    num_units: int,
+    advance_forwards: int = 0,
+    training: bool = True,
+    recv_lookahead: int = 1,
 ) -> Plan:
     """Build the lowered plan of every stage for ``num_units`` units (micro-batches times replicas)."""
     name = check_schedule_name(schedule)
     _check_sizes(num_stages, num_units, advance_forwards)
     stages = tuple(
-        tuple(lower(compute_order(name, num_stages, num_units, s, advance_forwards, training), num_stages))
+        tuple(
+            lower(compute_order(name, num_stages, num_units, s, advance_forwards, training), num_stages, recv_lookahead)
+        )
         for s in range(num_stages)
     )
-    return Plan(name, num_stages, num_units, advance_forwards if name == "advance" else 0, training, stages)
+    k = advance_forwards if name == "advance" else 0
+    return Plan(name, num_stages, num_units, k, training, stages, recv_lookahead)
 
 
 def _check_sizes(num_stages: int, num_units: int, advance_forwards: int) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from lightning_avgpipe.schedules.actions import Kind
 from lightning_avgpipe.schedules.generate import Plan
+from lightning_avgpipe.schedules.nccl import nccl_deadlock
 from lightning_avgpipe.schedules.simulate import DeadlockError, simulate
 
 
@@ -11,8 +12,12 @@ class PlanError(ValueError):
     """A plan that the executor must not run."""
 
 
-def plan_errors(plan: Plan) -> list[str]:
-    """Everything wrong with ``plan``; an empty list means it is valid."""
+def plan_errors(plan: Plan, nccl: bool = False) -> list[str]:
+    """Everything wrong with ``plan``; an empty list means it is valid.
+
+    With ``nccl=True`` the plan must also finish under NCCL's in-order, rendezvous point-to-point semantics with
+    the executor's coalesced batches (:func:`~lightning_avgpipe.schedules.nccl.nccl_deadlock`).
+    """
     errors: list[str] = []
     S, U = plan.num_stages, plan.num_units
     if len(plan.stages) != S:
@@ -67,12 +72,16 @@ def plan_errors(plan: Plan) -> list[str]:
             simulate(plan)
         except DeadlockError as err:
             errors.append(str(err))
+    if not errors and nccl:
+        problem = nccl_deadlock(plan, coalesce=True)
+        if problem:
+            errors.append(f"{problem}; lower the plan with recv_lookahead=0 for NCCL")
     return errors
 
 
-def validate_plan(plan: Plan) -> Plan:
+def validate_plan(plan: Plan, nccl: bool = False) -> Plan:
     """Return ``plan`` unchanged if it is valid, else raise :class:`PlanError` listing every problem."""
-    errors = plan_errors(plan)
+    errors = plan_errors(plan, nccl)
     if errors:
         raise PlanError(f"Invalid {plan.schedule} plan ({len(errors)} problems):\n  " + "\n  ".join(errors))
     return plan

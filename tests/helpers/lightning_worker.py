@@ -4,17 +4,42 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-
-from lightning_avgpipe import AvgPipeStrategy
 from torch.utils.data import DataLoader, Subset
 
+from lightning_avgpipe import AvgPipeStrategy
 from tests.helpers.lit import PipeNet, dataset, loader
+
+
+class Fault(pl.Callback):
+    """Make one rank fail inside the pipeline at a given step: raise in, or SIGKILL, its first layer's forward."""
+
+    def __init__(self, rank: int, step: int, kind: str) -> None:
+        self.rank, self.step, self.kind = rank, step, kind
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if trainer.global_rank != self.rank or trainer.global_step != self.step:
+            return
+
+        def fail(*_: Any) -> None:
+            if self.kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError(f"injected failure on rank {self.rank}")
+
+        def nan(_: Any, args: Any) -> Any:
+            return (args[0] * float("nan"),) if isinstance(args[0], torch.Tensor) else args
+
+        strategy = trainer.strategy
+        firsts = {id(m): m for m in [strategy._owned[0], *(layers[0] for layers in strategy.elastic.replicas)]}
+        for layer in firsts.values():  # the reference and every replica's copy of this rank's first layer
+            layer.register_forward_pre_hook(nan if self.kind == "nan" else fail)
 
 
 class Recorder(pl.Callback):
@@ -63,6 +88,8 @@ def main(cfg: dict[str, Any]) -> None:
             pl.callbacks.ModelCheckpoint(dirpath=out / "every", every_n_train_steps=cfg["every_n_train_steps"],
                                          save_top_k=-1)
         )
+    if cfg.get("fault"):
+        trainer_kwargs["callbacks"].append(Fault(**cfg["fault"]))
     trainer_kwargs.update(cfg.get("trainer", {}))
     bs = cfg.get("batch_size", 12)
     if cfg.get("group_data"):

@@ -25,7 +25,8 @@ def loader(batch_size: int = 12, n: int = 48) -> DataLoader:
 
 
 class PipeNet(L.LightningModule):
-    def __init__(self, lr: float = 0.1, optimizer: str = "sgd", scheduler: bool = False) -> None:
+    def __init__(self, lr: float = 0.1, optimizer: str = "sgd", scheduler: bool = False,
+                 epoch_metric: bool = False) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.layers = nn.Sequential(*make_layers())
@@ -46,9 +47,18 @@ class PipeNet(L.LightningModule):
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch
         logits = self(x)
-        self.val_acc(logits, y)
         self.log("val_loss", F.cross_entropy(logits, y))
-        self.log("val_acc", self.val_acc)
+        self.log("val_correct", (logits.argmax(-1) == y).sum().float(), reduce_fx="sum", on_epoch=True)
+        if self.hparams.epoch_metric:  # updated here, computed and logged at epoch end
+            self.val_acc.update(logits, y)
+        else:
+            self.val_acc(logits, y)
+            self.log("val_acc", self.val_acc)
+
+    def on_validation_epoch_end(self) -> None:
+        if self.hparams.epoch_metric:
+            self.log("val_acc", self.val_acc.compute())
+            self.val_acc.reset()
 
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, _ = batch

@@ -1,0 +1,184 @@
+"""What one stage did in one step: a timeline of compute, communication waits and sends, and activation memory.
+
+The executor fills a :class:`StepTrace` on every step (a few ``perf_counter`` calls per action). From it come the
+per-step figures the strategy logs (bubble fraction, communication wait, peak activation bytes) and, for a traced
+step, Chrome-trace events (:func:`chrome_trace`) that open in Perfetto, with the same format the simulator emits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Span:
+    """One interval on a stage's timeline. ``kind``: "F", "B" (compute), "wait" (blocked on a neighbour), "send"."""
+
+    kind: str
+    unit: int
+    start: float
+    end: float
+
+
+@dataclass
+class StepTrace:
+    """One stage's step: spans relative to the step start (seconds), and activation memory."""
+
+    stage: int
+    spans: list[Span] = field(default_factory=list)
+    start: float = field(default_factory=time.perf_counter)
+    end: float = 0.0
+    peak_activation_bytes: int = 0
+
+    def add(self, kind: str, unit: int, t0: float, t1: float) -> None:
+        self.spans.append(Span(kind, unit, t0 - self.start, t1 - self.start))
+
+    def finish(self) -> None:
+        self.end = time.perf_counter()
+
+    @property
+    def step_time(self) -> float:
+        return max(0.0, self.end - self.start)
+
+    @property
+    def compute_time(self) -> float:
+        return sum(s.end - s.start for s in self.spans if s.kind in ("F", "B"))
+
+    @property
+    def wait_time(self) -> float:
+        return sum(s.end - s.start for s in self.spans if s.kind == "wait")
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Share of the step this stage was not computing (waiting, communicating or idle)."""
+        return 1.0 - self.compute_time / self.step_time if self.step_time > 0 else 0.0
+
+    def summary(self) -> list[float]:
+        """[step time, compute time, communication wait, bubble fraction, peak activation bytes]."""
+        peak = float(self.peak_activation_bytes)
+        return [self.step_time, self.compute_time, self.wait_time, self.bubble_fraction, peak]
+
+
+class ActivationMeter:
+    """Bytes of tensors autograd saves for backward, per unit in flight (saved-tensor hooks; parameters excluded).
+
+    The peak over a step is the stage's activation memory (the stash): what the schedule trades against speed.
+    """
+
+    def __init__(self, parameters: Sequence[Tensor] = ()) -> None:
+        # parameters are excluded by storage: autograd often saves a view of a weight (``weight.t()``)
+        self._params = {p.untyped_storage().data_ptr() for p in parameters if p.numel()}
+        self._units: dict[int, int] = {}
+        self._seen: set[tuple[int, int]] = set()
+        self.current = 0
+        self.peak = 0
+
+    @contextlib.contextmanager
+    def unit(self, u: int) -> Iterator[None]:
+        """Count what the forward of unit ``u`` saves."""
+
+        def pack(t: Tensor) -> Tensor:
+            ptr = t.untyped_storage().data_ptr() if t.numel() else 0
+            if ptr not in self._params:
+                key = (t.data_ptr(), u)
+                if key not in self._seen:
+                    self._seen.add(key)
+                    size = t.numel() * t.element_size()  # the tensor itself, not the batch it may be a slice of
+                    self._units[u] = self._units.get(u, 0) + size
+                    self.current += size
+                    self.peak = max(self.peak, self.current)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+
+    def release(self, u: int) -> None:
+        """Unit ``u``'s backward ran: its saved tensors are freed."""
+        self.current -= self._units.pop(u, 0)
+
+    def reset(self) -> None:
+        self._units.clear()
+        self._seen.clear()
+        self.current = self.peak = 0
+
+
+def spans_from_simulation(sim: Any) -> list[list[Span]]:
+    """The simulator's timeline (:class:`~lightning_avgpipe.schedules.Simulation`) as spans, to draw or compare."""
+    return [[Span(e.action.kind.value, e.action.unit, e.start, e.end) for e in stage] for stage in sim.events]
+
+
+def chrome_trace(timelines: Sequence[Sequence[Span]], names: Sequence[str] | None = None) -> dict[str, Any]:
+    """Chrome-trace JSON (opens in Perfetto / chrome://tracing): one track per stage, spans in microseconds."""
+    colours = {"F": "thread_state_running", "B": "rail_load", "wait": "bad", "send": "grey"}
+    events: list[dict[str, Any]] = []
+    for s, spans in enumerate(timelines):
+        name = names[s] if names else f"stage {s}"
+        events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": s, "args": {"name": name}})
+        for span in spans:
+            label = f"{span.kind}{span.unit}" if span.kind in ("F", "B") else span.kind
+            events.append({
+                "name": label, "cat": span.kind, "ph": "X", "pid": 0, "tid": s,
+                "ts": span.start * 1e6, "dur": max(0.0, span.end - span.start) * 1e6,
+                "cname": colours.get(span.kind, "generic_work"), "args": {"unit": span.unit},
+            })
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_trace(path: Path, timelines: Sequence[Sequence[Span]], title: str,
+                names: Sequence[str] | None = None, time_unit: str | None = None) -> tuple[Path, Path | None]:
+    """Write ``path`` (.json, Chrome trace) and a PNG Gantt chart beside it (if matplotlib is installed)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(chrome_trace(timelines, names)))
+    tmp.replace(path)
+    return path, gantt_png(path.with_suffix(".png"), timelines, title, names, time_unit)
+
+
+def gantt_png(path: Path, timelines: Sequence[Sequence[Span]], title: str,
+              names: Sequence[str] | None = None, time_unit: str | None = None) -> Path | None:
+    """A Gantt chart in the style of the paper's figures: forwards light, backwards dark, waits hatched."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    S = len(timelines)
+    end = max((span.end for spans in timelines for span in spans), default=1.0) or 1.0
+    scale, unit_label = (1e3, "ms") if end < 10 else (1.0, "s")
+    if time_unit is not None:  # simulated timelines are in cost units
+        scale, unit_label = 1.0, time_unit
+    fig, ax = plt.subplots(figsize=(max(8.0, min(24.0, 0.25 * sum(len(t) for t in timelines) / max(1, S) + 6)),
+                                    0.6 * S + 1.4))
+    style = {"F": ("#9ecae1", None), "B": ("#3182bd", None), "wait": ("#fdd0a2", "///"), "send": ("#d9d9d9", None)}
+    for s, spans in enumerate(timelines):
+        y = S - 1 - s
+        for span in spans:
+            colour, hatch = style.get(span.kind, ("#cccccc", None))
+            width = (span.end - span.start) * scale
+            ax.barh(y, width, left=span.start * scale, height=0.8, color=colour, hatch=hatch, edgecolor="white",
+                    linewidth=0.3)
+            if span.kind in ("F", "B") and width > end * scale / 60:
+                ax.text((span.start + span.end) / 2 * scale, y, f"{span.kind}{span.unit}", ha="center",
+                        va="center", fontsize=7, color="black" if span.kind == "F" else "white")
+    ax.set_yticks(range(S))
+    ax.set_yticklabels(list(reversed(names if names else [f"stage {s}" for s in range(S)])))
+    ax.set_xlabel(f"time ({unit_label})")
+    ax.set_title(title, fontsize=10)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c, hatch=h) for c, h in style.values()]
+    fig.legend(handles, ["forward", "backward", "waiting on a neighbour", "send"], loc="lower center", fontsize=7,
+               ncols=4, frameon=False)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,83 @@
+"""A failing rank never hangs the job: every rank exits non-zero, quickly, naming the rank that failed."""
+
+from __future__ import annotations
+
+import json
+import re
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.launch import launch_ranks
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    ("world", "rank", "kind"),
+    [(2, 1, "raise"), (2, 0, "kill"), (4, 2, "raise"), (4, 1, "kill")],
+    ids=["S2-raise-last", "S2-kill-first", "S4-raise-middle", "S4-kill-middle"],
+)
+def test_failing_rank_ends_every_rank_with_a_message(world: int, rank: int, kind: str) -> None:
+    out_dir = tempfile.mkdtemp()
+    cfg = {"out": out_dir, "devices": world, "steps": 6, "strategy": {"num_microbatches": 2, "p2p_timeout": 5},
+           "fault": {"rank": rank, "step": 2, "kind": kind}}
+    start = time.monotonic()
+    results = launch_ranks(["-m", "tests.helpers.lightning_worker", json.dumps(cfg)], world, timeout=120)
+    elapsed = time.monotonic() - start
+    assert elapsed < 90, f"took {elapsed:.0f} s"
+    codes = [code for code, _ in results]
+    assert all(code != 0 for code in codes), codes
+    if kind == "kill":
+        assert codes[rank] == -9
+    for r, (_, out) in enumerate(results):
+        if r == rank:
+            if kind == "raise":
+                assert f"injected failure on rank {rank}" in out
+            continue
+        assert "PeerFailureError" in out, out[-2000:]
+        named = set(map(int, re.findall(r"from rank (\d+) \(stage \d+\) did not arrive", out)))
+        assert named and named <= {r - 1, r + 1}, named  # a neighbour, by rank and stage
+        if kind == "raise":  # the rank where it started is named on every rank
+            assert f"First failure: rank {rank} (stage {rank}): RuntimeError: injected failure" in out, out[-2000:]
+        elif abs(r - rank) == 1:
+            assert rank in named
+
+
+def test_non_finite_loss_is_named_on_every_rank() -> None:
+    """A NaN entering stage 1's layers: the last stage names the loss, and every rank stops with a named cause."""
+    out_dir = tempfile.mkdtemp()
+    cfg = {"out": out_dir, "devices": 2, "steps": 4, "strategy": {"num_microbatches": 2, "p2p_timeout": 5},
+           "fault": {"rank": 1, "step": 1, "kind": "nan"}}
+    results = launch_ranks(["-m", "tests.helpers.lightning_worker", json.dumps(cfg)], 2, timeout=120)
+    assert all(code != 0 for code, _ in results)
+    assert "FloatingPointError: stage 1 (rank 1): the loss of unit(s) [0, 1] is not finite" in results[1][1]
+    # stage 0 either sees the NaN come back as its own gradient, or stops on stage 1's failure: named either way
+    pattern = r"stage 0 \(rank 0\): a non-finite gradient in replica 0|First failure: rank 1 \(stage 1\): Floating"
+    assert re.search(pattern, results[0][1]), results[0][1][-2000:]
+
+
+def test_killed_run_resumed_from_its_last_checkpoint_ends_bit_identical(tmp_path: Path) -> None:
+    """SIGKILL a rank mid-training; resume from the last ModelCheckpoint file; final weights equal an uninterrupted
+    run bit for bit (CPU, fixed seed), and no temporary checkpoint file is left behind."""
+    from tests.test_strategy_equivalence import final_state, run_lightning
+
+    model = {"optimizer": "adam", "lr": 0.01}
+    strategy = {"num_microbatches": 2, "partition": [3, 3], "num_pipelines": 2, "p2p_timeout": 5}
+    straight = tmp_path / "straight"
+    run_lightning(straight, 2, strategy, steps=6, model=model)
+    crashed = tmp_path / "crashed"
+    cfg = {"out": str(crashed), "devices": 2, "steps": 6, "strategy": strategy, "model": model,
+           "every_n_train_steps": 2, "fault": {"rank": 1, "step": 5, "kind": "kill"}}
+    codes = [code for code, _ in launch_ranks(["-m", "tests.helpers.lightning_worker", json.dumps(cfg)], 2)]
+    assert codes[1] == -9 and codes[0] != 0
+    saved = sorted((crashed / "every").glob("*.ckpt"))
+    assert [p.name for p in saved] == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt"], saved
+    assert not list((crashed / "every").glob(".*tmp*"))
+    resumed = tmp_path / "resumed"
+    run_lightning(resumed, 2, strategy, steps=6, model=model, ckpt_path=str(saved[-1]))
+    a, b = final_state(straight), final_state(resumed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
