@@ -21,9 +21,9 @@ partition and AdamW doing real optimizer steps, with:
                   other rows, then ``begin_step()``, the N optimizer steps, ``finish_step()``
 
 Rows are interleaved: every round runs one training step of every row (in a rotating order), so a burst of
-background load on a shared machine hits all rows alike. The first ``--warmup`` rounds are not timed. A step is
-timed from a barrier to the end of ``optimizer.step()`` (for avgpipe rows: of ``finish_step()``) on each rank; the
-step time is the slowest rank's. samples/s = samples per step (B, or N*B for avgpipe-N) / median step time.
+background load on a shared machine hits all rows alike (``single`` always runs last among the rows, before the
+probes). The first ``--warmup`` rounds are not timed. A step is timed from a barrier to the end of
+``optimizer.step()`` (for avgpipe rows: of ``finish_step()``) on each rank; the step time is the slowest rank's. samples/s = samples per step (B, or N*B for avgpipe-N) / median step time.
 
 Pipeline efficiency = ideal step time / measured step time, where the ideal is the slowest stage's compute alone:
 each round also runs a *compute probe* per stage in which that rank alone (the other one idles) runs its own
@@ -471,7 +471,9 @@ def rank_main(rank: int, args: argparse.Namespace, data: Tensor, vocab_size: int
     probe_times: dict[str, list[tuple[float, float]]] = {"solo": [], "both": []}
     elastic_times: dict[int, list[float]] = {n: [] for n in elastic_probes}
     losses: dict[str, list[float | None]] = {name: [] for name in all_rows}
-    names = [*all_rows, *PROBES]
+    # `single` runs last among the rows, followed by the probes: the original rows keep the neighbours they had before
+    # the avgpipe rows existed, and no pipeline row starts right after one rank idled through a single-process step
+    names = [*(name for name in all_rows if name != "single"), "single", *PROBES]
     for i in range(total):
         shift = i % len(names)
         for name in names[shift:] + names[:shift]:  # rotate so no row always runs right after the same one
