@@ -81,8 +81,11 @@ if str(ROOT) not in sys.path:  # run as a script: make `examples`, `benchmarks` 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
-import torch.nn.functional as F  # noqa: E402, N812
 from torch import Tensor, nn  # noqa: E402
+
+from benchmarks.common import apply_layers as _apply  # noqa: E402
+from benchmarks.common import lm_loss as _ce  # noqa: E402
+from benchmarks.common import make_batches  # noqa: E402
 
 LINKS = ("loopback", "slow")
 SLOW_LABEL = "slow link (EMULATED: in-process delayed transport over gloo loopback, not a network)"
@@ -184,28 +187,13 @@ def partition(n_layers: int, stages: int) -> list[int]:
     return [base + (1 if s < extra else 0) for s in range(stages)]
 
 
-def make_batches(data: Tensor, block_size: int, batch_size: int, count: int, seed: int) -> list[tuple[Tensor, Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    batches = []
-    for _ in range(count):
-        starts = torch.randint(0, len(data) - block_size - 1, (batch_size,), generator=g).tolist()
-        x = torch.stack([data[s : s + block_size] for s in starts])
-        y = torch.stack([data[s + 1 : s + block_size + 1] for s in starts])
-        batches.append((x, y))
-    return batches
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # one rank
 # ---------------------------------------------------------------------------------------------------------------
-def _apply(layers: list[nn.Module], x: Any) -> Any:
-    for layer in layers:
-        x = layer(x)
-    return x
 
 
-def _ce(logits: Tensor, y: Tensor) -> Tensor:
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
 class Row:

@@ -23,7 +23,8 @@ partition and AdamW doing real optimizer steps, with:
 Rows are interleaved: every round runs one training step of every row (in a rotating order), so a burst of
 background load on a shared machine hits all rows alike (``single`` always runs last among the rows, before the
 probes). The first ``--warmup`` rounds are not timed. A step is timed from a barrier to the end of
-``optimizer.step()`` (for avgpipe rows: of ``finish_step()``) on each rank; the step time is the slowest rank's. samples/s = samples per step (B, or N*B for avgpipe-N) / median step time.
+``optimizer.step()`` (for avgpipe rows: of ``finish_step()``) on each rank; the step time is the slowest rank's.
+samples/s = samples per step (B, or N*B for avgpipe-N) / median step time.
 
 Pipeline efficiency = ideal step time / measured step time, where the ideal is the slowest stage's compute alone:
 each round also runs a *compute probe* per stage in which that rank alone (the other one idles) runs its own
@@ -71,8 +72,11 @@ if str(ROOT) not in sys.path:  # run as a script: make `examples` and this check
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
-import torch.nn.functional as F  # noqa: E402, N812
 from torch import Tensor, nn  # noqa: E402
+
+from benchmarks.common import apply_layers as _apply  # noqa: E402
+from benchmarks.common import lm_loss as _ce  # noqa: E402
+from benchmarks.common import make_batches  # noqa: E402
 
 WORLD = 2
 ROWS = ("ours-1f1b", "ours-afab", "torch-1f1b", "torch-gpipe", "single")
@@ -161,29 +165,13 @@ def pipelines_of(name: str) -> int:
     return int(name[len(AVG_PREFIX):]) if name.startswith(AVG_PREFIX) else 1
 
 
-def make_batches(data: Tensor, block_size: int, batch_size: int, count: int, seed: int) -> list[tuple[Tensor, Tensor]]:
-    """``count`` batches of random windows of the corpus: inputs ``(B, T)`` and next-character targets."""
-    g = torch.Generator().manual_seed(seed)
-    batches = []
-    for _ in range(count):
-        starts = torch.randint(0, len(data) - block_size - 1, (batch_size,), generator=g)
-        x = torch.stack([data[s : s + block_size] for s in starts.tolist()])
-        y = torch.stack([data[s + 1 : s + block_size + 1] for s in starts.tolist()])
-        batches.append((x, y))
-    return batches
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # one rank
 # ---------------------------------------------------------------------------------------------------------------
-def _apply(layers: list[nn.Module], x: Any) -> Any:
-    for layer in layers:
-        x = layer(x)
-    return x
 
 
-def _ce(logits: Tensor, y: Tensor) -> Tensor:
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
 def _adamw(params: list[nn.Parameter], args: argparse.Namespace) -> torch.optim.Optimizer:
