@@ -1,0 +1,214 @@
+"""Predicting an iteration from a profile (DESIGN.md §6): plain numbers in, plain numbers out.
+
+A :class:`PipelineProfile` holds what was measured on one setting: per stage, the forward and backward time of
+one unit and the activation bytes it saves, each at two or more micro-batch sizes; the bytes a unit sends
+downstream; the weights' and one optimizer's state bytes; the time of one replica's optimizer step and elastic
+update; and the link's latency and bandwidth. :func:`predict` turns it into the iteration time and each stage's
+peak memory for any (M, N): the pipeline part by the simulator of ``schedules.simulate`` run on the plan the
+strategy would run, the rest (N optimizer steps and elastic updates, the per-iteration overhead) added on.
+
+Costs between measured micro-batch sizes are interpolated linearly; outside, the nearest segment is extended
+(never below zero). Small micro-batches stop getting cheaper where the measured curve flattens: a per-unit
+overhead is part of what the profile measures, not an assumption.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from lightning_avgpipe.schedules import build_plan, simulate
+
+
+def interpolate(points: Mapping[float, float], x: float) -> float:
+    """Piecewise-linear through ``points`` (size -> value), extended linearly past the ends, clamped at 0."""
+    if not points:
+        raise ValueError("interpolate needs at least one measured point")
+    xs = sorted(points)
+    if len(xs) == 1:  # one size: proportional to the size
+        x0 = xs[0]
+        return max(0.0, points[x0] * x / x0) if x0 else points[x0]
+    if x <= xs[0]:
+        a, b = xs[0], xs[1]
+    elif x >= xs[-1]:
+        a, b = xs[-2], xs[-1]
+    else:
+        b = next(v for v in xs if v >= x)
+        a = xs[xs.index(b) - 1]
+    slope = (points[b] - points[a]) / (b - a)
+    return max(0.0, points[a] + slope * (x - a))
+
+
+@dataclass
+class StageProfile:
+    """What one stage costs. Times in seconds, sizes in bytes; dict keys are micro-batch sizes (samples)."""
+
+    forward_s: dict[float, float]
+    backward_s: dict[float, float]
+    activation_bytes: dict[float, float]  # saved for backward by one unit
+    send_bytes: dict[float, float]  # one unit's output sent downstream (the gradient back is the same size)
+    param_bytes: float  # one copy of the stage's weights
+    optimizer_state_bytes: float  # one replica's optimizer state
+    optimizer_step_s: float  # one replica's optimizer step
+    elastic_s: float = 0.0  # one replica's share of the elastic update (pull + reference update)
+
+    def forward(self, b: float) -> float:
+        return interpolate(self.forward_s, b)
+
+    def backward(self, b: float) -> float:
+        return interpolate(self.backward_s, b)
+
+    def activations(self, b: float) -> float:
+        return interpolate(self.activation_bytes, b)
+
+    def sent(self, b: float) -> float:
+        return interpolate(self.send_bytes, b) if self.send_bytes else 0.0
+
+    def static_bytes(self, num_pipelines: int, num_groups: int = 1) -> float:
+        """Weights, gradients, optimizer states and the averaging's buffers for N replicas.
+
+        N·D = 1: the replica is the reference (weights, gradients, one optimizer state). Otherwise N replicas with
+        their gradients, optimizer states and pre-step offsets, the reference, and one flat buffer for the mean
+        update (``elastic.ElasticAveraging``).
+        """
+        w, o, n = self.param_bytes, self.optimizer_state_bytes, num_pipelines
+        if n * num_groups == 1:
+            return 2 * w + o
+        return n * (3 * w + o) + 2 * w
+
+
+@dataclass
+class PipelineProfile:
+    """One profiled pipeline: its stages, the link between neighbours, and the setting it describes."""
+
+    stages: list[StageProfile]
+    batch_size: int  # B: samples per pipeline per iteration (the DataLoader's batch size)
+    latency_s: float = 0.0  # one message between neighbours
+    bandwidth: float = math.inf  # bytes per second between neighbours
+    num_groups: int = 1  # D
+    iteration_overhead_s: float = 0.0  # per iteration, besides the pipeline and the updates
+    schedule: str = "1f1b"
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PipelineProfile:
+        def keyed(d: Mapping[Any, float]) -> dict[float, float]:
+            return {float(k): float(v) for k, v in d.items()}
+
+        stages = []
+        for s in data["stages"]:
+            s = dict(s)
+            for name in ("forward_s", "backward_s", "activation_bytes", "send_bytes"):
+                s[name] = keyed(s[name])
+            stages.append(StageProfile(**s))
+        rest = {k: v for k, v in data.items() if k != "stages"}
+        return cls(stages=stages, **rest)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What one setting is predicted to do per iteration."""
+
+    num_microbatches: int
+    num_pipelines: int
+    advance_forwards: int
+    step_time: float  # seconds per iteration, everything included
+    pipeline_time: float  # the forwards and backwards of all units, with the bubbles
+    update_time: float  # N optimizer steps and the elastic update on the slowest stage
+    samples_per_sec: float  # N·B·D / step_time
+    peak_bytes: tuple[float, ...]  # per stage: static + the stash at its peak
+    bubble_fraction: float
+    feasible: bool = True
+    why_not: str = ""
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["peak_bytes"] = list(self.peak_bytes)
+        return out
+
+
+def predict(
+    profile: PipelineProfile,
+    num_microbatches: int,
+    num_pipelines: int,
+    schedule: str | None = None,
+    advance_forwards: int = 0,
+    memory_limit: float | None = None,
+    latency_s: float | None = None,
+    bandwidth: float | None = None,
+) -> Prediction:
+    """Iteration time and per-stage peak memory of (M, N) from ``profile``.
+
+    ``latency_s``/``bandwidth`` override the profiled link (what-if); ``memory_limit`` (bytes) marks the
+    setting infeasible when a stage's predicted peak exceeds it.
+    """
+    M, N = int(num_microbatches), int(num_pipelines)
+    if M < 1 or N < 1:
+        raise ValueError(f"num_microbatches={M} and num_pipelines={N} must be at least 1")
+    schedule = schedule or profile.schedule
+    S = profile.num_stages
+    b = profile.batch_size / M
+    latency = profile.latency_s if latency_s is None else latency_s
+    bw = profile.bandwidth if bandwidth is None else bandwidth
+    fwd = [st.forward(b) for st in profile.stages]
+    bwd = [st.backward(b) for st in profile.stages]
+    xfer = []
+    for s in range(S):  # the message leaving stage s: its activations downstream (the last stage: gradients up)
+        src = profile.stages[s] if s < S - 1 else profile.stages[max(0, S - 2)]
+        xfer.append(src.sent(b) / bw if S > 1 and bw > 0 and math.isfinite(bw) else 0.0)
+    k = advance_forwards if schedule == "advance" else 0
+    plan = build_plan(schedule, S, N * M, k)
+    sim = simulate(plan, fwd, bwd, latency=latency if S > 1 else 0.0, transfer_cost=xfer)
+    update = max(N * (st.optimizer_step_s + st.elastic_s) if N * profile.num_groups > 1 else st.optimizer_step_s
+                 for st in profile.stages)
+    step = sim.step_time + update + profile.iteration_overhead_s
+    peaks = tuple(
+        st.static_bytes(N, profile.num_groups) + sim.peak_stash[s] * st.activations(b)
+        for s, st in enumerate(profile.stages)
+    )
+    feasible, why = True, ""
+    if memory_limit is not None:
+        worst = max(range(S), key=lambda s: peaks[s])
+        if peaks[worst] > memory_limit:
+            feasible = False
+            why = f"stage {worst} needs {peaks[worst] / 2**20:.1f} MiB > limit {memory_limit / 2**20:.1f} MiB"
+    samples = N * profile.batch_size * profile.num_groups
+    return Prediction(
+        num_microbatches=M,
+        num_pipelines=N,
+        advance_forwards=k,
+        step_time=step,
+        pipeline_time=sim.step_time,
+        update_time=update,
+        samples_per_sec=samples / step if step > 0 else math.inf,
+        peak_bytes=peaks,
+        bubble_fraction=sim.bubble_fraction,
+        feasible=feasible,
+        why_not=why,
+    )
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def microbatch_sizes(batch_size: int, candidates: Sequence[int]) -> list[float]:
+    """The micro-batch sizes to profile so that every candidate M is interpolated, not extrapolated.
+
+    The smallest and the largest size the candidates use, and (when they are far apart) one in between.
+    """
+    sizes = sorted({batch_size / m for m in candidates})
+    if len(sizes) <= 2:
+        return sizes
+    lo, hi = sizes[0], sizes[-1]
+    mid = min(sizes[1:-1], key=lambda v: abs(math.log(v) - (math.log(lo) + math.log(hi)) / 2))
+    return [lo, mid, hi]

@@ -1,0 +1,161 @@
+"""Choosing (M, N) from predictions: the highest predicted samples/s whose every stage fits the memory limit."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lightning_avgpipe.tuning.model import PipelineProfile, Prediction, divisors, predict
+
+DEFAULT_MAX_PIPELINES = 8
+
+
+class NoFeasibleSettingError(ValueError):
+    """No candidate setting fits the memory limit."""
+
+
+def candidate_microbatches(batch_size: int, num_microbatches: int | Sequence[int] | None = None) -> list[int]:
+    """M values to consider: the divisors of B (or the given ones, which must divide B)."""
+    if num_microbatches is None:
+        return divisors(batch_size)
+    values = [num_microbatches] if isinstance(num_microbatches, int) else list(num_microbatches)
+    bad = [m for m in values if not isinstance(m, int) or m < 1 or batch_size % m]
+    if bad or not values:
+        raise ValueError(
+            f"num_microbatches={num_microbatches!r}: every candidate must be a positive divisor of the batch size "
+            f"{batch_size}; use values from {divisors(batch_size)} or None for all of them."
+        )
+    return sorted(set(values))
+
+
+def candidate_pipelines(num_pipelines: int | Sequence[int] | None = None) -> list[int]:
+    """N values to consider: 1 up to ``num_pipelines`` (an int), the listed values, or 1..8 when ``None``."""
+    if num_pipelines is None:
+        return list(range(1, DEFAULT_MAX_PIPELINES + 1))
+    if isinstance(num_pipelines, int) and not isinstance(num_pipelines, bool):
+        if num_pipelines < 1:
+            raise ValueError(f"num_pipelines={num_pipelines} must be at least 1 (the largest N to consider).")
+        return list(range(1, num_pipelines + 1))
+    values = list(num_pipelines)
+    if not values or any(not isinstance(n, int) or n < 1 for n in values):
+        raise ValueError(f"num_pipelines={num_pipelines!r} must be a positive int or a list of positive ints.")
+    return sorted(set(values))
+
+
+def _k_candidates(units: int) -> list[int]:
+    ks = {0, max(0, units - 1)}
+    k = 1
+    while k < units:
+        ks.add(k)
+        k *= 2
+    return sorted(ks)
+
+
+@dataclass
+class TuningTable:
+    """Every candidate's prediction and the choice."""
+
+    rows: list[Prediction]
+    choice: Prediction | None
+    memory_limit: float | None
+    schedule: str
+    profile: PipelineProfile | None = None
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    def row(self, num_microbatches: int, num_pipelines: int) -> Prediction:
+        for r in self.rows:
+            if (r.num_microbatches, r.num_pipelines) == (num_microbatches, num_pipelines):
+                return r
+        raise KeyError((num_microbatches, num_pipelines))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schedule": self.schedule,
+            "memory_limit": self.memory_limit,
+            "choice": self.choice.to_dict() if self.choice else None,
+            "rows": [r.to_dict() for r in self.rows],
+            "profile": self.profile.to_dict() if self.profile else None,
+            "notes": self.notes,
+        }
+
+    def write_json(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1))
+        tmp.replace(path)
+        return path
+
+    def format(self) -> str:
+        """The table as text: one line per (M, N), the choice marked."""
+        head = f"{'M':>4} {'N':>3} {'k':>3} {'iter ms':>9} {'samples/s':>10} {'bubble':>7} {'peak MiB (per stage)':<28}"
+        lines = [head]
+        for r in sorted(self.rows, key=lambda r: (r.num_pipelines, r.num_microbatches)):
+            mark = " <- chosen" if self.choice is not None and r is self.choice else ""
+            peaks = "/".join(f"{p / 2**20:.1f}" for p in r.peak_bytes)
+            fit = "" if r.feasible else f"  (does not fit: {r.why_not})"
+            lines.append(
+                f"{r.num_microbatches:>4} {r.num_pipelines:>3} {r.advance_forwards:>3} {r.step_time * 1e3:>9.2f} "
+                f"{r.samples_per_sec:>10.1f} {r.bubble_fraction:>6.1%} {peaks:<28}{fit}{mark}"
+            )
+        return "\n".join(lines)
+
+
+def search(
+    profile: PipelineProfile,
+    num_microbatches: int | Sequence[int] | None = None,
+    num_pipelines: int | Sequence[int] | None = None,
+    memory_limit: float | None = None,
+    schedule: str | None = None,
+    advance_forwards: int | str = 0,
+    latency_s: float | None = None,
+    bandwidth: float | None = None,
+) -> TuningTable:
+    """Predict every candidate (M, N) and choose the highest samples/s that fits ``memory_limit`` (bytes).
+
+    With ``schedule="advance"`` and ``advance_forwards="auto"`` each (M, N) gets the k (0, 1, 2, 4, ... units-1)
+    with the best predicted time that fits. Ties in samples/s (within 0.5%) go to fewer pipelines, then fewer
+    micro-batches (less memory, less statistical change). ``num_pipelines=None`` stops raising N once no M fits.
+
+    Raises:
+        NoFeasibleSettingError: nothing fits; the message names the smallest setting's need.
+    """
+    schedule = schedule or profile.schedule
+    ms = candidate_microbatches(profile.batch_size, num_microbatches)
+    ns = candidate_pipelines(num_pipelines)
+    rows: list[Prediction] = []
+    for n in ns:
+        any_fit = False
+        for m in ms:
+            if schedule == "advance" and advance_forwards == "auto":
+                options = [
+                    predict(profile, m, n, schedule, k, memory_limit, latency_s, bandwidth)
+                    for k in _k_candidates(m * n)
+                ]
+                fits = [p for p in options if p.feasible] or options[:1]
+                best = min(fits, key=lambda p: (p.step_time, p.advance_forwards))
+            else:
+                k = int(advance_forwards) if schedule == "advance" else 0
+                best = predict(profile, m, n, schedule, k, memory_limit, latency_s, bandwidth)
+            rows.append(best)
+            any_fit |= best.feasible
+        if num_pipelines is None and not any_fit:
+            break
+    feasible = [r for r in rows if r.feasible]
+    if not feasible:
+        smallest = min(rows, key=lambda r: max(r.peak_bytes))
+        worst = max(range(len(smallest.peak_bytes)), key=lambda s: smallest.peak_bytes[s])
+        assert memory_limit is not None
+        raise NoFeasibleSettingError(
+            f"memory_limit={memory_limit:.0f} bytes ({memory_limit / 2**20:.1f} MiB) is met by no setting: the "
+            f"smallest, num_microbatches={smallest.num_microbatches}, num_pipelines={smallest.num_pipelines}, needs "
+            f"{smallest.peak_bytes[worst] / 2**20:.1f} MiB on stage {worst}. Raise memory_limit to at least "
+            f"{max(smallest.peak_bytes) / 2**20:.1f} MiB, use more stages, or a smaller batch size."
+        )
+    top = max(r.samples_per_sec for r in feasible)
+    near = [r for r in feasible if r.samples_per_sec >= top * 0.995]
+    choice = min(near, key=lambda r: (r.num_pipelines, r.num_microbatches))
+    return TuningTable(rows=rows, choice=choice, memory_limit=memory_limit, schedule=schedule, profile=profile)
