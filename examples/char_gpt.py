@@ -161,6 +161,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--pipelines", type=int, default=1, help="N parallel pipelines (AvgPipe's elastic averaging)")
     p.add_argument("--advance-forwards", default="auto", help="k for --schedule advance: an int or 'auto'")
     p.add_argument("--trace-dir", default=None, help="write step timelines (JSON for Perfetto + PNG) here")
+    p.add_argument("--tune", action="store_true", help="choose micro-batches and pipelines with AvgPipeTuner first")
+    p.add_argument("--memory-limit-mb", type=float, default=None, help="the tuner's per-stage memory limit")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     L.seed_everything(args.seed, verbose=False)
@@ -171,7 +173,11 @@ def main(argv: list[str] | None = None) -> None:
         num_microbatches=args.microbatches, schedule=args.schedule, partition=args.partition,
         num_pipelines=args.pipelines, advance_forwards=k, trace_dir=args.trace_dir, trace_steps=[5],
     )
-    trainer = L.Trainer(accelerator=args.accelerator, devices=args.devices, strategy=strategy,
+    callbacks = []
+    if args.tune:
+        limit = args.memory_limit_mb * 2**20 if args.memory_limit_mb else None
+        callbacks.append(lightning_avgpipe.AvgPipeTuner(memory_limit=limit, num_pipelines=4))
+    trainer = L.Trainer(accelerator=args.accelerator, devices=args.devices, strategy=strategy, callbacks=callbacks,
                         max_steps=args.max_steps, val_check_interval=min(100, args.max_steps), limit_val_batches=20,
                         precision=args.precision, log_every_n_steps=10, default_root_dir="runs/char_gpt")
     trainer.fit(model, dm)

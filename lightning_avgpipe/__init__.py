@@ -7,13 +7,14 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_avgpipe.__about__ import __version__
 from lightning_avgpipe.config import PipelineConfig
-from lightning_avgpipe.plugin import AvgPipeStrategy, PipelineContractError
+from lightning_avgpipe.plugin import AvgPipeStrategy, AvgPipeTuner, PipelineContractError
 from lightning_avgpipe.schedules import Plan, build_plan, simulate, validate_plan
 
 AvgPipeStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
     "AvgPipeStrategy",
+    "AvgPipeTuner",
     "PipelineConfig",
     "PipelineContractError",
     "Plan",

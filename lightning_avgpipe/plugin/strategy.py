@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import replace
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -670,8 +671,8 @@ class AvgPipeStrategy(ParallelStrategy):
         if self.root_device.type == "cuda":  # and the allocator's peak, weights and optimizer states included
             figures.append(float(torch.cuda.max_memory_allocated(self.root_device)))
             torch.cuda.reset_peak_memory_stats(self.root_device)
-        else:
-            figures.append(figures[4])
+        else:  # no allocator statistics: what the stage's tensors hold (counted) plus the activation peak
+            figures.append(figures[4] + self._static_bytes())
         mine = torch.tensor(figures, dtype=torch.float64, device=self.root_device)
         rows = [mine]
         if self.num_stages > 1:
@@ -690,6 +691,67 @@ class AvgPipeStrategy(ParallelStrategy):
             module.log("avgpipe/advance_forwards", float(self._k), on_step=True, on_epoch=False)
             if cfg.advance_forwards == "auto":
                 self._search_k(table)
+
+    def _static_bytes(self) -> float:
+        """Bytes of this stage's weights (replicas and reference), gradients, optimizer states and averaging buffers."""
+        elastic = self.elastic
+        seen: set[int] = set()
+
+        def count(tensors: Any) -> int:
+            total = 0
+            for t in tensors:
+                if isinstance(t, Tensor) and t.numel() and t.untyped_storage().data_ptr() not in seen:
+                    seen.add(t.untyped_storage().data_ptr())
+                    total += t.untyped_storage().nbytes()
+            return total
+
+        grads = self._grad_stash or [p.grad for p in self._stage_params]
+        optimizers = [o for opt in self.optimizers for o in getattr(opt, "replicas", [opt])]
+        states = [v for opt in optimizers for st in opt.state.values() for v in st.values()]
+        buffers = [t for offsets in (elastic._offsets or []) for t in offsets] + [elastic._flat]
+        return float(
+            count(self._stage_params) + count(elastic.reference_params) + count(grads) + count(states) + count(buffers)
+        )
+
+    def reconfigure(
+        self,
+        num_microbatches: int | None = None,
+        num_pipelines: int | None = None,
+        advance_forwards: int | str | None = None,
+    ) -> None:
+        """Change M, N or k before training starts (the tuner calls it in ``on_fit_start``).
+
+        A new N re-makes the replicas from the reference and the optimizers (``configure_optimizers`` runs again);
+        every rank must call it with the same values.
+        """
+        changes: dict[str, Any] = {}
+        if num_microbatches is not None:
+            changes["num_microbatches"] = num_microbatches
+        if num_pipelines is not None:
+            changes["num_pipelines"] = num_pipelines
+        if advance_forwards is not None:
+            changes["advance_forwards"] = advance_forwards
+        old = self.config
+        self.config = replace(old, **changes)
+        self._plans.clear()
+        self._full_batch = None
+        if advance_forwards is not None:
+            self._search = None
+            self._k = 0 if advance_forwards == "auto" else int(advance_forwards)
+        if self.config.num_pipelines != old.num_pipelines and self._elastic is not None:
+            self._elastic.wait()
+            self._elastic = None
+            self._batched = None
+            self._make_replicas()
+            module = self._module
+            if module.trainer.state.fn == TrainerFn.FITTING:
+                self.setup_optimizers(module.trainer)
+                _optimizers_to_device(self.optimizers, self.root_device)
+        rank_zero_info(
+            f"AvgPipe: reconfigured to num_microbatches={self.num_microbatches}, num_pipelines={self.num_pipelines}"
+            + (f", advance_forwards={self.config.advance_forwards}" if self.config.schedule == "advance" else "")
+            + "."
+        )
 
     def _search_k(self, table: Tensor) -> None:
         """One observation for ``advance_forwards="auto"``; the decision comes from global rank 0 to every rank."""
@@ -712,8 +774,9 @@ class AvgPipeStrategy(ParallelStrategy):
         if search.settled:
             rank_zero_info(f"AvgPipe: advance_forwards='auto' {search.reason or f'settled on {search.k} (rank 0)'}.")
 
-    def _memory_limit_bytes(self) -> float | None:
-        limit = self.config.memory_limit
+    def _memory_limit_bytes(self, limit: float | None = None) -> float | None:
+        """``limit`` (default: the configured ``memory_limit``) in bytes: a fraction (<= 1) is of device memory."""
+        limit = self.config.memory_limit if limit is None else limit
         if limit is None or limit > 1:
             return limit
         if self.root_device.type == "cuda":

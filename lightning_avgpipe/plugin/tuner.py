@@ -1,0 +1,317 @@
+"""``AvgPipeTuner``: before ``fit`` trains, profile one setting, predict every (M, N), apply the best that fits.
+
+The glue between Lightning and the three tuning pieces (``tuning.profiler`` measures, ``tuning.model`` predicts,
+``tuning.search`` chooses). It runs in ``on_fit_start``: after the strategy has split the model and built the
+optimizers, before a checkpoint is restored, the sanity check runs or the training DataLoader is wrapped, so the
+chosen N also sets how many batches an iteration takes.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torchmetrics import Metric
+
+from lightning_avgpipe import microbatch
+from lightning_avgpipe.plugin.contract import pipeline_inputs
+from lightning_avgpipe.plugin.optim import clone_optimizer
+from lightning_avgpipe.runtime.trace import ActivationMeter, StepTrace
+from lightning_avgpipe.schedules import build_plan, simulate
+from lightning_avgpipe.tuning.model import PipelineProfile, StageProfile, microbatch_sizes
+from lightning_avgpipe.tuning.profiler import (
+    Snapshot,
+    compute_medians,
+    fit_overhead,
+    measure_link,
+    tensor_bytes,
+    time_elastic_update,
+    time_optimizer_step,
+)
+from lightning_avgpipe.tuning.search import TuningTable, candidate_microbatches, candidate_pipelines, search
+
+
+class AvgPipeTuner(Callback):
+    """Choose ``num_microbatches`` (M) and ``num_pipelines`` (N) for ``strategy="avgpipe"`` by profiling.
+
+    Args:
+        memory_limit: bytes a stage may hold at its peak (weights, gradients, optimizer states, the averaging's
+            buffers and the activation stash), or a fraction (<= 1) of the device's memory; ``None``: the
+            strategy's ``memory_limit`` (and no limit if that is ``None`` too).
+        num_pipelines: the largest N to consider (an int), the N values to consider (a list), or ``None`` for
+            1..8 (stopping once no M fits).
+        num_microbatches: the M values to consider (an int or a list of divisors of the batch size); ``None``:
+            every divisor of the batch size.
+        profile_steps: timed pipeline steps per profiled micro-batch size (after one warm-up step).
+        output_dir: folder for ``tuning.json`` (the table, the profile and the choice) and ``tuning.png`` (the
+            heat map); ``None``: ``<trainer.default_root_dir>/tuning``.
+        apply: set the chosen (M, N) (and k for ``schedule="advance"``) on the strategy; ``False`` only reports.
+
+    After ``fit`` starts, :attr:`table` holds every prediction and :attr:`choice` the chosen one.
+    """
+
+    def __init__(
+        self,
+        memory_limit: float | None = None,
+        num_pipelines: int | Sequence[int] | None = None,
+        num_microbatches: int | Sequence[int] | None = None,
+        profile_steps: int = 2,
+        output_dir: str | None = None,
+        apply: bool = True,
+    ) -> None:
+        if not isinstance(profile_steps, int) or isinstance(profile_steps, bool) or profile_steps < 1:
+            raise ValueError(f"profile_steps={profile_steps!r} must be an int >= 1 (timed steps per size).")
+        if memory_limit is not None and (isinstance(memory_limit, bool) or not memory_limit > 0):
+            raise ValueError(
+                f"memory_limit={memory_limit!r} must be a number of bytes, or a fraction in (0, 1] of device memory."
+            )
+        candidate_pipelines(num_pipelines)  # validates
+        self.memory_limit = memory_limit
+        self.num_pipelines = num_pipelines
+        self.num_microbatches = num_microbatches
+        self.profile_steps = profile_steps
+        self.output_dir = output_dir
+        self.apply = apply
+        self.table: TuningTable | None = None
+        self.profile: PipelineProfile | None = None
+        self.seconds: float = 0.0
+        self.files: dict[str, Path] = {}
+
+    @property
+    def choice(self) -> Any:
+        return self.table.choice if self.table is not None else None
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from lightning_avgpipe.plugin.strategy import AvgPipeStrategy
+
+        strategy = trainer.strategy
+        if not isinstance(strategy, AvgPipeStrategy):
+            raise ValueError(
+                f"AvgPipeTuner tunes strategy='avgpipe', but the Trainer's strategy is {type(strategy).__name__}; "
+                "use Trainer(strategy='avgpipe', callbacks=[AvgPipeTuner(...)]) or remove the callback."
+            )
+        if trainer.ckpt_path is not None:
+            rank_zero_info(
+                "AvgPipeTuner: resuming from a checkpoint; keeping the strategy's num_microbatches and num_pipelines "
+                "(pass the values the first run chose, recorded in its tuning.json)."
+            )
+            return
+        started = time.perf_counter()
+        table = tune(strategy, trainer, self.memory_limit, self.num_pipelines, self.num_microbatches,
+                     self.profile_steps)
+        self.table, self.profile = table, table.profile
+        choice = table.choice
+        assert choice is not None
+        if self.apply:
+            k = choice.advance_forwards if strategy.config.schedule == "advance" else None
+            strategy.reconfigure(num_microbatches=choice.num_microbatches, num_pipelines=choice.num_pipelines,
+                                 advance_forwards=k)
+        self.seconds = time.perf_counter() - started
+        table.notes["tuner_seconds"] = self.seconds
+        if trainer.is_global_zero:
+            out = Path(self.output_dir) if self.output_dir is not None else Path(trainer.default_root_dir) / "tuning"
+            self.files = _write(table, out)
+            where = " and ".join(str(p) for p in self.files.values())
+            rank_zero_info(
+                f"AvgPipeTuner ({self.seconds:.1f} s): predicted iteration time and peak memory per setting\n"
+                f"{table.format()}\nchosen: num_microbatches={choice.num_microbatches}, num_pipelines="
+                f"{choice.num_pipelines}" + (f", advance_forwards={choice.advance_forwards}"
+                                              if strategy.config.schedule == "advance" else "")
+                + f", {choice.samples_per_sec:.1f} samples/s predicted"
+                + ("" if self.apply else " (not applied: apply=False)") + (f"; written to {where}" if where else "")
+            )
+        for logger in trainer.loggers:
+            logger.log_metrics({
+                "tuner/num_microbatches": float(choice.num_microbatches),
+                "tuner/num_pipelines": float(choice.num_pipelines),
+                "tuner/predicted_samples_per_sec": choice.samples_per_sec,
+                "tuner/predicted_step_time_s": choice.step_time,
+                "tuner/seconds": self.seconds,
+            }, step=0)
+
+
+def _write(table: TuningTable, out: Path) -> dict[str, Path]:
+    try:
+        from lightning_avgpipe.tuning.report import write_report
+    except ImportError:  # the heat map module is optional
+        return {"json": table.write_json(out / "tuning.json")}
+    return write_report(table, out)
+
+
+def first_batch(trainer: pl.Trainer) -> Any:
+    """One training batch, drawn from a fresh iterator with the RNG states put back (the data order is kept)."""
+    source = trainer.fit_loop._data_source
+    loader = source.dataloader()
+    if loader is None:
+        raise ValueError("AvgPipeTuner needs a training DataLoader to profile on; none is attached to fit().")
+    snap = Snapshot([], [])
+    try:
+        batch = next(iter(loader))
+    finally:
+        snap.restore()
+    return batch
+
+
+def tune(
+    strategy: Any,
+    trainer: pl.Trainer,
+    memory_limit: float | None = None,
+    num_pipelines: int | Sequence[int] | None = None,
+    num_microbatches: int | Sequence[int] | None = None,
+    profile_steps: int = 2,
+) -> TuningTable:
+    """Profile ``strategy``'s pipeline on one batch and search (M, N); collective over every rank."""
+    batch = first_batch(trainer)
+    batch = strategy.broadcast(batch, src=0)  # every stage of every group profiles the same batch
+    batch = strategy.batch_to_device(batch)
+    size = microbatch.batch_size(batch)
+    ms = candidate_microbatches(size, num_microbatches)
+    candidate_pipelines(num_pipelines)
+    profile = profile_pipeline(strategy, batch, microbatch_sizes(size, ms), profile_steps)
+    limit = memory_limit if memory_limit is not None else strategy.config.memory_limit
+    limit = strategy._memory_limit_bytes(limit)
+    k: int | str = strategy.config.advance_forwards if strategy.config.schedule == "advance" else 0
+    error: Exception | None = None
+    table: TuningTable | None = None
+    try:
+        table = search(profile, ms, num_pipelines, limit, strategy.config.schedule, k)
+    except ValueError as err:  # the same on every rank (same profile): raise everywhere
+        error = err
+    if error is not None:
+        raise error
+    assert table is not None
+    return table
+
+
+def profile_pipeline(strategy: Any, batch: Any, sizes: Sequence[float], steps: int) -> PipelineProfile:
+    """Run the strategy's pipeline at each micro-batch size and measure; rank 0's profile reaches every rank.
+
+    Uses replica 0 of every stage and the user's ``training_step`` as the head, as training does, then puts back
+    gradients, buffers, torchmetrics states, RNG states and what the step bridge recorded.
+    """
+    module = strategy._module
+    executor, bridge = strategy._executor, strategy._bridge
+    S, stage = strategy.num_stages, strategy.stage
+    device = strategy.root_device
+    elastic = strategy.elastic
+    params = list(strategy._stage_params)
+    metrics = [m for m in module.modules() if isinstance(m, Metric)]
+    replica_layers = [m for layers in elastic.replicas for m in layers] if not elastic.trivial else []
+    snap = Snapshot(params, [*strategy._owned, *replica_layers], metrics)
+    full_batch = strategy._full_batch
+    size = microbatch.batch_size(batch)
+    stage_fn = strategy._replica_fns[0]
+    forward_s: dict[float, float] = {}
+    backward_s: dict[float, float] = {}
+    activation: dict[float, float] = {}
+    sent: dict[float, float] = {}
+    units_seen: list[int] = []
+    residuals: list[float] = []
+    try:
+        for b in sizes:
+            m = max(1, round(size / b))
+            micro = microbatch.split(batch, m)
+            keys = [("avgpipe-tune", microbatch.signature(mb)) for mb in micro]
+            plan = build_plan("1f1b", S, m, 0, True, int(not strategy._batched_p2p))
+            out_bytes: list[int] = []
+
+            def fn(x: Any, _fn: Any = stage_fn, _out: list[int] = out_bytes) -> Any:
+                y = _fn(x)
+                if not _out:
+                    _out.append(tensor_bytes(y))
+                return y
+
+            def head(u: int, output: Any, _micro: Any = micro, _m: int = m) -> Any:
+                out = bridge.call_step("training_step", output, _micro[u], 1.0 / _m, 0)  # batch_idx 0
+                loss = out.get("loss") if isinstance(out, dict) else out
+                return loss * (1.0 / _m)
+
+            spans, step_times, peaks = [], [], []
+            for r in range(steps + 1):
+                for p in params:
+                    p.grad = None
+                trace = StepTrace(stage)
+                meter = ActivationMeter(params)
+                executor.run(
+                    plan.stages[stage], keys, training=True,
+                    inputs=lambda u, _micro=micro: pipeline_inputs(module, _micro[u]),
+                    head=head, forward_context=strategy.precision_plugin.train_step_context,
+                    stage_fn_for=lambda u, _fn=fn: _fn, trace=trace, meter=meter,
+                )
+                if bridge is not None:
+                    bridge.take_logs()
+                if r:
+                    spans.append(trace.spans)
+                    step_times.append(trace.step_time)
+                    peaks.append(meter.peak)
+            f, bk = compute_medians(spans)
+            forward_s[b], backward_s[b] = f, bk
+            stash = simulate(plan).peak_stash[stage]
+            activation[b] = statistics.median(peaks) / max(1, stash)
+            sent[b] = float(out_bytes[0]) if out_bytes else 0.0
+            units_seen.append(m)
+            residuals.append(statistics.median(step_times))  # the step as this stage saw it; fitted below
+    finally:
+        snap.restore()
+        strategy._full_batch = full_batch
+    user = strategy.optimizers[0]
+    user = getattr(user, "user", user)
+    reference = elastic.reference_params
+    step_s, state_bytes = time_optimizer_step(lambda ps: clone_optimizer(user, ps, reference), reference)
+    elastic_s = time_elastic_update(strategy._owned, device)
+    link_bytes = int(max(sent.values())) if sent else 4
+    group = strategy._pipeline_group
+    if S > 1:
+        link_bytes = int(_max_over(strategy, float(link_bytes)))
+        latency, bandwidth = measure_link(stage, strategy._pipeline_ranks, link_bytes, device, group)
+    else:
+        latency, bandwidth = 0.0, float("inf")
+    mine = StageProfile(
+        forward_s=forward_s, backward_s=backward_s, activation_bytes=activation, send_bytes=sent,
+        param_bytes=float(tensor_bytes(list(reference))), optimizer_state_bytes=float(state_bytes),
+        optimizer_step_s=step_s, elastic_s=elastic_s,
+    )
+    stages = _gather_stages(strategy, mine)
+    profile = PipelineProfile(
+        stages=stages, batch_size=size, latency_s=latency, bandwidth=bandwidth, num_groups=strategy.num_groups,
+        schedule=strategy.config.schedule,
+    )
+    # What the spans miss (posting, copies, waits the model does not see): measured step - simulated, per unit
+    measured = _max_list(strategy, residuals)
+    sims = []
+    for b, m in zip(sizes, units_seen):
+        fwd = [st.forward(b) for st in stages]
+        bwd = [st.backward(b) for st in stages]
+        sims.append(simulate(build_plan("1f1b", S, m, 0), fwd, bwd, latency=latency if S > 1 else 0.0).step_time)
+    a, c = fit_overhead(units_seen, [t - s for t, s in zip(measured, sims)])
+    profile.iteration_overhead_s, profile.unit_overhead_s = a, c
+    return strategy.broadcast(profile, src=0)
+
+
+def _gather_stages(strategy: Any, mine: StageProfile) -> list[StageProfile]:
+    if strategy.num_stages == 1:
+        return [mine]
+    gathered: list[Any] = [None] * strategy.num_stages
+    dist.all_gather_object(gathered, mine, group=strategy._pipeline_group)
+    return list(gathered)
+
+
+def _max_over(strategy: Any, value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=strategy.root_device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=strategy._pipeline_group)
+    return float(t[0])
+
+
+def _max_list(strategy: Any, values: Sequence[float]) -> list[float]:
+    t = torch.tensor(list(values), dtype=torch.float64, device=strategy.root_device)
+    if strategy.num_stages > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=strategy._pipeline_group)
+    return [float(v) for v in t]

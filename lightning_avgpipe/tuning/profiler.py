@@ -1,0 +1,229 @@
+"""Measuring for the tuner (DESIGN.md §6), and leaving no trace while doing it.
+
+Everything here touches torch objects and returns plain numbers: the per-unit forward/backward times a traced
+pipeline step shows, the bytes a stage's output and its saved activations take, the time of one replica's
+optimizer step and elastic update (measured on copies), and the link's latency and bandwidth (a ping-pong
+between neighbours). ``Snapshot`` saves and restores what a profiling run may change: RNG states, parameters'
+gradients, buffers (BatchNorm statistics) and torchmetrics states. Per-layer measuring for
+``partition="balanced"`` lives beside it in ``partition/profile.py`` and shares ``tensor_bytes``.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_avgpipe.elastic import ElasticAveraging
+from lightning_avgpipe.runtime.trace import Span
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of every tensor in a (nested) output, state or container."""
+    if isinstance(obj, Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (list, tuple, set)):
+        return sum(tensor_bytes(o) for o in obj)
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(o) for o in obj.values())
+    return 0
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    return sum(tensor_bytes(state) for state in optimizer.state.values())
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def compute_medians(steps: Sequence[Sequence[Span]]) -> tuple[float, float]:
+    """Median time one unit's forward and backward hold the stage, over ``steps`` (a stage's spans per step).
+
+    A send right after a compute is charged to it: on gloo an ``isend`` copies the tensor before returning, so
+    it takes the stage's time like compute does (``wait`` spans are not charged: the simulator makes its own).
+    """
+    fwd: list[float] = []
+    bwd: list[float] = []
+    for spans in steps:
+        last: list[float] | None = None
+        for s in spans:
+            if s.kind == "F":
+                fwd.append(s.end - s.start)
+                last = fwd
+            elif s.kind == "B":
+                bwd.append(s.end - s.start)
+                last = bwd
+            elif s.kind == "send" and last is not None:
+                last[-1] += s.end - s.start
+    return (statistics.median(fwd) if fwd else 0.0, statistics.median(bwd) if bwd else 0.0)
+
+
+def time_optimizer_step(
+    make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    params: Sequence[Tensor],
+    repeats: int = 3,
+) -> tuple[float, int]:
+    """(median seconds of one step, optimizer state bytes) of a fresh optimizer over copies of ``params``.
+
+    The copies get small random gradients; the real parameters and optimizer are untouched.
+    """
+    if not params:
+        return 0.0, 0
+    device = params[0].device
+    copies = [nn.Parameter(p.detach().clone()) for p in params]
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        for c in copies:
+            c.grad = torch.randn_like(c) * 1e-3
+    optimizer = make_optimizer(copies)
+    times = []
+    for r in range(repeats + 1):
+        _sync(device)
+        t0 = time.perf_counter()
+        optimizer.step()
+        _sync(device)
+        if r:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times), optimizer_state_bytes(optimizer)
+
+
+def time_elastic_update(layers: Sequence[nn.Module], device: torch.device, repeats: int = 3) -> float:
+    """Median seconds one replica adds to the elastic update (offsets, pull, mean update), on copies."""
+    copies = [copy.deepcopy(layer) for layer in layers]
+    if not any(True for m in copies for _ in m.parameters()):
+        return 0.0
+    pair = ElasticAveraging(copies, 2, 1, None, None, True, device=device)
+    times = []
+    for r in range(repeats + 1):
+        _sync(device)
+        t0 = time.perf_counter()
+        pair.begin_step()
+        pair.finish_step()
+        _sync(device)
+        if r:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times) / 2
+
+
+def measure_link(
+    stage: int, ranks: Sequence[int], nbytes: int, device: torch.device, group: Any = None, repeats: int = 5
+) -> tuple[float, float]:
+    """(latency seconds, bytes per second) between neighbouring stages: a ping-pong of 4 bytes and of ``nbytes``.
+
+    Every stage of the pipeline calls it (pairs take turns, in stage order). Returns the median over the pairs.
+    """
+    S = len(ranks)
+    results = torch.zeros(2, dtype=torch.float64)
+    if S < 2:
+        return 0.0, float("inf")
+    big = max(int(nbytes) // 4, 1)
+    small_t, big_t = torch.zeros(1, device=device), torch.zeros(big, device=device)
+    per_pair = []
+    for s in range(S - 1):
+        if stage not in (s, s + 1):
+            continue
+        peer = ranks[s + 1] if stage == s else ranks[s]
+        times = []
+        for t in (small_t, big_t):
+            samples = []
+            for r in range(repeats + 1):
+                _sync(device)
+                t0 = time.perf_counter()
+                if stage == s:
+                    dist.send(t, peer)
+                    dist.recv(t, peer)
+                else:
+                    dist.recv(t, peer)
+                    dist.send(t, peer)
+                _sync(device)
+                if r:
+                    samples.append((time.perf_counter() - t0) / 2)
+            times.append(statistics.median(samples))
+        if stage == s:
+            per_pair.append(times)
+    if per_pair:
+        lat, t_big = per_pair[0]
+        extra = max(t_big - lat, 1e-9)
+        results[0], results[1] = lat, (big * 4) / extra
+    # the pair's first stage measured it; every stage gets the median over pairs
+    table = [torch.zeros(2, dtype=torch.float64) for _ in range(S)]
+    dist.all_gather(table, results, group=group)
+    pairs = [t for i, t in enumerate(table) if i < S - 1]
+    lat = statistics.median(float(t[0]) for t in pairs)
+    bw = statistics.median(float(t[1]) for t in pairs)
+    return lat, bw
+
+
+class Snapshot:
+    """What a profiling run may change, saved on creation and put back by :meth:`restore`.
+
+    RNG states (Python, NumPy, torch CPU and CUDA), the gradients of ``params``, the buffers of ``modules``
+    (BatchNorm statistics) and the states of ``metrics`` (torchmetrics objects, compared by their ``_defaults``).
+    """
+
+    def __init__(self, params: Sequence[Tensor], modules: Sequence[nn.Module], metrics: Sequence[Any] = ()) -> None:
+        self.python = random.getstate()
+        try:
+            import numpy as np
+
+            self.numpy: Any = np.random.get_state()
+        except ImportError:  # pragma: no cover
+            self.numpy = None
+        self.torch = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        self.grads = [(p, None if p.grad is None else p.grad.detach().clone()) for p in params]
+        self.buffers = [(b, b.detach().clone()) for m in modules for b in m.buffers()]
+        self.metrics = [(m, _metric_state(m)) for m in metrics]
+
+    def restore(self) -> None:
+        random.setstate(self.python)
+        if self.numpy is not None:
+            import numpy as np
+
+            np.random.set_state(self.numpy)
+        torch.set_rng_state(self.torch)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
+        for p, g in self.grads:
+            p.grad = g
+        with torch.no_grad():
+            for b, value in self.buffers:
+                b.copy_(value)
+        for m, state in self.metrics:
+            _load_metric_state(m, state)
+
+
+def _metric_state(metric: Any) -> dict[str, Any]:
+    state = {name: copy.deepcopy(getattr(metric, name)) for name in getattr(metric, "_defaults", {})}
+    for name in ("_update_count", "_computed", "_forward_cache"):
+        if hasattr(metric, name):
+            state[name] = copy.deepcopy(getattr(metric, name))
+    return state
+
+
+def _load_metric_state(metric: Any, state: dict[str, Any]) -> None:
+    for name, value in state.items():
+        setattr(metric, name, value)
+
+
+def fit_overhead(units: Sequence[int], residuals: Sequence[float]) -> tuple[float, float]:
+    """Least squares ``residual = a + c * units`` (both clamped at 0): time a step spends outside the spans."""
+    n = len(units)
+    if n == 0:
+        return 0.0, 0.0
+    if n == 1 or len(set(units)) == 1:
+        return max(0.0, statistics.mean(residuals)), 0.0
+    mx, my = statistics.mean(units), statistics.mean(residuals)
+    sxx = sum((x - mx) ** 2 for x in units)
+    c = sum((x - mx) * (y - my) for x, y in zip(units, residuals)) / sxx
+    c = max(0.0, c)
+    a = max(0.0, my - c * mx)
+    return a, c
