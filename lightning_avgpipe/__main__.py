@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from lightning_avgpipe.schedules import SCHEDULES, build_plan, simulate, timeline_table, validate_plan
+from lightning_avgpipe.tuning.cli import whatif_command
 
 
 def schedule_command(argv: list[str]) -> int:
@@ -56,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if args and args[0] == "schedule":
         return schedule_command(args[1:])
+    if args and args[0] == "whatif":
+        return whatif_command(args[1:])
     from lightning_avgpipe.cli import cli_main
 
     cli_main(argv)  # None: LightningCLI reads sys.argv itself (and does not warn about explicit args)

@@ -1,0 +1,133 @@
+"""``python -m lightning_avgpipe whatif``: predict a larger layout from a tuning report's profile.
+
+    python -m lightning_avgpipe whatif --profile tuning.json --stages 8 --groups 4 \\
+        --latency-ms 0.05 --bandwidth-gbs 10 --memory-limit-mb 16000
+
+Loads the ``"profile"`` of a tuning JSON (``TuningTable.write_json``), projects it to S' stages and D groups
+(``whatif.project``), runs the search and prints the table and the choice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from lightning_avgpipe.schedules import SCHEDULES
+from lightning_avgpipe.tuning.model import PipelineProfile
+from lightning_avgpipe.tuning.search import NoFeasibleSettingError, search
+from lightning_avgpipe.tuning.whatif import project
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m lightning_avgpipe whatif",
+        description="Project a measured profile to more stages and data-parallel groups, then predict every "
+        "(M, N) and choose the highest samples/s that fits the memory limit.",
+    )
+    p.add_argument("--profile", required=True, metavar="JSON",
+                   help="a tuning report (written by the tuner) whose 'profile' entry is used")
+    p.add_argument("--stages", type=int, required=True, help="pipeline stages S' of the layout to predict")
+    p.add_argument("--groups", type=int, default=1, help="data-parallel groups D (default 1)")
+    p.add_argument("--latency-ms", type=float, default=None,
+                   help="link latency per message in milliseconds (default: the profiled one)")
+    p.add_argument("--bandwidth-gbs", type=float, default=None,
+                   help="link bandwidth in GB/s, 1 GB = 1e9 bytes (default: the profiled one)")
+    p.add_argument("--memory-limit-mb", type=float, default=None,
+                   help="memory per stage in MiB (2**20 bytes); default: no limit")
+    p.add_argument("--num-microbatches", type=int, nargs="+", default=None, metavar="M",
+                   help="candidate micro-batch counts, each dividing the batch size (default: all divisors)")
+    p.add_argument("--num-pipelines", type=int, nargs="+", default=None, metavar="N",
+                   help="one value: consider 1..N pipelines; several: exactly those (default: 1..8)")
+    p.add_argument("--schedule", default=None, choices=[*SCHEDULES, "gpipe"],
+                   help="schedule to predict (default: the profiled one)")
+    p.add_argument("--advance-forwards", default="auto", metavar="K|auto",
+                   help="early forwards k for --schedule advance: an int >= 0 or 'auto' (default)")
+    p.add_argument("--report", metavar="DIR", default=None,
+                   help="also write whatif.json and whatif.png (the heat map) into DIR")
+    return p
+
+
+def _load_profile(p: argparse.ArgumentParser, value: str) -> PipelineProfile:
+    path = Path(value)
+    if not path.is_file():
+        p.error(f"--profile {value}: no such file; pass the JSON a tuning run wrote (its 'profile' entry is used).")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        p.error(f"--profile {value}: not readable JSON ({e}); pass the JSON a tuning run wrote.")
+    if not isinstance(data, dict) or not isinstance(data.get("profile"), dict):
+        p.error(f"--profile {value}: has no 'profile' object; pass a tuning report written with its profile "
+                "(TuningTable.write_json of a table searched from a profile).")
+    try:
+        return PipelineProfile.from_dict(data["profile"])
+    except (KeyError, TypeError, ValueError) as e:
+        p.error(f"--profile {value}: its 'profile' is malformed ({e!r}); re-run the tuner to write a fresh one.")
+
+
+def whatif_command(argv: list[str]) -> int:
+    """Run the ``whatif`` command; 0 on success, 1 when no setting fits (argparse exits 2 on bad input)."""
+    p = _parser()
+    args = p.parse_args(argv)
+    if args.stages < 1:
+        p.error(f"--stages {args.stages}: must be at least 1; give the number of pipeline stages to predict.")
+    if args.groups < 1:
+        p.error(f"--groups {args.groups}: must be at least 1; give the data-parallel groups D (1 for none).")
+    if args.latency_ms is not None and not args.latency_ms >= 0:
+        p.error(f"--latency-ms {args.latency_ms}: must be >= 0; give the per-message latency in milliseconds.")
+    if args.bandwidth_gbs is not None and not args.bandwidth_gbs > 0:
+        p.error(f"--bandwidth-gbs {args.bandwidth_gbs}: must be > 0; give the link bandwidth in GB/s (e.g. 10).")
+    if args.memory_limit_mb is not None and not args.memory_limit_mb > 0:
+        p.error(f"--memory-limit-mb {args.memory_limit_mb}: must be > 0; give the memory per stage in MiB "
+                "or leave it out for no limit.")
+    k: int | str = args.advance_forwards
+    if k != "auto":
+        try:
+            k = int(k)
+        except ValueError:
+            k = -1
+        if k < 0:
+            p.error(f"--advance-forwards {args.advance_forwards}: must be an int >= 0 or 'auto'.")
+    profile = _load_profile(p, args.profile)
+    projected = project(
+        profile,
+        args.stages,
+        args.groups,
+        latency_s=None if args.latency_ms is None else args.latency_ms * 1e-3,
+        bandwidth=None if args.bandwidth_gbs is None else args.bandwidth_gbs * 1e9,
+    )
+    pipelines = args.num_pipelines
+    if pipelines is not None and len(pipelines) == 1:
+        pipelines = pipelines[0]
+    limit = None if args.memory_limit_mb is None else args.memory_limit_mb * 2**20
+    try:
+        table = search(projected, args.num_microbatches, pipelines, memory_limit=limit, schedule=args.schedule,
+                       advance_forwards=k)
+    except NoFeasibleSettingError as e:
+        print(f"whatif: {e}", file=sys.stderr)
+        return 1
+    except ValueError as e:  # candidate validation: names the value and the fix
+        option = "--num-microbatches" if "num_microbatches" in str(e) else "--num-pipelines"
+        p.error(f"{option}: {e}")
+    bw = "inf" if projected.bandwidth == float("inf") else f"{projected.bandwidth / 1e9:g} GB/s"
+    print(
+        f"what-if: {profile.num_stages} profiled stage(s) -> S={projected.num_stages}, D={projected.num_groups}, "
+        f"B={projected.batch_size}, latency {projected.latency_s * 1e3:g} ms, bandwidth {bw}, "
+        f"overhead {projected.iteration_overhead_s * 1e3:.3f} ms/iteration"
+    )
+    print(table.format())
+    c = table.choice
+    assert c is not None
+    print(
+        f"choice: num_microbatches={c.num_microbatches} num_pipelines={c.num_pipelines}"
+        + (f" advance_forwards={c.advance_forwards}" if table.schedule == "advance" else "")
+        + f": {c.samples_per_sec:.1f} samples/s, {c.step_time * 1e3:.2f} ms/iteration, "
+        f"peak {max(c.peak_bytes) / 2**20:.1f} MiB"
+    )
+    if args.report:
+        from lightning_avgpipe.tuning.report import write_report
+
+        paths = write_report(table, args.report, stem="whatif")
+        print("report written to " + " and ".join(str(v) for v in paths.values()))
+    return 0

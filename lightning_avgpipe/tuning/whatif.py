@@ -1,0 +1,119 @@
+"""What-if projection (DESIGN.md §6): a profile measured on one layout, rescaled to more stages or groups.
+
+Profiling needs the hardware; a layout that is larger than the machine at hand (more stages S', more data-parallel
+groups D) can still be predicted by rescaling what was measured and running the same cost model and search.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+from lightning_avgpipe.tuning.model import PipelineProfile, StageProfile, interpolate
+
+
+def _keys(dicts: Iterable[dict[float, float]]) -> list[float]:
+    return sorted({k for d in dicts for k in d})
+
+
+def _pooled(dicts: list[dict[float, float]], scale: float) -> dict[float, float]:
+    """``scale`` x the sum over ``dicts`` at every size any of them measured (each interpolated at the others')."""
+    return {b: scale * sum(interpolate(d, b) for d in dicts) for b in _keys(dicts)}
+
+
+def allreduce_seconds(nbytes: float, ranks: int, latency_s: float, bandwidth: float) -> float:
+    """Ring all-reduce of ``nbytes`` over ``ranks``: 2(D-1)/D x bytes / bandwidth + 2(D-1) x latency (0 for D=1)."""
+    if ranks <= 1:
+        return 0.0
+    wire = 2 * (ranks - 1) / ranks * nbytes / bandwidth if math.isfinite(bandwidth) else 0.0
+    return wire + 2 * (ranks - 1) * latency_s
+
+
+def project(
+    profile: PipelineProfile,
+    num_stages: int,
+    num_groups: int = 1,
+    latency_s: float | None = None,
+    bandwidth: float | None = None,
+) -> PipelineProfile:
+    """The profile of the same model cut into ``num_stages`` stages S' and run in ``num_groups`` groups D.
+
+    Assumptions (what the projection can and cannot know):
+
+    * Balanced cut. The whole model's per-unit cost is pooled and split evenly: each new stage's forward and
+      backward time at micro-batch size b is (sum over the profiled stages at b) / S'; so are the activation
+      bytes a unit saves, the parameter bytes and the optimizer state bytes. Imbalance of the profiled
+      partition (an embedding on stage 0, a head on the last) is averaged away, so projecting to the same S
+      matches the original prediction only when its stages are identical; otherwise it is the balanced ideal.
+      Compute is assumed to scale linearly with the layers a stage holds: kernel-launch and per-unit overheads
+      are split too, which is optimistic for many small stages.
+    * Sizes measured on some stages only are interpolated on the others (``model.interpolate``) before summing.
+    * Sent bytes: the hidden size does not change with the cut, so every boundary sends the mean of the
+      profiled boundaries' bytes (stages 0..S-2; a one-stage profile has no boundary and uses whatever its
+      stage recorded, or nothing).
+    * Optimizer step and elastic update times scale with the parameter share: each new stage gets
+      (sum over profiled stages) x (its param bytes / all param bytes) = sum / S'.
+    * Link: ``latency_s``/``bandwidth`` replace the profiled ones when given (for the pipeline's transfers and the
+      all-reduce alike).
+    * D groups: each stage's reference update is all-reduced over D ranks (one per group), a ring all-reduce of
+      one stage's parameter bytes, 2(D-1)/D x bytes / bandwidth + 2(D-1) x latency, added to the per-iteration
+      overhead and not overlapped with anything. When the profile itself ran with D0 > 1, its measured overhead
+      already held its own all-reduce: the same formula for D0 (profiled link, mean profiled stage) is taken off
+      first, never below zero.
+    * Everything else (batch size B per pipeline, schedule, the rest of the overhead) is kept as measured.
+
+    Raises:
+        ValueError: ``num_stages`` or ``num_groups`` below 1, a negative latency, or a bandwidth not above 0.
+    """
+    if not isinstance(num_stages, int) or isinstance(num_stages, bool) or num_stages < 1:
+        raise ValueError(f"num_stages={num_stages!r} must be an int >= 1 (the number of stages to project to).")
+    if not isinstance(num_groups, int) or isinstance(num_groups, bool) or num_groups < 1:
+        raise ValueError(f"num_groups={num_groups!r} must be an int >= 1 (data-parallel groups D; 1 for none).")
+    if latency_s is not None and not latency_s >= 0:
+        raise ValueError(f"latency_s={latency_s!r} must be >= 0 seconds (or None for the profiled latency).")
+    if bandwidth is not None and not bandwidth > 0:
+        raise ValueError(f"bandwidth={bandwidth!r} must be > 0 bytes/s (or None for the profiled bandwidth).")
+    if not profile.stages:
+        raise ValueError("the profile has no stages; profile at least one stage before projecting.")
+    old = profile.stages
+    S_new = num_stages
+    share = 1.0 / S_new
+    total_params = sum(st.param_bytes for st in old)
+    boundaries = [st.send_bytes for st in old[:-1] if st.send_bytes] or [st.send_bytes for st in old if st.send_bytes]
+    sent = _pooled(boundaries, 1.0 / len(boundaries)) if boundaries else {}
+    stage = StageProfile(
+        forward_s=_pooled([st.forward_s for st in old], share),
+        backward_s=_pooled([st.backward_s for st in old], share),
+        activation_bytes=_pooled([st.activation_bytes for st in old], share),
+        send_bytes=sent,
+        param_bytes=total_params * share,
+        optimizer_state_bytes=sum(st.optimizer_state_bytes for st in old) * share,
+        optimizer_step_s=sum(st.optimizer_step_s for st in old) * share,
+        elastic_s=sum(st.elastic_s for st in old) * share,
+    )
+    latency = profile.latency_s if latency_s is None else float(latency_s)
+    bw = profile.bandwidth if bandwidth is None else float(bandwidth)
+    measured = allreduce_seconds(total_params / len(old), profile.num_groups, profile.latency_s, profile.bandwidth)
+    overhead = max(0.0, profile.iteration_overhead_s - measured)
+    overhead += allreduce_seconds(stage.param_bytes, num_groups, latency, bw)
+    return PipelineProfile(
+        stages=[
+            StageProfile(
+                forward_s=dict(stage.forward_s),
+                backward_s=dict(stage.backward_s),
+                activation_bytes=dict(stage.activation_bytes),
+                send_bytes=dict(stage.send_bytes),
+                param_bytes=stage.param_bytes,
+                optimizer_state_bytes=stage.optimizer_state_bytes,
+                optimizer_step_s=stage.optimizer_step_s,
+                elastic_s=stage.elastic_s,
+            )
+            for _ in range(S_new)
+        ],
+        batch_size=profile.batch_size,
+        latency_s=latency,
+        bandwidth=bw,
+        num_groups=num_groups,
+        iteration_overhead_s=overhead,
+        schedule=profile.schedule,
+    )

@@ -1,0 +1,385 @@
+"""Pure units for the tuning cost model, the search, the report and the what-if projection (no processes)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from lightning_avgpipe.__main__ import main
+from lightning_avgpipe.schedules import build_plan, simulate
+from lightning_avgpipe.tuning import (
+    NoFeasibleSettingError,
+    PipelineProfile,
+    StageProfile,
+    TuningTable,
+    interpolate,
+    predict,
+    search,
+)
+from lightning_avgpipe.tuning.report import write_heatmap, write_report
+from lightning_avgpipe.tuning.search import _k_candidates
+from lightning_avgpipe.tuning.whatif import allreduce_seconds, project
+
+MiB = 2**20
+
+
+def stage(f: float = 1e-3, act: float = 1e6, send: float = 1e5, params: float = 4e6, opt_s: float = 2e-4,
+          elastic_s: float = 1e-4, fixed: float = 0.0) -> StageProfile:
+    """Costs linear in the micro-batch size b (plus ``fixed`` per unit), measured at b = 1, 2 and 8."""
+    sizes = (1.0, 2.0, 8.0)
+    return StageProfile(
+        forward_s={b: fixed + f * b for b in sizes},
+        backward_s={b: fixed + 2 * f * b for b in sizes},
+        activation_bytes={b: act * b for b in sizes},
+        send_bytes={b: send * b for b in sizes},
+        param_bytes=params,
+        optimizer_state_bytes=2 * params,
+        optimizer_step_s=opt_s,
+        elastic_s=elastic_s,
+    )
+
+
+def profile(num_stages: int = 4, **kw: float) -> PipelineProfile:
+    link = {k: kw.pop(k) for k in ("latency_s", "bandwidth", "iteration_overhead_s") if k in kw}
+    return PipelineProfile([stage(**kw) for _ in range(num_stages)], batch_size=8,
+                           **{"latency_s": 2e-3, "bandwidth": 1e9, **link})
+
+
+def uneven() -> PipelineProfile:
+    """Three different stages (an embedding-like first stage, a heavy middle, a head)."""
+    return PipelineProfile(
+        [stage(f=1e-3, params=8e6, send=2e5), stage(f=3e-3, params=2e6, send=1e5, act=3e6),
+         stage(f=2e-3, params=6e6, opt_s=5e-4, elastic_s=3e-4)],
+        batch_size=8, latency_s=1e-3, bandwidth=5e8, iteration_overhead_s=4e-3,
+    )
+
+
+# --- interpolate -------------------------------------------------------------------------------------------------
+
+
+def test_interpolate_inside_beyond_one_point_and_clamp() -> None:
+    pts = {2.0: 10.0, 4.0: 14.0, 8.0: 30.0}
+    assert interpolate(pts, 3.0) == pytest.approx(12.0)  # inside the first segment
+    assert interpolate(pts, 6.0) == pytest.approx(22.0)  # inside the second
+    assert interpolate(pts, 4.0) == pytest.approx(14.0)  # at a measured point
+    assert interpolate(pts, 16.0) == pytest.approx(62.0)  # past the top: the last segment's slope (4/unit)
+    assert interpolate(pts, 1.0) == pytest.approx(8.0)  # below the bottom: the first segment's slope (2/unit)
+    assert interpolate({4.0: 6.0}, 2.0) == pytest.approx(3.0)  # one point: proportional to the size
+    assert interpolate({4.0: 6.0}, 8.0) == pytest.approx(12.0)
+    assert interpolate({2.0: 1.0, 4.0: 9.0}, 1.0) == 0.0  # the extension would be -3: clamped at 0
+    with pytest.raises(ValueError, match="at least one"):
+        interpolate({}, 1.0)
+
+
+# --- predict -----------------------------------------------------------------------------------------------------
+
+
+def test_predict_matches_a_hand_made_simulation() -> None:
+    prof = uneven()
+    M, N = 4, 2  # b = 2: measured sizes, so the costs are the stages' own numbers
+    pred = predict(prof, M, N)
+    fwd = [0.002, 0.006, 0.004]
+    bwd = [0.004, 0.012, 0.008]
+    xfer = [2e5 * 2 / 5e8, 1e5 * 2 / 5e8, 1e5 * 2 / 5e8]  # the last stage's gradient is stage 1's output size
+    sim = simulate(build_plan("1f1b", 3, N * M), fwd, bwd, latency=1e-3, transfer_cost=xfer)
+    update = max(N * (2e-4 + 1e-4), N * (2e-4 + 1e-4), N * (5e-4 + 3e-4))
+    assert pred.pipeline_time == sim.step_time
+    assert pred.update_time == update
+    assert pred.step_time == sim.step_time + update + 4e-3
+    assert pred.samples_per_sec == pytest.approx(N * 8 / pred.step_time)
+    assert pred.bubble_fraction == sim.bubble_fraction
+    acts = [1e6 * 2, 3e6 * 2, 1e6 * 2]
+    params = [8e6, 2e6, 6e6]
+    for s in range(3):
+        w, o = params[s], 2 * params[s]
+        static = N * (3 * w + o) + 2 * w  # N replicas (weights, grads, offsets, states) + reference + buffer
+        assert pred.peak_bytes[s] == pytest.approx(static + sim.peak_stash[s] * acts[s], rel=1e-12)
+
+
+def test_static_bytes_single_replica_versus_averaging() -> None:
+    st = stage(params=10.0)  # w = 10, o = 20
+    assert st.static_bytes(1) == 2 * 10 + 20  # the replica is the reference: weights, grads, one state
+    assert st.static_bytes(2) == 2 * (3 * 10 + 20) + 2 * 10
+    assert st.static_bytes(1, num_groups=2) == 1 * (3 * 10 + 20) + 2 * 10  # D > 1 averages even with N = 1
+    one = predict(profile(), 4, 1)
+    assert one.update_time == pytest.approx(2e-4)  # N·D = 1: one optimizer step, no elastic update
+    assert one.peak_bytes[0] == pytest.approx(2 * 4e6 + 8e6 + 4 * 1e6 * 2)  # stash 4 at b = 2 on stage 0
+
+
+def test_more_microbatches_shrink_the_bubble() -> None:
+    prof = profile(latency_s=0.0, bandwidth=math.inf)
+    preds = [predict(prof, m, 1) for m in (1, 2, 4, 8)]
+    bubbles = [p.bubble_fraction for p in preds]
+    assert all(a > b for a, b in zip(bubbles, bubbles[1:])), bubbles
+    assert bubbles[0] == pytest.approx(3 / 4)  # (S-1)/(M+S-1) with M = 1
+    assert bubbles[-1] == pytest.approx(3 / 11)
+    times = [p.pipeline_time for p in preds]
+    assert all(a > b for a, b in zip(times, times[1:])), times  # linear costs: no per-unit overhead to pay
+
+
+def test_predict_rejects_bad_counts() -> None:
+    with pytest.raises(ValueError, match="num_microbatches=0"):
+        predict(profile(), 0, 1)
+    with pytest.raises(ValueError, match="num_pipelines=0"):
+        predict(profile(), 2, 0)
+
+
+# --- search ------------------------------------------------------------------------------------------------------
+
+
+def test_search_picks_the_most_samples_per_second() -> None:
+    prof = profile()
+    table = search(prof, num_pipelines=4)
+    assert len(table.rows) == 4 * 4  # divisors of 8 times N = 1..4
+    best = max(predict(prof, m, n).samples_per_sec for m in (1, 2, 4, 8) for n in (1, 2, 3, 4))
+    assert table.choice is not None
+    assert table.choice.samples_per_sec >= best * 0.995
+    assert (table.choice.num_microbatches, table.choice.num_pipelines) == (2, 4)  # see test above: 186.5 samples/s
+    assert table.row(2, 4) is table.choice
+    assert "<- chosen" in table.format().splitlines()[1 + 4 * 3 + 1]  # rows sorted by (N, M): N=4, M=2
+
+
+def test_search_ties_go_to_fewer_pipelines() -> None:
+    # One stage, costs proportional to b, no updates, no overhead: every (M, N) gives the same samples/s.
+    prof = PipelineProfile([stage(opt_s=0.0, elastic_s=0.0)], batch_size=8)
+    table = search(prof, num_pipelines=[1, 2, 4], num_microbatches=[2, 4])
+    rates = {r.samples_per_sec for r in table.rows}
+    assert max(rates) == pytest.approx(min(rates))
+    assert table.choice is not None
+    assert (table.choice.num_pipelines, table.choice.num_microbatches) == (1, 2)
+
+
+def test_memory_limit_excludes_settings() -> None:
+    prof = profile()
+    free = search(prof, num_pipelines=4)
+    limit = 60 * MiB  # the unlimited choice (N=4) needs ~99 MiB
+    assert max(free.choice.peak_bytes) > limit if free.choice else False
+    table = search(prof, num_pipelines=4, memory_limit=limit)
+    assert table.choice is not None and table.choice.feasible
+    assert max(table.choice.peak_bytes) <= limit
+    out = [r for r in table.rows if not r.feasible]
+    assert out and all(max(r.peak_bytes) > limit for r in out)
+    assert all(r.feasible for r in table.rows if max(r.peak_bytes) <= limit)
+    assert all("MiB > limit 60.0 MiB" in r.why_not for r in out)
+    assert table.choice.samples_per_sec == max(r.samples_per_sec for r in table.rows if r.feasible)
+
+
+def test_no_feasible_setting_names_the_smallest_need_and_the_fix() -> None:
+    prof = profile()
+    need = min(max(predict(prof, m, 1).peak_bytes) for m in (1, 2, 4, 8))  # N=1 is the smallest
+    with pytest.raises(NoFeasibleSettingError) as info:
+        search(prof, memory_limit=10 * MiB)
+    msg = str(info.value)
+    assert f"{need / MiB:.1f} MiB" in msg
+    assert "Raise memory_limit" in msg and "10.0 MiB" in msg
+    assert "num_pipelines=1" in msg
+    assert isinstance(info.value, ValueError)
+
+
+def test_candidate_validation_names_the_value() -> None:
+    with pytest.raises(ValueError, match=r"num_microbatches=\[3\].*divisor of the batch size 8"):
+        search(profile(), num_microbatches=[3])
+    with pytest.raises(ValueError, match=r"num_microbatches=0"):
+        search(profile(), num_microbatches=0)
+    with pytest.raises(ValueError, match=r"num_pipelines=0 must be at least 1"):
+        search(profile(), num_pipelines=0)
+    with pytest.raises(ValueError, match=r"num_pipelines=\[2, -1\]"):
+        search(profile(), num_pipelines=[2, -1])
+
+
+def test_advance_auto_picks_the_best_k() -> None:
+    prof = profile(latency_s=4e-3)  # slow messages: early forwards pay
+    table = search(prof, num_pipelines=2, schedule="advance", advance_forwards="auto")
+    assert table.schedule == "advance"
+    assert any(r.advance_forwards > 0 for r in table.rows)
+    for r in table.rows:
+        units = r.num_microbatches * r.num_pipelines
+        assert r.advance_forwards >= 0
+        options = [predict(prof, r.num_microbatches, r.num_pipelines, "advance", k) for k in _k_candidates(units)]
+        assert r.step_time == min(p.step_time for p in options)
+        assert r.step_time <= predict(prof, r.num_microbatches, r.num_pipelines, "1f1b").step_time + 1e-12
+
+
+# --- JSON round trip and report ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bandwidth", [5e8, math.inf])
+def test_json_round_trip_gives_identical_predictions(tmp_path: Path, bandwidth: float) -> None:
+    prof = uneven()
+    prof.bandwidth = bandwidth
+    table = search(prof, num_pipelines=3, memory_limit=80 * MiB)
+    path = table.write_json(tmp_path / "t.json")
+    data = json.loads(path.read_text())
+    assert not list(tmp_path.glob("*.tmp"))
+    back = PipelineProfile.from_dict(data["profile"])
+    assert back == prof
+    for row, saved in zip(table.rows, data["rows"]):
+        again = predict(back, row.num_microbatches, row.num_pipelines, "1f1b", row.advance_forwards, 80 * MiB)
+        assert again == row
+        assert again.to_dict() == saved
+    assert data["choice"] == table.choice.to_dict() if table.choice else False
+
+
+def test_write_report_writes_json_and_png(tmp_path: Path) -> None:
+    table = search(profile(), num_pipelines=4, memory_limit=60 * MiB, schedule="advance", advance_forwards="auto")
+    assert any(not r.feasible for r in table.rows)
+    paths = write_report(table, tmp_path / "out", stem="run")
+    assert paths["json"] == tmp_path / "out" / "run.json"
+    assert json.loads(paths["json"].read_text())["schedule"] == "advance"
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(p.name for p in paths.values())
+    pytest.importorskip("matplotlib")
+    assert paths["png"] == tmp_path / "out" / "run.png"
+    assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_heatmap_of_a_partial_table(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    # The search stopped raising N: (M, N) cells that were never predicted are left blank, not an error.
+    table = search(profile(), num_microbatches=[2, 8], num_pipelines=None, memory_limit=30 * MiB)
+    assert {r.num_pipelines for r in table.rows} == {1, 2}
+    partial = TuningTable(rows=table.rows[:-1], choice=table.choice, memory_limit=None, schedule="1f1b")
+    png = write_heatmap(partial, tmp_path / "h.png")
+    assert png is not None and png.stat().st_size > 1000
+
+
+# --- what-if projection ------------------------------------------------------------------------------------------
+
+
+def test_project_to_the_same_layout_predicts_the_same() -> None:
+    prof = profile(iteration_overhead_s=3e-3)
+    same = project(prof, 4)
+    for m, n in [(1, 1), (2, 1), (4, 2), (8, 3)]:
+        a, b = predict(prof, m, n), predict(same, m, n)
+        assert b.step_time == pytest.approx(a.step_time, rel=1e-9)
+        assert b.peak_bytes == pytest.approx(a.peak_bytes, rel=1e-9)
+        assert b.samples_per_sec == pytest.approx(a.samples_per_sec, rel=1e-9)
+
+
+def test_project_to_twice_the_stages_halves_each_stage() -> None:
+    prof = uneven()
+    twice = project(prof, 2 * prof.num_stages)
+    assert twice.num_stages == 6
+    for b in (1.0, 2.0, 8.0):
+        total_f = sum(st.forward(b) for st in prof.stages)
+        total_b = sum(st.backward(b) for st in prof.stages)
+        assert twice.stages[0].forward(b) == pytest.approx(total_f / 6)
+        assert twice.stages[5].backward(b) == pytest.approx(total_b / 6)
+        # the sent bytes are the mean of the two profiled boundaries (stages 0 and 1), not divided
+        assert twice.stages[3].sent(b) == pytest.approx((2e5 + 1e5) / 2 * b)
+    assert sum(st.param_bytes for st in twice.stages) == pytest.approx(16e6)
+    assert twice.stages[0].param_bytes == pytest.approx(16e6 / 6)
+    assert twice.stages[0].optimizer_step_s == pytest.approx((2e-4 + 2e-4 + 5e-4) / 6)
+    assert twice.stages[0].elastic_s == pytest.approx((1e-4 + 1e-4 + 3e-4) / 6)
+    assert twice.iteration_overhead_s == prof.iteration_overhead_s  # D = 1: nothing added
+    # identical stages: projecting S -> 2S halves each stage's compute (same total, twice the stages)
+    even = profile()
+    half = project(even, 8)
+    assert half.stages[0].forward(2.0) == pytest.approx(even.stages[0].forward(2.0) / 2)
+    assert half.stages[7].activations(2.0) == pytest.approx(even.stages[0].activations(2.0) / 2)
+
+
+def test_project_with_groups_adds_the_allreduce() -> None:
+    prof = profile(iteration_overhead_s=1e-3)
+    lat, bw = 5e-5, 1e10
+    four = project(prof, 8, num_groups=4, latency_s=lat, bandwidth=bw)
+    w = 4 * 4e6 / 8
+    expected = 2 * 3 / 4 * w / bw + 2 * 3 * lat
+    assert allreduce_seconds(w, 4, lat, bw) == pytest.approx(expected)
+    assert four.num_groups == 4 and four.latency_s == lat and four.bandwidth == bw
+    assert four.iteration_overhead_s == pytest.approx(1e-3 + expected)
+    one = project(prof, 8, num_groups=1, latency_s=lat, bandwidth=bw)
+    assert one.iteration_overhead_s == pytest.approx(1e-3)
+    p4, p1 = predict(four, 4, 1), predict(one, 4, 1)
+    assert p4.step_time - p1.step_time == pytest.approx(expected + (2e-4 + 1e-4) / 2 - 2e-4 / 2)
+    assert p4.samples_per_sec == pytest.approx(4 * 8 / p4.step_time)
+    # A profile measured with D0 = 2 already holds its all-reduce: re-projecting it to D = 2 keeps the overhead.
+    measured = project(prof, 4, num_groups=2)
+    assert project(measured, 4, num_groups=2).iteration_overhead_s == pytest.approx(measured.iteration_overhead_s)
+
+
+def test_project_rejects_bad_layouts() -> None:
+    with pytest.raises(ValueError, match="num_stages=0"):
+        project(profile(), 0)
+    with pytest.raises(ValueError, match="num_groups=0"):
+        project(profile(), 2, num_groups=0)
+    with pytest.raises(ValueError, match="bandwidth=0"):
+        project(profile(), 2, bandwidth=0)
+
+
+# --- whatif command ----------------------------------------------------------------------------------------------
+
+
+def _tuning_json(tmp_path: Path) -> Path:
+    return search(profile(), num_pipelines=2).write_json(tmp_path / "tuning.json")
+
+
+def test_whatif_command_prints_a_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _tuning_json(tmp_path)
+    args = ["whatif", "--profile", str(path), "--stages", "8", "--groups", "4", "--latency-ms", "0.05",
+            "--bandwidth-gbs", "10", "--num-pipelines", "3", "--memory-limit-mb", "40"]
+    assert main(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("what-if: 4 profiled stage(s) -> S=8, D=4, B=8, latency 0.05 ms, bandwidth 10 GB/s")
+    assert lines[1].split()[:4] == ["M", "N", "k", "iter"]
+    body = lines[2:2 + 4 * 3]
+    assert [tuple(int(x) for x in line.split()[:2]) for line in body] == [(m, n) for n in (1, 2, 3)
+                                                                          for m in (1, 2, 4, 8)]
+    assert sum("<- chosen" in line for line in body) == 1
+    expected = search(project(profile(), 8, 4, 5e-5, 1e10), num_pipelines=3, memory_limit=40 * MiB).choice
+    assert expected is not None
+    assert lines[-1].startswith(f"choice: num_microbatches={expected.num_microbatches} "
+                                f"num_pipelines={expected.num_pipelines}: {expected.samples_per_sec:.1f} samples/s")
+
+
+def test_whatif_command_writes_a_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _tuning_json(tmp_path)
+    args = ["whatif", "--profile", str(path), "--stages", "2", "--num-microbatches", "2", "4",
+            "--num-pipelines", "1", "2", "--schedule", "advance", "--report", str(tmp_path / "rep")]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "advance_forwards=" in out.splitlines()[-2]
+    data = json.loads((tmp_path / "rep" / "whatif.json").read_text())
+    assert data["profile"]["stages"][0]["param_bytes"] == pytest.approx(2 * 4e6)
+    assert {(r["num_microbatches"], r["num_pipelines"]) for r in data["rows"]} == {(2, 1), (4, 1), (2, 2), (4, 2)}
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (["--stages", "0"], "--stages 0: must be at least 1"),
+        (["--stages", "2", "--groups", "0"], "--groups 0: must be at least 1"),
+        (["--stages", "2", "--bandwidth-gbs", "0"], "--bandwidth-gbs 0.0: must be > 0"),
+        (["--stages", "2", "--num-microbatches", "3"], "--num-microbatches: num_microbatches=[3]"),
+        (["--stages", "2", "--advance-forwards", "x"], "--advance-forwards x: must be an int >= 0 or 'auto'"),
+    ],
+)
+def test_whatif_command_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str],
+                                  needle: str) -> None:
+    path = _tuning_json(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        main(["whatif", "--profile", str(path), *extra])
+    assert info.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_whatif_command_missing_or_wrong_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "nope.json"
+    with pytest.raises(SystemExit):
+        main(["whatif", "--profile", str(missing), "--stages", "2"])
+    err = capsys.readouterr().err
+    assert f"--profile {missing}: no such file" in err and "pass the JSON a tuning run wrote" in err
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps({"rows": []}))
+    with pytest.raises(SystemExit):
+        main(["whatif", "--profile", str(bare), "--stages", "2"])
+    assert f"--profile {bare}: has no 'profile' object" in capsys.readouterr().err
+
+
+def test_whatif_command_nothing_fits(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _tuning_json(tmp_path)
+    assert main(["whatif", "--profile", str(path), "--stages", "2", "--memory-limit-mb", "1"]) == 1
+    captured = capsys.readouterr()
+    assert "Raise memory_limit" in captured.err and captured.out == ""
