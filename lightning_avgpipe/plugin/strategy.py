@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import replace
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
