@@ -83,8 +83,11 @@ def test_predict_matches_a_hand_made_simulation() -> None:
     pred = predict(prof, M, N)
     fwd = [0.002, 0.006, 0.004]
     bwd = [0.004, 0.012, 0.008]
-    xfer = [2e5 * 2 / 5e8, 1e5 * 2 / 5e8, 1e5 * 2 / 5e8]  # the last stage's gradient is stage 1's output size
-    sim = simulate(build_plan("1f1b", 3, N * M), fwd, bwd, latency=1e-3, transfer_cost=xfer)
+    xfer = [2e5 * 2 / 5e8, 1e5 * 2 / 5e8, 0.0]  # activations downstream: stage s's output
+    xfer_b = [0.0, 2e5 * 2 / 5e8, 1e5 * 2 / 5e8]  # gradients upstream: the size of stage s-1's output
+    sim = simulate(
+        build_plan("1f1b", 3, N * M), fwd, bwd, latency=1e-3, transfer_cost=xfer, backward_transfer_cost=xfer_b
+    )
     update = max(N * (2e-4 + 1e-4), N * (2e-4 + 1e-4), N * (5e-4 + 3e-4))
     assert pred.pipeline_time == sim.step_time
     assert pred.update_time == update

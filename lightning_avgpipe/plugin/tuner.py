@@ -232,6 +232,8 @@ def profile_pipeline(strategy: Any, batch: Any, sizes: Sequence[float], steps: i
             def head(u: int, output: Any, _micro: Any = micro, _m: int = m) -> Any:
                 out = bridge.call_step("training_step", output, _micro[u], 1.0 / _m, 0)  # batch_idx 0
                 loss = out.get("loss") if isinstance(out, dict) else out
+                if not isinstance(loss, torch.Tensor):
+                    raise TypeError(f"training_step must return a loss tensor (or a dict with 'loss'), got {out!r}")
                 return loss * (1.0 / _m)
 
             spans, step_times, peaks = [], [], []

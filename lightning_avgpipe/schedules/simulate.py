@@ -60,6 +60,7 @@ def simulate(
     backward_cost: float | Sequence[float] = 2.0,
     latency: float = 0.0,
     transfer_cost: float | Sequence[float] = 0.0,
+    backward_transfer_cost: float | Sequence[float] | None = None,
 ) -> Simulation:
     """Simulate ``plan`` with per-stage compute costs and a link model.
 
@@ -69,6 +70,8 @@ def simulate(
         backward_cost: time of one unit's backward, one number or one per stage.
         latency: fixed time of every message between neighbours.
         transfer_cost: extra time of the message leaving each stage (bytes / bandwidth), one number or per stage.
+        backward_transfer_cost: the same for the gradients each stage sends upstream when they differ in size
+            from its activations (per stage); ``None``: ``transfer_cost``.
 
     Raises:
         DeadlockError: when the plan cannot finish; the message says where every stage is stuck.
@@ -77,6 +80,7 @@ def simulate(
     fwd = _per_stage(forward_cost, S, "forward_cost")
     bwd = _per_stage(backward_cost, S, "backward_cost")
     xfer = _per_stage(transfer_cost, S, "transfer_cost")
+    xfer_b = xfer if backward_transfer_cost is None else _per_stage(backward_transfer_cost, S, "backward_transfer_cost")
     pos = [0] * S
     clock = [0.0] * S
     busy = [0.0] * S
@@ -93,7 +97,7 @@ def simulate(
         elif kind is Kind.SEND_F:
             arrivals[(Kind.FORWARD, s + 1, u)] = clock[s] + latency + xfer[s]
         elif kind is Kind.SEND_B:
-            arrivals[(Kind.BACKWARD, s - 1, u)] = clock[s] + latency + xfer[s]
+            arrivals[(Kind.BACKWARD, s - 1, u)] = clock[s] + latency + xfer_b[s]
         else:
             needs_msg = (kind is Kind.FORWARD and s > 0) or (kind is Kind.BACKWARD and s < S - 1)
             start = clock[s]

@@ -97,7 +97,10 @@ class PipelineProfile:
         return len(self.stages)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        if not math.isfinite(out["bandwidth"]):
+            out["bandwidth"] = None  # strict JSON has no Infinity: null means free transfers
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> PipelineProfile:
@@ -111,6 +114,8 @@ class PipelineProfile:
                 s[name] = keyed(s[name])
             stages.append(StageProfile(**s))
         rest = {k: v for k, v in data.items() if k != "stages"}
+        if rest.get("bandwidth", 0.0) is None:
+            rest["bandwidth"] = math.inf
         return cls(stages=stages, **rest)
 
 
@@ -134,6 +139,8 @@ class Prediction:
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["peak_bytes"] = list(self.peak_bytes)
+        if not math.isfinite(out["samples_per_sec"]):
+            out["samples_per_sec"] = None
         return out
 
 
@@ -155,6 +162,11 @@ def predict(
     M, N = int(num_microbatches), int(num_pipelines)
     if M < 1 or N < 1:
         raise ValueError(f"num_microbatches={M} and num_pipelines={N} must be at least 1")
+    if profile.batch_size % M:
+        raise ValueError(
+            f"num_microbatches={M} does not divide the batch size {profile.batch_size}; use one of "
+            f"{divisors(profile.batch_size)}."
+        )
     schedule = schedule or profile.schedule
     S = profile.num_stages
     b = profile.batch_size / M
@@ -162,13 +174,17 @@ def predict(
     bw = profile.bandwidth if bandwidth is None else bandwidth
     fwd = [st.forward(b) for st in profile.stages]
     bwd = [st.backward(b) for st in profile.stages]
-    xfer = []
-    for s in range(S):  # the message leaving stage s: its activations downstream (the last stage: gradients up)
-        src = profile.stages[s] if s < S - 1 else profile.stages[max(0, S - 2)]
-        xfer.append(src.sent(b) / bw if S > 1 and bw > 0 and math.isfinite(bw) else 0.0)
+    if not bw > 0:
+        raise ValueError(f"bandwidth={bw!r} must be a positive number of bytes per second (math.inf: free transfers).")
+    if latency < 0:
+        raise ValueError(f"latency_s={latency!r} must be >= 0 seconds.")
+    free = S == 1 or not math.isfinite(bw)
+    # stage s sends its activations downstream and, upstream, the gradients of its input (stage s-1's output)
+    xfer = [0.0 if free or s == S - 1 else profile.stages[s].sent(b) / bw for s in range(S)]
+    xfer_b = [0.0 if free or s == 0 else profile.stages[s - 1].sent(b) / bw for s in range(S)]
     k = advance_forwards if schedule == "advance" else 0
     plan = build_plan(schedule, S, N * M, k)
-    sim = simulate(plan, fwd, bwd, latency=latency if S > 1 else 0.0, transfer_cost=xfer)
+    sim = simulate(plan, fwd, bwd, latency=latency if S > 1 else 0.0, transfer_cost=xfer, backward_transfer_cost=xfer_b)
     update = max(N * (st.optimizer_step_s + st.elastic_s) if N * profile.num_groups > 1 else st.optimizer_step_s
                  for st in profile.stages)
     step = sim.step_time + update + profile.iteration_overhead_s + profile.unit_overhead_s * N * M

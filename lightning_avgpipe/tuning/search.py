@@ -22,7 +22,7 @@ def candidate_microbatches(batch_size: int, num_microbatches: int | Sequence[int
     if num_microbatches is None:
         return divisors(batch_size)
     values = [num_microbatches] if isinstance(num_microbatches, int) else list(num_microbatches)
-    bad = [m for m in values if not isinstance(m, int) or m < 1 or batch_size % m]
+    bad = [m for m in values if not isinstance(m, int) or isinstance(m, bool) or m < 1 or batch_size % m]
     if bad or not values:
         raise ValueError(
             f"num_microbatches={num_microbatches!r}: every candidate must be a positive divisor of the batch size "
@@ -39,8 +39,10 @@ def candidate_pipelines(num_pipelines: int | Sequence[int] | None = None) -> lis
         if num_pipelines < 1:
             raise ValueError(f"num_pipelines={num_pipelines} must be at least 1 (the largest N to consider).")
         return list(range(1, num_pipelines + 1))
+    if isinstance(num_pipelines, bool) or not isinstance(num_pipelines, Sequence):
+        raise ValueError(f"num_pipelines={num_pipelines!r} must be a positive int, a list of positive ints, or None.")
     values = list(num_pipelines)
-    if not values or any(not isinstance(n, int) or n < 1 for n in values):
+    if not values or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in values):
         raise ValueError(f"num_pipelines={num_pipelines!r} must be a positive int or a list of positive ints.")
     return sorted(set(values))
 
