@@ -2,6 +2,8 @@
 
     python -m lightning_avgpipe schedule --stages 4 --microbatches 8 --schedule 1f1b
     python -m lightning_avgpipe fit --config cfg.yaml        # LightningCLI with strategy="avgpipe" registered
+    python -m lightning_avgpipe tune --config cfg.yaml       # AvgPipeTuner's table and choice, no training
+    python -m lightning_avgpipe whatif --profile tuning.json --stages 8 --groups 4   # project a larger layout
 """
 
 from __future__ import annotations
@@ -59,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         return schedule_command(args[1:])
     if args and args[0] == "whatif":
         return whatif_command(args[1:])
+    if args and args[0] == "tune":
+        from lightning_avgpipe.cli import tune_main
+
+        return tune_main(args[1:])
     from lightning_avgpipe.cli import cli_main
 
     cli_main(argv)  # None: LightningCLI reads sys.argv itself (and does not warn about explicit args)

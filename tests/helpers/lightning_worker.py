@@ -13,7 +13,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Subset
 
-from lightning_avgpipe import AvgPipeStrategy
+from lightning_avgpipe import AvgPipeStrategy, AvgPipeTuner
 from tests.helpers.lit import PipeNet, dataset, loader
 
 
@@ -88,14 +88,22 @@ def main(cfg: dict[str, Any]) -> None:
             pl.callbacks.ModelCheckpoint(dirpath=out / "every", every_n_train_steps=cfg["every_n_train_steps"],
                                          save_top_k=-1)
         )
+    tuner = None
+    if cfg.get("tuner") is not None:
+        tuner = AvgPipeTuner(**cfg["tuner"])
+        trainer_kwargs["callbacks"].append(tuner)
     if cfg.get("fault"):
         trainer_kwargs["callbacks"].append(Fault(**cfg["fault"]))
     trainer_kwargs.update(cfg.get("trainer", {}))
     bs = cfg.get("batch_size", 12)
     if cfg.get("group_data"):
         trainer_kwargs["use_distributed_sampler"] = False
-    trainer = pl.Trainer(**trainer_kwargs)
     train_loader = group_loader(cfg, bs) if cfg.get("group_data") else loader(bs)
+    if cfg.get("shuffle"):  # the order comes from torch's global RNG (the same seed on every rank)
+        pl.seed_everything(cfg.get("seed", 0), verbose=False)
+        trainer_kwargs["use_distributed_sampler"] = False
+        train_loader = DataLoader(dataset(), batch_size=bs, shuffle=True)
+    trainer = pl.Trainer(**trainer_kwargs)
     trainer.fit(model, train_loader, loader(bs) if cfg.get("limit_val_batches") else None,
                 ckpt_path=cfg.get("ckpt_path"))
     trainer.save_checkpoint(out / "final.ckpt")
@@ -103,6 +111,16 @@ def main(cfg: dict[str, Any]) -> None:
     preds = trainer.predict(model, loader(bs)) if cfg.get("predict") else None
     result = {"losses": rec.losses, "metrics": metrics, "rank": trainer.global_rank,
               "preds": torch.cat(preds).tolist() if preds else None}
+    strategy = trainer.strategy
+    assert isinstance(strategy, AvgPipeStrategy)
+    result["setting"] = [strategy.num_microbatches, strategy.num_pipelines]
+    if tuner is not None:
+        result["tuner"] = {
+            "choice": tuner.choice.to_dict() if tuner.choice is not None else None,
+            "profile": tuner.profile.to_dict() if tuner.profile is not None else None,
+            "files": {k: str(v) for k, v in tuner.files.items()},
+            "seconds": tuner.seconds,
+        }
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 

@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_avgpipe import microbatch
-from tests.helpers.models import make_layers
+from tests.helpers.models import Sleep, make_layers
 
 
 def dataset(n: int = 48, inputs: int = 8, classes: int = 4) -> TensorDataset:
@@ -26,10 +26,15 @@ def loader(batch_size: int = 12, n: int = 48) -> DataLoader:
 
 class PipeNet(L.LightningModule):
     def __init__(self, lr: float = 0.1, optimizer: str = "sgd", scheduler: bool = False,
-                 epoch_metric: bool = False) -> None:
+                 epoch_metric: bool = False, noisy: bool = False, sleep: list[float] | None = None) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.layers = nn.Sequential(*make_layers())
+        layers = make_layers()
+        if noisy:  # RNG (dropout) and buffers (BatchNorm statistics) that profiling must leave as they were
+            layers[4] = nn.Sequential(nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.3))
+        if sleep is not None:  # known costs: [fixed forward, forward per row, fixed backward, backward per row]
+            layers = [layers[0], Sleep(*sleep), layers[3], Sleep(*sleep), layers[4], layers[5]]
+        self.layers = nn.Sequential(*layers)
         self.val_acc = torchmetrics.Accuracy(task="multiclass", num_classes=4)
 
     def configure_pipeline(self) -> nn.Sequential:

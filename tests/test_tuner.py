@@ -1,0 +1,218 @@
+"""AvgPipeTuner: profiling leaves no trace, the choice is applied and reported, known costs give the right pick."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_avgpipe.runtime.trace import Span
+from lightning_avgpipe.schedules import build_plan, simulate
+from lightning_avgpipe.tuning.model import divisors
+from lightning_avgpipe.tuning.profiler import Snapshot, compute_medians, fit_overhead, measure_link
+from tests.helpers.launch import ROOT, launch_ranks
+from tests.test_strategy_equivalence import final_state, run_lightning
+
+
+# -- the pieces, in process ----------------------------------------------------------------------------------------
+def test_snapshot_restores_rng_grads_buffers_and_metrics() -> None:
+    import numpy as np
+    import torchmetrics
+
+    layer = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    params = list(layer.parameters())
+    params[0].grad = torch.ones_like(params[0])
+    metric = torchmetrics.MeanMetric()
+    metric.update(torch.tensor([1.0, 3.0]))
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    snap = Snapshot(params, [layer], [metric])
+    expected = (random.random(), float(np.random.rand()), torch.rand(1))
+    snap.restore()  # the draws above are undone
+    layer(torch.randn(8, 4)).sum().backward()  # changes grads and BatchNorm statistics
+    metric.update(torch.tensor([100.0]))
+    snap.restore()
+    assert (random.random(), float(np.random.rand())) == expected[:2]
+    assert torch.equal(torch.rand(1), expected[2])
+    assert torch.equal(params[0].grad, torch.ones_like(params[0]))
+    assert params[1].grad is None
+    for key, value in layer.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    assert float(metric.compute()) == pytest.approx(2.0)
+
+
+def test_compute_medians_charges_sends_to_the_compute_before_them() -> None:
+    spans = [Span("F", 0, 0.0, 0.010), Span("send", 0, 0.010, 0.012), Span("wait", 1, 0.012, 0.050),
+             Span("F", 1, 0.050, 0.060), Span("B", 0, 0.060, 0.080), Span("send", 0, 0.080, 0.083),
+             Span("B", 1, 0.083, 0.103)]
+    fwd, bwd = compute_medians([spans])
+    assert fwd == pytest.approx(0.011)  # median of 0.012 and 0.010; the wait is not charged
+    assert bwd == pytest.approx(0.0215)  # median of 0.023 and 0.020
+
+
+def test_fit_overhead_recovers_a_line_and_clamps() -> None:
+    a, c = fit_overhead([1, 4, 16], [0.002 + 0.0005 * u for u in (1, 4, 16)])
+    assert a == pytest.approx(0.002) and c == pytest.approx(0.0005)
+    assert fit_overhead([2, 8], [-0.01, -0.02]) == (0.0, 0.0)
+    assert fit_overhead([4], [0.003]) == (0.003, 0.0)
+
+
+def test_measure_link_needs_two_stages() -> None:
+    assert measure_link(0, [0], 1024, torch.device("cpu")) == (0.0, math.inf)
+
+
+def test_tuner_arguments_are_checked() -> None:
+    from lightning_avgpipe import AvgPipeTuner
+
+    with pytest.raises(ValueError, match=r"profile_steps=0 must be an int >= 1"):
+        AvgPipeTuner(profile_steps=0)
+    with pytest.raises(ValueError, match=r"memory_limit=-5"):
+        AvgPipeTuner(memory_limit=-5)
+    with pytest.raises(ValueError, match=r"num_pipelines=0 must be at least 1"):
+        AvgPipeTuner(num_pipelines=0)
+
+
+def test_tuner_needs_the_avgpipe_strategy(tmp_path: Path) -> None:
+    import lightning.pytorch as pl
+
+    from lightning_avgpipe import AvgPipeTuner
+    from tests.helpers.lit import PipeNet, loader
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
+                         enable_checkpointing=False, callbacks=[AvgPipeTuner()], default_root_dir=str(tmp_path))
+    with pytest.raises(ValueError, match=r"AvgPipeTuner tunes strategy='avgpipe'.*SingleDeviceStrategy"):
+        trainer.fit(PipeNet(), loader())
+
+
+# -- under the strategy, 2 gloo processes -------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_profiling_leaves_no_trace(tmp_path: Path) -> None:
+    """With dropout, BatchNorm, a shuffled loader, Adam and an lr schedule: a run whose tuner profiled (and did
+    not apply) trains bit-identically to a run without it: weights, optimizer, RNG and data order untouched."""
+    model = {"noisy": True, "optimizer": "adam", "lr": 0.01, "scheduler": True}
+    strategy = {"num_microbatches": 2, "partition": [3, 3]}
+    plain = run_lightning(tmp_path / "plain", 2, strategy, steps=5, model=model, shuffle=True)
+    tuned = run_lightning(tmp_path / "tuned", 2, strategy, steps=5, model=model, shuffle=True,
+                          tuner={"apply": False, "num_pipelines": 2, "output_dir": str(tmp_path / "tuning")})
+    assert tuned[0]["tuner"]["choice"] is not None  # it did profile and predict
+    assert (tmp_path / "tuning" / "tuning.json").exists()
+    assert tuned[0]["losses"] == plain[0]["losses"]
+    state_plain, state_tuned = final_state(tmp_path / "plain"), final_state(tmp_path / "tuned")
+    assert state_plain.keys() == state_tuned.keys()
+    for key in state_plain:
+        assert torch.equal(state_plain[key], state_tuned[key]), key
+    opt_plain = torch.load(tmp_path / "plain" / "final.ckpt", weights_only=False)["optimizer_states"]
+    opt_tuned = torch.load(tmp_path / "tuned" / "final.ckpt", weights_only=False)["optimizer_states"]
+    assert str(opt_plain) == str(opt_tuned)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_tuner_applies_its_choice_and_reports_the_table(tmp_path: Path) -> None:
+    out = tmp_path / "tuning"
+    results = run_lightning(tmp_path, 2, {"num_microbatches": 2, "partition": [3, 3]}, steps=3,
+                            tuner={"num_pipelines": [1, 2], "output_dir": str(out)})
+    choice = results[0]["tuner"]["choice"]
+    for r in results:  # every rank runs the same setting, the tuner's
+        assert r["setting"] == [choice["num_microbatches"], choice["num_pipelines"]]
+        assert r["tuner"]["choice"] == choice
+        assert len(r["losses"]) == 3
+    table = json.loads((out / "tuning.json").read_text())
+    cells = {(row["num_microbatches"], row["num_pipelines"]) for row in table["rows"]}
+    assert cells == {(m, n) for m in divisors(12) for n in (1, 2)}
+    best = max(table["rows"], key=lambda row: row["samples_per_sec"])
+    assert table["choice"]["samples_per_sec"] >= 0.995 * best["samples_per_sec"]
+    assert (out / "tuning.png").stat().st_size > 0
+    profile = table["profile"]
+    assert len(profile["stages"]) == 2 and profile["batch_size"] == 12
+    for stage in profile["stages"]:
+        assert len(stage["forward_s"]) >= 2  # at least two micro-batch sizes were measured
+        assert all(v > 0 for v in stage["forward_s"].values())
+        assert stage["param_bytes"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_known_costs_give_the_right_pick(tmp_path: Path) -> None:
+    """Layers that sleep a fixed time plus a time per row: the profile finds those costs and the pick is the
+    setting the true costs make fastest (within 10%)."""
+    fixed_f, row_f, fixed_b, row_b = 0.004, 0.0005, 0.008, 0.001
+    results = run_lightning(
+        tmp_path, 2, {"num_microbatches": 2, "partition": [2, 4]}, steps=1,
+        model={"sleep": [fixed_f, row_f, fixed_b, row_b]}, tuner={"num_pipelines": 1, "profile_steps": 2},
+    )
+    profile = results[0]["tuner"]["profile"]
+    for stage in profile["stages"]:
+        for size, measured in stage["forward_s"].items():
+            true = fixed_f + row_f * float(size)
+            assert true <= measured + 1e-4 <= true + 0.25 * true + 3e-3, (size, measured, true)
+        for size, measured in stage["backward_s"].items():
+            true = fixed_b + row_b * float(size)
+            assert true <= measured + 1e-4 <= true + 0.25 * true + 3e-3, (size, measured, true)
+
+    def true_time(m: int) -> float:
+        b = 12 / m
+        plan = build_plan("1f1b", 2, m, 0)
+        return simulate(plan, fixed_f + row_f * b, fixed_b + row_b * b).step_time
+
+    times = {m: true_time(m) for m in divisors(12)}
+    chosen = results[0]["tuner"]["choice"]["num_microbatches"]
+    assert times[chosen] <= 1.10 * min(times.values()), (chosen, times)
+    assert min(times, key=times.__getitem__) not in (1, 12)  # the costs make the choice non-trivial
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_memory_limit_no_setting_meets_stops_every_rank_with_the_need(tmp_path: Path) -> None:
+    cfg = {"out": str(tmp_path), "devices": 2, "steps": 2, "strategy": {"num_microbatches": 2},
+           "tuner": {"memory_limit": 1000, "num_pipelines": 2}}
+    results = launch_ranks(["-m", "tests.helpers.lightning_worker", json.dumps(cfg)], 2, timeout=240)
+    for code, out in results:
+        assert code != 0
+        assert "memory_limit=1000 bytes" in out and "is met by no setting" in out, out[-3000:]
+        assert "Raise memory_limit to at least" in out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_tune_command_prints_the_table_without_training(tmp_path: Path) -> None:
+    config = tmp_path / "cfg.yaml"
+    config.write_text(
+        "trainer:\n  accelerator: cpu\n  devices: 2\n  strategy: avgpipe\n  logger: false\n"
+        "  enable_checkpointing: false\n  enable_progress_bar: false\n  max_steps: 50\n"
+        f"  default_root_dir: {tmp_path}\n"
+        "model:\n  class_path: tests.helpers.lit.PipeNet\n"
+        "data:\n  class_path: tests.test_tuner.TinyData\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_avgpipe", "tune", "--config", str(config), "--num-pipelines", "2",
+         "--output-dir", str(tmp_path / "out")],
+        cwd=ROOT, capture_output=True, text=True, timeout=240,
+        env={**__import__("os").environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "<- chosen" in proc.stdout and "plan: num_microbatches=" in proc.stdout
+    assert "--trainer.strategy.init_args.num_pipelines" in proc.stdout
+    assert (tmp_path / "out" / "tuning.json").exists()
+    assert "max_steps=0" in proc.stdout + proc.stderr  # stopped before the first training step
+
+
+try:
+    import lightning.pytorch as _pl
+
+    class TinyData(_pl.LightningDataModule):
+        """The tests' 48-sample data set in batches of 12, for LightningCLI configs."""
+
+        def train_dataloader(self) -> torch.utils.data.DataLoader:
+            from tests.helpers.lit import loader
+
+            return loader()
+except ImportError:  # pragma: no cover
+    pass
