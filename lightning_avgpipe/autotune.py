@@ -1,10 +1,20 @@
-"""Choosing the advance-forward count k online (DESIGN.md §1.2): raise k while iterations get faster and fit.
+"""Choosing the advance-forward count k online (``advance_forwards="auto"``): raise k while iterations get faster and
+fit, looking past flat steps, then keep the best k measured.
 
 Start at k = 0 (1F1B). Measure a few iterations at each k (the first after a change is dropped: its plan and
-buffers are new). Move to k + 1 while the median step time improved on the previous k's by more than the noise
-margin and every stage's peak memory, plus the one more unit of activations that k + 1 stashes, stays under the
-limit. Otherwise settle on the best k seen. Plain numbers in, a decision out: the strategy measures, broadcasts and
-applies it.
+buffers are new) and take their median. A k *improves* when its median beats the reference (the median of the last
+k that improved, at first k = 0's) by more than the noise margin. Keep raising k by one while
+
+- fewer than ``patience`` k's in a row failed to improve: the step-time curve over k has flat steps (on 2 stages an
+  extra forward on the last stage fills no bubble, so k = 2j + 1 is as fast as k = 2j and the gain shows only at the
+  next k), so one k that is no faster does not end the search; a k that is slower only counts as one that failed,
+  since on a shared machine one median can be slow by chance;
+- k < ``max_k`` (beyond it the plan is AFAB's);
+- every stage's peak memory plus the one more unit of activations that k + 1 stashes stays under the limit.
+
+Then settle on the best k measured: the smallest k whose median is within the noise margin of the fastest median
+(a smaller k stashes fewer units, so it is the one to keep when the times cannot be told apart). Plain numbers in, a
+decision out: the strategy measures, decides on global rank 0, broadcasts and applies it.
 """
 
 from __future__ import annotations
@@ -22,18 +32,34 @@ class AdvanceSearch:
         max_k: the largest useful k (units - 1: beyond it the plan is AFAB).
         memory_limit: bytes a stage may hold at its peak; ``None`` for no limit.
         steps_per_k: iterations measured at each k (after one dropped warm-up iteration).
-        noise: relative improvement a larger k must bring to count as faster.
+        noise: relative margin: a k improves when its median is lower than the reference's by more than this, and
+            the settled k is the smallest whose median is within it of the fastest.
+        patience: how many k's in a row may fail to improve before the search stops (1: stop at the first k that
+            is no faster, the greedy rule; 2, the default, looks past one flat step).
     """
 
     max_k: int
     memory_limit: float | None = None
     steps_per_k: int = 3
     noise: float = 0.03
+    patience: int = 2
     k: int = 0
     settled: bool = False
     reason: str = ""
     _times: dict[int, list[float]] = field(default_factory=dict)
     _seen_at_k: int = 0
+    _ref_k: int = 0  # the last k that improved (k = 0 at first)
+    _misses: int = 0  # k's in a row, since _ref_k, that did not improve on it
+
+    def __post_init__(self) -> None:
+        if self.max_k < 0 or self.steps_per_k < 1 or self.patience < 1 or self.noise < 0:
+            raise ValueError(f"AdvanceSearch needs max_k >= 0, steps_per_k >= 1, patience >= 1 and noise >= 0; got "
+                             f"max_k={self.max_k}, steps_per_k={self.steps_per_k}, patience={self.patience}, "
+                             f"noise={self.noise}")
+
+    def medians(self) -> dict[int, float]:
+        """The median step time of every k measured so far (all ``steps_per_k`` iterations in)."""
+        return {k: statistics.median(t) for k, t in sorted(self._times.items()) if len(t) >= self.steps_per_k}
 
     def observe(self, step_time: float, peak_bytes: Sequence[float], unit_bytes: Sequence[float]) -> int:
         """Record one iteration at the current k; returns the k to use next."""
@@ -46,26 +72,40 @@ class AdvanceSearch:
         times.append(step_time)
         if len(times) < self.steps_per_k:
             return self.k
-        current = statistics.median(times)
-        previous = statistics.median(self._times[self.k - 1]) if self.k > 0 else None
-        if previous is not None and not current < previous * (1 - self.noise):
-            self._settle(self.k - 1, f"k={self.k} took {current * 1e3:.1f} ms vs {previous * 1e3:.1f} ms at "
-                                     f"k={self.k - 1}: not faster by more than {self.noise:.0%}")
-            return self.k
-        if self.k >= self.max_k:
-            self._settle(self.k, f"k={self.k} is the largest useful value (the plan is AFAB beyond it)")
+        k, current = self.k, statistics.median(times)
+        if k > 0:
+            ref = statistics.median(self._times[self._ref_k])
+            if current < ref * (1 - self.noise):
+                self._ref_k, self._misses = k, 0
+            else:
+                self._misses += 1
+                if self._misses >= self.patience:
+                    tried = f"k={k - self._misses + 1}..{k}" if self._misses > 1 else f"k={k}"
+                    self._settle(f"{tried} not faster than {ref * 1e3:.1f} ms at k={self._ref_k} by more than "
+                                 f"{self.noise:.0%} ({self._misses} in a row, patience {self.patience})")
+                    return self.k
+        if k >= self.max_k:
+            self._settle(f"k={k} is the largest useful value (the plan is AFAB beyond it)")
             return self.k
         if self.memory_limit is not None:
-            worst = max(p + u for p, u in zip(peak_bytes, unit_bytes))
+            worst = max((p + u for p, u in zip(peak_bytes, unit_bytes)), default=0.0)
             if worst > self.memory_limit:
-                self._settle(self.k, f"k={self.k + 1} would need about {worst / 2**20:.1f} MiB on a stage, over the "
-                                     f"limit of {self.memory_limit / 2**20:.1f} MiB")
+                self._settle(f"k={k + 1} would need about {worst / 2**20:.1f} MiB on a stage, over the limit of "
+                             f"{self.memory_limit / 2**20:.1f} MiB")
                 return self.k
         self.k += 1
         self._seen_at_k = 0
         return self.k
 
-    def _settle(self, k: int, why: str) -> None:
-        self.k, self.settled = k, True
-        best = statistics.median(self._times[k]) if self._times.get(k) else float("nan")
-        self.reason = f"settled on advance_forwards={k} ({best * 1e3:.1f} ms per iteration): {why}"
+    def _settle(self, why: str) -> None:
+        """Stop the search: keep the smallest measured k within the noise margin of the fastest median."""
+        medians = self.medians()
+        fastest = min(medians.values())
+        chosen = min(k for k, t in medians.items() if t <= fastest * (1 + self.noise))
+        fast_k = min(medians, key=medians.__getitem__)
+        self.k, self.settled = chosen, True
+        best = ("the fastest measured" if chosen == fast_k else
+                f"within {self.noise:.0%} of the fastest, k={fast_k} at {fastest * 1e3:.1f} ms")
+        table = " ".join(f"k{k}:{t * 1e3:.1f}" for k, t in medians.items())
+        self.reason = (f"settled on advance_forwards={chosen} ({medians[chosen] * 1e3:.1f} ms per iteration, {best}); "
+                       f"stopped at k={max(medians)}: {why}; median ms by k: {table}")
