@@ -192,8 +192,8 @@ class Snapshot:
         torch.set_rng_state(self.torch)
         if self.cuda is not None:
             torch.cuda.set_rng_state_all(self.cuda)
-        for p, g in self.grads:
-            p.grad = g
+        for p, g in self.grads:  # a copy: backward accumulates into .grad in place, and restore may run twice
+            p.grad = None if g is None else g.clone()
         with torch.no_grad():
             for b, value in self.buffers:
                 b.copy_(value)
@@ -210,8 +210,8 @@ def _metric_state(metric: Any) -> dict[str, Any]:
 
 
 def _load_metric_state(metric: Any, state: dict[str, Any]) -> None:
-    for name, value in state.items():
-        setattr(metric, name, value)
+    for name, value in state.items():  # a copy: updates change states in place, and restore may run twice
+        setattr(metric, name, copy.deepcopy(value))
 
 
 def fit_overhead(units: Sequence[int], residuals: Sequence[float]) -> tuple[float, float]:
