@@ -100,7 +100,8 @@ def test_profiling_leaves_no_trace(tmp_path: Path) -> None:
     strategy = {"num_microbatches": 2, "partition": [3, 3]}
     plain = run_lightning(tmp_path / "plain", 2, strategy, steps=5, model=model, shuffle=True)
     tuned = run_lightning(tmp_path / "tuned", 2, strategy, steps=5, model=model, shuffle=True,
-                          tuner={"apply": False, "num_pipelines": 2, "output_dir": str(tmp_path / "tuning")})
+                          tuner={"apply": False, "num_pipelines": 2, "num_microbatches": [1, 2, 4],  # BatchNorm: b > 1
+                                 "output_dir": str(tmp_path / "tuning")})
     assert tuned[0]["tuner"]["choice"] is not None  # it did profile and predict
     assert (tmp_path / "tuning" / "tuning.json").exists()
     assert tuned[0]["losses"] == plain[0]["losses"]
