@@ -4,8 +4,11 @@ Everything here touches torch objects and returns plain numbers: the per-unit fo
 pipeline step shows, the bytes a stage's output and its saved activations take, the time of one replica's
 optimizer step and elastic update (measured on copies), and the link's latency and bandwidth (a ping-pong
 between neighbours). ``Snapshot`` saves and restores what a profiling run may change: RNG states, parameters'
-gradients, buffers (BatchNorm statistics) and torchmetrics states. Per-layer measuring for
-``partition="balanced"`` lives beside it in ``partition/profile.py`` and shares ``tensor_bytes``.
+gradients, buffers (BatchNorm statistics) and torchmetrics states.
+
+The same profiler measures single layers for ``partition="balanced"`` (:func:`profile_layers`: forward and
+backward time, activation bytes saved for backward, output bytes, parameter bytes per layer), with the same
+activation meter and the same restore.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ import copy
 import random
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,7 +26,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_avgpipe.elastic import ElasticAveraging
-from lightning_avgpipe.runtime.trace import Span
+from lightning_avgpipe.runtime.trace import ActivationMeter, Span
 
 
 def tensor_bytes(obj: Any) -> int:
@@ -178,7 +182,8 @@ class Snapshot:
         except ImportError:  # pragma: no cover
             self.numpy = None
         self.torch = torch.get_rng_state()
-        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        self.cuda = torch.cuda.get_rng_state_all() if cuda else None
         self.grads = [(p, None if p.grad is None else p.grad.detach().clone()) for p in params]
         self.buffers = [(b, b.detach().clone()) for m in modules for b in m.buffers()]
         self.metrics = [(m, _metric_state(m)) for m in metrics]
@@ -227,3 +232,94 @@ def fit_overhead(units: Sequence[int], residuals: Sequence[float]) -> tuple[floa
     c = max(0.0, c)
     a = max(0.0, my - c * mx)
     return a, c
+
+
+# -- layers, for partition="balanced" --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LayerCost:
+    """What one layer costs on the sample: median forward and backward seconds, and bytes."""
+
+    forward: float
+    backward: float
+    param_bytes: int
+    activation_bytes: int = 0  # saved for backward by one forward (parameters excluded)
+    output_bytes: int = 0  # what the layer hands to the next (what a stage boundary after it would send)
+
+    @property
+    def compute(self) -> float:
+        return self.forward + self.backward
+
+
+def param_bytes(layer: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in layer.parameters())
+
+
+def _detach(obj: Any) -> Any:
+    if isinstance(obj, Tensor):
+        out = obj.detach()
+        return out.requires_grad_(True) if out.is_floating_point() else out
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_detach(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _detach(v) for k, v in obj.items()}
+    return obj
+
+
+def _tensors(obj: Any) -> list[Tensor]:
+    if isinstance(obj, Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _tensors(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _tensors(o)]
+    return []
+
+
+def profile_layers(
+    layers: Sequence[nn.Module], sample: Any, repeats: int = 3, device: torch.device | None = None
+) -> list[LayerCost]:
+    """Time every layer's forward and backward on the activations that ``sample`` produces, layer by layer.
+
+    Each layer is run ``repeats`` times after one warm-up run and the median is kept. Profiling leaves no
+    trace: parameter gradients, buffers (BatchNorm statistics) and the random number generators are restored.
+    """
+    device = device or torch.device("cpu")
+    snap = Snapshot([p for layer in layers for p in layer.parameters()], list(layers))
+    try:
+        return [_time_layer(layer, x, repeats, device) for layer, x in _inputs(layers, sample)]
+    finally:
+        snap.restore()
+
+
+def _inputs(layers: Sequence[nn.Module], sample: Any) -> Iterator[tuple[nn.Module, Any]]:
+    """Yield (layer, its input), running each layer once more on a detached input to get the next one."""
+    x = sample
+    for layer in layers:
+        yield layer, x
+        x = _detach(layer(_detach(x)))
+
+
+def _time_layer(layer: nn.Module, x: Any, repeats: int, device: torch.device) -> LayerCost:
+    fwd_times, bwd_times = [], []
+    saved = out_bytes = 0
+    for r in range(repeats + 1):
+        inp = _detach(x)
+        meter = ActivationMeter(list(layer.parameters()))
+        _sync(device)
+        t0 = time.perf_counter()
+        with meter.unit(0):
+            out = layer(inp)
+        _sync(device)
+        t1 = time.perf_counter()
+        outs = [t for t in _tensors(out) if t.requires_grad]
+        if outs:
+            torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+        _sync(device)
+        t2 = time.perf_counter()
+        if r > 0:  # the first run is a warm-up
+            fwd_times.append(t1 - t0)
+            bwd_times.append(t2 - t1)
+        saved, out_bytes = meter.peak, tensor_bytes(out)
+    return LayerCost(
+        statistics.median(fwd_times), statistics.median(bwd_times), param_bytes(layer), saved, out_bytes
+    )
