@@ -47,6 +47,29 @@ def test_failing_rank_ends_every_rank_with_a_message(world: int, rank: int, kind
             assert rank in named
 
 
+@pytest.mark.parametrize("rank", [1, 0], ids=["last-hangs", "first-hangs"])
+def test_rank_stuck_while_alive_is_ended_by_its_watchdog(rank: int) -> None:
+    """A rank that sleeps forever inside a layer raises nothing: its neighbour times out and records the failure,
+    and the stuck rank's watchdog ends it p2p_timeout seconds later, saying why and where it was stuck."""
+    out_dir = tempfile.mkdtemp()
+    cfg = {"out": out_dir, "devices": 2, "steps": 6, "strategy": {"num_microbatches": 2, "p2p_timeout": 3},
+           "fault": {"rank": rank, "step": 2, "kind": "hang"}}
+    start = time.monotonic()
+    results = launch_ranks(["-m", "tests.helpers.lightning_worker", json.dumps(cfg)], 2, timeout=120)
+    elapsed = time.monotonic() - start
+    assert elapsed < 60, f"took {elapsed:.0f} s"
+    stuck_code, stuck_out = results[rank]
+    other_code, other_out = results[1 - rank]
+    assert stuck_code == 1 and other_code != 0, (stuck_code, other_code)
+    assert f"lightning_avgpipe watchdog: rank {rank} (stage {rank}) is still running 3 s after the job failed" in \
+        stuck_out, stuck_out[-3000:]
+    # what failed first, or (when rank 0 stopped before the stuck rank looked) that rank 0 is gone
+    assert f"First failure: rank {1 - rank} (stage {1 - rank}): PeerFailureError" in stuck_out or (
+        rank == 1 and "the rendezvous store on rank 0 stopped answering" in stuck_out), stuck_out[-3000:]
+    assert "time.sleep" in stuck_out or "in fail" in stuck_out  # the stack shows where it was stuck
+    assert f"from rank {rank} (stage {rank}) did not arrive" in other_out, other_out[-3000:]
+
+
 def test_non_finite_loss_is_named_on_every_rank() -> None:
     """A NaN entering stage 1's layers: the last stage names the loss, and every rank stops with a named cause."""
     out_dir = tempfile.mkdtemp()

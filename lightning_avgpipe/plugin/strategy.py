@@ -50,6 +50,7 @@ from lightning_avgpipe.replicas import BatchedReplicas, select, stack
 from lightning_avgpipe.runtime import Link, StageExecutor
 from lightning_avgpipe.runtime.p2p import PeerFailureError, first_failure, report_failure
 from lightning_avgpipe.runtime.trace import ActivationMeter, StepTrace, write_trace
+from lightning_avgpipe.runtime.watchdog import Watchdog
 from lightning_avgpipe.schedules import Plan, build_plan, validate_plan
 
 log = logging.getLogger(__name__)
@@ -181,6 +182,7 @@ class AvgPipeStrategy(ParallelStrategy):
         self._stage_group: Any = None
         self._elastic: ElasticAveraging | None = None
         self._step_started: float | None = None
+        self._watchdog: Watchdog | None = None
 
     # -- topology ------------------------------------------------------------------------------------------------
     @property
@@ -286,6 +288,10 @@ class AvgPipeStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         _init_dist_connection(self.cluster_environment, backend, timeout=timedelta(seconds=self.config.timeout))
         self._setup_topology()
+        if self.world_size > 1 and self._watchdog is None:
+            self._watchdog = Watchdog(
+                f"rank {self.global_rank} (stage {self.stage})", grace=self.config.p2p_timeout
+            ).start()
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -1120,12 +1126,17 @@ class AvgPipeStrategy(ParallelStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         # The rank where a failure starts records it, so the others' messages name it (not just their neighbour).
-        if _distributed_is_initialized() and not isinstance(exception, PeerFailureError):
+        # A neighbour's timeout is recorded too (unless something was first): then a rank stuck while alive, which
+        # raises nothing, is ended by its watchdog.
+        if _distributed_is_initialized():
             stage = f"stage {self.stage}" if self._num_stages else "setup"
             report_failure(f"rank {self.global_rank} ({stage}): {type(exception).__name__}: {str(exception)[:200]}")
 
     @override
     def teardown(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
         if self._elastic is not None:
             self._elastic.wait()  # the model the user keeps is the up-to-date reference
         for handle in self._hook_handles:

@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,8 @@ class Fault(pl.Callback):
         def fail(*_: Any) -> None:
             if self.kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if self.kind == "hang":  # alive but stuck, raising nothing
+                time.sleep(3600)
             raise RuntimeError(f"injected failure on rank {self.rank}")
 
         def nan(_: Any, args: Any) -> Any:

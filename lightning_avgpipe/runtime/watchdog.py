@@ -1,0 +1,99 @@
+"""A rank that is alive but stuck must not outlive a failed job: a watchdog thread ends it.
+
+Failures are recorded in the rendezvous store (:func:`.p2p.report_failure`): the rank where an exception starts,
+and a rank whose neighbour went silent past ``p2p_timeout``. Every rank runs a daemon thread that polls the
+store; once a failure is recorded and this rank is still running ``grace`` seconds later (its main thread stuck
+in user code, a sleep, a wait without timeout), the thread prints why, dumps every thread's stack to stderr and
+ends the process with exit code 1. A healthy rank that is already stopping is done long before that.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+from lightning_avgpipe.runtime.p2p import _FAILURE_KEY
+
+EXIT_CODE = 1
+
+
+class Watchdog:
+    """Ends this process ``grace`` seconds after any rank recorded a failure.
+
+    Args:
+        name: this rank, for the message (``"rank 1 (stage 1)"``).
+        grace: seconds to let this rank stop by itself once a failure is recorded.
+        store: the rendezvous store (``check``/``get``); ``None``: the default process group's.
+        poll: seconds between looks at the store.
+        exit: called with the exit code instead of ``os._exit`` (tests).
+    """
+
+    def __init__(self, name: str, grace: float, store: object | None = None, poll: float = 1.0,
+                 exit: Callable[[int], None] | None = None) -> None:
+        self.name = name
+        self.grace = float(grace)
+        self.poll = float(poll)
+        self._store = store
+        self._exit = exit or os._exit
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.fired = False
+        self._last: str | None = None
+
+    def start(self) -> Watchdog:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="lightning_avgpipe-watchdog", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.poll + 1.0)
+        self._thread = None
+
+    def _failure(self) -> str | None:
+        try:
+            store = self._store
+            if store is None:
+                import torch.distributed as dist
+
+                store = dist.distributed_c10d._get_default_store()
+            if store.check([_FAILURE_KEY]):  # type: ignore[attr-defined]
+                value = store.get(_FAILURE_KEY).decode()  # type: ignore[attr-defined]
+                self._last = value or self._last
+                return value or None
+        except Exception:  # noqa: BLE001 - the store lives on rank 0: gone when rank 0 is gone
+            gone = "the rendezvous store on rank 0 stopped answering (rank 0 exited or was killed)"
+            return f"{self._last}; then {gone}" if self._last else gone
+        return None
+
+    def _run(self) -> None:
+        seen: float | None = None
+        while not self._stop.wait(self.poll):
+            failure = self._failure()
+            if failure is None:
+                seen = None
+                continue
+            now = time.monotonic()
+            if seen is None:
+                seen = now
+                continue
+            if now - seen >= self.grace and not self._stop.is_set():
+                self.fired = True
+                sys.stderr.write(
+                    f"lightning_avgpipe watchdog: {self.name} is still running {self.grace:g} s after the job failed "
+                    f"(First failure: {failure}); it is stuck (in user code, or waiting on a rank that is gone). "
+                    "Ending it. Its threads' stacks follow.\n"
+                )
+                try:
+                    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+                except Exception:  # noqa: BLE001
+                    pass
+                sys.stderr.flush()
+                self._exit(EXIT_CODE)
+                return
