@@ -1,0 +1,474 @@
+"""How well ``AvgPipeTuner`` predicts: its predictions for every (M, N) against an exhaustive measured sweep.
+
+    PYTHONPATH=. python benchmarks/tuner_accuracy.py             # defaults: 15 settings x 3 sweeps, ~4 min on 2 cores
+    PYTHONPATH=. python benchmarks/tuner_accuracy.py --repeats 1 --json runs/tuner_accuracy.json   # one sweep
+    PYTHONPATH=. python benchmarks/tuner_accuracy.py --quick     # a tiny smoke run (not a result)
+
+One invocation starts 2 CPU ranks (gloo, 1 thread each, torchrun-style environment variables, so Lightning treats
+the processes as created externally and every ``Trainer`` of the script reuses them). Both ranks run, in order:
+
+1. a warm-up ``Trainer`` (a few untimed steps: process-group set-up, lazy imports, first-call caches);
+2. the tuner: one ``Trainer(callbacks=[AvgPipeTuner(num_microbatches=<grid M>, num_pipelines=<grid N>,
+   apply=True)])`` fitted for ``--tuner-steps`` steps; tuner time = ``tuner.seconds`` (its ``on_fit_start``:
+   profiling, prediction, search, ``reconfigure``); the whole ``Trainer``'s wall time is reported too;
+3. the sweep: for every (M, N) of the grid (``--microbatches`` x ``--pipelines``, B = ``--batch-size`` samples per
+   pipeline), a fresh ``CharGPT`` of ``examples/char_gpt.py`` (same seed, same data order) trained by a fresh
+   ``Trainer(strategy=AvgPipeStrategy(num_microbatches=M, num_pipelines=N, partition=<fixed>))`` for
+   ``--warmup + --steps + 1`` iterations; ``--repeats R`` runs the whole sweep R times (the settings in a shuffled
+   order each time) and takes each setting's median over repeats.
+
+What is measured per setting, by a small callback:
+
+- iteration time: the time between consecutive ``on_train_batch_start`` calls (so it includes the data fetch, the
+  pipeline, the N optimizer steps and the elastic update, and Lightning's own per-iteration work: logging, hooks);
+  the median over the ``--steps`` iterations after the first ``--warmup`` (the last iteration is not timed: it has
+  no next start);
+- peak memory per stage: the maximum over those iterations of what the strategy logs as
+  ``avgpipe/peak_memory_mb/stage{s}`` (on CPU: the stage's counted tensors -- weights, gradients, optimizer states,
+  averaging buffers -- plus the activation peak measured with saved-tensor hooks; mirrored on every rank);
+- measured samples/s = N * B / iteration time (the same unit as the tuner's ``samples_per_sec``);
+- wall time: from creating the model and the ``Trainer`` to the end of ``fit`` (the cost of trying the setting).
+
+Reported: per setting measured vs predicted iteration time, peak MiB per stage and samples/s with signed errors
+(predicted - measured) / measured; the median and worst absolute error of iteration time (over settings) and of
+peak memory (over settings x stages); Spearman's rank correlation of predicted and measured samples/s; the tuner's
+pick and its measured samples/s as a fraction of the best measured; tuner time as a fraction of one sweep's wall
+time (and of the sweep's timed iterations only, for context). The issue's targets are printed with PASS/MISS:
+median time error <= 10%, pick >= 95% of the best, tuner time <= 5% of the sweep. ``--json PATH`` writes the
+configuration, every measurement, the summary and the tuner's whole table (profile included).
+
+The partition is fixed (``--partition``, default Embed + the first half of the blocks on stage 0) so that every
+setting and the tuner see the same pipeline; ``partition="balanced"`` would profile anew in every ``Trainer``.
+Absolute times on a shared machine are noise: the errors are ratios within one run, but load that comes and goes
+between the tuner's profile and a setting's measurement shows up as error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+WORLD = 2
+TARGETS = {"median_time_error": 0.10, "pick_fraction_of_best": 0.95, "tuner_fraction_of_sweep": 0.05}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# arguments
+# ---------------------------------------------------------------------------------------------------------------
+def _ints(text: str) -> list[int]:
+    return sorted({int(v) for v in str(text).split(",") if v.strip()})
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--microbatches", default="1,2,4,8,16", help="M values of the grid (divisors of the batch size)")
+    p.add_argument("--pipelines", default="1,2,4", help="N values of the grid")
+    p.add_argument("--batch-size", type=int, default=32, help="B: samples per pipeline per iteration")
+    p.add_argument("--steps", type=int, default=6, help="timed iterations per setting")
+    p.add_argument("--warmup", type=int, default=2, help="untimed iterations per setting before the timed ones")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="run the sweep this many times (shuffled order each time); per-setting median over repeats")
+    p.add_argument("--tuner-steps", type=int, default=1, help="training steps of the tuner's Trainer after tuning")
+    p.add_argument("--profile-steps", type=int, default=2, help="AvgPipeTuner(profile_steps=...)")
+    p.add_argument("--n-layer", type=int, default=4, help="transformer blocks")
+    p.add_argument("--n-embd", type=int, default=128, help="embedding width")
+    p.add_argument("--n-head", type=int, default=4, help="attention heads")
+    p.add_argument("--block-size", type=int, default=64, help="context length in characters")
+    p.add_argument("--partition", default=None,
+                   help="layers per stage, e.g. '3,3' (n_layer + 2 layers); default: Embed and the first half of the "
+                        "blocks on stage 0, the rest and the Head on stage 1")
+    p.add_argument("--corpus-chars", type=int, default=1_000_000, help="characters of stdlib docstrings")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=1800.0, help="kill the ranks after this many seconds")
+    p.add_argument("--out-dir", default=None, help="the tuner's tuning.json/png and the ranks' logs go here "
+                                                   "(default: a temporary folder)")
+    p.add_argument("--json", dest="json_path", default=None, help="also write everything to this JSON file")
+    p.add_argument("--quick", action="store_true",
+                   help="a tiny model and grid (M 1,2,4 x N 1,2, B 8, 1 timed step): a smoke run, not a result")
+    p.add_argument("--_rank-config", dest="rank_config", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.rank_config:
+        return args
+    if args.quick:
+        args.microbatches, args.pipelines, args.batch_size = "1,2,4", "1,2", 8
+        args.steps, args.warmup, args.repeats = 1, 1, 1
+        args.n_layer, args.n_embd, args.n_head, args.block_size = 2, 16, 2, 16
+        args.corpus_chars = min(args.corpus_chars, 60_000)
+        args.profile_steps = 1
+    try:
+        args.microbatches, args.pipelines = _ints(args.microbatches), _ints(args.pipelines)
+    except ValueError:
+        p.error("--microbatches and --pipelines must be comma-separated ints")
+    if not args.microbatches or not args.pipelines or min(args.microbatches + args.pipelines) < 1:
+        p.error("--microbatches and --pipelines need positive values")
+    bad = [m for m in args.microbatches if args.batch_size % m]
+    if bad:
+        p.error(f"--microbatches {bad} do not divide --batch-size={args.batch_size}")
+    n_layers = args.n_layer + 2
+    if args.partition is None:
+        first = 1 + args.n_layer // 2
+        args.partition = [first, n_layers - first]
+    else:
+        args.partition = _ints_ordered(args.partition)
+    if len(args.partition) != WORLD or sum(args.partition) != n_layers or min(args.partition) < 1:
+        p.error(f"--partition must be {WORLD} positive counts summing to n_layer + 2 = {n_layers}")
+    if args.steps < 1 or args.warmup < 0 or args.repeats < 1 or args.tuner_steps < 0 or args.profile_steps < 1:
+        p.error("--steps, --repeats, --profile-steps must be >= 1; --warmup, --tuner-steps >= 0")
+    if args.n_embd % args.n_head:
+        p.error("--n-embd must be a multiple of --n-head")
+    return args
+
+
+def _ints_ordered(text: str) -> list[int]:
+    return [int(v) for v in str(text).split(",")]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# one rank: every Trainer of the benchmark
+# ---------------------------------------------------------------------------------------------------------------
+def rank_main(cfg: dict[str, Any]) -> None:
+    sys.path.insert(0, str(ROOT))
+    import logging
+    import warnings
+
+    import lightning.pytorch as pl
+    import torch
+
+    from examples.char_gpt import CharDataModule, CharGPT
+    from lightning_avgpipe import AvgPipeStrategy, AvgPipeTuner
+
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "lightning_avgpipe"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
+
+    def say(text: str) -> None:
+        if rank == 0:
+            print(text, flush=True)
+
+    B, seed = cfg["batch_size"], cfg["seed"]
+    dm = CharDataModule(block_size=cfg["block_size"], batch_size=B, max_chars=cfg["corpus_chars"])
+
+    class Timer(pl.Callback):
+        """Start time of every iteration and, after it, the logged per-stage peak memory."""
+
+        def __init__(self, stages: int) -> None:
+            self.starts: list[float] = []
+            self.peaks: list[list[float]] = []
+            self.stages = stages
+
+        def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+            self.starts.append(time.perf_counter())
+
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            metrics = trainer.callback_metrics
+            self.peaks.append([float(metrics.get(f"avgpipe/peak_memory_mb/stage{s}", float("nan")))
+                               for s in range(self.stages)])
+
+    def fit(m: int, n: int, max_steps: int, callbacks: list[Any]) -> tuple[pl.Trainer, float]:
+        started = time.perf_counter()
+        pl.seed_everything(seed, verbose=False)
+        model = CharGPT(vocab_size=dm.vocab_size, block_size=cfg["block_size"], n_layer=cfg["n_layer"],
+                        n_head=cfg["n_head"], n_embd=cfg["n_embd"])
+        strategy = AvgPipeStrategy(num_microbatches=m, num_pipelines=n, partition=list(cfg["partition"]),
+                                   timeout=cfg["collective_timeout"])
+        trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, callbacks=callbacks,
+                             max_steps=max_steps, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, num_sanity_val_steps=0, limit_val_batches=0,
+                             enable_model_summary=False, default_root_dir=cfg["out_dir"])
+        trainer.fit(model, train_dataloaders=dm.train_dataloader())
+        return trainer, time.perf_counter() - started
+
+    ms, ns = cfg["microbatches"], cfg["pipelines"]
+    warmup, steps = cfg["warmup"], cfg["steps"]
+    result: dict[str, Any] = {"settings": [], "warmup_fit": {}, "tuner": {}}
+
+    # 1. warm-up: one-time costs (process group, imports, first-call caches) land on no measurement
+    _, wall = fit(ms[len(ms) // 2], 1, 3, [])
+    result["warmup_fit"] = {"wall_s": wall}
+    say(f"warm-up Trainer: {wall:.1f} s")
+
+    # 2. the tuner
+    tuner = AvgPipeTuner(num_microbatches=ms, num_pipelines=ns, apply=True, profile_steps=cfg["profile_steps"],
+                         output_dir=str(Path(cfg["out_dir"], "tuning")))
+    trainer, wall = fit(ms[0], ns[0], cfg["tuner_steps"], [tuner])
+    assert tuner.table is not None and tuner.choice is not None
+    choice = tuner.choice
+    applied = (trainer.strategy.num_microbatches, trainer.strategy.num_pipelines)
+    result["tuner"] = {
+        "seconds": tuner.seconds, "wall_s": wall, "choice": [choice.num_microbatches, choice.num_pipelines],
+        "applied": list(applied), "table": tuner.table.to_dict(),
+    }
+    say(f"tuner: {tuner.seconds:.2f} s in on_fit_start ({wall:.1f} s whole Trainer), chose M={choice.num_microbatches}"
+        f" N={choice.num_pipelines}, strategy now M={applied[0]} N={applied[1]}")
+
+    # 3. the sweep
+    grid = [(m, n) for n in ns for m in ms]
+    for r in range(cfg["repeats"]):
+        order = list(grid)
+        random.Random(seed + r).shuffle(order)
+        for m, n in order:
+            timer = Timer(len(cfg["partition"]))
+            trainer, wall = fit(m, n, warmup + steps + 1, [timer])
+            intervals = [b - a for a, b in zip(timer.starts, timer.starts[1:])]
+            timed = intervals[warmup:warmup + steps]
+            peaks = timer.peaks[warmup:warmup + steps]
+            if len(timed) != steps or len(peaks) != steps:
+                raise RuntimeError(f"M={m} N={n}: {len(timer.starts)} iterations seen, expected {warmup + steps + 1}")
+            row = {
+                "num_microbatches": m, "num_pipelines": n, "repeat": r, "iteration_s": timed,
+                "iteration_s_median": statistics.median(timed), "timed_s": sum(timed), "wall_s": wall,
+                "peak_mib": [max(p[s] for p in peaks) for s in range(len(cfg["partition"]))],
+                "config_seen": [trainer.strategy.num_microbatches, trainer.strategy.num_pipelines],
+            }
+            result["settings"].append(row)
+            say(f"repeat {r} M={m:>2} N={n}: {row['iteration_s_median'] * 1e3:8.1f} ms/iteration, peak MiB "
+                + "/".join(f"{v:.1f}" for v in row["peak_mib"]) + f", {wall:.1f} s wall")
+    if rank == 0:
+        Path(cfg["result_path"]).write_text(json.dumps(result))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the launcher: 2 ranks, a hard timeout, every process ends
+# ---------------------------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch(cfg: dict[str, Any], timeout: float, log_dir: Path) -> None:
+    """Run ``rank_main(cfg)`` in 2 processes; raise with the ranks' log tails when one fails or time runs out."""
+    port = free_port()
+    procs, logs = [], []
+    for rank in range(WORLD):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank),
+                   RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(WORLD), OMP_NUM_THREADS="1",
+                   PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+        log = open(log_dir / f"rank{rank}.log", "w")  # noqa: SIM115 - closed below
+        logs.append(log)
+        # rank 0 shows its progress lines; both ranks' full output is kept in the logs
+        out = None if rank == 0 else log
+        procs.append(subprocess.Popen([sys.executable, __file__, "--_rank-config", json.dumps(cfg)], cwd=ROOT,
+                                      env=env, stdout=out, stderr=log if rank else None, start_new_session=True))
+    deadline = time.monotonic() + timeout
+    failed_at: float | None = None
+    why = ""
+    try:
+        while any(p.poll() is None for p in procs):
+            now = time.monotonic()
+            codes = [p.poll() for p in procs]
+            if failed_at is None and any(c not in (None, 0) for c in codes):
+                failed_at = now  # a rank failed: give the other a moment to fail on its own, then stop it
+            if now > deadline:
+                why = f"the ranks did not finish within {timeout:.0f} s"
+                break
+            if failed_at is not None and now - failed_at > 30:
+                why = "a rank failed and the other did not exit"
+                break
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        for p in procs:
+            p.wait(timeout=10)
+        for log in logs:
+            log.close()
+    codes = [p.returncode for p in procs]
+    if why or any(codes):
+        tail = (log_dir / "rank1.log").read_text()[-4000:]
+        raise RuntimeError(f"{why or 'a rank failed'} (exit codes {codes}); rank 1's log ends:\n{tail}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# analysis
+# ---------------------------------------------------------------------------------------------------------------
+def ranks(values: list[float]) -> list[float]:
+    """Ranks 1..n, ties sharing their mean rank."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    out = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            out[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return out
+
+
+def spearman(x: list[float], y: list[float]) -> float:
+    """Spearman's rank correlation (Pearson's on the ranks); nan for fewer than 2 points or a constant side."""
+    if len(x) < 2:
+        return math.nan
+    rx, ry = ranks(x), ranks(y)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    sxy = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    sxx = sum((a - mx) ** 2 for a in rx)
+    syy = sum((b - my) ** 2 for b in ry)
+    return sxy / math.sqrt(sxx * syy) if sxx and syy else math.nan
+
+
+def analyse(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    table = raw["tuner"]["table"]
+    predicted = {(r["num_microbatches"], r["num_pipelines"]): r for r in table["rows"]}
+    B = args.batch_size
+    cells = []
+    for n in args.pipelines:
+        for m in args.microbatches:
+            runs = [s for s in raw["settings"] if (s["num_microbatches"], s["num_pipelines"]) == (m, n)]
+            it = statistics.median(s["iteration_s_median"] for s in runs)
+            stages = len(runs[0]["peak_mib"])
+            peak = [statistics.median(s["peak_mib"][k] for s in runs) for k in range(stages)]
+            pred = predicted[(m, n)]
+            pred_peak = [b / 2**20 for b in pred["peak_bytes"]]
+            cells.append({
+                "num_microbatches": m, "num_pipelines": n,
+                "measured_iteration_s": it, "predicted_iteration_s": pred["step_time"],
+                "time_error": (pred["step_time"] - it) / it,
+                "measured_peak_mib": peak, "predicted_peak_mib": pred_peak,
+                "peak_error": [(p - q) / q for p, q in zip(pred_peak, peak)],
+                "measured_samples_per_sec": n * B / it, "predicted_samples_per_sec": pred["samples_per_sec"],
+                "predicted_pipeline_s": pred["pipeline_time"], "predicted_update_s": pred["update_time"],
+                "iteration_s_per_repeat": [s["iteration_s_median"] for s in runs],
+                "wall_s_per_repeat": [s["wall_s"] for s in runs],
+                "configured_as": runs[0]["config_seen"],
+            })
+    time_err = [abs(c["time_error"]) for c in cells]
+    mem_err = [abs(e) for c in cells for e in c["peak_error"]]
+    best = max(cells, key=lambda c: c["measured_samples_per_sec"])
+    choice = tuple(raw["tuner"]["choice"])
+    pick = next(c for c in cells if (c["num_microbatches"], c["num_pipelines"]) == choice)
+    sweep_wall = sum(s["wall_s"] for s in raw["settings"]) / args.repeats  # one exhaustive sweep
+    sweep_timed = sum(s["timed_s"] for s in raw["settings"]) / args.repeats
+    tuner_s = raw["tuner"]["seconds"]
+    summary = {
+        "time_error_median": statistics.median(time_err),
+        "time_error_worst": max(time_err),
+        "peak_error_median": statistics.median(mem_err),
+        "peak_error_worst": max(mem_err),
+        "spearman_samples_per_sec": spearman([c["predicted_samples_per_sec"] for c in cells],
+                                             [c["measured_samples_per_sec"] for c in cells]),
+        "pick": list(choice),
+        "pick_measured_samples_per_sec": pick["measured_samples_per_sec"],
+        "best": [best["num_microbatches"], best["num_pipelines"]],
+        "best_measured_samples_per_sec": best["measured_samples_per_sec"],
+        "pick_fraction_of_best": pick["measured_samples_per_sec"] / best["measured_samples_per_sec"],
+        "tuner_seconds": tuner_s,
+        "tuner_trainer_wall_s": raw["tuner"]["wall_s"],
+        "sweep_wall_s": sweep_wall,
+        "sweep_timed_s": sweep_timed,
+        "tuner_fraction_of_sweep": tuner_s / sweep_wall,
+        "tuner_fraction_of_sweep_timed": tuner_s / sweep_timed,
+    }
+    summary["targets"] = {
+        "median_time_error": {"target": f"<= {TARGETS['median_time_error']:.0%}",
+                              "value": summary["time_error_median"],
+                              "ok": summary["time_error_median"] <= TARGETS["median_time_error"]},
+        "pick_fraction_of_best": {"target": f">= {TARGETS['pick_fraction_of_best']:.0%}",
+                                  "value": summary["pick_fraction_of_best"],
+                                  "ok": summary["pick_fraction_of_best"] >= TARGETS["pick_fraction_of_best"]},
+        "tuner_fraction_of_sweep": {"target": f"<= {TARGETS['tuner_fraction_of_sweep']:.0%}",
+                                    "value": summary["tuner_fraction_of_sweep"],
+                                    "ok": summary["tuner_fraction_of_sweep"] <= TARGETS["tuner_fraction_of_sweep"]},
+    }
+    return {"cells": cells, "summary": summary}
+
+
+def format_report(report: dict[str, Any]) -> str:
+    cells, s = report["cells"], report["summary"]
+    lines = [f"{'M':>3} {'N':>2} {'meas ms':>9} {'pred ms':>9} {'err':>7}  {'meas MiB':>13} {'pred MiB':>13} "
+             f"{'err':>13}  {'meas smp/s':>10} {'pred smp/s':>10}"]
+    for c in cells:
+        mark = " <- tuner" if [c["num_microbatches"], c["num_pipelines"]] == s["pick"] else ""
+        mark += " <- best measured" if [c["num_microbatches"], c["num_pipelines"]] == s["best"] else ""
+        lines.append(
+            f"{c['num_microbatches']:>3} {c['num_pipelines']:>2} {c['measured_iteration_s'] * 1e3:>9.1f} "
+            f"{c['predicted_iteration_s'] * 1e3:>9.1f} {c['time_error']:>+7.1%}  "
+            f"{'/'.join(f'{v:.1f}' for v in c['measured_peak_mib']):>13} "
+            f"{'/'.join(f'{v:.1f}' for v in c['predicted_peak_mib']):>13} "
+            f"{'/'.join(f'{e:+.0%}' for e in c['peak_error']):>13}  "
+            f"{c['measured_samples_per_sec']:>10.1f} {c['predicted_samples_per_sec']:>10.1f}{mark}"
+        )
+    t = s["targets"]
+
+    def verdict(key: str) -> str:
+        return "PASS" if t[key]["ok"] else "MISS"
+
+    lines += [
+        "",
+        f"iteration time error: median {s['time_error_median']:.1%}, worst {s['time_error_worst']:.1%}",
+        f"peak memory error:    median {s['peak_error_median']:.1%}, worst {s['peak_error_worst']:.1%}"
+        " (over settings x stages)",
+        f"rank correlation (Spearman) of predicted and measured samples/s: {s['spearman_samples_per_sec']:.3f}",
+        f"tuner's pick M={s['pick'][0]} N={s['pick'][1]}: {s['pick_measured_samples_per_sec']:.1f} samples/s measured"
+        f" = {s['pick_fraction_of_best']:.1%} of the best measured (M={s['best'][0]} N={s['best'][1]}, "
+        f"{s['best_measured_samples_per_sec']:.1f} samples/s)",
+        f"tuner time {s['tuner_seconds']:.2f} s (its whole Trainer: {s['tuner_trainer_wall_s']:.1f} s) = "
+        f"{s['tuner_fraction_of_sweep']:.1%} of one sweep's wall time ({s['sweep_wall_s']:.1f} s); "
+        f"{s['tuner_fraction_of_sweep_timed']:.0%} of the sweep's timed iterations alone ({s['sweep_timed_s']:.1f} s)",
+        f"target median time error <= 10%:  {verdict('median_time_error')} ({s['time_error_median']:.1%})",
+        f"target pick >= 95% of best:       {verdict('pick_fraction_of_best')} ({s['pick_fraction_of_best']:.1%})",
+        f"target tuner <= 5% of the sweep:  {verdict('tuner_fraction_of_sweep')} ({s['tuner_fraction_of_sweep']:.1%})",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.rank_config:
+        rank_main(json.loads(args.rank_config))
+        return 0
+    out_dir = Path(args.out_dir) if args.out_dir else Path(tempfile.mkdtemp(prefix="tuner_accuracy-"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg = {
+        "microbatches": args.microbatches, "pipelines": args.pipelines, "batch_size": args.batch_size,
+        "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "tuner_steps": args.tuner_steps,
+        "profile_steps": args.profile_steps, "n_layer": args.n_layer, "n_embd": args.n_embd, "n_head": args.n_head,
+        "block_size": args.block_size, "partition": args.partition, "corpus_chars": args.corpus_chars,
+        "seed": args.seed, "out_dir": str(out_dir.resolve()), "result_path": str((out_dir / "raw.json").resolve()),
+        "collective_timeout": max(60.0, min(args.timeout, 600.0)),
+    }
+    grid = len(args.microbatches) * len(args.pipelines)
+    print(f"tuner accuracy: GPT {args.n_layer} blocks x {args.n_embd} wide, block {args.block_size}, B = "
+          f"{args.batch_size}, partition {args.partition}, M in {args.microbatches} x N in {args.pipelines} "
+          f"({grid} settings), {args.warmup} + {args.steps} iterations each, {args.repeats} repeat(s); 2 ranks",
+          flush=True)
+    started = time.perf_counter()
+    launch(cfg, args.timeout, out_dir)
+    raw = json.loads((out_dir / "raw.json").read_text())
+    report = analyse(raw, args)
+    print()
+    print(format_report(report))
+    print(f"({time.perf_counter() - started:.0f} s in all; the tuner's files are in {out_dir / 'tuning'})")
+    if args.json_path:
+        path = Path(args.json_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        config = {k: v for k, v in cfg.items() if k != "result_path"}
+        path.write_text(json.dumps({
+            "config": config, "cells": report["cells"], "summary": report["summary"],
+            "measurements": raw["settings"], "warmup_fit": raw["warmup_fit"],
+            "tuner": raw["tuner"],
+        }, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""Smoke test of benchmarks/tuner_accuracy.py: it runs end to end and reports every cell. No timing assertions."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SUMMARY = (
+    "time_error_median", "time_error_worst", "peak_error_median", "peak_error_worst", "spearman_samples_per_sec",
+    "pick_fraction_of_best", "tuner_seconds", "tuner_trainer_wall_s", "sweep_wall_s", "sweep_timed_s",
+    "tuner_fraction_of_sweep", "tuner_fraction_of_sweep_timed",
+)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_tuner_accuracy_benchmark_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "tuner_accuracy.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "tuner_accuracy.py"), "--quick", "--timeout", "80",
+           "--out-dir", str(tmp_path / "out"), "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "rank correlation" in proc.stdout and "target pick" in proc.stdout
+    report = json.loads(out.read_text())
+    ms, ns = report["config"]["microbatches"], report["config"]["pipelines"]
+    cells = {(c["num_microbatches"], c["num_pipelines"]): c for c in report["cells"]}
+    assert set(cells) == {(m, n) for m in ms for n in ns}
+    for key, c in cells.items():
+        assert c["measured_iteration_s"] > 0 and c["predicted_iteration_s"] > 0, key
+        assert c["measured_samples_per_sec"] > 0 and c["predicted_samples_per_sec"] > 0, key
+        assert len(c["measured_peak_mib"]) == len(c["predicted_peak_mib"]) == 2, key
+        assert all(v > 0 for v in c["measured_peak_mib"] + c["predicted_peak_mib"]), key
+        assert c["configured_as"] == list(key), key  # the Trainer ran the setting it was meant to
+    summary = report["summary"]
+    for name in SUMMARY:
+        assert math.isfinite(summary[name]), name
+    assert summary["tuner_seconds"] > 0 and summary["sweep_wall_s"] > 0
+    assert tuple(summary["pick"]) in cells and tuple(summary["best"]) in cells
+    assert report["tuner"]["applied"] == summary["pick"]  # the tuner's choice is what its Trainer trained with
+    assert 0 < summary["pick_fraction_of_best"] <= 1
+    assert set(summary["targets"]) == {"median_time_error", "pick_fraction_of_best", "tuner_fraction_of_sweep"}
+    rows = report["tuner"]["table"]["rows"]
+    assert {(r["num_microbatches"], r["num_pipelines"]) for r in rows} == set(cells)
