@@ -45,7 +45,7 @@ def tune_main(argv: list[str]) -> int:
     p.add_argument("--memory-limit-mb", type=float, default=None, help="MiB a stage may hold at its peak")
     p.add_argument("--num-pipelines", default=None, help="largest N (one int) or the N values (comma list)")
     p.add_argument("--num-microbatches", default=None, help="M values to consider (comma list of divisors of B)")
-    p.add_argument("--profile-steps", type=int, default=2, help="timed pipeline steps per profiled size")
+    p.add_argument("--profile-steps", type=int, default=3, help="timed pipeline steps per profiled size")
     p.add_argument("--output-dir", default=None, help="where tuning.json and tuning.png go")
     ours, rest = p.parse_known_args(argv)
     if ours.memory_limit_mb is not None and not ours.memory_limit_mb > 0:

@@ -50,7 +50,8 @@ class AvgPipeTuner(Callback):
             1..8 (stopping once no M fits).
         num_microbatches: the M values to consider (an int or a list of divisors of the batch size); ``None``:
             every divisor of the batch size.
-        profile_steps: timed pipeline steps per profiled micro-batch size (after one warm-up step).
+        profile_steps: timed pipeline steps per profiled micro-batch size (after one warm-up step); the sizes take
+            turns, one step each per round, so background load hits them alike.
         output_dir: folder for ``tuning.json`` (the table, the profile and the choice) and ``tuning.png`` (the
             heat map); ``None``: ``<trainer.default_root_dir>/tuning``.
         apply: set the chosen (M, N) (and k for ``schedule="advance"``) on the strategy; ``False`` only reports.
@@ -63,7 +64,7 @@ class AvgPipeTuner(Callback):
         memory_limit: float | None = None,
         num_pipelines: int | Sequence[int] | None = None,
         num_microbatches: int | Sequence[int] | None = None,
-        profile_steps: int = 2,
+        profile_steps: int = 3,
         output_dir: str | None = None,
         apply: bool = True,
     ) -> None:
@@ -166,7 +167,7 @@ def tune(
     memory_limit: float | None = None,
     num_pipelines: int | Sequence[int] | None = None,
     num_microbatches: int | Sequence[int] | None = None,
-    profile_steps: int = 2,
+    profile_steps: int = 3,
 ) -> TuningTable:
     """Profile ``strategy``'s pipeline on one batch and search (M, N); collective over every rank."""
     batch = first_batch(trainer)
@@ -216,6 +217,7 @@ def profile_pipeline(strategy: Any, batch: Any, sizes: Sequence[float], steps: i
     units_seen: list[int] = []
     residuals: list[float] = []
     try:
+        settings = []
         for b in sizes:
             m = max(1, round(size / b))
             micro = microbatch.split(batch, m)
@@ -236,8 +238,15 @@ def profile_pipeline(strategy: Any, batch: Any, sizes: Sequence[float], steps: i
                     raise TypeError(f"training_step must return a loss tensor (or a dict with 'loss'), got {out!r}")
                 return loss * (1.0 / _m)
 
-            spans, step_times, peaks = [], [], []
-            for r in range(steps + 1):
+            settings.append((b, m, micro, keys, plan, out_bytes, fn, head))
+
+        # Rounds of one step per size (the first round is a warm-up): a burst of background load then lands on
+        # every size alike instead of bending the curve at one of them.
+        spans: dict[float, list[Any]] = {b: [] for b in sizes}
+        step_times: dict[float, list[float]] = {b: [] for b in sizes}
+        peaks: dict[float, list[int]] = {b: [] for b in sizes}
+        for r in range(steps + 1):
+            for b, _m, micro, keys, plan, _out, fn, head in settings:
                 for p in params:
                     p.grad = None
                 trace = StepTrace(stage)
@@ -251,16 +260,28 @@ def profile_pipeline(strategy: Any, batch: Any, sizes: Sequence[float], steps: i
                 if bridge is not None:
                     bridge.take_logs()
                 if r:
-                    spans.append(trace.spans)
-                    step_times.append(trace.step_time)
-                    peaks.append(meter.peak)
-            f, bk = compute_medians(spans)
+                    spans[b].append(trace.spans)
+                    step_times[b].append(trace.step_time)
+                    peaks[b].append(meter.peak)
+        for b, m, _micro, _keys, plan, out_bytes, _fn, _head in settings:
+            f, bk = compute_medians(spans[b])
             forward_s[b], backward_s[b] = f, bk
             stash = simulate(plan).peak_stash[stage]
-            activation[b] = statistics.median(peaks) / max(1, stash)
+            activation[b] = statistics.median(peaks[b]) / max(1, stash)
             sent[b] = float(out_bytes[0]) if out_bytes else 0.0
             units_seen.append(m)
-            residuals.append(statistics.median(step_times))  # the step as this stage saw it; fitted below
+            residuals.append(statistics.median(step_times[b]))  # the step as this stage saw it; fitted below
+        # The strategy's own per-iteration collectives (the loss and logs from the last stage, the step figures)
+        extra = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            strategy._share((torch.zeros(()), []) if executor.is_last else None)
+            if S > 1:
+                figures = torch.zeros(6, dtype=torch.float64, device=device)
+                rows = [torch.zeros_like(figures) for _ in range(S)]
+                dist.all_gather(rows, figures, group=strategy._pipeline_group)
+            extra.append(time.perf_counter() - t0)
+        per_iteration = statistics.median(extra)
     finally:
         snap.restore()
         strategy._full_batch = full_batch
@@ -294,7 +315,7 @@ def profile_pipeline(strategy: Any, batch: Any, sizes: Sequence[float], steps: i
         bwd = [st.backward(b) for st in stages]
         sims.append(simulate(build_plan("1f1b", S, m, 0), fwd, bwd, latency=latency if S > 1 else 0.0).step_time)
     a, c = fit_overhead(units_seen, [t - s for t, s in zip(measured, sims)])
-    profile.iteration_overhead_s, profile.unit_overhead_s = a, c
+    profile.iteration_overhead_s, profile.unit_overhead_s = a + _max_list(strategy, [per_iteration])[0], c
     return strategy.broadcast(profile, src=0)
 
 
