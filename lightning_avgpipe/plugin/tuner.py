@@ -50,8 +50,8 @@ class AvgPipeTuner(Callback):
             1..8 (stopping once no M fits).
         num_microbatches: the M values to consider (an int or a list of divisors of the batch size); ``None``:
             every divisor of the batch size.
-        profile_steps: timed pipeline steps per profiled micro-batch size (after one warm-up step); the sizes take
-            turns, one step each per round, so background load hits them alike.
+        profile_steps: timed pipeline steps per profiled micro-batch size; the sizes take turns of two steps (the
+            first untimed, after the change of shape), one turn each per round, so background load hits them alike.
         output_dir: folder for ``tuning.json`` (the table, the profile and the choice) and ``tuning.png`` (the
             heat map); ``None``: ``<trainer.default_root_dir>/tuning``.
         apply: set the chosen (M, N) (and k for ``schedule="advance"``) on the strategy; ``False`` only reports.
@@ -240,29 +240,30 @@ def profile_pipeline(strategy: Any, batch: Any, sizes: Sequence[float], steps: i
 
             settings.append((b, m, micro, keys, plan, out_bytes, fn, head))
 
-        # Rounds of one step per size (the first round is a warm-up): a burst of background load then lands on
-        # every size alike instead of bending the curve at one of them.
+        # Rounds in which every size takes a turn: a burst of background load then lands on every size alike
+        # instead of bending the curve at one of them. A turn is two steps, the first untimed: after a change of
+        # shape the first step pays for cold caches (allocator, kernels), which training at one shape does not.
         spans: dict[float, list[Any]] = {b: [] for b in sizes}
         step_times: dict[float, list[float]] = {b: [] for b in sizes}
         peaks: dict[float, list[int]] = {b: [] for b in sizes}
-        for r in range(steps + 1):
-            for b, _m, micro, keys, plan, _out, fn, head in settings:
-                for p in params:
-                    p.grad = None
-                trace = StepTrace(stage)
-                meter = ActivationMeter(params)
-                executor.run(
-                    plan.stages[stage], keys, training=True,
-                    inputs=lambda u, _micro=micro: pipeline_inputs(module, _micro[u]),
-                    head=head, forward_context=strategy.precision_plugin.train_step_context,
-                    stage_fn_for=lambda u, _fn=fn: _fn, trace=trace, meter=meter,
-                )
-                if bridge is not None:
-                    bridge.take_logs()
-                if r:
-                    spans[b].append(trace.spans)
-                    step_times[b].append(trace.step_time)
-                    peaks[b].append(meter.peak)
+        turns = [(setting, timed) for _ in range(steps) for setting in settings for timed in (False, True)]
+        for (b, _m, micro, keys, plan, _out, fn, head), timed in turns:
+            for p in params:
+                p.grad = None
+            trace = StepTrace(stage)
+            meter = ActivationMeter(params)
+            executor.run(
+                plan.stages[stage], keys, training=True,
+                inputs=lambda u, _micro=micro: pipeline_inputs(module, _micro[u]),
+                head=head, forward_context=strategy.precision_plugin.train_step_context,
+                stage_fn_for=lambda u, _fn=fn: _fn, trace=trace, meter=meter,
+            )
+            if bridge is not None:
+                bridge.take_logs()
+            if timed:
+                spans[b].append(trace.spans)
+                step_times[b].append(trace.step_time)
+                peaks[b].append(meter.peak)
         for b, m, _micro, _keys, plan, out_bytes, _fn, _head in settings:
             f, bk = compute_medians(spans[b])
             forward_s[b], backward_s[b] = f, bk
