@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -130,3 +132,39 @@ def test_metadata_is_sent_once_per_shape(outcomes: dict[str, list[dict]]) -> Non
     """Batches of 12, 12, 7, 12 samples in 3 micro-batches: sizes 4 and 3/2 give 3 distinct shapes."""
     outs = outcomes["S2-1f1b-shapes-change"]
     assert outs[0]["meta_sent"] == 3 and outs[1]["meta_received"] == 3
+
+
+class _FakeLink:
+    """Just enough of a Link for a non-first stage's forward: activations of a fixed value arrive at once."""
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self.value = value
+
+    def post_activations(self, unit: int, key: object) -> None:
+        pass
+
+    def wait_activations(self, unit: int, training: bool) -> torch.Tensor:
+        return self.value.clone().requires_grad_(training)
+
+    def reap_sends(self) -> None:
+        pass
+
+    def wait_sends(self) -> None:
+        pass
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes need Python 3.11")
+def test_boundary_mismatch_names_what_arrived() -> None:
+    """Stage 1's first layer takes 16 features; stage 0 sent 8: the layer's error gains a note saying what arrived."""
+    from lightning_avgpipe.runtime.executor import StageExecutor
+    from lightning_avgpipe.schedules import build_plan
+
+    layer = torch.nn.Linear(16, 4)
+    executor = StageExecutor(1, 2, layer, _FakeLink(torch.randn(3, 8)))  # type: ignore[arg-type]
+    plan = build_plan("1f1b", 2, 1, 0, training=False)
+    with pytest.raises(RuntimeError) as info:
+        executor.run(plan.stages[1], ["k"], training=False, head=lambda u, y: y)
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "stage 1 raised this on unit 0, running its first layers on what stage 0 sent: float32 (3, 8)" in notes
+    assert "check the order of configure_pipeline() and the partition" in notes
+    assert "mat1 and mat2 shapes cannot be multiplied" in str(info.value)  # the layer's own message is kept

@@ -108,7 +108,12 @@ class StageExecutor:
                     t1 = clock()
                     counting = meter.unit(u) if meter is not None and training else contextlib.nullcontext()
                     with forward_context(), counting:
-                        y = (stage_fn_for(u) if stage_fn_for is not None else self.stage_fn)(x)
+                        try:
+                            y = (stage_fn_for(u) if stage_fn_for is not None else self.stage_fn)(x)
+                        except (RuntimeError, TypeError, ValueError, IndexError) as err:
+                            if not self.is_first:
+                                _note_boundary(err, self.stage, u, x)
+                            raise
                         if self.is_last:  # the loss / user step runs in the same context (autocast) as the model
                             assert head is not None, "the last stage needs a head"
                             value = head(u, y)
@@ -179,3 +184,22 @@ def _needing_grad(x: Any) -> list[Tensor]:
     if isinstance(x, (tuple, list)):
         return [t for t in x if isinstance(t, Tensor) and t.requires_grad]
     return []
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, Tensor):
+        return f"{x.dtype} {tuple(x.shape)}".replace("torch.", "")
+    if isinstance(x, (tuple, list)):
+        return "(" + ", ".join(_describe(t) for t in x) + ")"
+    return type(x).__name__
+
+
+def _note_boundary(err: BaseException, stage: int, unit: int, x: Any) -> None:
+    """Add what arrived from the previous stage to an error raised by this stage's layers (type and message kept)."""
+    if not hasattr(err, "add_note"):  # Python < 3.11: the original error only
+        return
+    err.add_note(
+        f"lightning_avgpipe: stage {stage} raised this on unit {unit}, running its first layers on what stage "
+        f"{stage - 1} sent: {_describe(x)}. If it is a shape or dtype mismatch, stage {stage - 1}'s last layer and "
+        f"stage {stage}'s first layer disagree: check the order of configure_pipeline() and the partition."
+    )
