@@ -28,13 +28,13 @@ from lightning_avgpipe.runtime.trace import ActivationMeter, StepTrace
 from lightning_avgpipe.schedules import build_plan, simulate
 from lightning_avgpipe.tuning.model import PipelineProfile, StageProfile, microbatch_sizes
 from lightning_avgpipe.tuning.profiler import (
+    CopyOptimizer,
     Snapshot,
     compute_medians,
     fit_overhead,
     measure_link,
     tensor_bytes,
     time_elastic_update,
-    time_optimizer_step,
 )
 from lightning_avgpipe.tuning.search import TuningTable, candidate_microbatches, candidate_pipelines, search
 
@@ -55,6 +55,9 @@ class AvgPipeTuner(Callback):
         output_dir: folder for ``tuning.json`` (the table, the profile and the choice) and ``tuning.png`` (the
             heat map); ``None``: ``<trainer.default_root_dir>/tuning``.
         apply: set the chosen (M, N) (and k for ``schedule="advance"``) on the strategy; ``False`` only reports.
+        calibrate_steps: with ``apply``, time this many training iterations of the chosen setting (after one
+            warm-up iteration) and scale every predicted time in the table by measured / predicted (the model's
+            own numbers stay in the JSON as ``raw_rows``; the choice does not change); 0 turns it off.
 
     After ``fit`` starts, :attr:`table` holds every prediction and :attr:`choice` the chosen one.
     """
@@ -67,6 +70,7 @@ class AvgPipeTuner(Callback):
         profile_steps: int = 3,
         output_dir: str | None = None,
         apply: bool = True,
+        calibrate_steps: int = 4,
     ) -> None:
         if not isinstance(profile_steps, int) or isinstance(profile_steps, bool) or profile_steps < 1:
             raise ValueError(f"profile_steps={profile_steps!r} must be an int >= 1 (timed steps per size).")
@@ -74,6 +78,8 @@ class AvgPipeTuner(Callback):
             raise ValueError(
                 f"memory_limit={memory_limit!r} must be a number of bytes, or a fraction in (0, 1] of device memory."
             )
+        if not isinstance(calibrate_steps, int) or isinstance(calibrate_steps, bool) or calibrate_steps < 0:
+            raise ValueError(f"calibrate_steps={calibrate_steps!r} must be an int >= 0 (0: no calibration).")
         candidate_pipelines(num_pipelines)  # validates
         self.memory_limit = memory_limit
         self.num_pipelines = num_pipelines
@@ -85,6 +91,10 @@ class AvgPipeTuner(Callback):
         self.profile: PipelineProfile | None = None
         self.seconds: float = 0.0
         self.files: dict[str, Path] = {}
+        self.calibrate_steps = calibrate_steps
+        self._starts: list[float] = []
+        self._calibrating = False
+        self._out: Path | None = None
 
     @property
     def choice(self) -> Any:
@@ -117,8 +127,11 @@ class AvgPipeTuner(Callback):
                                  advance_forwards=k)
         self.seconds = time.perf_counter() - started
         table.notes["tuner_seconds"] = self.seconds
+        self._calibrating = self.apply and self.calibrate_steps > 0
+        self._starts = []
+        out = Path(self.output_dir) if self.output_dir is not None else Path(trainer.default_root_dir) / "tuning"
+        self._out = out
         if trainer.is_global_zero:
-            out = Path(self.output_dir) if self.output_dir is not None else Path(trainer.default_root_dir) / "tuning"
             self.files = _write(table, out)
             where = " and ".join(str(p) for p in self.files.values())
             rank_zero_info(
@@ -139,6 +152,32 @@ class AvgPipeTuner(Callback):
             }, step=0)
 
 
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if not self._calibrating or self.table is None or self.table.choice is None:
+            return
+        self._starts.append(time.perf_counter())
+        if len(self._starts) < self.calibrate_steps + 2:  # the first interval is a warm-up
+            return
+        self._calibrating = False
+        gaps = [b - a for a, b in zip(self._starts[1:], self._starts[2:])]
+        measured = float(trainer.strategy.broadcast(statistics.median(gaps), src=0))
+        predicted = self.table.choice.step_time
+        factor = measured / predicted
+        self.table.calibrate(factor)
+        self.table.notes.update(calibration_measured_step_s=measured, calibration_predicted_step_s=predicted,
+                                calibration_steps=self.calibrate_steps)
+        if trainer.is_global_zero and self._out is not None:
+            self.files = _write(self.table, self._out)
+            rank_zero_info(
+                f"AvgPipeTuner: the chosen setting ran {measured * 1e3:.1f} ms per iteration against "
+                f"{predicted * 1e3:.1f} ms predicted (x{factor:.2f}); the table's times are scaled by it."
+            )
+        for logger in trainer.loggers:
+            logger.log_metrics({"tuner/calibration_factor": factor, "tuner/measured_step_time_s": measured},
+                               step=trainer.global_step)
+
+
 def _write(table: TuningTable, out: Path) -> dict[str, Path]:
     try:
         from lightning_avgpipe.tuning.report import write_report
@@ -147,18 +186,28 @@ def _write(table: TuningTable, out: Path) -> dict[str, Path]:
     return write_report(table, out)
 
 
-def first_batch(trainer: pl.Trainer) -> Any:
-    """One training batch, drawn from a fresh iterator with the RNG states put back (the data order is kept)."""
+def first_batch(trainer: pl.Trainer, fetches: int = 3) -> tuple[Any, float]:
+    """One training batch and the median time to draw one, from a fresh iterator; the RNG states are put back, so
+    the data order training sees is kept."""
     source = trainer.fit_loop._data_source
     loader = source.dataloader()
     if loader is None:
         raise ValueError("AvgPipeTuner needs a training DataLoader to profile on; none is attached to fit().")
     snap = Snapshot([], [])
+    times = []
     try:
-        batch = next(iter(loader))
+        it = iter(loader)
+        batch = next(it)
+        for _ in range(fetches):
+            t0 = time.perf_counter()
+            try:
+                next(it)
+            except StopIteration:
+                break
+            times.append(time.perf_counter() - t0)
     finally:
         snap.restore()
-    return batch
+    return batch, statistics.median(times) if times else 0.0
 
 
 def tune(
@@ -170,13 +219,14 @@ def tune(
     profile_steps: int = 3,
 ) -> TuningTable:
     """Profile ``strategy``'s pipeline on one batch and search (M, N); collective over every rank."""
-    batch = first_batch(trainer)
-    batch = strategy.broadcast(batch, src=0)  # every stage of every group profiles the same batch
+    batch, fetch_s = first_batch(trainer)
+    batch, fetch_s = strategy.broadcast((batch, fetch_s), src=0)  # every stage of every group profiles the same batch
     batch = strategy.batch_to_device(batch)
     size = microbatch.batch_size(batch)
     ms = candidate_microbatches(size, num_microbatches)
     candidate_pipelines(num_pipelines)
     profile = profile_pipeline(strategy, batch, microbatch_sizes(size, ms), profile_steps)
+    profile.batch_fetch_s = fetch_s
     limit = memory_limit if memory_limit is not None else strategy.config.memory_limit
     limit = strategy._memory_limit_bytes(limit)
     k: int | str = strategy.config.advance_forwards if strategy.config.schedule == "advance" else 0
@@ -246,6 +296,12 @@ def profile_pipeline(strategy: Any, batch: Any, sizes: Sequence[float], steps: i
         spans: dict[float, list[Any]] = {b: [] for b in sizes}
         step_times: dict[float, list[float]] = {b: [] for b in sizes}
         peaks: dict[float, list[int]] = {b: [] for b in sizes}
+        # Between steps the optimizer of a copy of the stage steps, as the real one does between iterations (it
+        # also times one replica's optimizer step): the profiled steps then see caches as training leaves them.
+        user = strategy.optimizers[0]
+        user = getattr(user, "user", user)
+        reference = elastic.reference_params
+        copy_opt = CopyOptimizer(lambda ps: clone_optimizer(user, ps, reference), reference)
         turns = [(setting, timed) for _ in range(steps) for setting in settings for timed in (False, True)]
         for (b, _m, micro, keys, plan, _out, fn, head), timed in turns:
             for p in params:
@@ -260,6 +316,7 @@ def profile_pipeline(strategy: Any, batch: Any, sizes: Sequence[float], steps: i
             )
             if bridge is not None:
                 bridge.take_logs()
+            copy_opt.step()
             if timed:
                 spans[b].append(trace.spans)
                 step_times[b].append(trace.step_time)
@@ -286,10 +343,8 @@ def profile_pipeline(strategy: Any, batch: Any, sizes: Sequence[float], steps: i
     finally:
         snap.restore()
         strategy._full_batch = full_batch
-    user = strategy.optimizers[0]
-    user = getattr(user, "user", user)
-    reference = elastic.reference_params
-    step_s, state_bytes = time_optimizer_step(lambda ps: clone_optimizer(user, ps, reference), reference)
+    step_s, state_bytes = copy_opt.median(), copy_opt.state_bytes()
+    del copy_opt
     elastic_s = time_elastic_update(strategy._owned, device)
     link_bytes = int(max(sent.values())) if sent else 4
     group = strategy._pipeline_group

@@ -90,6 +90,7 @@ class PipelineProfile:
     num_groups: int = 1  # D
     iteration_overhead_s: float = 0.0  # per iteration, besides the pipeline and the updates
     unit_overhead_s: float = 0.0  # per unit on the critical path, outside the measured compute (posting, copies)
+    batch_fetch_s: float = 0.0  # drawing one batch from the DataLoader (an iteration draws N)
     schedule: str = "1f1b"
 
     @property
@@ -187,7 +188,8 @@ def predict(
     sim = simulate(plan, fwd, bwd, latency=latency if S > 1 else 0.0, transfer_cost=xfer, backward_transfer_cost=xfer_b)
     update = max(N * (st.optimizer_step_s + st.elastic_s) if N * profile.num_groups > 1 else st.optimizer_step_s
                  for st in profile.stages)
-    step = sim.step_time + update + profile.iteration_overhead_s + profile.unit_overhead_s * N * M
+    step = (sim.step_time + update + profile.iteration_overhead_s + profile.unit_overhead_s * N * M
+            + profile.batch_fetch_s * N)
     peaks = tuple(
         st.static_bytes(N, profile.num_groups) + sim.peak_stash[s] * st.activations(b)
         for s, st in enumerate(profile.stages)

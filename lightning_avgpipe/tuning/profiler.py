@@ -71,32 +71,56 @@ def compute_medians(steps: Sequence[Sequence[Span]]) -> tuple[float, float]:
     return (statistics.median(fwd) if fwd else 0.0, statistics.median(bwd) if bwd else 0.0)
 
 
+class CopyOptimizer:
+    """A fresh optimizer (``make_optimizer``) over copies of ``params`` with small random gradients.
+
+    Its :meth:`step` is what one replica's optimizer step costs, and, run between profiled pipeline steps, it
+    touches memory as the real optimizer does between training iterations. The real parameters and optimizer
+    are untouched.
+    """
+
+    def __init__(self, make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+                 params: Sequence[Tensor]) -> None:
+        self.device = params[0].device if params else torch.device("cpu")
+        self.copies = [nn.Parameter(p.detach().clone()) for p in params]
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            for c in self.copies:
+                c.grad = torch.randn_like(c) * 1e-3
+        self.optimizer = make_optimizer(self.copies) if self.copies else None
+        self.times: list[float] = []
+
+    def step(self) -> float:
+        if self.optimizer is None:
+            return 0.0
+        _sync(self.device)
+        t0 = time.perf_counter()
+        self.optimizer.step()
+        _sync(self.device)
+        elapsed = time.perf_counter() - t0
+        self.times.append(elapsed)
+        return elapsed
+
+    def median(self) -> float:
+        """Median step time, the first (which creates the state) left out."""
+        timed = self.times[1:] or self.times
+        return statistics.median(timed) if timed else 0.0
+
+    def state_bytes(self) -> int:
+        return optimizer_state_bytes(self.optimizer) if self.optimizer is not None else 0
+
+
 def time_optimizer_step(
     make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
     params: Sequence[Tensor],
     repeats: int = 3,
 ) -> tuple[float, int]:
-    """(median seconds of one step, optimizer state bytes) of a fresh optimizer over copies of ``params``.
-
-    The copies get small random gradients; the real parameters and optimizer are untouched.
-    """
+    """(median seconds of one step, optimizer state bytes) of a fresh optimizer over copies of ``params``."""
     if not params:
         return 0.0, 0
-    device = params[0].device
-    copies = [nn.Parameter(p.detach().clone()) for p in params]
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        for c in copies:
-            c.grad = torch.randn_like(c) * 1e-3
-    optimizer = make_optimizer(copies)
-    times = []
-    for r in range(repeats + 1):
-        _sync(device)
-        t0 = time.perf_counter()
-        optimizer.step()
-        _sync(device)
-        if r:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times), optimizer_state_bytes(optimizer)
+    opt = CopyOptimizer(make_optimizer, params)
+    for _ in range(repeats + 1):
+        opt.step()
+    return opt.median(), opt.state_bytes()
 
 
 def time_elastic_update(layers: Sequence[nn.Module], device: torch.device, repeats: int = 3) -> float:

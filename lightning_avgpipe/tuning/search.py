@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,26 @@ class TuningTable:
     schedule: str
     profile: PipelineProfile | None = None
     notes: dict[str, Any] = field(default_factory=dict)
+    raw_rows: list[Prediction] | None = None  # the model's own predictions, when ``rows`` were calibrated
+
+    def calibrate(self, factor: float) -> None:
+        """Scale every predicted time by ``factor`` (measured / predicted iteration time of a setting that ran).
+
+        The model's own predictions stay in :attr:`raw_rows`; the choice is not changed (every row scales alike).
+        """
+        if not factor > 0 or not math.isfinite(factor):
+            raise ValueError(f"calibration factor {factor!r} must be a positive finite number")
+        base = self.raw_rows if self.raw_rows is not None else self.rows
+        chosen = base.index(self.choice) if self.choice is not None and self.choice in base else None
+        self.raw_rows = list(base)
+        self.rows = [
+            replace(r, step_time=r.step_time * factor, pipeline_time=r.pipeline_time * factor,
+                    update_time=r.update_time * factor, samples_per_sec=r.samples_per_sec / factor)
+            for r in base
+        ]
+        if chosen is not None:
+            self.choice = self.rows[chosen]
+        self.notes["calibration_factor"] = factor
 
     def row(self, num_microbatches: int, num_pipelines: int) -> Prediction:
         for r in self.rows:
@@ -81,6 +102,7 @@ class TuningTable:
             "rows": [r.to_dict() for r in self.rows],
             "profile": self.profile.to_dict() if self.profile else None,
             "notes": self.notes,
+            "raw_rows": [r.to_dict() for r in self.raw_rows] if self.raw_rows is not None else None,
         }
 
     def write_json(self, path: str | Path) -> Path:
