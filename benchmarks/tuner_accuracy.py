@@ -428,7 +428,8 @@ def format_report(report: dict[str, Any]) -> str:
         f"{s['time_error_worst']:.1%}, median signed {s['time_error_signed_median']:+.1%}",
         (f"iteration time error after the tuner's calibration (x{s['calibration_factor']:.3f}, from the chosen "
          f"setting's first training iterations): median {s['calibrated_time_error_median']:.1%}, worst "
-         f"{s['calibrated_time_error_worst']:.1%}") if s["calibration_factor"] else "no calibration (--tuner-steps < 6)",
+         f"{s['calibrated_time_error_worst']:.1%}") if s["calibration_factor"]
+        else "no calibration (--tuner-steps < 6)",
         f"peak memory error:    median {s['peak_error_median']:.1%}, worst {s['peak_error_worst']:.1%}"
         " (over settings x stages)",
         f"rank correlation (Spearman) of predicted and measured samples/s: {s['spearman_samples_per_sec']:.3f}",
