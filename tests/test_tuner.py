@@ -76,6 +76,27 @@ def test_tuner_arguments_are_checked() -> None:
         AvgPipeTuner(memory_limit=-5)
     with pytest.raises(ValueError, match=r"num_pipelines=0 must be at least 1"):
         AvgPipeTuner(num_pipelines=0)
+    with pytest.raises(ValueError, match=r"calibrate_steps=-1 must be an int >= 0"):
+        AvgPipeTuner(calibrate_steps=-1)
+
+
+def test_calibration_scales_times_and_keeps_the_choice() -> None:
+    from lightning_avgpipe.tuning import PipelineProfile, StageProfile, search
+
+    stage = StageProfile({1: 0.001, 8: 0.004}, {1: 0.002, 8: 0.008}, {1: 1e4, 8: 8e4}, {1: 1e3, 8: 8e3},
+                         1e6, 2e6, 0.003, 0.001)
+    table = search(PipelineProfile([stage, stage], 8, latency_s=1e-4, bandwidth=1e9), num_pipelines=2)
+    before = table.choice
+    assert before is not None
+    table.calibrate(1.25)
+    table.calibrate(1.5)  # always relative to the model's own numbers
+    assert table.raw_rows is not None and table.choice is not None
+    assert table.choice.num_microbatches == before.num_microbatches
+    assert table.choice.step_time == pytest.approx(before.step_time * 1.5)
+    assert table.choice.samples_per_sec == pytest.approx(before.samples_per_sec / 1.5)
+    assert table.to_dict()["raw_rows"][0]["step_time"] == pytest.approx(table.raw_rows[0].step_time)
+    with pytest.raises(ValueError, match="calibration factor"):
+        table.calibrate(0.0)
 
 
 def test_tuner_needs_the_avgpipe_strategy(tmp_path: Path) -> None:
@@ -118,14 +139,19 @@ def test_profiling_leaves_no_trace(tmp_path: Path) -> None:
 @pytest.mark.timeout(300)
 def test_tuner_applies_its_choice_and_reports_the_table(tmp_path: Path) -> None:
     out = tmp_path / "tuning"
-    results = run_lightning(tmp_path, 2, {"num_microbatches": 2, "partition": [3, 3]}, steps=3,
-                            tuner={"num_pipelines": [1, 2], "output_dir": str(out)})
+    results = run_lightning(tmp_path, 2, {"num_microbatches": 2, "partition": [3, 3]}, steps=5,
+                            tuner={"num_pipelines": [1, 2], "output_dir": str(out), "calibrate_steps": 2})
     choice = results[0]["tuner"]["choice"]
     for r in results:  # every rank runs the same setting, the tuner's
         assert r["setting"] == [choice["num_microbatches"], choice["num_pipelines"]]
         assert r["tuner"]["choice"] == choice
-        assert len(r["losses"]) == 3
+        assert len(r["losses"]) == 5
     table = json.loads((out / "tuning.json").read_text())
+    factor = table["notes"]["calibration_factor"]  # iterations 2-3 of the chosen setting were timed
+    assert factor > 0 and table["notes"]["calibration_measured_step_s"] > 0
+    for raw, row in zip(table["raw_rows"], table["rows"]):
+        assert row["step_time"] == pytest.approx(raw["step_time"] * factor)
+        assert row["peak_bytes"] == raw["peak_bytes"]
     cells = {(row["num_microbatches"], row["num_pipelines"]) for row in table["rows"]}
     assert cells == {(m, n) for m in divisors(12) for n in (1, 2)}
     best = max(table["rows"], key=lambda row: row["samples_per_sec"])

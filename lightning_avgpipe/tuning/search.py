@@ -77,7 +77,7 @@ class TuningTable:
         if not factor > 0 or not math.isfinite(factor):
             raise ValueError(f"calibration factor {factor!r} must be a positive finite number")
         base = self.raw_rows if self.raw_rows is not None else self.rows
-        chosen = base.index(self.choice) if self.choice is not None and self.choice in base else None
+        chosen = next((i for i, r in enumerate(self.rows) if r is self.choice), None)
         self.raw_rows = list(base)
         self.rows = [
             replace(r, step_time=r.step_time * factor, pipeline_time=r.pipeline_time * factor,
