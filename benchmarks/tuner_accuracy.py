@@ -23,7 +23,7 @@ What is measured per setting, by a small callback:
   pipeline, the N optimizer steps and the elastic update, and Lightning's own per-iteration work: logging, hooks);
   the median over the ``--steps`` iterations after the first ``--warmup`` (the last iteration is not timed: it has
   no next start);
-- peak memory per stage: the maximum over those iterations of what the strategy logs as
+- peak memory per stage: what the strategy logs, after the last (untimed) iteration, as
   ``avgpipe/peak_memory_mb/stage{s}`` (on CPU: the stage's counted tensors -- weights, gradients, optimizer states,
   averaging buffers -- plus the activation peak measured with saved-tensor hooks; mirrored on every rank);
 - measured samples/s = N * B / iteration time (the same unit as the tuner's ``samples_per_sec``);
@@ -166,20 +166,28 @@ def rank_main(cfg: dict[str, Any]) -> None:
     dm = CharDataModule(block_size=cfg["block_size"], batch_size=B, max_chars=cfg["corpus_chars"])
 
     class Timer(pl.Callback):
-        """Start time of every iteration and, after it, the logged per-stage peak memory."""
+        """Start time of every iteration; the logged per-stage peak memory after the last (untimed) iteration.
 
-        def __init__(self, stages: int) -> None:
+        ``trainer.callback_metrics`` assembles every logged value (several ms per call on this machine), so it is
+        read only once the timed iterations are over: the peaks are the same every iteration of one setting (the
+        plan and the shapes do not change).
+        """
+
+        def __init__(self, stages: int, last: int) -> None:
             self.starts: list[float] = []
-            self.peaks: list[list[float]] = []
+            self.peaks: list[float] = []
             self.stages = stages
+            self.last = last
 
         def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
             self.starts.append(time.perf_counter())
 
         def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            if len(self.starts) < self.last:
+                return
             metrics = trainer.callback_metrics
-            self.peaks.append([float(metrics.get(f"avgpipe/peak_memory_mb/stage{s}", float("nan")))
-                               for s in range(self.stages)])
+            self.peaks = [float(metrics.get(f"avgpipe/peak_memory_mb/stage{s}", float("nan")))
+                          for s in range(self.stages)]
 
     def fit(m: int, n: int, max_steps: int, callbacks: list[Any]) -> tuple[pl.Trainer, float]:
         started = time.perf_counter()
@@ -224,17 +232,16 @@ def rank_main(cfg: dict[str, Any]) -> None:
         order = list(grid)
         random.Random(seed + r).shuffle(order)
         for m, n in order:
-            timer = Timer(len(cfg["partition"]))
+            timer = Timer(len(cfg["partition"]), warmup + steps + 1)
             trainer, wall = fit(m, n, warmup + steps + 1, [timer])
             intervals = [b - a for a, b in zip(timer.starts, timer.starts[1:])]
             timed = intervals[warmup:warmup + steps]
-            peaks = timer.peaks[warmup:warmup + steps]
-            if len(timed) != steps or len(peaks) != steps:
+            if len(timed) != steps or len(timer.peaks) != len(cfg["partition"]):
                 raise RuntimeError(f"M={m} N={n}: {len(timer.starts)} iterations seen, expected {warmup + steps + 1}")
             row = {
                 "num_microbatches": m, "num_pipelines": n, "repeat": r, "iteration_s": timed,
                 "iteration_s_median": statistics.median(timed), "timed_s": sum(timed), "wall_s": wall,
-                "peak_mib": [max(p[s] for p in peaks) for s in range(len(cfg["partition"]))],
+                "peak_mib": list(timer.peaks),
                 "config_seen": [trainer.strategy.num_microbatches, trainer.strategy.num_pipelines],
             }
             result["settings"].append(row)
