@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import subprocess
 import sys
@@ -220,11 +221,13 @@ def test_tune_command_prints_the_table_without_training(tmp_path: Path) -> None:
         "model:\n  class_path: tests.helpers.lit.PipeNet\n"
         "data:\n  class_path: tests.test_tuner.TinyData\n"
     )
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT", "RANK"):  # left by in-process Trainers
+        env.pop(var, None)
     proc = subprocess.run(
         [sys.executable, "-m", "lightning_avgpipe", "tune", "--config", str(config), "--num-pipelines", "2",
          "--output-dir", str(tmp_path / "out")],
-        cwd=ROOT, capture_output=True, text=True, timeout=240,
-        env={**__import__("os").environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+        cwd=ROOT, capture_output=True, text=True, timeout=240, env=env,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "<- chosen" in proc.stdout and "plan: num_microbatches=" in proc.stdout
