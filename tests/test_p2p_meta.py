@@ -128,3 +128,22 @@ def test_flatten_output_rejects_what_cannot_travel(value: object, what: str) -> 
     assert "tensor or a tuple of tensors" in message
     with pytest.raises(StageOutputError, match="stage 2"):
         OutputMeta.of(value, where)
+
+
+def test_posting_to_a_gone_neighbour_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """When the neighbour is already dead, gloo fails at posting (not at waiting): named all the same."""
+    import torch.distributed as dist
+
+    from lightning_avgpipe.runtime.p2p import Link, PeerFailureError
+
+    def gone(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:33005.")
+
+    monkeypatch.setattr(dist, "irecv", gone)
+    monkeypatch.setattr(dist, "isend", gone)
+    link = Link(0, 2, torch.device("cpu"), name="stage 1 (rank 1)", stage=1)
+    with pytest.raises(PeerFailureError, match=r"stage 1 \(rank 1\): a transfer \(receive\) from rank 0 \(stage 0\) "
+                                               r"did not arrive: that rank failed.*Connection closed by peer"):
+        link._p2p(False, torch.zeros(2), 0)
+    with pytest.raises(PeerFailureError, match=r"a transfer \(send\) from rank 2 \(stage 2\) did not arrive"):
+        link._p2p(True, torch.zeros(2), 2)

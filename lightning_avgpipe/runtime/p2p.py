@@ -171,7 +171,11 @@ class Link:
         """Issue the collected operations together (one NCCL group)."""
         batch, self._batch = self._batch, None
         if batch:
-            works = dist.batch_isend_irecv([op for op, _ in batch])
+            try:
+                works = dist.batch_isend_irecv([op for op, _ in batch])
+            except RuntimeError as err:  # a neighbour already gone: posting fails at once
+                peer = batch[0][0].peer
+                raise self._peer_error(err, "a batch of transfers", peer, -1 if peer == self.prev_rank else 1) from err
             if len(works) != len(batch):  # NCCL coalesces the group into one request that completes them all
                 works = [works[-1]] * len(batch)
             for (_, handle), work in zip(batch, works):
@@ -188,7 +192,11 @@ class Link:
             op = dist.P2POp(dist.isend if send else dist.irecv, tensor, peer, self.group)
             self._batch.append((op, handle))
             return handle
-        return (dist.isend if send else dist.irecv)(tensor, peer, group=self.group)
+        try:
+            return (dist.isend if send else dist.irecv)(tensor, peer, group=self.group)
+        except RuntimeError as err:  # a neighbour already gone: posting fails at once
+            what = "a transfer (send)" if send else "a transfer (receive)"
+            raise self._peer_error(err, what, peer, -1 if peer == self.prev_rank else 1) from err
 
     # -- activations, forward direction ------------------------------------------------------------------------
     def send_activations(self, key: Hashable, value: Any) -> None:
@@ -301,18 +309,22 @@ class Link:
             else:
                 work.wait(timedelta(seconds=self.timeout))
         except RuntimeError as err:
-            if peer is None:
-                who = "a neighbouring stage"
-            elif self.stage is not None:
-                who = f"rank {peer} (stage {self.stage + direction})"
-            else:
-                who = f"rank {peer} (the {'previous' if direction < 0 else 'next'} stage)"
-            timed_out = "timed out" in str(err).lower() or "timeout" in str(err).lower()
-            limit = f" within {self.timeout:g} s" if timed_out and self.timeout is not None else ""
-            raise PeerFailureError(
-                f"{self.name}: {what} from {who} did not arrive{limit}: that rank failed, was killed or is stuck. "
-                f"{first_failure()}({type(err).__name__}: {str(err).splitlines()[0][:160]})"
-            ) from err
+            raise self._peer_error(err, what, peer, direction) from err
+
+    def _peer_error(self, err: BaseException, what: str, peer: int | None, direction: int) -> PeerFailureError:
+        """A :class:`PeerFailureError` naming the neighbour ``peer`` (``direction``: -1 previous, +1 next stage)."""
+        if peer is None:
+            who = "a neighbouring stage"
+        elif self.stage is not None:
+            who = f"rank {peer} (stage {self.stage + direction})"
+        else:
+            who = f"rank {peer} (the {'previous' if direction < 0 else 'next'} stage)"
+        timed_out = "timed out" in str(err).lower() or "timeout" in str(err).lower()
+        limit = f" within {self.timeout:g} s" if timed_out and self.timeout is not None else ""
+        return PeerFailureError(
+            f"{self.name}: {what} from {who} did not arrive{limit}: that rank failed, was killed or is stuck. "
+            f"{first_failure()}({type(err).__name__}: {str(err).splitlines()[0][:160]})"
+        )
 
 
     def reset(self) -> None:
