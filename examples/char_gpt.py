@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-import lightning_avgpipe  # noqa: F401 - registers strategy="avgpipe"
+import lightning_avgpipe  # registers strategy="avgpipe"
 
 try:
     from examples.text_data import CharDataset, encode, stdlib_docstrings
@@ -165,6 +165,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--memory-limit-mb", type=float, default=None, help="the tuner's per-stage memory limit")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if args.accelerator == "cpu":
+        lightning_avgpipe.share_cpu_threads(args.devices)  # before the model starts torch's thread pool
     L.seed_everything(args.seed, verbose=False)
     dm = CharDataModule(batch_size=args.batch_size)
     model = CharGPT(vocab_size=dm.vocab_size, n_layer=args.n_layer)

@@ -17,7 +17,7 @@ import torchmetrics
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_avgpipe  # noqa: F401 - registers strategy="avgpipe"
+import lightning_avgpipe  # registers strategy="avgpipe"
 
 
 class DigitsMLP(L.LightningModule):
@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    lightning_avgpipe.share_cpu_threads(args.devices)  # before the model starts torch's thread pool
     L.seed_everything(args.seed, verbose=False)
     strategy: Any = args.strategy
     if args.strategy == "avgpipe":

@@ -82,3 +82,25 @@ def test_rejects_bools_like_num_microbatches(name: str) -> None:
 def test_rejects_a_non_numeric_timeout_naming_it() -> None:
     with pytest.raises((TypeError, ValueError), match="timeout='10'"):
         PipelineConfig(timeout="10")  # type: ignore[arg-type]
+
+
+def test_share_cpu_threads_sets_the_share_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    import torch
+
+    from lightning_avgpipe import share_cpu_threads
+
+    before = torch.get_num_threads()
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # recorded, so the original (set or not) comes back afterwards
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    try:
+        assert share_cpu_threads(4) == 2
+        assert os.environ["OMP_NUM_THREADS"] == "2" and torch.get_num_threads() == 2
+        monkeypatch.setattr(os, "cpu_count", lambda: 1)
+        assert share_cpu_threads(4) == 2  # OMP_NUM_THREADS is now set: left alone
+        with pytest.raises(ValueError, match=r"processes=0 must be an int >= 1"):
+            share_cpu_threads(0)
+    finally:
+        torch.set_num_threads(before)

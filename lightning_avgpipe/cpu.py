@@ -1,0 +1,27 @@
+"""CPU threads for several stage processes on one machine."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def share_cpu_threads(processes: int) -> int:
+    """Give each of ``processes`` processes on this machine its share of the cores; call it first thing.
+
+    With S stages on one machine's CPUs, every process otherwise starts torch's thread pool with all the cores.
+    Lightning lowers each process to its share when it launches them, but by then a model built in the script has
+    already started the pool, and its idle threads keep spinning on the cores the other stages need (measured on 2
+    cores, 2 stages, the char GPT with M = 1, N = 4: 458-478 ms per iteration left to Lightning, 345 ms with this
+    call first). Does nothing when ``OMP_NUM_THREADS`` is set (you chose). Sets it otherwise, so the processes
+    Lightning starts inherit it. Returns the number of threads in use.
+    """
+    if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
+        raise ValueError(f"processes={processes!r} must be an int >= 1: the stage processes sharing this machine.")
+    if "OMP_NUM_THREADS" in os.environ:
+        return torch.get_num_threads()
+    threads = max(1, (os.cpu_count() or 1) // processes)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+    return threads
