@@ -230,16 +230,8 @@ def tune(
     limit = memory_limit if memory_limit is not None else strategy.config.memory_limit
     limit = strategy._memory_limit_bytes(limit)
     k: int | str = strategy.config.advance_forwards if strategy.config.schedule == "advance" else 0
-    error: Exception | None = None
-    table: TuningTable | None = None
-    try:
-        table = search(profile, ms, num_pipelines, limit, strategy.config.schedule, k)
-    except ValueError as err:  # the same on every rank (same profile): raise everywhere
-        error = err
-    if error is not None:
-        raise error
-    assert table is not None
-    return table
+    # every rank searches the same broadcast profile: a setting that fits nowhere raises on every rank alike
+    return search(profile, ms, num_pipelines, limit, strategy.config.schedule, k)
 
 
 def profile_pipeline(strategy: Any, batch: Any, sizes: Sequence[float], steps: int) -> PipelineProfile:

@@ -109,20 +109,6 @@ class CopyOptimizer:
         return optimizer_state_bytes(self.optimizer) if self.optimizer is not None else 0
 
 
-def time_optimizer_step(
-    make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-    params: Sequence[Tensor],
-    repeats: int = 3,
-) -> tuple[float, int]:
-    """(median seconds of one step, optimizer state bytes) of a fresh optimizer over copies of ``params``."""
-    if not params:
-        return 0.0, 0
-    opt = CopyOptimizer(make_optimizer, params)
-    for _ in range(repeats + 1):
-        opt.step()
-    return opt.median(), opt.state_bytes()
-
-
 def time_elastic_update(layers: Sequence[nn.Module], device: torch.device, repeats: int = 3) -> float:
     """Median seconds one replica adds to the elastic update (offsets, pull, mean update), on copies."""
     copies = [copy.deepcopy(layer) for layer in layers]
