@@ -12,7 +12,7 @@ def share_cpu_threads(processes: int) -> int:
 
     With S stages on one machine's CPUs, every process otherwise starts torch's thread pool with all the cores.
     Lightning lowers each process to its share when it launches them, but by then a model built in the script has
-    already started the pool, and its idle threads keep spinning on the cores the other stages need (measured on 2
+    already started the pool, whose idle threads (presumably spin-waiting) slow the other stages (measured on 2
     cores, 2 stages, the char GPT with M = 1, N = 4: 458-478 ms per iteration left to Lightning, 345 ms with this
     call first). Does nothing when ``OMP_NUM_THREADS`` is set (you chose). Sets it otherwise, so the processes
     Lightning starts inherit it. Returns the number of threads in use.
