@@ -105,3 +105,36 @@ def test_killed_run_resumed_from_its_last_checkpoint_ends_bit_identical(tmp_path
     run_lightning(resumed, 2, strategy, steps=6, model=model, ckpt_path=str(saved[-1]))
     a, b = final_state(straight), final_state(resumed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_watchdog_fires_after_the_grace_and_not_once_stopped() -> None:
+    """In process, with a fake store: a recorded failure ends the process after ``grace``; a stopped one stays quiet."""
+    from lightning_avgpipe.runtime.watchdog import Watchdog
+
+    class Store:
+        def __init__(self) -> None:
+            self.value = b""
+
+        def check(self, keys: list[str]) -> bool:
+            return bool(self.value)
+
+        def get(self, key: str) -> bytes:
+            return self.value
+
+    store, codes = Store(), []
+    dog = Watchdog("rank 1 (stage 1)", grace=0.2, store=store, poll=0.02, exit=codes.append).start()
+    time.sleep(0.3)
+    assert codes == [] and not dog.fired  # nothing recorded: nothing happens
+    store.value = b"rank 0 (stage 0): RuntimeError: boom"
+    deadline = time.monotonic() + 5
+    while not codes and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert codes == [1] and dog.fired
+    dog.stop()
+
+    quiet, later = Store(), []
+    calm = Watchdog("rank 0 (stage 0)", grace=0.1, store=quiet, poll=0.02, exit=later.append).start()
+    calm.stop()
+    quiet.value = b"rank 1 (stage 1): RuntimeError: late"
+    time.sleep(0.3)
+    assert later == [] and not calm.fired

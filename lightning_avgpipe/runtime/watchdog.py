@@ -9,6 +9,7 @@ ends the process with exit code 1. A healthy rank that is already stopping is do
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import os
 import sys
@@ -48,12 +49,16 @@ class Watchdog:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="lightning_avgpipe-watchdog", daemon=True)
             self._thread.start()
+            # never leave the thread inside a store call while the interpreter shuts down
+            atexit.register(self.stop)
         return self
 
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=self.poll + 1.0)
+            self._thread.join(timeout=self.poll + 5.0)
+        if self._thread is not None:
+            atexit.unregister(self.stop)
         self._thread = None
 
     def _failure(self) -> str | None:
@@ -74,7 +79,10 @@ class Watchdog:
 
     def _run(self) -> None:
         seen: float | None = None
+        main = threading.main_thread()
         while not self._stop.wait(self.poll):
+            if sys.is_finalizing() or not main.is_alive():
+                return
             failure = self._failure()
             if failure is None:
                 seen = None
