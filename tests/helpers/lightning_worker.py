@@ -125,6 +125,11 @@ def main(cfg: dict[str, Any]) -> None:
             "seconds": tuner.seconds,
         }
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+    if torch.distributed.is_initialized():
+        # End together: no rank leaves (rank 0 takes the rendezvous store with it) while another still talks to it.
+        # Two CI runs had a rank abort at interpreter exit ("terminate called without an active exception").
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
