@@ -8,14 +8,20 @@ One invocation starts 2 CPU ranks (gloo, 1 thread each, torchrun-style environme
 the processes as created externally and every ``Trainer`` of the script reuses them). Both ranks run, in order:
 
 1. a warm-up ``Trainer`` (a few untimed steps: process-group set-up, lazy imports, first-call caches);
-2. the tuner: one ``Trainer(callbacks=[AvgPipeTuner(num_microbatches=<grid M>, num_pipelines=<grid N>,
-   apply=True)])`` fitted for ``--tuner-steps`` steps; tuner time = ``tuner.seconds`` (its ``on_fit_start``:
-   profiling, prediction, search, ``reconfigure``); the whole ``Trainer``'s wall time is reported too;
-3. the sweep: for every (M, N) of the grid (``--microbatches`` x ``--pipelines``, B = ``--batch-size`` samples per
-   pipeline), a fresh ``CharGPT`` of ``examples/char_gpt.py`` (same seed, same data order) trained by a fresh
-   ``Trainer(strategy=AvgPipeStrategy(num_microbatches=M, num_pipelines=N, partition=<fixed>))`` for
-   ``--warmup + --steps + 1`` iterations; ``--repeats R`` runs the whole sweep R times (the settings in a shuffled
-   order each time) and takes each setting's median over repeats.
+2. for each of ``--repeats`` rounds:
+
+   a. the tuner: one ``Trainer(callbacks=[AvgPipeTuner(num_microbatches=<grid M>, num_pipelines=<grid N>,
+      apply=True)])`` fitted for ``--tuner-steps`` steps; tuner time = ``tuner.seconds`` (its ``on_fit_start``:
+      profiling, prediction, search, ``reconfigure``); the whole ``Trainer``'s wall time is reported too;
+   b. the sweep: for every (M, N) of the grid (``--microbatches`` x ``--pipelines``, B = ``--batch-size`` samples per
+      pipeline), in a shuffled order, a fresh ``CharGPT`` of ``examples/char_gpt.py`` (same seed, same data order)
+      trained by a fresh ``Trainer(strategy=AvgPipeStrategy(num_microbatches=M, num_pipelines=N,
+      partition=<fixed>))`` for ``--warmup + --steps + 1`` iterations, with ``gc.collect()`` after each.
+
+Each round's sweep is compared with the tuner that ran just before it (paired): on this machine the measurements of
+one process rise through a run (the last third about 6-12% slower than the first in four runs), and a tuner can
+only predict the machine it profiled. The unpaired figure (the first tuner against each cell's median over all
+rounds) is reported too.
 
 What is measured per setting, by a small callback:
 
@@ -29,13 +35,15 @@ What is measured per setting, by a small callback:
 - measured samples/s = N * B / iteration time (the same unit as the tuner's ``samples_per_sec``);
 - wall time: from creating the model and the ``Trainer`` to the end of ``fit`` (the cost of trying the setting).
 
-Reported: per setting measured vs predicted iteration time, peak MiB per stage and samples/s with signed errors
-(predicted - measured) / measured; the median and worst absolute error of iteration time (over settings) and of
-peak memory (over settings x stages); Spearman's rank correlation of predicted and measured samples/s; the tuner's
-pick and its measured samples/s as a fraction of the best measured; tuner time as a fraction of one sweep's wall
-time (and of the sweep's timed iterations only, for context). The issue's targets are printed with PASS/MISS:
-median time error <= 10%, pick >= 95% of the best, tuner time <= 5% of the sweep. ``--json PATH`` writes the
-configuration, every measurement, the summary and the tuner's whole table (profile included).
+Reported: per setting measured vs predicted iteration time (per cell the median over rounds of each round's
+signed error), peak MiB per stage and samples/s; the median and worst absolute error of iteration time (over
+settings) and of peak memory (over settings x stages); the unpaired error; the drift (each measurement over its
+cell's median, averaged over each third of the run); Spearman's rank correlation of predicted and measured
+samples/s; each tuner's pick and its measured samples/s as a fraction of the best measured (the median tuner's is
+the headline, the worst is printed beside it); mean tuner time as a fraction of one sweep's wall time (and of the
+sweep's timed iterations only, for context). The issue's targets are printed with PASS/MISS: median time error <=
+10%, pick >= 95% of the best, tuner time <= 5% of the sweep. ``--json PATH`` writes the configuration, every
+measurement, the summary and every tuner's whole table (profile included).
 
 The partition is fixed (``--partition``, default Embed + the first half of the blocks on stage 0) so that every
 setting and the tuner see the same pipeline; ``partition="balanced"`` would profile anew in every ``Trainer``.
@@ -46,6 +54,7 @@ between the tuner's profile and a setting's measurement shows up as error.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -205,30 +214,32 @@ def rank_main(cfg: dict[str, Any]) -> None:
 
     ms, ns = cfg["microbatches"], cfg["pipelines"]
     warmup, steps = cfg["warmup"], cfg["steps"]
-    result: dict[str, Any] = {"settings": [], "warmup_fit": {}, "tuner": {}}
+    result: dict[str, Any] = {"settings": [], "warmup_fit": {}, "tuners": []}
 
     # 1. warm-up: one-time costs (process group, imports, first-call caches) land on no measurement
     _, wall = fit(ms[len(ms) // 2], 1, 3, [])
     result["warmup_fit"] = {"wall_s": wall}
     say(f"warm-up Trainer: {wall:.1f} s")
 
-    # 2. the tuner
-    tuner = AvgPipeTuner(num_microbatches=ms, num_pipelines=ns, apply=True, profile_steps=cfg["profile_steps"],
-                         output_dir=str(Path(cfg["out_dir"], "tuning")))
-    trainer, wall = fit(ms[0], ns[0], cfg["tuner_steps"], [tuner])
-    assert tuner.table is not None and tuner.choice is not None
-    choice = tuner.choice
-    applied = (trainer.strategy.num_microbatches, trainer.strategy.num_pipelines)
-    result["tuner"] = {
-        "seconds": tuner.seconds, "wall_s": wall, "choice": [choice.num_microbatches, choice.num_pipelines],
-        "applied": list(applied), "table": tuner.table.to_dict(),
-    }
-    say(f"tuner: {tuner.seconds:.2f} s in on_fit_start ({wall:.1f} s whole Trainer), chose M={choice.num_microbatches}"
-        f" N={choice.num_pipelines}, strategy now M={applied[0]} N={applied[1]}")
-
-    # 3. the sweep
+    # 2. per repeat: the tuner, then the sweep. Each sweep is compared with the tuner that ran just before it, so
+    # the machine's drift over the run (later Trainers measured up to 10% slower) is not counted as model error.
     grid = [(m, n) for n in ns for m in ms]
+    result["tuners"] = []
     for r in range(cfg["repeats"]):
+        tuner = AvgPipeTuner(num_microbatches=ms, num_pipelines=ns, apply=True, profile_steps=cfg["profile_steps"],
+                             output_dir=str(Path(cfg["out_dir"], "tuning", f"repeat{r}")))
+        trainer, wall = fit(ms[0], ns[0], cfg["tuner_steps"], [tuner])
+        assert tuner.table is not None and tuner.choice is not None
+        choice = tuner.choice
+        applied = (trainer.strategy.num_microbatches, trainer.strategy.num_pipelines)
+        result["tuners"].append({
+            "seconds": tuner.seconds, "wall_s": wall, "choice": [choice.num_microbatches, choice.num_pipelines],
+            "applied": list(applied), "table": tuner.table.to_dict(),
+        })
+        del trainer
+        gc.collect()
+        say(f"repeat {r} tuner: {tuner.seconds:.2f} s in on_fit_start ({wall:.1f} s whole Trainer), chose "
+            f"M={choice.num_microbatches} N={choice.num_pipelines}, strategy now M={applied[0]} N={applied[1]}")
         order = list(grid)
         random.Random(seed + r).shuffle(order)
         for m, n in order:
@@ -244,6 +255,8 @@ def rank_main(cfg: dict[str, Any]) -> None:
                 "peak_mib": list(timer.peaks),
                 "config_seen": [trainer.strategy.num_microbatches, trainer.strategy.num_pipelines],
             }
+            del trainer
+            gc.collect()  # the old Trainer's cycles go now, not in a collection inside a later setting's timing
             result["settings"].append(row)
             say(f"repeat {r} M={m:>2} N={n}: {row['iteration_s_median'] * 1e3:8.1f} ms/iteration, peak MiB "
                 + "/".join(f"{v:.1f}" for v in row["peak_mib"]) + f", {wall:.1f} s wall")
@@ -335,65 +348,93 @@ def spearman(x: list[float], y: list[float]) -> float:
 
 
 def analyse(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    table = raw["tuner"]["table"]
-    predicted = {(r["num_microbatches"], r["num_pipelines"]): r for r in (table.get("raw_rows") or table["rows"])}
-    calibrated = {(r["num_microbatches"], r["num_pipelines"]): r for r in table["rows"]}
-    factor = table.get("notes", {}).get("calibration_factor")
+    """Each repeat's sweep against the tuner that ran just before it (paired), then medians over repeats."""
+    tuners = raw["tuners"]
+
+    def rows(t: dict[str, Any], key: str) -> dict[tuple[int, int], dict[str, Any]]:
+        table = t["table"]
+        return {(r["num_microbatches"], r["num_pipelines"]): r for r in (table.get(key) or table["rows"])}
+
+    predicted = [rows(t, "raw_rows") for t in tuners]  # the model's own numbers
+    calibrated = [rows(t, "rows") for t in tuners]  # scaled by each tuner's calibration
+    factors = [t["table"].get("notes", {}).get("calibration_factor") for t in tuners]
     B = args.batch_size
     cells = []
     for n in args.pipelines:
         for m in args.microbatches:
-            runs = [s for s in raw["settings"] if (s["num_microbatches"], s["num_pipelines"]) == (m, n)]
-            it = statistics.median(s["iteration_s_median"] for s in runs)
-            stages = len(runs[0]["peak_mib"])
-            peak = [statistics.median(s["peak_mib"][k] for s in runs) for k in range(stages)]
-            pred = predicted[(m, n)]
-            pred_peak = [b / 2**20 for b in pred["peak_bytes"]]
+            runs = {s["repeat"]: s for s in raw["settings"] if (s["num_microbatches"], s["num_pipelines"]) == (m, n)}
+            reps = sorted(runs)
+            it = statistics.median(runs[r]["iteration_s_median"] for r in reps)
+            stages = len(runs[reps[0]]["peak_mib"])
+            peak = [statistics.median(runs[r]["peak_mib"][k] for r in reps) for k in range(stages)]
+            pred_r = [predicted[r][(m, n)]["step_time"] for r in reps]
+            cal_r = [calibrated[r][(m, n)]["step_time"] for r in reps]
+            err_r = [p / runs[r]["iteration_s_median"] - 1 for p, r in zip(pred_r, reps)]
+            cal_err_r = [p / runs[r]["iteration_s_median"] - 1 for p, r in zip(cal_r, reps)]
+            first = predicted[0][(m, n)]
+            pred_peak = [b / 2**20 for b in first["peak_bytes"]]
+            pred = statistics.median(pred_r)
             cells.append({
                 "num_microbatches": m, "num_pipelines": n,
-                "measured_iteration_s": it, "predicted_iteration_s": pred["step_time"],
-                "time_error": (pred["step_time"] - it) / it,
-                "calibrated_iteration_s": calibrated[(m, n)]["step_time"],
-                "calibrated_time_error": (calibrated[(m, n)]["step_time"] - it) / it,
+                "measured_iteration_s": it, "predicted_iteration_s": pred,
+                "time_error": statistics.median(err_r),  # paired: repeat r's tuner against repeat r's sweep
+                "time_error_per_repeat": err_r,
+                "time_error_unpaired": (first["step_time"] - it) / it,  # the first tuner against the medians
+                "calibrated_iteration_s": statistics.median(cal_r),
+                "calibrated_time_error": statistics.median(cal_err_r),
                 "measured_peak_mib": peak, "predicted_peak_mib": pred_peak,
                 "peak_error": [(p - q) / q for p, q in zip(pred_peak, peak)],
-                "measured_samples_per_sec": n * B / it, "predicted_samples_per_sec": pred["samples_per_sec"],
-                "predicted_pipeline_s": pred["pipeline_time"], "predicted_update_s": pred["update_time"],
-                "iteration_s_per_repeat": [s["iteration_s_median"] for s in runs],
-                "wall_s_per_repeat": [s["wall_s"] for s in runs],
-                "configured_as": runs[0]["config_seen"],
+                "measured_samples_per_sec": n * B / it,
+                "predicted_samples_per_sec": statistics.median(p[(m, n)]["samples_per_sec"] for p in predicted),
+                "predicted_iteration_s_per_repeat": pred_r,
+                "predicted_pipeline_s": first["pipeline_time"], "predicted_update_s": first["update_time"],
+                "iteration_s_per_repeat": [runs[r]["iteration_s_median"] for r in reps],
+                "wall_s_per_repeat": [runs[r]["wall_s"] for r in reps],
+                "configured_as": runs[reps[0]]["config_seen"],
             })
     time_err = [abs(c["time_error"]) for c in cells]
+    unpaired = [abs(c["time_error_unpaired"]) for c in cells]
     cal_err = [abs(c["calibrated_time_error"]) for c in cells]
     mem_err = [abs(e) for c in cells for e in c["peak_error"]]
+    by_key = {(c["num_microbatches"], c["num_pipelines"]): c for c in cells}
     best = max(cells, key=lambda c: c["measured_samples_per_sec"])
-    choice = tuple(raw["tuner"]["choice"])
-    pick = next(c for c in cells if (c["num_microbatches"], c["num_pipelines"]) == choice)
+    picks = [tuple(t["choice"]) for t in tuners]
+    fractions = [by_key[p]["measured_samples_per_sec"] / best["measured_samples_per_sec"] for p in picks]
+    median_pick = sorted(range(len(picks)), key=lambda i: fractions[i])[(len(picks) - 1) // 2]
+    pick = by_key[picks[median_pick]]
     sweep_wall = sum(s["wall_s"] for s in raw["settings"]) / args.repeats  # one exhaustive sweep
     sweep_timed = sum(s["timed_s"] for s in raw["settings"]) / args.repeats
-    tuner_s = raw["tuner"]["seconds"]
+    tuner_s = statistics.fmean(t["seconds"] for t in tuners)
+    thirds = drift(raw["settings"])
     summary = {
         "time_error_median": statistics.median(time_err),
         "time_error_worst": max(time_err),
         "time_error_signed_median": statistics.median(c["time_error"] for c in cells),
-        "calibration_factor": factor,
+        "time_error_unpaired_median": statistics.median(unpaired),
+        "time_error_unpaired_worst": max(unpaired),
+        "calibration_factors": factors,
         "calibrated_time_error_median": statistics.median(cal_err),
         "calibrated_time_error_worst": max(cal_err),
         "peak_error_median": statistics.median(mem_err),
         "peak_error_worst": max(mem_err),
         "spearman_samples_per_sec": spearman([c["predicted_samples_per_sec"] for c in cells],
                                              [c["measured_samples_per_sec"] for c in cells]),
-        "pick": list(choice),
+        "picks": [list(p) for p in picks],
+        "pick_fractions_of_best": fractions,
+        "pick": list(picks[median_pick]),
         "pick_measured_samples_per_sec": pick["measured_samples_per_sec"],
         "best": [best["num_microbatches"], best["num_pipelines"]],
         "best_measured_samples_per_sec": best["measured_samples_per_sec"],
-        "pick_fraction_of_best": pick["measured_samples_per_sec"] / best["measured_samples_per_sec"],
+        "pick_fraction_of_best": fractions[median_pick],
+        "pick_fraction_of_best_worst": min(fractions),
         "tuner_seconds": tuner_s,
-        "tuner_trainer_wall_s": raw["tuner"]["wall_s"],
+        "tuner_seconds_per_repeat": [t["seconds"] for t in tuners],
+        "tuner_trainer_wall_s": statistics.fmean(t["wall_s"] for t in tuners),
         "sweep_wall_s": sweep_wall,
         "sweep_timed_s": sweep_timed,
         "tuner_fraction_of_sweep": tuner_s / sweep_wall,
         "tuner_fraction_of_sweep_timed": tuner_s / sweep_timed,
+        "drift_by_third": thirds,
     }
     summary["targets"] = {
         "median_time_error": {"target": f"<= {TARGETS['median_time_error']:.0%}",
@@ -409,12 +450,25 @@ def analyse(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     return {"cells": cells, "summary": summary}
 
 
+def drift(settings: list[dict[str, Any]]) -> list[float]:
+    """Mean of (a measurement / its cell's median over repeats) over each third of the run, in run order."""
+    by_cell: dict[tuple[int, int], list[float]] = {}
+    for s in settings:
+        by_cell.setdefault((s["num_microbatches"], s["num_pipelines"]), []).append(s["iteration_s_median"])
+    medians = {k: statistics.median(v) for k, v in by_cell.items()}
+    ratios = [s["iteration_s_median"] / medians[(s["num_microbatches"], s["num_pipelines"])] for s in settings]
+    k = max(1, len(ratios) // 3)
+    parts = [ratios[:k], ratios[k:2 * k], ratios[2 * k:]]
+    return [statistics.fmean(p) for p in parts if p]
+
+
 def format_report(report: dict[str, Any]) -> str:
     cells, s = report["cells"], report["summary"]
     lines = [f"{'M':>3} {'N':>2} {'meas ms':>9} {'pred ms':>9} {'err':>7}  {'meas MiB':>13} {'pred MiB':>13} "
              f"{'err':>13}  {'meas smp/s':>10} {'pred smp/s':>10}"]
     for c in cells:
-        mark = " <- tuner" if [c["num_microbatches"], c["num_pipelines"]] == s["pick"] else ""
+        picked = s["picks"].count([c["num_microbatches"], c["num_pipelines"]])
+        mark = f" <- tuner x{picked}" if picked else ""
         mark += " <- best measured" if [c["num_microbatches"], c["num_pipelines"]] == s["best"] else ""
         lines.append(
             f"{c['num_microbatches']:>3} {c['num_pipelines']:>2} {c['measured_iteration_s'] * 1e3:>9.1f} "
@@ -429,26 +483,35 @@ def format_report(report: dict[str, Any]) -> str:
     def verdict(key: str) -> str:
         return "PASS" if t[key]["ok"] else "MISS"
 
+    factors = [f for f in s["calibration_factors"] if f]
     lines += [
         "",
-        f"iteration time error (the model's own predictions): median {s['time_error_median']:.1%}, worst "
-        f"{s['time_error_worst']:.1%}, median signed {s['time_error_signed_median']:+.1%}",
-        (f"iteration time error after the tuner's calibration (x{s['calibration_factor']:.3f}, from the chosen "
-         f"setting's first training iterations): median {s['calibrated_time_error_median']:.1%}, worst "
-         f"{s['calibrated_time_error_worst']:.1%}") if s["calibration_factor"]
+        f"iteration time error (the model's own predictions, each repeat's tuner against that repeat's sweep; per "
+        f"cell the median over repeats): median {s['time_error_median']:.1%}, worst {s['time_error_worst']:.1%}, "
+        f"median signed {s['time_error_signed_median']:+.1%}",
+        f"  unpaired (the first tuner against each cell's median over all repeats): median "
+        f"{s['time_error_unpaired_median']:.1%}, worst {s['time_error_unpaired_worst']:.1%}",
+        (f"iteration time error after the tuners' calibration (x{', x'.join(f'{f:.3f}' for f in factors)}, from the "
+         f"chosen setting's first training iterations): median {s['calibrated_time_error_median']:.1%}, worst "
+         f"{s['calibrated_time_error_worst']:.1%}") if factors
         else "no calibration (--tuner-steps < 6)",
+        "drift: measured / cell median over the run's thirds: " + ", ".join(f"{v:.3f}" for v in s["drift_by_third"]),
         f"peak memory error:    median {s['peak_error_median']:.1%}, worst {s['peak_error_worst']:.1%}"
         " (over settings x stages)",
         f"rank correlation (Spearman) of predicted and measured samples/s: {s['spearman_samples_per_sec']:.3f}",
-        f"tuner's pick M={s['pick'][0]} N={s['pick'][1]}: {s['pick_measured_samples_per_sec']:.1f} samples/s measured"
-        f" = {s['pick_fraction_of_best']:.1%} of the best measured (M={s['best'][0]} N={s['best'][1]}, "
-        f"{s['best_measured_samples_per_sec']:.1f} samples/s)",
-        f"tuner time {s['tuner_seconds']:.2f} s (its whole Trainer: {s['tuner_trainer_wall_s']:.1f} s) = "
+        "tuners' picks: " + ", ".join(f"M={p[0]} N={p[1]} {f:.1%}" for p, f in zip(s["picks"],
+                                                                          s["pick_fractions_of_best"]))
+        + f" of the best measured (M={s['best'][0]} N={s['best'][1]}, {s['best_measured_samples_per_sec']:.1f} "
+        f"samples/s); the median pick M={s['pick'][0]} N={s['pick'][1]}: {s['pick_measured_samples_per_sec']:.1f} "
+        f"samples/s = {s['pick_fraction_of_best']:.1%}, the worst {s['pick_fraction_of_best_worst']:.1%}",
+        f"tuner time {s['tuner_seconds']:.2f} s, mean of {len(s['tuner_seconds_per_repeat'])} (its whole Trainer: "
+        f"{s['tuner_trainer_wall_s']:.1f} s) = "
         f"{s['tuner_fraction_of_sweep']:.1%} of one sweep's wall time ({s['sweep_wall_s']:.1f} s); "
         f"{s['tuner_fraction_of_sweep_timed']:.0%} of the sweep's timed iterations alone ({s['sweep_timed_s']:.1f} s)",
         f"target median time error <= 10%:  {verdict('median_time_error')} ({s['time_error_median']:.1%}, the model's "
         f"own; after calibration {s['calibrated_time_error_median']:.1%})",
-        f"target pick >= 95% of best:       {verdict('pick_fraction_of_best')} ({s['pick_fraction_of_best']:.1%})",
+        f"target pick >= 95% of best:       {verdict('pick_fraction_of_best')} ({s['pick_fraction_of_best']:.1%}, the "
+        f"median tuner's; the worst {s['pick_fraction_of_best_worst']:.1%})",
         f"target tuner <= 5% of the sweep:  {verdict('tuner_fraction_of_sweep')} ({s['tuner_fraction_of_sweep']:.1%})",
     ]
     return "\n".join(lines)
@@ -488,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
         path.write_text(json.dumps({
             "config": config, "cells": report["cells"], "summary": report["summary"],
             "measurements": raw["settings"], "warmup_fit": raw["warmup_fit"],
-            "tuner": raw["tuner"],
+            "tuners": raw["tuners"],
         }, indent=1))
     return 0
 

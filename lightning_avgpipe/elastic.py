@@ -210,7 +210,8 @@ class ElasticAveraging:
 
 
 def _sum_sq(tensors: Sequence[Tensor], device: torch.device) -> Tensor:
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for t in tensors:
-        total = total + (t * t).sum()
-    return total
+    """Σ‖t‖² over ``tensors`` (float32), one fused norm per tensor list."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch._foreach_norm(list(tensors))
+    return torch.stack(norms).float().square().sum()

@@ -103,3 +103,18 @@ def test_alpha_validation() -> None:
             check_alpha(bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="num_pipelines=0"):
         ElasticAveraging(_layers(), num_replicas=0)
+
+
+def test_divergence_sums_squares_of_the_differences_exactly() -> None:
+    elastic = ElasticAveraging(_layers(), num_replicas=2)
+    with torch.no_grad():
+        for i, p in enumerate(elastic.replica_params(1)):
+            p.add_(0.01 * (i + 1))
+    ref = [p.detach() for p in elastic.reference_params]
+    ref_sq = sum(float((r.double() ** 2).sum()) for r in ref)
+    for n, (diff_sq, got_ref_sq) in enumerate(elastic.divergence()):
+        pairs = zip(elastic.replica_params(n), ref)
+        want = sum(float(((p.detach().double() - r.double()) ** 2).sum()) for p, r in pairs)
+        assert float(diff_sq) == pytest.approx(want, rel=1e-5, abs=1e-12)
+        assert float(got_ref_sq) == pytest.approx(ref_sq, rel=1e-5)
+    assert float(elastic.divergence()[1][0]) > 0 and float(elastic.divergence()[0][0]) == 0.0

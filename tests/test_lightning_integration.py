@@ -75,3 +75,31 @@ def test_clipping_by_value_reaches_the_replicas(tmp_path: Path) -> None:
                   trainer={"gradient_clip_val": 1e-3, "gradient_clip_algorithm": "value"})
     plain, clipped = final_state(tmp_path / "plain"), final_state(tmp_path / "clipped")
     assert any(not torch.equal(plain[k], clipped[k]) for k in plain)
+
+
+def test_divergence_is_measured_on_the_steps_lightning_writes_logs(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """N = 2 on one process: the divergence costs N passes over the weights and an all-reduce, so it is measured
+    only on the steps whose logs Lightning writes (every log_every_n_steps), and then it is logged."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_avgpipe.elastic import ElasticAveraging
+
+    trainer = _trainer(strategy=AvgPipeStrategy(num_microbatches=2, num_pipelines=2, partition=[6]), max_steps=6,
+                       log_every_n_steps=3, logger=CSVLogger(tmp_path, name="", version=""))
+    measured: list[int] = []
+    original = ElasticAveraging.divergence
+
+    def spy(self: ElasticAveraging) -> list[torch.Tensor]:
+        measured.append(trainer.global_step)
+        return original(self)
+
+    monkeypatch.setattr(ElasticAveraging, "divergence", spy)
+    trainer.fit(PipeNet(), loader())
+    assert measured == [2, 5]  # the 3rd and 6th steps (global_step before their update), none between
+    with open(tmp_path / "metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("avgpipe/divergence")]
+    assert [int(r["step"]) for r in rows] == [2, 5]
+    assert all(float(r["avgpipe/divergence"]) > 0 for r in rows)

@@ -17,7 +17,7 @@ from torch import nn
 from lightning_avgpipe.runtime.trace import Span
 from lightning_avgpipe.schedules import build_plan, simulate
 from lightning_avgpipe.tuning.model import divisors
-from lightning_avgpipe.tuning.profiler import Snapshot, compute_medians, fit_overhead, measure_link
+from lightning_avgpipe.tuning.profiler import Snapshot, fit_overhead, measure_link, unit_times
 from tests.helpers.launch import ROOT, launch_ranks
 from tests.test_strategy_equivalence import final_state, run_lightning
 
@@ -48,13 +48,20 @@ def test_snapshot_restores_rng_grads_buffers_and_metrics() -> None:
     assert float(metric.compute()) == pytest.approx(2.0)
 
 
-def test_compute_medians_charges_sends_to_the_compute_before_them() -> None:
+def test_unit_times_charge_sends_to_the_compute_before_them() -> None:
     spans = [Span("F", 0, 0.0, 0.010), Span("send", 0, 0.010, 0.012), Span("wait", 1, 0.012, 0.050),
              Span("F", 1, 0.050, 0.060), Span("B", 0, 0.060, 0.080), Span("send", 0, 0.080, 0.083),
              Span("B", 1, 0.083, 0.103)]
-    fwd, bwd = compute_medians([spans])
-    assert fwd == pytest.approx(0.011)  # median of 0.012 and 0.010; the wait is not charged
-    assert bwd == pytest.approx(0.0215)  # median of 0.023 and 0.020
+    fwd, bwd = unit_times([spans])
+    assert fwd == pytest.approx(0.011)  # mean of 0.012 and 0.010; the wait is not charged
+    assert bwd == pytest.approx(0.0215)  # mean of 0.023 and 0.020
+
+
+def test_unit_times_are_means_so_a_slow_unit_counts() -> None:
+    # three units of 2 ms and one of 10 ms: a step pays 16 ms, so 4 ms per unit (a median would say 2 ms)
+    spans = [Span("F", u, 0.1 * u, 0.1 * u + d) for u, d in enumerate((0.002, 0.002, 0.010, 0.002))]
+    fwd, bwd = unit_times([spans])
+    assert fwd == pytest.approx(0.004) and bwd == 0.0
 
 
 def test_fit_overhead_recovers_a_line_and_clamps() -> None:

@@ -30,11 +30,11 @@ from lightning_avgpipe.tuning.model import PipelineProfile, StageProfile, microb
 from lightning_avgpipe.tuning.profiler import (
     CopyOptimizer,
     Snapshot,
-    compute_medians,
     fit_overhead,
     measure_link,
     tensor_bytes,
     time_elastic_update,
+    unit_times,
 )
 from lightning_avgpipe.tuning.search import TuningTable, candidate_microbatches, candidate_pipelines, search
 
@@ -314,7 +314,7 @@ def profile_pipeline(strategy: Any, batch: Any, sizes: Sequence[float], steps: i
                 step_times[b].append(trace.step_time)
                 peaks[b].append(meter.peak)
         for b, m, _micro, _keys, plan, out_bytes, _fn, _head in settings:
-            f, bk = compute_medians(spans[b])
+            f, bk = unit_times(spans[b])
             forward_s[b], backward_s[b] = f, bk
             stash = simulate(plan).peak_stash[stage]
             activation[b] = statistics.median(peaks[b]) / max(1, stash)

@@ -49,8 +49,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def compute_medians(steps: Sequence[Sequence[Span]]) -> tuple[float, float]:
-    """Median time one unit's forward and backward hold the stage, over ``steps`` (a stage's spans per step).
+def unit_times(steps: Sequence[Sequence[Span]]) -> tuple[float, float]:
+    """Mean time one unit's forward and backward hold the stage, over ``steps`` (a stage's spans per step).
+
+    The mean, not the median: a step's compute is the sum of its units', and the occasional slow unit (a cache
+    miss, the other process taking the core) is paid by training at the same rate, so a median would make every
+    prediction short by a share that grows with the units per step.
 
     A send right after a compute is charged to it: on gloo an ``isend`` copies the tensor before returning, so
     it takes the stage's time like compute does (``wait`` spans are not charged: the simulator makes its own).
@@ -68,7 +72,7 @@ def compute_medians(steps: Sequence[Sequence[Span]]) -> tuple[float, float]:
                 last = bwd
             elif s.kind == "send" and last is not None:
                 last[-1] += s.end - s.start
-    return (statistics.median(fwd) if fwd else 0.0, statistics.median(bwd) if bwd else 0.0)
+    return (statistics.fmean(fwd) if fwd else 0.0, statistics.fmean(bwd) if bwd else 0.0)
 
 
 class CopyOptimizer:
