@@ -255,3 +255,53 @@ try:
             return loader()
 except ImportError:  # pragma: no cover
     pass
+
+
+def test_batch_norm_drops_micro_batches_of_one_sample() -> None:
+    from lightning_avgpipe.plugin.tuner import batch_norm_candidates
+
+    plain = [nn.Linear(4, 4)]
+    norm = [nn.Linear(4, 4), nn.Sequential(nn.BatchNorm1d(4), nn.ReLU())]
+    assert batch_norm_candidates([1, 2, 4, 8], 8, plain, given=False) == [1, 2, 4, 8]
+    assert batch_norm_candidates([1, 2, 4, 8], 8, norm, given=False) == [1, 2, 4]  # M = 8: one sample each
+    with pytest.raises(ValueError, match=r"num_microbatches=\[2, 8\] includes \[8\].*BatchNorm.*Leave out \[8\]"):
+        batch_norm_candidates([2, 8], 8, norm, given=True)
+    with pytest.raises(ValueError, match="batch size of at least 2"):
+        batch_norm_candidates([1], 1, norm, given=False)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_tuner_keeps_the_setting_when_resuming(tmp_path: Path) -> None:
+    """A resumed run keeps the strategy's setting: profiling then would measure a different model state, and the
+    restored optimizer states belong to the checkpoint's replicas."""
+    strategy = {"num_microbatches": 2, "partition": [3, 3]}
+    run_lightning(tmp_path / "first", 2, strategy, steps=2)
+    resumed = run_lightning(tmp_path / "resumed", 2, strategy, steps=4,
+                            ckpt_path=str(tmp_path / "first" / "final.ckpt"),
+                            tuner={"num_pipelines": [1, 2], "output_dir": str(tmp_path / "tuning")})
+    for r in resumed:
+        assert r["tuner"]["choice"] is None and r["setting"] == [2, 1]
+        assert len(r["losses"]) == 2  # steps 3 and 4
+    assert "resuming from a checkpoint; keeping the strategy's" in resumed[0]["output"]
+    assert not (tmp_path / "tuning").exists()
+
+
+def test_resuming_from_reads_the_path_fit_is_about_to_restore() -> None:
+    from lightning_avgpipe.plugin.tuner import resuming_from
+
+    class FakeTrainer:
+        ckpt_path = None
+
+    trainer = FakeTrainer()
+
+    def _run(self: object, model: object, ckpt_path: str | None = None, probe: object = None) -> object:
+        """Shaped like Trainer._run; asks about ``probe`` (default: itself)."""
+        return resuming_from(probe or self)  # type: ignore[arg-type]
+
+    assert _run(trainer, None, "last.ckpt") == "last.ckpt"
+    assert _run(trainer, None) is None
+    assert _run(FakeTrainer(), None, "other.ckpt", probe=trainer) is None  # another Trainer's _run is not this one's
+    assert resuming_from(trainer) is None  # type: ignore[arg-type]
+    trainer.ckpt_path = "set.ckpt"  # type: ignore[assignment]
+    assert resuming_from(trainer) == "set.ckpt"  # type: ignore[arg-type]

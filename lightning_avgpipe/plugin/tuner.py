@@ -9,6 +9,7 @@ chosen N also sets how many batches an iteration takes.
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -109,7 +110,7 @@ class AvgPipeTuner(Callback):
                 f"AvgPipeTuner tunes strategy='avgpipe', but the Trainer's strategy is {type(strategy).__name__}; "
                 "use Trainer(strategy='avgpipe', callbacks=[AvgPipeTuner(...)]) or remove the callback."
             )
-        if trainer.ckpt_path is not None:
+        if resuming_from(trainer) is not None:
             rank_zero_info(
                 "AvgPipeTuner: resuming from a checkpoint; keeping the strategy's num_microbatches and num_pipelines "
                 "(pass the values the first run chose, recorded in its tuning.json)."
@@ -178,6 +179,23 @@ class AvgPipeTuner(Callback):
                                step=trainer.global_step)
 
 
+def resuming_from(trainer: pl.Trainer) -> Any:
+    """The checkpoint this ``fit`` is about to restore, or ``None``.
+
+    ``trainer.ckpt_path`` is only set once the checkpoint is loaded, after ``on_fit_start`` under this strategy
+    (``restore_checkpoint_after_setup``); until then the path is a local of ``Trainer._run`` (Lightning 2.6), which
+    is read from the calling frames.
+    """
+    if trainer.ckpt_path is not None:
+        return trainer.ckpt_path
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "_run" and frame.f_locals.get("self") is trainer:
+            return frame.f_locals.get("ckpt_path")
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
 def _write(table: TuningTable, out: Path) -> dict[str, Path]:
     try:
         from lightning_avgpipe.tuning.report import write_report
@@ -223,7 +241,8 @@ def tune(
     batch, fetch_s = strategy.broadcast((batch, fetch_s), src=0)  # every stage of every group profiles the same batch
     batch = strategy.batch_to_device(batch)
     size = microbatch.batch_size(batch)
-    ms = candidate_microbatches(size, num_microbatches)
+    ms = batch_norm_candidates(candidate_microbatches(size, num_microbatches), size, strategy._owned,
+                               given=num_microbatches is not None)
     candidate_pipelines(num_pipelines)
     profile = profile_pipeline(strategy, batch, microbatch_sizes(size, ms), profile_steps)
     profile.batch_fetch_s = fetch_s
@@ -232,6 +251,39 @@ def tune(
     k: int | str = strategy.config.advance_forwards if strategy.config.schedule == "advance" else 0
     # every rank searches the same broadcast profile: a setting that fits nowhere raises on every rank alike
     return search(profile, ms, num_pipelines, limit, strategy.config.schedule, k)
+
+
+def batch_norm_candidates(ms: Sequence[int], batch_size: int, layers: Sequence[torch.nn.Module],
+                          given: bool) -> list[int]:
+    """Drop the M whose micro-batches hold one sample when a stage has BatchNorm (training BatchNorm needs two).
+
+    Every rank decides alike: each checks its own stage's layers and an all-reduce over all ranks combines the
+    answers (collective: every rank calls it). Candidates the user listed raise instead of being dropped silently.
+    """
+    has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for layer in layers for m in layer.modules())
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        flag = torch.tensor([float(has_bn)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        has_bn = bool(flag.item())
+    if not has_bn:
+        return list(ms)
+    ones = [m for m in ms if batch_size // m < 2]
+    if ones and given:
+        raise ValueError(
+            f"num_microbatches={list(ms)!r} includes {ones}: with a batch size of {batch_size} that gives "
+            "micro-batches of one sample, and the model has BatchNorm layers, which cannot train on one sample. "
+            f"Leave out {ones} (or pass num_microbatches=None: the tuner then skips them)."
+        )
+    kept = [m for m in ms if m not in ones]
+    if not kept:
+        raise ValueError(
+            f"AvgPipeTuner: the batch size {batch_size} leaves no micro-batch of two or more samples, which the "
+            "model's BatchNorm layers need in training; use a batch size of at least 2."
+        )
+    if ones:
+        rank_zero_info(f"AvgPipeTuner: skipping num_microbatches={ones} (micro-batches of one sample; the model has "
+                       "BatchNorm layers).")
+    return kept
 
 
 def profile_pipeline(strategy: Any, batch: Any, sizes: Sequence[float], steps: int) -> PipelineProfile:
