@@ -25,3 +25,21 @@ def share_cpu_threads(processes: int) -> int:
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
     return threads
+
+
+def host_memory_bytes() -> int:
+    """This machine's memory for the processes on it: physical RAM, or the container's limit when lower.
+
+    Reads the cgroup limit (v2 ``memory.max``, v1 ``memory.limit_in_bytes``); "max" or an absurdly large v1 value
+    means no limit.
+    """
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and 0 < int(text) < total:
+            total = int(text)
+    return total

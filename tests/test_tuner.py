@@ -9,6 +9,7 @@ import random
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from lightning_avgpipe.runtime.trace import Span
 from lightning_avgpipe.schedules import build_plan, simulate
 from lightning_avgpipe.tuning.model import divisors
 from lightning_avgpipe.tuning.profiler import Snapshot, fit_overhead, measure_link, unit_times
+from lightning_avgpipe.tuning.search import search
 from tests.helpers.launch import ROOT, launch_ranks
 from tests.test_strategy_equivalence import final_state, run_lightning
 
@@ -305,3 +307,115 @@ def test_resuming_from_reads_the_path_fit_is_about_to_restore() -> None:
     assert resuming_from(trainer) is None  # type: ignore[arg-type]
     trainer.ckpt_path = "set.ckpt"  # type: ignore[assignment]
     assert resuming_from(trainer) == "set.ckpt"  # type: ignore[arg-type]
+
+
+def test_batch_norm_looks_at_the_short_last_batch_too() -> None:
+    from lightning_avgpipe.plugin.tuner import batch_norm_candidates
+
+    norm = [nn.BatchNorm1d(4)]
+    # B = 8, last batch 5: M = 4 splits it into 2/1/1/1, M = 2 into 3/2
+    assert batch_norm_candidates([1, 2, 4, 8], 8, norm, last_batch=5) == [1, 2]
+    # a last batch of 3 with M = 4: split into 3 parts of one
+    assert batch_norm_candidates([1, 2, 4], 8, norm, last_batch=3) == [1]
+    with pytest.raises(ValueError, match=r"and a last batch of 5 that gives micro-batches of one sample"):
+        batch_norm_candidates([2, 4], 8, norm, given=True, last_batch=5)
+
+
+def _fake_trainer(loader: Any, **attrs: Any) -> Any:
+    from types import SimpleNamespace
+
+    source = SimpleNamespace(dataloader=lambda: loader)
+    return SimpleNamespace(fit_loop=SimpleNamespace(_data_source=source), **attrs)
+
+
+def test_first_batch_leaves_the_loaders_own_generators_as_they_were() -> None:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_avgpipe.plugin.tuner import first_batch
+
+    data = TensorDataset(torch.arange(50.0))
+
+    def order(loader: DataLoader) -> list[float]:
+        return [float(v) for (b,) in loader for v in b]
+
+    untouched = order(DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(3)))
+    loader = DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(3))
+    batch, fetch_s, batches, last = first_batch(_fake_trainer(loader))
+    assert batch[0].shape == (4,) and fetch_s >= 0 and batches == 13 and last == 2  # 50 = 12 x 4 + 2
+    assert order(loader) == untouched  # without the restore the first training batch changes
+    sampler_gen = DataLoader(data, batch_size=4, sampler=torch.utils.data.RandomSampler(
+        data, generator=torch.Generator().manual_seed(5)), drop_last=True)
+    before = order(DataLoader(data, batch_size=4, sampler=torch.utils.data.RandomSampler(
+        data, generator=torch.Generator().manual_seed(5)), drop_last=True))
+    assert first_batch(_fake_trainer(sampler_gen))[3] is None  # drop_last: no short batch
+    assert order(sampler_gen) == before
+
+
+def test_search_caps_the_pipelines_at_the_batches_an_epoch_has() -> None:
+    from tests.test_tuning_model import profile
+
+    table = search(profile(), [1, 2], num_pipelines=[1, 2, 4, 8], max_pipelines=3)
+    assert {r.num_pipelines for r in table.rows} == {1, 2}
+    assert search(profile(), [1], num_pipelines=[4], max_pipelines=2).rows[0].num_pipelines == 4  # nothing else
+
+
+def test_resuming_from_prefers_this_fits_path_over_a_stale_one() -> None:
+    from lightning_avgpipe.plugin.tuner import resuming_from
+
+    trainer = _fake_trainer(None, ckpt_path="validated.ckpt")  # left by an earlier trainer.validate(ckpt_path=...)
+
+    def _run(self: object, model: object, ckpt_path: str | None = None) -> object:
+        return resuming_from(self)  # type: ignore[arg-type]
+
+    assert _run(trainer, None) is None  # this fit restores nothing
+    assert _run(trainer, None, "resume.ckpt") == "resume.ckpt"
+
+
+def test_a_report_that_cannot_be_written_warns(tmp_path: Path) -> None:
+    from lightning_avgpipe.plugin.tuner import _write
+    from tests.test_tuning_model import profile
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.warns(UserWarning, match="could not write the report"):
+        assert _write(search(profile(), [1, 2], [1]), blocker / "tuning") == {}
+
+
+def test_calibration_times_whole_accumulation_cycles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """K = 2: every second interval holds the optimizer step; the factor uses the mean over whole cycles."""
+    from types import SimpleNamespace
+
+    from lightning_avgpipe import AvgPipeTuner
+    from lightning_avgpipe.plugin import tuner as tuner_module
+    from tests.test_tuning_model import profile
+
+    tuner = AvgPipeTuner(calibrate_steps=3)
+    tuner.table = search(profile(), [1, 2], [1])
+    predicted = tuner.table.choice.step_time
+    tuner._calibrating = True
+    clock = iter([0.0, 5.0, 6.0, 9.0, 10.0, 15.0])  # a warm-up interval, then 1, 3, 1, 5
+    monkeypatch.setattr(tuner_module.time, "perf_counter", lambda: next(clock))
+    trainer = SimpleNamespace(accumulate_grad_batches=2, strategy=SimpleNamespace(broadcast=lambda v, src: v),
+                              is_global_zero=False, loggers=[], global_step=0)
+    for i in range(5):
+        tuner.on_train_batch_start(trainer, None, None, i)  # type: ignore[arg-type]
+    assert tuner._calibrating  # 3 steps round up to 4 intervals (two cycles of K = 2) after the warm-up
+    tuner.on_train_batch_start(trainer, None, None, 5)  # type: ignore[arg-type]
+    assert not tuner._calibrating
+    # the mean over two whole cycles: the median would say 2.0, three intervals alone 5/3
+    assert tuner.table.notes["calibration_measured_step_s"] == pytest.approx(2.5)
+    assert tuner.table.notes["calibration_factor"] == pytest.approx(2.5 / predicted)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_tuner_with_two_groups_times_the_reference_allreduce(tmp_path: Path) -> None:
+    out = tmp_path / "tuning"
+    results = run_lightning(tmp_path, 4, {"num_stages": 2, "num_microbatches": 2, "partition": [3, 3]}, steps=2,
+                            tuner={"num_pipelines": [1, 2], "num_microbatches": [1, 2], "output_dir": str(out),
+                                   "calibrate_steps": 0})
+    choice = results[0]["tuner"]["choice"]
+    for r in results:  # all four ranks (two groups of two stages) run the same choice
+        assert r["setting"] == [choice["num_microbatches"], choice["num_pipelines"]]
+    profile = json.loads((out / "tuning.json").read_text())["profile"]
+    assert profile["num_groups"] == 2 and profile["reference_allreduce_s"] > 0

@@ -39,6 +39,7 @@ from typing_extensions import override
 from lightning_avgpipe import microbatch
 from lightning_avgpipe.autotune import AdvanceSearch
 from lightning_avgpipe.config import PipelineConfig
+from lightning_avgpipe.cpu import host_memory_bytes
 from lightning_avgpipe.elastic import ElasticAveraging
 from lightning_avgpipe.partition import partition_layers
 from lightning_avgpipe.plugin.bridge import Anchor, Elsewhere, Guard, StepBridge, guard_layers, replay_logs
@@ -787,8 +788,8 @@ class AvgPipeStrategy(ParallelStrategy):
             return limit
         if self.root_device.type == "cuda":
             total = torch.cuda.get_device_properties(self.root_device).total_memory
-        else:
-            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        else:  # the stage processes on this machine share its memory (or the container's limit)
+            total = host_memory_bytes() // max(1, self.num_processes)
         return float(limit) * total
 
     def _write_trace(self, step: int, trace: StepTrace) -> None:

@@ -19,7 +19,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torchmetrics import Metric
 
 from lightning_avgpipe import microbatch
@@ -27,13 +27,14 @@ from lightning_avgpipe.plugin.contract import pipeline_inputs
 from lightning_avgpipe.plugin.optim import clone_optimizer
 from lightning_avgpipe.runtime.trace import ActivationMeter, StepTrace
 from lightning_avgpipe.schedules import build_plan, simulate
-from lightning_avgpipe.tuning.model import PipelineProfile, StageProfile, microbatch_sizes
+from lightning_avgpipe.tuning.model import PipelineProfile, StageProfile, microbatch_sizes, predict
 from lightning_avgpipe.tuning.profiler import (
     CopyOptimizer,
     Snapshot,
     fit_overhead,
     measure_link,
     tensor_bytes,
+    time_allreduce,
     time_elastic_update,
     unit_times,
 )
@@ -58,7 +59,9 @@ class AvgPipeTuner(Callback):
         apply: set the chosen (M, N) (and k for ``schedule="advance"``) on the strategy; ``False`` only reports.
         calibrate_steps: with ``apply``, time this many training iterations of the chosen setting (after one
             warm-up iteration) and scale every predicted time in the table by measured / predicted (the model's
-            own numbers stay in the JSON as ``raw_rows``; the choice does not change); 0 turns it off.
+            own numbers stay in the JSON as ``raw_rows``; the choice does not change); 0 turns it off. With
+            ``accumulate_grad_batches=K`` it times whole cycles of K (rounded up) and takes the mean; a validation
+            in between starts the window again.
 
     After ``fit`` starts, :attr:`table` holds every prediction and :attr:`choice` the chosen one.
     """
@@ -110,7 +113,10 @@ class AvgPipeTuner(Callback):
                 f"AvgPipeTuner tunes strategy='avgpipe', but the Trainer's strategy is {type(strategy).__name__}; "
                 "use Trainer(strategy='avgpipe', callbacks=[AvgPipeTuner(...)]) or remove the callback."
             )
+        self._calibrating, self._starts = False, []  # nothing of a previous fit carries over
         if resuming_from(trainer) is not None:
+            self.table = self.profile = None
+            self.files = {}
             rank_zero_info(
                 "AvgPipeTuner: resuming from a checkpoint; keeping the strategy's num_microbatches and num_pipelines "
                 "(pass the values the first run chose, recorded in its tuning.json)."
@@ -153,16 +159,25 @@ class AvgPipeTuner(Callback):
             }, step=0)
 
 
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._calibrating:
+            self._starts = []  # an interval with validation in it is not an iteration: start the window again
+
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         if not self._calibrating or self.table is None or self.table.choice is None:
             return
         self._starts.append(time.perf_counter())
-        if len(self._starts) < self.calibrate_steps + 2:  # the first interval is a warm-up
+        # With accumulate_grad_batches = K an optimizer step (and elastic update) comes every K iterations: time
+        # whole cycles and take the mean. The first interval is a warm-up.
+        K = max(1, int(trainer.accumulate_grad_batches))
+        intervals = -(-self.calibrate_steps // K) * K
+        if len(self._starts) < intervals + 2:
             return
         self._calibrating = False
         gaps = [b - a for a, b in zip(self._starts[1:], self._starts[2:])]
-        measured = float(trainer.strategy.broadcast(statistics.median(gaps), src=0))
+        typical = statistics.median(gaps) if K == 1 else statistics.fmean(gaps)
+        measured = float(trainer.strategy.broadcast(typical, src=0))
         predicted = self.table.choice.step_time
         factor = measured / predicted
         self.table.calibrate(factor)
@@ -186,32 +201,43 @@ def resuming_from(trainer: pl.Trainer) -> Any:
     (``restore_checkpoint_after_setup``); until then the path is a local of ``Trainer._run`` (Lightning 2.6), which
     is read from the calling frames.
     """
-    if trainer.ckpt_path is not None:
-        return trainer.ckpt_path
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_name == "_run" and frame.f_locals.get("self") is trainer:
-            return frame.f_locals.get("ckpt_path")
+            return frame.f_locals.get("ckpt_path")  # this fit's; trainer.ckpt_path may be a previous call's
         frame = frame.f_back  # type: ignore[assignment]
-    return None
+    return trainer.ckpt_path
 
 
 def _write(table: TuningTable, out: Path) -> dict[str, Path]:
+    """Write the report on rank 0; a failure warns instead of raising (the other ranks are already training)."""
     try:
-        from lightning_avgpipe.tuning.report import write_report
-    except ImportError:  # the heat map module is optional
-        return {"json": table.write_json(out / "tuning.json")}
-    return write_report(table, out)
+        try:
+            from lightning_avgpipe.tuning.report import write_report
+        except ImportError:  # the heat map module is optional
+            return {"json": table.write_json(out / "tuning.json")}
+        return write_report(table, out)
+    except Exception as err:  # noqa: BLE001 - a report must not end the run
+        rank_zero_warn(f"AvgPipeTuner: could not write the report to {out} ({type(err).__name__}: {err}); the "
+                       "choice is applied and logged all the same. Pass AvgPipeTuner(output_dir=...) a writable "
+                       "folder.")
+        return {}
 
 
-def first_batch(trainer: pl.Trainer, fetches: int = 3) -> tuple[Any, float]:
-    """One training batch and the median time to draw one, from a fresh iterator; the RNG states are put back, so
-    the data order training sees is kept."""
+def first_batch(trainer: pl.Trainer, fetches: int = 3) -> tuple[Any, float, int | None, int | None]:
+    """One training batch, the median time to draw one, the loader's batches per epoch (``None``: no length) and
+    the size of its short last batch (``None``: none or not known).
+
+    Drawn from a fresh iterator; the global RNG states and the loader's own generators (``DataLoader(generator=)``,
+    a sampler's ``generator``) are put back, so the data order training sees is kept.
+    """
     source = trainer.fit_loop._data_source
     loader = source.dataloader()
     if loader is None:
         raise ValueError("AvgPipeTuner needs a training DataLoader to profile on; none is attached to fit().")
     snap = Snapshot([], [])
+    generators = _generators(loader)
+    states = [g.get_state() for g in generators]
     times = []
     try:
         it = iter(loader)
@@ -225,7 +251,36 @@ def first_batch(trainer: pl.Trainer, fetches: int = 3) -> tuple[Any, float]:
             times.append(time.perf_counter() - t0)
     finally:
         snap.restore()
-    return batch, statistics.median(times) if times else 0.0
+        for g, state in zip(generators, states):
+            g.set_state(state)
+    try:
+        batches: int | None = len(loader)
+    except TypeError:  # an iterable dataset without a length
+        batches = None
+    return batch, statistics.median(times) if times else 0.0, batches, _last_batch_size(loader)
+
+
+def _last_batch_size(loader: Any) -> int | None:
+    """The size of an epoch's short last batch (``None``: none, or not known)."""
+    size, drop = getattr(loader, "batch_size", None), getattr(loader, "drop_last", True)
+    try:
+        n = len(loader.dataset)
+    except (TypeError, AttributeError):
+        return None
+    if not isinstance(size, int) or drop or n % size == 0:
+        return None
+    return n % size
+
+
+def _generators(loader: Any) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects a DataLoader draws from besides the global RNG (each once)."""
+    found: dict[int, torch.Generator] = {}
+    for owner in (loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None),
+                  getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+        g = getattr(owner, "generator", None)
+        if isinstance(g, torch.Generator):
+            found.setdefault(id(g), g)
+    return list(found.values())
 
 
 def tune(
@@ -237,48 +292,75 @@ def tune(
     profile_steps: int = 3,
 ) -> TuningTable:
     """Profile ``strategy``'s pipeline on one batch and search (M, N); collective over every rank."""
-    batch, fetch_s = first_batch(trainer)
-    batch, fetch_s = strategy.broadcast((batch, fetch_s), src=0)  # every stage of every group profiles the same batch
+    batch, fetch_s, batches, last = first_batch(trainer)
+    # every stage of every group profiles the same batch
+    batch, fetch_s, batches, last = strategy.broadcast((batch, fetch_s, batches, last), src=0)
     batch = strategy.batch_to_device(batch)
     size = microbatch.batch_size(batch)
     ms = batch_norm_candidates(candidate_microbatches(size, num_microbatches), size, strategy._owned,
-                               given=num_microbatches is not None)
-    candidate_pipelines(num_pipelines)
+                               strategy.root_device, given=num_microbatches is not None, last_batch=last)
+    ns = candidate_pipelines(num_pipelines)
+    cap = None
+    if batches is not None:  # an iteration takes N batches: N above an epoch's batches (per group) trains nothing
+        cap = max(1, batches // strategy.num_groups)
+        dropped = [n for n in ns if n > cap]
+        if dropped and num_pipelines is not None:
+            rank_zero_info(f"AvgPipeTuner: leaving out num_pipelines={dropped}: an epoch has {cap} batches per "
+                           "pipeline group and an iteration takes one per pipeline.")
     profile = profile_pipeline(strategy, batch, microbatch_sizes(size, ms), profile_steps)
     profile.batch_fetch_s = fetch_s
+    profile.accumulate = int(trainer.accumulate_grad_batches)
     limit = memory_limit if memory_limit is not None else strategy.config.memory_limit
     limit = strategy._memory_limit_bytes(limit)
-    k: int | str = strategy.config.advance_forwards if strategy.config.schedule == "advance" else 0
+    if limit is not None and strategy.world_size > 1:  # a fraction of memory can differ by rank: the smallest rules
+        t = torch.tensor([float(limit)], dtype=torch.float64, device=strategy.root_device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        limit = float(t[0])
+    # the user's k, not one a previous fit's tuner applied (reconfigure replaces "auto" with a number)
+    original = strategy.__dict__.setdefault("_tuner_user_advance_forwards", strategy.config.advance_forwards)
+    k: int | str = original if strategy.config.schedule == "advance" else 0
     # every rank searches the same broadcast profile: a setting that fits nowhere raises on every rank alike
-    return search(profile, ms, num_pipelines, limit, strategy.config.schedule, k)
+    return search(profile, ms, num_pipelines, limit, strategy.config.schedule, k, max_pipelines=cap)
 
 
 def batch_norm_candidates(ms: Sequence[int], batch_size: int, layers: Sequence[torch.nn.Module],
-                          given: bool) -> list[int]:
+                          device: torch.device | None = None, given: bool = False,
+                          last_batch: int | None = None) -> list[int]:
     """Drop the M whose micro-batches hold one sample when a stage has BatchNorm (training BatchNorm needs two).
+
+    ``last_batch``: the size of the epoch's short last batch (``drop_last=False``); it is split into M parts too
+    (into ``last_batch`` parts of one when it has fewer samples than M).
 
     Every rank decides alike: each checks its own stage's layers and an all-reduce over all ranks combines the
     answers (collective: every rank calls it). Candidates the user listed raise instead of being dropped silently.
     """
     has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for layer in layers for m in layer.modules())
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        flag = torch.tensor([float(has_bn)])
+        flag = torch.tensor([float(has_bn)], device=device)  # on the device: NCCL has no CPU tensors
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         has_bn = bool(flag.item())
     if not has_bn:
         return list(ms)
-    ones = [m for m in ms if batch_size // m < 2]
+    def smallest(m: int) -> int:
+        sizes = [batch_size] + ([last_batch] if last_batch else [])
+        return min(b // m if b >= m else 1 for b in sizes)
+
+    ones = [m for m in ms if smallest(m) < 2]
     if ones and given:
         raise ValueError(
-            f"num_microbatches={list(ms)!r} includes {ones}: with a batch size of {batch_size} that gives "
-            "micro-batches of one sample, and the model has BatchNorm layers, which cannot train on one sample. "
+            f"num_microbatches={list(ms)!r} includes {ones}: with a batch size of {batch_size}"
+            + (f" and a last batch of {last_batch}" if last_batch else "")
+            + " that gives micro-batches of one sample, and the model has BatchNorm layers, which cannot train on "
+            "one sample. "
             f"Leave out {ones} (or pass num_microbatches=None: the tuner then skips them)."
         )
     kept = [m for m in ms if m not in ones]
     if not kept:
         raise ValueError(
-            f"AvgPipeTuner: the batch size {batch_size} leaves no micro-batch of two or more samples, which the "
-            "model's BatchNorm layers need in training; use a batch size of at least 2."
+            f"AvgPipeTuner: the batch size {batch_size}"
+            + (f" (last batch {last_batch})" if last_batch else "")
+            + " leaves no micro-batch of two or more samples, which the model's BatchNorm layers need in training; "
+            "use a batch size of at least 2 (and DataLoader(drop_last=True) if the last batch is the problem)."
         )
     if ones:
         rank_zero_info(f"AvgPipeTuner: skipping num_microbatches={ones} (micro-batches of one sample; the model has "
@@ -403,17 +485,19 @@ def profile_pipeline(strategy: Any, batch: Any, sizes: Sequence[float], steps: i
         optimizer_step_s=step_s, elastic_s=elastic_s,
     )
     stages = _gather_stages(strategy, mine)
+    reduce_s = 0.0
+    if strategy.num_groups > 1:  # the reference update's all-reduce over the D groups (every rank takes part)
+        nbytes = float(sum(t.numel() * 4 for t in reference))  # the flat float32 buffer ElasticAveraging reduces
+        reduce_s = _max_list(strategy, [time_allreduce(nbytes, device, strategy._stage_group)])[0]
     profile = PipelineProfile(
         stages=stages, batch_size=size, latency_s=latency, bandwidth=bandwidth, num_groups=strategy.num_groups,
-        schedule=strategy.config.schedule,
+        schedule=strategy.config.schedule, reference_allreduce_s=reduce_s,
+        sync_reference=bool(strategy.config.sync_reference),
     )
-    # What the spans miss (posting, copies, waits the model does not see): measured step - simulated, per unit
+    # What the spans miss (posting, copies, waits the model does not see): measured step - the pipeline part of
+    # the prediction itself (the simulator with the same latency and transfer costs), per unit
     measured = _max_list(strategy, residuals)
-    sims = []
-    for b, m in zip(sizes, units_seen):
-        fwd = [st.forward(b) for st in stages]
-        bwd = [st.backward(b) for st in stages]
-        sims.append(simulate(build_plan("1f1b", S, m, 0), fwd, bwd, latency=latency if S > 1 else 0.0).step_time)
+    sims = [predict(profile, m, 1, schedule="1f1b").pipeline_time for m in units_seen]
     a, c = fit_overhead(units_seen, [t - s for t, s in zip(measured, sims)])
     profile.iteration_overhead_s, profile.unit_overhead_s = a + _max_list(strategy, [per_iteration])[0], c
     return strategy.broadcast(profile, src=0)

@@ -147,10 +147,10 @@ def gantt_png(path: Path, timelines: Sequence[Sequence[Span]], title: str,
               names: Sequence[str] | None = None, time_unit: str | None = None) -> Path | None:
     """A Gantt chart in the style of the paper's figures: forwards light, backwards dark, waits hatched."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        # a Figure with its own Agg canvas: no pyplot, so the user's backend and open figures are left alone
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Rectangle
     except ImportError:
         return None
     S = len(timelines)
@@ -158,8 +158,9 @@ def gantt_png(path: Path, timelines: Sequence[Sequence[Span]], title: str,
     scale, unit_label = (1e3, "ms") if end < 10 else (1.0, "s")
     if time_unit is not None:  # simulated timelines are in cost units
         scale, unit_label = 1.0, time_unit
-    fig, ax = plt.subplots(figsize=(max(8.0, min(24.0, 0.25 * sum(len(t) for t in timelines) / max(1, S) + 6)),
-                                    0.6 * S + 1.4))
+    fig = Figure(figsize=(max(8.0, min(24.0, 0.25 * sum(len(t) for t in timelines) / max(1, S) + 6)), 0.6 * S + 1.4))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
     style = {"F": ("#9ecae1", None), "B": ("#3182bd", None), "wait": ("#fdd0a2", "///"), "send": ("#d9d9d9", None)}
     for s, spans in enumerate(timelines):
         y = S - 1 - s
@@ -175,10 +176,9 @@ def gantt_png(path: Path, timelines: Sequence[Sequence[Span]], title: str,
     ax.set_yticklabels(list(reversed(names if names else [f"stage {s}" for s in range(S)])))
     ax.set_xlabel(f"time ({unit_label})")
     ax.set_title(title, fontsize=10)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c, hatch=h) for c, h in style.values()]
+    handles = [Rectangle((0, 0), 1, 1, color=c, hatch=h) for c, h in style.values()]
     fig.legend(handles, ["forward", "backward", "waiting on a neighbour", "send"], loc="lower center", fontsize=7,
                ncols=4, frameon=False)
     fig.tight_layout(rect=(0, 0.1, 1, 1))
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path

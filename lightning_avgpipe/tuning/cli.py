@@ -115,6 +115,9 @@ def whatif_command(argv: list[str]) -> int:
         f"what-if: {profile.num_stages} profiled stage(s) -> S={projected.num_stages}, D={projected.num_groups}, "
         f"B={projected.batch_size}, latency {projected.latency_s * 1e3:g} ms, bandwidth {bw}, "
         f"overhead {projected.iteration_overhead_s * 1e3:.3f} ms/iteration"
+        + (f", reference all-reduce {projected.reference_allreduce_s * 1e3:.3f} ms"
+           + (" (waited for)" if projected.sync_reference else " (overlapped with the next pipeline)")
+           if projected.num_groups > 1 else "")
     )
     print(table.format())
     c = table.choice

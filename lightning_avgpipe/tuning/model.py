@@ -92,6 +92,9 @@ class PipelineProfile:
     unit_overhead_s: float = 0.0  # per unit on the critical path, outside the measured compute (posting, copies)
     batch_fetch_s: float = 0.0  # drawing one batch from the DataLoader (an iteration draws N)
     schedule: str = "1f1b"
+    reference_allreduce_s: float = 0.0  # D > 1: one all-reduce of a stage's reference update over the D groups
+    sync_reference: bool = False  # that all-reduce waited for (True) or overlapped with the next step's pipeline
+    accumulate: int = 1  # K = accumulate_grad_batches: one optimizer step and elastic update every K iterations
 
     @property
     def num_stages(self) -> int:
@@ -129,7 +132,7 @@ class Prediction:
     advance_forwards: int
     step_time: float  # seconds per iteration, everything included
     pipeline_time: float  # the forwards and backwards of all units, with the bubbles
-    update_time: float  # N optimizer steps and the elastic update on the slowest stage
+    update_time: float  # N optimizer steps, the elastic update and its all-reduce (slowest stage), per iteration
     samples_per_sec: float  # N·B·D / step_time
     peak_bytes: tuple[float, ...]  # per stage: static + the stash at its peak
     bubble_fraction: float
@@ -188,6 +191,10 @@ def predict(
     sim = simulate(plan, fwd, bwd, latency=latency if S > 1 else 0.0, transfer_cost=xfer, backward_transfer_cost=xfer_b)
     update = max(N * (st.optimizer_step_s + st.elastic_s) if N * profile.num_groups > 1 else st.optimizer_step_s
                  for st in profile.stages)
+    if profile.num_groups > 1:  # the reference update's all-reduce; overlapped, it hides behind the next pipeline
+        reduce = profile.reference_allreduce_s
+        update += reduce if profile.sync_reference else max(0.0, reduce - sim.step_time)
+    update /= max(1, profile.accumulate)  # per iteration: one update every K iterations
     step = (sim.step_time + update + profile.iteration_overhead_s + profile.unit_overhead_s * N * M
             + profile.batch_fetch_s * N)
     peaks = tuple(

@@ -139,7 +139,7 @@ def measure_link(
     Every stage of the pipeline calls it (pairs take turns, in stage order). Returns the median over the pairs.
     """
     S = len(ranks)
-    results = torch.zeros(2, dtype=torch.float64)
+    results = torch.zeros(2, dtype=torch.float64, device=device)  # on the device: NCCL has no CPU tensors
     if S < 2:
         return 0.0, float("inf")
     big = max(int(nbytes) // 4, 1)
@@ -172,7 +172,7 @@ def measure_link(
         extra = max(t_big - lat, 1e-9)
         results[0], results[1] = lat, (big * 4) / extra
     # the pair's first stage measured it; every stage gets the median over pairs
-    table = [torch.zeros(2, dtype=torch.float64) for _ in range(S)]
+    table = [torch.zeros(2, dtype=torch.float64, device=device) for _ in range(S)]
     dist.all_gather(table, results, group=group)
     pairs = [t for i, t in enumerate(table) if i < S - 1]
     lat = statistics.median(float(t[0]) for t in pairs)
@@ -231,6 +231,20 @@ def _metric_state(metric: Any) -> dict[str, Any]:
 def _load_metric_state(metric: Any, state: dict[str, Any]) -> None:
     for name, value in state.items():  # a copy: updates change states in place, and restore may run twice
         setattr(metric, name, copy.deepcopy(value))
+
+
+def time_allreduce(nbytes: float, device: torch.device, group: Any, repeats: int = 3) -> float:
+    """Median seconds of one all-reduce of ``nbytes`` (float32) over ``group``, after one untimed; collective."""
+    t = torch.zeros(max(1, int(nbytes) // 4), dtype=torch.float32, device=device)
+    times = []
+    for r in range(repeats + 1):
+        _sync(device)
+        t0 = time.perf_counter()
+        dist.all_reduce(t, group=group)
+        _sync(device)
+        if r:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def fit_overhead(units: Sequence[int], residuals: Sequence[float]) -> tuple[float, float]:

@@ -45,10 +45,12 @@ def write_heatmap(table: TuningTable, path: str | Path) -> Path | None:
     is written under a temporary name and renamed, so a reader never sees half a PNG.
     """
     try:
+        # a Figure with its own Agg canvas: no pyplot, so the user's backend and open figures are left alone
         import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.cm import ScalarMappable
+        from matplotlib.colors import Normalize
+        from matplotlib.figure import Figure
         from matplotlib.patches import Rectangle
     except ImportError:
         return None
@@ -61,10 +63,12 @@ def write_heatmap(table: TuningTable, path: str | Path) -> Path | None:
     lo, hi = (min(good), max(good)) if good else (0.0, 1.0)
     if hi <= lo:
         hi = lo + 1.0
-    cmap = plt.get_cmap("viridis")
+    cmap = matplotlib.colormaps["viridis"]
     advance = table.schedule == "advance"
 
-    fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(ms) + 2.5), max(3.0, 0.75 * len(ns) + 2.0)))
+    fig = Figure(figsize=(max(5.0, 1.1 * len(ms) + 2.5), max(3.0, 0.75 * len(ns) + 2.0)))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
     for x, m in enumerate(ms):
         for y, n in enumerate(ns):
             r = cells.get((m, n))
@@ -95,12 +99,11 @@ def write_heatmap(table: TuningTable, path: str | Path) -> Path | None:
     ax.set_xlabel("micro-batches M")
     ax.set_ylabel("pipelines N")
     ax.set_title(_title(table), fontsize=9)
-    mappable = plt.cm.ScalarMappable(cmap=cmap, norm=plt.Normalize(lo, hi))
+    mappable = ScalarMappable(cmap=cmap, norm=Normalize(lo, hi))
     fig.colorbar(mappable, ax=ax, label="samples/s (feasible settings)")
     fig.tight_layout()
     tmp = path.with_name(path.name + ".tmp")
     fig.savefig(tmp, dpi=120, format="png")
-    plt.close(fig)
     os.replace(tmp, path)
     return path
 

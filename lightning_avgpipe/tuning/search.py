@@ -137,8 +137,12 @@ def search(
     advance_forwards: int | str = 0,
     latency_s: float | None = None,
     bandwidth: float | None = None,
+    max_pipelines: int | None = None,
 ) -> TuningTable:
     """Predict every candidate (M, N) and choose the highest samples/s that fits ``memory_limit`` (bytes).
+
+    ``max_pipelines`` drops the candidate N above it (the tuner passes the batches an epoch has per group: an
+    iteration takes N of them).
 
     With ``schedule="advance"`` and ``advance_forwards="auto"`` each (M, N) gets the k (0, 1, 2, 4, ... units-1)
     with the best predicted time that fits. Ties in samples/s (within 0.5%) go to fewer pipelines, then fewer
@@ -150,6 +154,8 @@ def search(
     schedule = schedule or profile.schedule
     ms = candidate_microbatches(profile.batch_size, num_microbatches)
     ns = candidate_pipelines(num_pipelines)
+    if max_pipelines is not None:
+        ns = [n for n in ns if n <= max_pipelines] or [min(ns)]
     rows: list[Prediction] = []
     for n in ns:
         any_fit = False

@@ -56,11 +56,11 @@ def project(
     * Link: ``latency_s``/``bandwidth`` replace the profiled ones when given (for the pipeline's transfers and the
       all-reduce alike).
     * D groups: each stage's reference update is all-reduced over D ranks (one per group), a ring all-reduce of
-      one stage's parameter bytes, 2(D-1)/D x bytes / bandwidth + 2(D-1) x latency, added to the per-iteration
-      overhead and not overlapped with anything. When the profile itself ran with D0 > 1, its measured overhead
-      already held its own all-reduce: the same formula for D0 (profiled link, mean profiled stage) is taken off
-      first, never below zero.
-    * Everything else (batch size B per pipeline, schedule, the rest of the overhead) is kept as measured.
+      one stage's parameter bytes, 2(D-1)/D x bytes / bandwidth + 2(D-1) x latency (the profile's measured
+      all-reduce, if any, is replaced by this formula); ``predict`` adds it to the update, or only what the next
+      step's pipeline does not hide when the reference update is overlapped (``sync_reference=False``).
+    * Everything else (batch size B per pipeline, schedule, the per-iteration and per-unit overheads, the data
+      fetch, ``sync_reference`` and the accumulation) is kept as measured.
 
     Raises:
         ValueError: ``num_stages`` or ``num_groups`` below 1, a negative latency, or a bandwidth not above 0.
@@ -93,9 +93,7 @@ def project(
     )
     latency = profile.latency_s if latency_s is None else float(latency_s)
     bw = profile.bandwidth if bandwidth is None else float(bandwidth)
-    measured = allreduce_seconds(total_params / len(old), profile.num_groups, profile.latency_s, profile.bandwidth)
-    overhead = max(0.0, profile.iteration_overhead_s - measured)
-    overhead += allreduce_seconds(stage.param_bytes, num_groups, latency, bw)
+    reduce = allreduce_seconds(stage.param_bytes, num_groups, latency, bw)
     return PipelineProfile(
         stages=[
             StageProfile(
@@ -114,6 +112,11 @@ def project(
         latency_s=latency,
         bandwidth=bw,
         num_groups=num_groups,
-        iteration_overhead_s=overhead,
+        iteration_overhead_s=profile.iteration_overhead_s,
+        unit_overhead_s=profile.unit_overhead_s,
+        batch_fetch_s=profile.batch_fetch_s,
         schedule=profile.schedule,
+        reference_allreduce_s=reduce,
+        sync_reference=profile.sync_reference,
+        accumulate=profile.accumulate,
     )
