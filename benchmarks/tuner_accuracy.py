@@ -19,7 +19,7 @@ the processes as created externally and every ``Trainer`` of the script reuses t
       partition=<fixed>))`` for ``--warmup + --steps + 1`` iterations, with ``gc.collect()`` after each.
 
 Each round's sweep is compared with the tuner that ran just before it (paired): on this machine the measurements of
-one process rise through a run (the last third about 6-12% slower than the first in four runs), and a tuner can
+one process rise through a run (the last third 7.5-15% slower than the first in four runs), and a tuner can
 only predict the machine it profiled. The unpaired figure (the first tuner against each cell's median over all
 rounds) is reported too.
 
