@@ -98,6 +98,23 @@ class ElasticAveraging:
     def reference_params(self) -> list[nn.Parameter]:
         return self._ref_params
 
+    def follow_reference(self) -> None:
+        """Give every replica the reference's ``requires_grad`` flags and train/eval modes.
+
+        The replicas are copies made at setup; a fine-tuning callback that freezes or unfreezes layers, or puts
+        BatchNorm in eval mode, changes the reference (the user's module) only. Called before every training step.
+        """
+        if self.trivial:
+            return
+        ref_params = self._ref_params
+        ref_modules = [m for layer in self.reference for m in layer.modules()]
+        for n in range(self.num_replicas):
+            for p, q in zip(ref_params, self.replica_params(n)):
+                if q.requires_grad != p.requires_grad:
+                    q.requires_grad_(p.requires_grad)
+            for m, r in zip(ref_modules, (m for layer in self.replicas[n] for m in layer.modules())):
+                r.training = m.training
+
     def reset_replicas(self) -> None:
         """Copy the reference into every replica (start of training, or a resume with another layout)."""
         if self.trivial:

@@ -118,3 +118,15 @@ def test_divergence_sums_squares_of_the_differences_exactly() -> None:
         assert float(diff_sq) == pytest.approx(want, rel=1e-5, abs=1e-12)
         assert float(got_ref_sq) == pytest.approx(ref_sq, rel=1e-5)
     assert float(elastic.divergence()[1][0]) > 0 and float(elastic.divergence()[0][0]) == 0.0
+
+
+def test_replicas_follow_the_references_flags_and_modes() -> None:
+    layers = [nn.Linear(3, 4), nn.BatchNorm1d(4)]
+    elastic = ElasticAveraging(layers, num_replicas=2)
+    layers[0].weight.requires_grad_(False)  # a fine-tuning callback freezes a layer
+    layers[1].eval()  # and puts BatchNorm in eval mode
+    assert all(r[0].weight.requires_grad and r[1].training for r in elastic.replicas)  # copies made at setup
+    elastic.follow_reference()
+    for replica in elastic.replicas:
+        assert not replica[0].weight.requires_grad and replica[0].bias.requires_grad
+        assert not replica[1].training and replica[0].training

@@ -103,3 +103,76 @@ def test_divergence_is_measured_on_the_steps_lightning_writes_logs(tmp_path: Pat
         rows = [r for r in csv.DictReader(f) if r.get("avgpipe/divergence")]
     assert [int(r["step"]) for r in rows] == [2, 5]
     assert all(float(r["avgpipe/divergence"]) > 0 for r in rows)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_resuming_a_balanced_partition_cuts_as_the_checkpoint(tmp_path: Path) -> None:
+    """partition="balanced" times the layers, and noise gives other cuts; a resumed fit takes the checkpoint's cut,
+    so the replicas' optimizer states are restored instead of dropped as another layout's."""
+    strategy = {"num_microbatches": 2, "num_pipelines": 2, "partition": "balanced"}
+    run_lightning(tmp_path / "first", 2, strategy, steps=2, example_input=True,
+                  model={"optimizer": "adam", "lr": 0.01})
+    saved = torch.load(tmp_path / "first" / "final.ckpt", weights_only=False)["optimizer_states"][0]["avgpipe_layout"]
+    resumed = run_lightning(tmp_path / "resumed", 2, strategy, steps=4, example_input=True,
+                            model={"optimizer": "adam", "lr": 0.01},
+                            ckpt_path=str(tmp_path / "first" / "final.ckpt"))
+    out = resumed[0]["output"]
+    assert f"cutting the model as the checkpoint was cut, partition={saved['partition']}" in out
+    assert "differs from" not in out  # the layout matched: optimizer states and replicas were restored
+    assert len(resumed[0]["losses"]) == 2
+
+
+def test_checkpoint_layout_reads_what_the_strategy_saved(tmp_path: Path) -> None:
+    from lightning_avgpipe.plugin.resume import checkpoint_layout
+
+    layout = {"stages": 2, "groups": 1, "pipelines": 2, "partition": [2, 4]}
+    torch.save({"optimizer_states": [{"avgpipe_layout": layout}]}, tmp_path / "a.ckpt")
+    torch.save({"optimizer_states": [{"state": {}}]}, tmp_path / "plain.ckpt")
+    (tmp_path / "bad.ckpt").write_bytes(b"not a checkpoint")
+    assert checkpoint_layout(tmp_path / "a.ckpt") == layout
+    assert checkpoint_layout(tmp_path / "plain.ckpt") is None
+    assert checkpoint_layout(tmp_path / "bad.ckpt") is None  # the real load names the problem
+    assert checkpoint_layout(tmp_path / "missing.ckpt") is None
+
+
+def test_remote_checkpoint_paths_go_to_the_checkpoint_io(tmp_path: Path) -> None:
+    """An fsspec URL is not renamed locally: the checkpoint lands on that filesystem (here fsspec's memory://)."""
+    import fsspec
+
+    trainer = _trainer()
+    trainer.fit(PipeNet(), loader())
+    trainer.save_checkpoint("memory://avgpipe-test/remote.ckpt")
+    fs = fsspec.filesystem("memory")
+    assert fs.exists("/avgpipe-test/remote.ckpt") and fs.size("/avgpipe-test/remote.ckpt") > 0
+    assert not list(Path.cwd().glob("memory:*"))  # nothing written to a local folder named after the scheme
+
+
+def test_a_metric_reset_and_updated_again_is_mirrored() -> None:
+    """A metric updated in validation_step and computed at epoch end: after reset(), the next epoch's single update
+    brings its count back to 1, the count last sent; its state must still reach the other stages."""
+    import torchmetrics
+    from torch import nn
+
+    from lightning_avgpipe.plugin.bridge import Guard, StepBridge
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.total = torchmetrics.SumMetric()
+
+        def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+            x, y = batch
+            self.total.update(self(x).sum())
+
+    net = Net()
+    bridge = StepBridge(net, Guard())
+    batch = (torch.ones(2, 3), torch.zeros(2))
+    sent = []
+    for epoch in range(2):  # one validation batch per epoch, then compute() and reset() at epoch end
+        bridge.call_step("validation_step", torch.full((2, 3), float(epoch + 1)), batch, 1.0)
+        states = [payload for _, kind, payload, _ in bridge.take_logs() if kind == "state"]
+        sent.append(states)
+        net.total.reset()
+    assert len(sent[0]) == 1 and len(sent[1]) == 1  # before the fix the second epoch sent nothing
+    assert float(sent[1][0][1]["sum_value"]) == pytest.approx(12.0)  # epoch 2's output: 2 x 3 twos

@@ -62,3 +62,51 @@ def test_an_optimizer_that_cannot_be_cloned_says_how_to_fix_it() -> None:
     layer = nn.Linear(2, 2)
     with pytest.raises(TypeError, match="one copy of your Odd per parallel pipeline"):
         clone_optimizer(Odd(layer.parameters(), 1), list(layer.parameters()), list(layer.parameters()))
+
+
+def test_groups_empty_on_this_stage_do_not_shift_the_hyperparameters() -> None:
+    """Per-layer learning rates: the first group's layer lives on another stage, so its group is empty here; the
+    clones' groups must still get the lr of the user's group they came from."""
+    torch.manual_seed(0)
+    here = [nn.Linear(3, 4), nn.Linear(4, 2)]
+    elsewhere = nn.Linear(2, 2)  # on another stage: not among this stage's (reference) parameters
+    elastic = ElasticAveraging(here, num_replicas=2)
+    user = torch.optim.SGD([{"params": list(elsewhere.parameters()), "lr": 1e-4},
+                            {"params": list(here[0].parameters()), "lr": 0.1},
+                            {"params": list(here[1].parameters()), "lr": 1.0}], lr=0.5)
+    clones = [clone_optimizer(user, elastic.replica_params(i), elastic.reference_params) for i in range(2)]
+    opt = ElasticOptimizer(user, clones, elastic)
+    for p in elastic.all_replica_params():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    for clone in opt.replicas:
+        assert [g["lr"] for g in clone.param_groups] == [0.1, 1.0]
+    user.param_groups[2]["lr"] = 2.0  # a scheduler changing the head's group reaches the head only
+    opt.step()
+    assert all([g["lr"] for g in clone.param_groups] == [0.1, 2.0] for clone in opt.replicas)
+
+
+def test_add_param_group_reaches_every_replica() -> None:
+    """BaseFinetuning unfreezes a layer by adding its parameters as a new group: every replica's clone gets it."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(3, 4), nn.Linear(4, 2)]
+    for p in layers[0].parameters():
+        p.requires_grad_(False)
+    elastic = ElasticAveraging(layers, num_replicas=2)
+    user = torch.optim.SGD([p for p in layers[1].parameters()], lr=0.1)
+    clones = [clone_optimizer(user, elastic.replica_params(i), elastic.reference_params) for i in range(2)]
+    opt = ElasticOptimizer(user, clones, elastic)
+    for p in layers[0].parameters():
+        p.requires_grad_(True)
+    opt.add_param_group({"params": list(layers[0].parameters()), "lr": 0.01})
+    elastic.follow_reference()
+    assert len(user.param_groups) == 2
+    for n, clone in enumerate(opt.replicas):
+        assert [g["lr"] for g in clone.param_groups] == [0.1, 0.01]
+        assert clone.param_groups[1]["params"] == elastic.replica_params(n)[:2]
+        assert all(p.requires_grad for p in elastic.replica_params(n))
+    before = [p.detach().clone() for p in elastic.replica_params(0)[:2]]
+    for p in elastic.all_replica_params():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert all(not torch.equal(a, p.detach()) for a, p in zip(before, elastic.replica_params(0)[:2]))  # it trains

@@ -419,3 +419,16 @@ def test_tuner_with_two_groups_times_the_reference_allreduce(tmp_path: Path) -> 
         assert r["setting"] == [choice["num_microbatches"], choice["num_pipelines"]]
     profile = json.loads((out / "tuning.json").read_text())["profile"]
     assert profile["num_groups"] == 2 and profile["reference_allreduce_s"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_new_n_regroups_a_loader_set_up_early(tmp_path: Path) -> None:
+    """configure_optimizers reading trainer.estimated_stepping_batches sets the training loader up (grouped for the
+    strategy's N) before the tuner runs; the tuner's new N must regroup it."""
+    results = run_lightning(tmp_path, 2, {"num_microbatches": 2, "partition": [3, 3]}, steps=3,
+                            model={"stepping": True}, trainer={"max_epochs": 10},  # max_epochs: it loads the data
+                            tuner={"num_pipelines": [2], "num_microbatches": [2], "calibrate_steps": 0,
+                                   "output_dir": str(tmp_path / "tuning")})
+    for r in results:
+        assert r["setting"] == [2, 2] and len(r["losses"]) == 3

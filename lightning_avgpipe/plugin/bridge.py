@@ -85,11 +85,14 @@ class StepBridge:
         self.module = module
         self.guard = guard
         self._records: dict[str, _Record] = {}
-        self._sent_counts: dict[str, int] = {}  # torchmetrics submodule -> update count last mirrored
+        # torchmetrics submodule -> its update count when this step's first hook call began (None: no call yet)
+        self._step_counts: dict[str, int] | None = None
 
     def call_step(self, hook: str, output: Any, micro: Any, weight: float, *args: Any) -> Any:
         """Run ``module.<hook>(micro, *args)`` where ``self(x)`` returns ``output``; record what it logs."""
         module = self.module
+        if self._step_counts is None:  # a metric reset between steps and updated again keeps its old count
+            self._step_counts = {q: m._update_count for q, m in module.named_modules() if isinstance(m, Metric)}
         expected = pipeline_inputs(module, micro)
         calls = 0
 
@@ -161,14 +164,15 @@ class StepBridge:
         # Metrics updated in a step but not logged (computed later, e.g. in on_validation_epoch_end) are mirrored too,
         # so every stage computes the same value.
         logged = {payload[0] for _, kind, payload, _ in out if kind == "metric"}
+        before = self._step_counts or {}
+        self._step_counts = None
         for qualname, m in self.module.named_modules():
             if not isinstance(m, Metric):
                 continue
-            if qualname not in logged and m._update_count != self._sent_counts.get(qualname, 0):
+            if qualname not in logged and m._update_count != before.get(qualname, m._update_count):
                 state = {k: _to_cpu(getattr(m, k)) for k in m._defaults}
                 extra = {"count": m._update_count, "cache": _to_cpu(m._forward_cache)}
                 out.append((qualname, "state", (qualname, state, extra), {}))
-            self._sent_counts[qualname] = m._update_count
         return out
 
 

@@ -20,16 +20,20 @@ def clone_optimizer(optimizer: Optimizer, params: Sequence[nn.Parameter], like: 
     """
     mapping = {id(p): q for p, q in zip(like, params)}
     groups = []
-    for group in optimizer.param_groups:
+    source: list[int] = []  # the clone's group g has the hyperparameters of the user's group source[g]
+    for index, group in enumerate(optimizer.param_groups):
         mapped = [mapping[id(p)] for p in group["params"] if id(p) in mapping]
         if mapped:
             groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": mapped})
+            source.append(index)
     if not groups:
         groups = [{"params": [nn.Parameter(torch.empty(0))]}]
     accepted = inspect.signature(type(optimizer)).parameters
     kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
     try:
-        return type(optimizer)(groups, **kwargs)
+        clone = type(optimizer)(groups, **kwargs)
+        clone._avgpipe_source_groups = source  # type: ignore[attr-defined]
+        return clone
     except TypeError as err:
         raise TypeError(
             f"num_pipelines > 1 needs one copy of your {type(optimizer).__name__} per parallel pipeline, built as "
@@ -78,15 +82,30 @@ class ElasticOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for opt in self.replicas:
-            for src, dst in zip(self.user.param_groups, opt.param_groups):
-                dst.update({k: v for k, v in src.items() if k != "params"})
+        user_groups = self.user.param_groups
+        for opt in self.replicas:  # by the user's group each clone group came from (groups empty here are left out)
+            for index, dst in zip(_source_groups(opt), opt.param_groups):
+                dst.update({k: v for k, v in user_groups[index].items() if k != "params"})
         self.elastic.begin_step()
         for opt in self.replicas:
             opt.step()
         self.elastic.finish_step()
         self.user._opt_called = True  # type: ignore[attr-defined]  # lr schedulers check the user's optimizer stepped
         return loss
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group to the user's optimizer and, mapped to each replica's parameters, to every replica's clone
+        (fine-tuning callbacks such as ``BaseFinetuning`` unfreeze layers this way)."""
+        self.user.add_param_group(param_group)
+        index = len(self.user.param_groups) - 1
+        added = self.user.param_groups[index]
+        position = {id(p): i for i, p in enumerate(self.elastic.reference_params)}
+        for n, opt in enumerate(self.replicas):
+            replica = self.elastic.replica_params(n)
+            mapped = [replica[position[id(p)]] for p in added["params"] if id(p) in position]
+            if mapped:
+                opt.add_param_group({**{k: v for k, v in added.items() if k != "params"}, "params": mapped})
+                _source_groups(opt).append(index)
 
     def state_dict(self) -> dict[str, Any]:
         return {"replicas": [opt.state_dict() for opt in self.replicas], "user_param_groups": _groups(self.user)}
@@ -99,6 +118,15 @@ class ElasticOptimizer(Optimizer):
 
     def __repr__(self) -> str:
         return f"ElasticOptimizer({type(self.user).__name__} x {len(self.replicas)} replicas)"
+
+
+def _source_groups(clone: Optimizer) -> list[int]:
+    """The user's group index of each of ``clone``'s groups (positional for a clone not made here)."""
+    source = getattr(clone, "_avgpipe_source_groups", None)
+    if source is None:
+        source = list(range(len(clone.param_groups)))
+        clone._avgpipe_source_groups = source  # type: ignore[attr-defined]
+    return source  # type: ignore[no-any-return]
 
 
 def _groups(optimizer: Optimizer) -> list[dict[str, Any]]:

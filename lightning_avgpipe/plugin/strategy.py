@@ -47,6 +47,7 @@ from lightning_avgpipe.plugin.contract import PipelineContractError, locate, pip
 from lightning_avgpipe.plugin.data import GroupedBatches
 from lightning_avgpipe.plugin.gradients import clip_grad_norm_across
 from lightning_avgpipe.plugin.optim import ElasticOptimizer, clone_optimizer
+from lightning_avgpipe.plugin.resume import checkpoint_layout, resuming_from
 from lightning_avgpipe.replicas import BatchedReplicas, select, stack
 from lightning_avgpipe.runtime import Link, StageExecutor
 from lightning_avgpipe.runtime.p2p import PeerFailureError, first_failure, report_failure
@@ -181,6 +182,7 @@ class AvgPipeStrategy(ParallelStrategy):
         self._search: AdvanceSearch | None = None
         self._trace: StepTrace | None = None
         self._stage_group: Any = None
+        self._topology_of: Any = None  # the default process group the pipeline and stage groups were made in
         self._elastic: ElasticAveraging | None = None
         self._step_started: float | None = None
         self._watchdog: Watchdog | None = None
@@ -302,6 +304,10 @@ class AvgPipeStrategy(ParallelStrategy):
 
     def _setup_topology(self) -> None:
         world = self.world_size
+        default = dist.group.WORLD if world > 1 else None
+        if self._num_stages is not None and default is not None and self._topology_of is default:
+            return  # setup_environment runs on every fit/validate/test/predict: make the groups once per process group
+        self._topology_of = default
         stages = self.config.num_stages or world
         if world % stages != 0:
             raise ValueError(
@@ -387,7 +393,9 @@ class AvgPipeStrategy(ParallelStrategy):
                     "AvgPipe: partition='balanced' profiles layers on `example_input_array`, which this module does "
                     "not set; balancing by parameters instead."
                 )
-            sizes = partition_layers(layers, stages, spec if isinstance(spec, str) else list(spec), sample)
+            sizes = self._resumed_partition(module, len(layers)) if isinstance(spec, str) else None
+            if sizes is None:
+                sizes = partition_layers(layers, stages, spec if isinstance(spec, str) else list(spec), sample)
         sizes = self.broadcast(sizes, src=0)
         assert sizes is not None
         self._partition = list(sizes)
@@ -752,6 +760,9 @@ class AvgPipeStrategy(ParallelStrategy):
             self._make_replicas()
             module = self._module
             if module.trainer.state.fn == TrainerFn.FITTING:
+                # A loader already grouped for the old N (trainer.estimated_stepping_batches sets it up early) is
+                # set up again, and configure_optimizers then sees the new number of iterations per epoch.
+                module.trainer.fit_loop._combined_loader = None
                 self.setup_optimizers(module.trainer)
                 _optimizers_to_device(self.optimizers, self.root_device)
         rank_zero_info(
@@ -843,6 +854,7 @@ class AvgPipeStrategy(ParallelStrategy):
         self._trace = StepTrace(self.stage)
         if self._meter is not None:
             self._meter.reset()
+        self.elastic.follow_reference()  # frozen or unfrozen layers, eval-mode BatchNorm: as the user's module has them
         try:
             if self._batched is not None:
                 self._batched.begin()
@@ -1014,6 +1026,24 @@ class AvgPipeStrategy(ParallelStrategy):
         ordered.update(merged)
         return ordered
 
+    def _resumed_partition(self, module: pl.LightningModule, num_layers: int) -> list[int] | None:
+        """On a resumed ``fit``, the partition the checkpoint was saved with (when it fits this model and S).
+
+        ``"balanced"`` times the layers, and timing noise gives another cut from run to run; a resumed run must cut
+        as the checkpoint did, or its optimizer states and replicas would be dropped as another layout's.
+        """
+        trainer = getattr(module, "_trainer", None)
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING:
+            return None
+        path = resuming_from(trainer)
+        layout = checkpoint_layout(path) if path is not None else None
+        saved = layout.get("partition") if layout else None
+        if (not isinstance(saved, list) or len(saved) != self.num_stages or sum(saved) != num_layers
+                or min(saved) < 1):
+            return None
+        rank_zero_info(f"AvgPipe: resuming; cutting the model as the checkpoint was cut, partition={saved}.")
+        return [int(v) for v in saved]
+
     @property
     def _layout(self) -> dict[str, Any]:
         return {
@@ -1114,10 +1144,20 @@ class AvgPipeStrategy(ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Write on rank 0 to a temporary file, then rename: a crash never leaves a half-written checkpoint."""
+        """Write on rank 0 to a temporary file, then rename: a crash never leaves a half-written checkpoint.
+
+        Remote paths (``s3://...``) and ``AsyncCheckpointIO`` go straight to the checkpoint IO: a local rename cannot
+        address the one, and would run before the other's background write.
+        """
         if not self.is_global_zero:
             return
-        path = Path(filepath)
+        from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+        text = str(filepath)
+        if ("://" in text and not text.startswith("file://")) or isinstance(self.checkpoint_io, AsyncCheckpointIO):
+            self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            return
+        path = Path(text[len("file://"):] if text.startswith("file://") else text)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         try:
             self.checkpoint_io.save_checkpoint(checkpoint, tmp, storage_options=storage_options)

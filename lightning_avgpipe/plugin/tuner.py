@@ -9,7 +9,6 @@ chosen N also sets how many batches an iteration takes.
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,6 +24,7 @@ from torchmetrics import Metric
 from lightning_avgpipe import microbatch
 from lightning_avgpipe.plugin.contract import pipeline_inputs
 from lightning_avgpipe.plugin.optim import clone_optimizer
+from lightning_avgpipe.plugin.resume import resuming_from
 from lightning_avgpipe.runtime.trace import ActivationMeter, StepTrace
 from lightning_avgpipe.schedules import build_plan, simulate
 from lightning_avgpipe.tuning.model import PipelineProfile, StageProfile, microbatch_sizes, predict
@@ -192,21 +192,6 @@ class AvgPipeTuner(Callback):
         for logger in trainer.loggers:
             logger.log_metrics({"tuner/calibration_factor": factor, "tuner/measured_step_time_s": measured},
                                step=trainer.global_step)
-
-
-def resuming_from(trainer: pl.Trainer) -> Any:
-    """The checkpoint this ``fit`` is about to restore, or ``None``.
-
-    ``trainer.ckpt_path`` is only set once the checkpoint is loaded, after ``on_fit_start`` under this strategy
-    (``restore_checkpoint_after_setup``); until then the path is a local of ``Trainer._run`` (Lightning 2.6), which
-    is read from the calling frames.
-    """
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "_run" and frame.f_locals.get("self") is trainer:
-            return frame.f_locals.get("ckpt_path")  # this fit's; trainer.ckpt_path may be a previous call's
-        frame = frame.f_back  # type: ignore[assignment]
-    return trainer.ckpt_path
 
 
 def _write(table: TuningTable, out: Path) -> dict[str, Path]:

@@ -73,6 +73,8 @@ def main(cfg: dict[str, Any]) -> None:
     torch.set_num_threads(1)
     out = Path(cfg["out"])
     model = PipeNet(**cfg.get("model", {}))
+    if cfg.get("example_input"):  # lets partition="balanced" profile the layers
+        model.example_input_array = torch.zeros(2, 8)
     rec = Recorder()
     trainer_kwargs = dict(
         accelerator="cpu", devices=cfg["devices"], strategy=AvgPipeStrategy(**cfg["strategy"]),

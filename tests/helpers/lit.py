@@ -26,7 +26,8 @@ def loader(batch_size: int = 12, n: int = 48) -> DataLoader:
 
 class PipeNet(L.LightningModule):
     def __init__(self, lr: float = 0.1, optimizer: str = "sgd", scheduler: bool = False,
-                 epoch_metric: bool = False, noisy: bool = False, sleep: list[float] | None = None) -> None:
+                 epoch_metric: bool = False, noisy: bool = False, sleep: list[float] | None = None,
+                 stepping: bool = False) -> None:
         super().__init__()
         self.save_hyperparameters()
         layers = make_layers()
@@ -70,6 +71,8 @@ class PipeNet(L.LightningModule):
         return self(x)
 
     def configure_optimizers(self) -> Any:
+        if self.hparams.stepping:  # as OneCycleLR(total_steps=...) users do: sets the training loader up early
+            assert self.trainer.estimated_stepping_batches > 0
         return build_optimizer(self.parameters(), self.hparams.lr, self.hparams.optimizer, self.hparams.scheduler)
 
 
