@@ -114,3 +114,21 @@ def test_same_seed_same_setting_gives_identical_weights(tmp_path: Path) -> None:
         run_lightning(tmp_path / name, 2, strategy, steps=3, model={"optimizer": "adam", "lr": 0.01})
     a, b = final_state(tmp_path / "a"), final_state(tmp_path / "b")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_grouped_batches_take_n_consecutive_batches_and_seed_the_loaders_workers(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning.fabric.utilities.data import _auto_add_worker_init_fn
+    from torch.utils.data import DataLoader
+
+    from lightning_avgpipe.plugin.data import GroupedBatches
+
+    loader = DataLoader(list(range(10)), batch_size=2)  # 5 batches
+    grouped = GroupedBatches(loader, 2)
+    assert len(grouped) == 2  # the incomplete last group (batch 5) is dropped
+    assert [[b.tolist() for b in group] for group in grouped] == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+    assert grouped.batch_size == 2 and grouped.dataset is loader.dataset  # the loader's attributes show through
+    monkeypatch.setenv("PL_SEED_WORKERS", "1")  # what seed_everything(workers=True) sets
+    _auto_add_worker_init_fn(grouped, rank=1)
+    assert loader.worker_init_fn is not None and loader.worker_init_fn.keywords == {"rank": 1}
+    assert "worker_init_fn" not in vars(grouped)  # on the DataLoader, whose workers call it

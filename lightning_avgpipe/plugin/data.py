@@ -35,3 +35,13 @@ class GroupedBatches:
         if name == "loader":
             raise AttributeError(name)
         return getattr(self.loader, name)
+
+    @property
+    def worker_init_fn(self) -> Any:
+        return getattr(self.loader, "worker_init_fn", None)
+
+    @worker_init_fn.setter
+    def worker_init_fn(self, fn: Any) -> None:
+        # Lightning sets it after process_dataloader (seed_everything(workers=True)): it belongs on the DataLoader,
+        # whose workers call it, not on this wrapper.
+        self.loader.worker_init_fn = fn
