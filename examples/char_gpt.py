@@ -116,8 +116,8 @@ class CharGPT(L.LightningModule):
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         loss = self._loss(batch)
-        self.log("val_loss", loss, prog_bar=True)
-        self.log("val_bpc", loss / math.log(2))
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        self.log("val_bpc", loss / math.log(2), sync_dist=True)
 
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
@@ -181,6 +181,7 @@ def main(argv: list[str] | None = None) -> None:
         callbacks.append(lightning_avgpipe.AvgPipeTuner(memory_limit=limit, num_pipelines=4))
     trainer = L.Trainer(accelerator=args.accelerator, devices=args.devices, strategy=strategy, callbacks=callbacks,
                         max_steps=args.max_steps, val_check_interval=min(100, args.max_steps), limit_val_batches=20,
+                        check_val_every_n_epoch=None,  # every 100 steps across epochs: N pipelines shorten an epoch
                         precision=args.precision, log_every_n_steps=10, default_root_dir="runs/char_gpt")
     trainer.fit(model, dm)
     if trainer.is_global_zero:

@@ -49,7 +49,7 @@ class DigitsMLP(L.LightningModule):
         x, y = batch
         logits = self(x)
         self.val_acc(logits, y)
-        self.log("val_loss", F.cross_entropy(logits, y))
+        self.log("val_loss", F.cross_entropy(logits, y), sync_dist=True)
         self.log("val_acc", self.val_acc, prog_bar=True)
 
     def test_step(self, batch: Any, batch_idx: int) -> None:

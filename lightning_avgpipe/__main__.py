@@ -31,6 +31,15 @@ def schedule_command(argv: list[str]) -> int:
     p.add_argument("--actions", action="store_true", help="also print the lowered action lists (with comms)")
     p.add_argument("--trace", metavar="PATH", help="write the simulated timeline as a Chrome trace (PATH) and a PNG")
     args = p.parse_args(argv)
+    for flag, value, low in (("--stages", args.stages, 1), ("--microbatches", args.microbatches, 1),
+                             ("--pipelines", args.pipelines, 1), ("--advance-forwards", args.advance_forwards, 0)):
+        if value < low:
+            p.error(f"{flag} {value}: must be at least {low}")
+    for flag, value in (("--forward-cost", args.forward_cost), ("--backward-cost", args.backward_cost)):
+        if not value > 0:
+            p.error(f"{flag} {value}: must be a positive time")
+    if not args.latency >= 0:
+        p.error(f"--latency {args.latency}: must be >= 0")
     plan = validate_plan(
         build_plan(args.schedule, args.stages, args.microbatches * args.pipelines, args.advance_forwards)
     )
@@ -55,8 +64,20 @@ def schedule_command(argv: list[str]) -> int:
     return 0
 
 
+COMMANDS = """lightning_avgpipe commands (python -m lightning_avgpipe COMMAND --help for each):
+  fit, validate, test, predict   LightningCLI with strategy="avgpipe" registered (--config cfg.yaml, --trainer.*)
+  tune                           AvgPipeTuner's table and choice for a fit config, without training
+  schedule                       print and simulate a pipeline plan (no processes)
+  whatif                         project a tuning profile to more stages and groups
+"""
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help"):
+        print(COMMANDS)
+        if not args:
+            return 2
     if args and args[0] == "schedule":
         return schedule_command(args[1:])
     if args and args[0] == "whatif":

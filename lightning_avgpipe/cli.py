@@ -7,13 +7,28 @@ from typing import Any
 
 from lightning.pytorch.cli import LightningCLI
 
-import lightning_avgpipe  # noqa: F401 - registers strategy="avgpipe"
+import lightning_avgpipe  # registers strategy="avgpipe"
+
+
+class AvgPipeCLI(LightningCLI):
+    """LightningCLI that gives each CPU stage process its share of the cores before the model is built.
+
+    Without it every process Lightning starts begins with torch's thread pool over all cores
+    (``lightning_avgpipe.share_cpu_threads``; measured: the char GPT at 5.9 it/s against 9.2 it/s on 2 cores).
+    """
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config.get(self.subcommand) if self.subcommand else self.config
+        trainer = (config or {}).get("trainer") or {}
+        devices, accelerator = trainer.get("devices"), trainer.get("accelerator")
+        if accelerator == "cpu" and isinstance(devices, int) and devices > 0:
+            lightning_avgpipe.share_cpu_threads(devices)
 
 
 def cli_main(args: list[str] | None = None, **kwargs: Any) -> LightningCLI:
     """Run LightningCLI over any LightningModule / LightningDataModule given by class path in a config or flags."""
     kwargs.setdefault("save_config_kwargs", {"overwrite": True})
-    return LightningCLI(args=args, **kwargs)
+    return AvgPipeCLI(args=args, **kwargs)
 
 
 def _ints(text: str | None, name: str) -> list[int] | None:
@@ -50,8 +65,10 @@ def tune_main(argv: list[str]) -> int:
     ours, rest = p.parse_known_args(argv)
     if ours.memory_limit_mb is not None and not ours.memory_limit_mb > 0:
         p.error(f"--memory-limit-mb {ours.memory_limit_mb}: must be a positive number of MiB")
+    if ours.profile_steps < 1:
+        p.error(f"--profile-steps {ours.profile_steps}: must be at least 1 (timed steps per profiled size)")
     pipelines = _ints(ours.num_pipelines, "--num-pipelines")
-    cli = LightningCLI(args=rest, run=False, save_config_callback=None)
+    cli = AvgPipeCLI(args=rest, run=False, save_config_callback=None)
     trainer = cli.trainer
     if not isinstance(trainer.strategy, AvgPipeStrategy):
         p.error(

@@ -85,3 +85,51 @@ def test_fractional_costs_still_draw_every_action(capsys: pytest.CaptureFixture[
     for s, cells in _rows(lines).items():
         for u in range(2):
             assert f"F{u}" in cells and f"B{u}" in cells, (s, cells)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--microbatches", "0"], "--microbatches 0: must be at least 1"),
+    (["--stages", "0"], "--stages 0: must be at least 1"),
+    (["--pipelines", "-1"], "--pipelines -1: must be at least 1"),
+    (["--advance-forwards", "-1", "--schedule", "advance"], "--advance-forwards -1: must be at least 0"),
+    (["--forward-cost", "0"], "--forward-cost 0.0: must be a positive time"),
+    (["--latency", "-1"], "--latency -1.0: must be >= 0"),
+])
+def test_bad_values_name_the_flag(capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["schedule", *args])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 2
+    out = capsys.readouterr().out
+    for command in ("fit, validate, test, predict", "tune", "schedule", "whatif"):
+        assert command in out
+
+
+def test_tune_refuses_zero_profile_steps(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["tune", "--profile-steps", "0", "--config", "examples/char_gpt.yaml"])
+    assert exc.value.code == 2
+    assert "--profile-steps 0: must be at least 1" in capsys.readouterr().err
+
+
+def test_the_cli_shares_the_cores_between_cpu_stage_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before LightningCLI builds the model: otherwise each stage process starts torch's pool with every core."""
+    import os
+
+    import lightning_avgpipe
+    from lightning_avgpipe.cli import AvgPipeCLI
+
+    calls: list[int] = []
+    monkeypatch.setattr(lightning_avgpipe, "share_cpu_threads", calls.append)
+    before = dict(os.environ)
+    try:
+        AvgPipeCLI(args=["--config", "examples/char_gpt.yaml", "--data.init_args.max_chars", "20000"], run=False,
+                   save_config_callback=None)
+    finally:  # a Trainer may pick a MASTER_PORT; later multi-process tests must not inherit it
+        for key in set(os.environ) - set(before):
+            del os.environ[key]
+    assert calls == [2]  # trainer.devices of the config, accelerator cpu

@@ -408,3 +408,16 @@ def test_whatif_command_nothing_fits(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert main(["whatif", "--profile", str(path), "--stages", "2", "--memory-limit-mb", "1"]) == 1
     captured = capsys.readouterr()
     assert "Raise memory_limit" in captured.err and captured.out == ""
+
+
+def test_whatif_takes_comma_lists_like_tune(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _tuning_json(tmp_path)
+    base = ["whatif", "--profile", str(path), "--stages", "4"]
+    assert main([*base, "--num-microbatches", "2,4", "--num-pipelines", "1,2"]) == 0
+    comma = capsys.readouterr().out
+    assert main([*base, "--num-microbatches", "2", "4", "--num-pipelines", "1", "2"]) == 0
+    assert capsys.readouterr().out == comma  # the same table either way
+    with pytest.raises(SystemExit) as exc:
+        main([*base, "--num-microbatches", "3"])
+    assert exc.value.code == 2
+    assert "leave the option out for all of them" in capsys.readouterr().err

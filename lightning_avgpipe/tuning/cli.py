@@ -20,6 +20,17 @@ from lightning_avgpipe.tuning.search import NoFeasibleSettingError, search
 from lightning_avgpipe.tuning.whatif import project
 
 
+def _int_list(text: str) -> list[int]:
+    """One argument of a list option: ``4`` or ``2,4,8`` (the lists ``tune`` takes work here too)."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an int or a comma list of ints (for example 2,4)") from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"{text!r}: give at least one int")
+    return values
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m lightning_avgpipe whatif",
@@ -36,9 +47,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="link bandwidth in GB/s, 1 GB = 1e9 bytes (default: the profiled one)")
     p.add_argument("--memory-limit-mb", type=float, default=None,
                    help="memory per stage in MiB (2**20 bytes); default: no limit")
-    p.add_argument("--num-microbatches", type=int, nargs="+", default=None, metavar="M",
+    p.add_argument("--num-microbatches", type=_int_list, nargs="+", default=None, metavar="M",
                    help="candidate micro-batch counts, each dividing the batch size (default: all divisors)")
-    p.add_argument("--num-pipelines", type=int, nargs="+", default=None, metavar="N",
+    p.add_argument("--num-pipelines", type=_int_list, nargs="+", default=None, metavar="N",
                    help="one value: consider 1..N pipelines; several: exactly those (default: 1..8)")
     p.add_argument("--schedule", default=None, choices=[*SCHEDULES, "gpipe"],
                    help="schedule to predict (default: the profiled one)")
@@ -97,6 +108,9 @@ def whatif_command(argv: list[str]) -> int:
         latency_s=None if args.latency_ms is None else args.latency_ms * 1e-3,
         bandwidth=None if args.bandwidth_gbs is None else args.bandwidth_gbs * 1e9,
     )
+    flat = [[v for part in parts for v in part] if parts is not None else None
+            for parts in (args.num_microbatches, args.num_pipelines)]
+    args.num_microbatches, args.num_pipelines = flat
     pipelines = args.num_pipelines
     if pipelines is not None and len(pipelines) == 1:
         pipelines = pipelines[0]
@@ -109,7 +123,7 @@ def whatif_command(argv: list[str]) -> int:
         return 1
     except ValueError as e:  # candidate validation: names the value and the fix
         option = "--num-microbatches" if "num_microbatches" in str(e) else "--num-pipelines"
-        p.error(f"{option}: {e}")
+        p.error(f"{option}: {str(e).replace(' or None for all of them', ' or leave the option out for all of them')}")
     bw = "inf" if projected.bandwidth == float("inf") else f"{projected.bandwidth / 1e9:g} GB/s"
     print(
         f"what-if: {profile.num_stages} profiled stage(s) -> S={projected.num_stages}, D={projected.num_groups}, "
