@@ -158,7 +158,6 @@ class AvgPipeTuner(Callback):
                 "tuner/seconds": self.seconds,
             }, step=0)
 
-
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._calibrating:
             self._starts = []  # an interval with validation in it is not an iteration: start the window again
@@ -220,9 +219,7 @@ def first_batch(trainer: pl.Trainer, fetches: int = 3) -> tuple[Any, float, int 
     loader = source.dataloader()
     if loader is None:
         raise ValueError("AvgPipeTuner needs a training DataLoader to profile on; none is attached to fit().")
-    snap = Snapshot([], [])
-    generators = _generators(loader)
-    states = [g.get_state() for g in generators]
+    snap = Snapshot([], [], generators=_generators(loader))
     times = []
     try:
         it = iter(loader)
@@ -236,8 +233,6 @@ def first_batch(trainer: pl.Trainer, fetches: int = 3) -> tuple[Any, float, int 
             times.append(time.perf_counter() - t0)
     finally:
         snap.restore()
-        for g, state in zip(generators, states):
-            g.set_state(state)
     try:
         batches: int | None = len(loader)
     except TypeError:  # an iterable dataset without a length

@@ -183,12 +183,15 @@ def measure_link(
 class Snapshot:
     """What a profiling run may change, saved on creation and put back by :meth:`restore`.
 
-    RNG states (Python, NumPy, torch CPU and CUDA), the gradients of ``params``, the buffers of ``modules``
-    (BatchNorm statistics) and the states of ``metrics`` (torchmetrics objects, compared by their ``_defaults``).
+    RNG states (Python, NumPy, torch CPU and CUDA, and the ``generators`` given), the gradients of ``params``, the
+    buffers of ``modules`` (BatchNorm statistics) and the states of ``metrics`` (torchmetrics objects, compared by
+    their ``_defaults``).
     """
 
-    def __init__(self, params: Sequence[Tensor], modules: Sequence[nn.Module], metrics: Sequence[Any] = ()) -> None:
+    def __init__(self, params: Sequence[Tensor], modules: Sequence[nn.Module], metrics: Sequence[Any] = (),
+                 generators: Sequence[torch.Generator] = ()) -> None:
         self.python = random.getstate()
+        self.generators = [(g, g.get_state()) for g in generators]  # e.g. a DataLoader's own generator
         try:
             import numpy as np
 
@@ -209,6 +212,8 @@ class Snapshot:
 
             np.random.set_state(self.numpy)
         torch.set_rng_state(self.torch)
+        for generator, generator_state in self.generators:
+            generator.set_state(generator_state)
         if self.cuda is not None:
             torch.cuda.set_rng_state_all(self.cuda)
         for p, g in self.grads:  # a copy: backward accumulates into .grad in place, and restore may run twice
