@@ -8,6 +8,7 @@ from typing import Any
 from lightning.pytorch.cli import LightningCLI
 
 import lightning_avgpipe  # registers strategy="avgpipe"
+from lightning_avgpipe.tuning.cli import int_list
 
 
 class AvgPipeCLI(LightningCLI):
@@ -31,18 +32,6 @@ def cli_main(args: list[str] | None = None, **kwargs: Any) -> LightningCLI:
     return AvgPipeCLI(args=args, **kwargs)
 
 
-def _ints(text: str | None, name: str) -> list[int] | None:
-    if text is None:
-        return None
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise SystemExit(f"{name} {text!r}: give integers separated by commas, for example 1,2,4") from None
-    if not values:
-        raise SystemExit(f"{name} {text!r}: give at least one integer, for example 1,2,4")
-    return values
-
-
 def tune_main(argv: list[str]) -> int:
     """``python -m lightning_avgpipe tune --config cfg.yaml``: profile, print the table and the choice; no training.
 
@@ -58,8 +47,10 @@ def tune_main(argv: list[str]) -> int:
         "training. Other arguments (--config cfg.yaml, --trainer.*, --model.*, --data.*) go to LightningCLI.",
     )
     p.add_argument("--memory-limit-mb", type=float, default=None, help="MiB a stage may hold at its peak")
-    p.add_argument("--num-pipelines", default=None, help="largest N (one int) or the N values (comma list)")
-    p.add_argument("--num-microbatches", default=None, help="M values to consider (comma list of divisors of B)")
+    p.add_argument("--num-pipelines", type=int_list, default=None,
+                   help="largest N (one int) or the N values (comma list)")
+    p.add_argument("--num-microbatches", type=int_list, default=None,
+                   help="M values to consider (comma list of divisors of B)")
     p.add_argument("--profile-steps", type=int, default=3, help="timed pipeline steps per profiled size")
     p.add_argument("--output-dir", default=None, help="where tuning.json and tuning.png go")
     ours, rest = p.parse_known_args(argv)
@@ -67,7 +58,7 @@ def tune_main(argv: list[str]) -> int:
         p.error(f"--memory-limit-mb {ours.memory_limit_mb}: must be a positive number of MiB")
     if ours.profile_steps < 1:
         p.error(f"--profile-steps {ours.profile_steps}: must be at least 1 (timed steps per profiled size)")
-    pipelines = _ints(ours.num_pipelines, "--num-pipelines")
+    pipelines = ours.num_pipelines
     cli = AvgPipeCLI(args=rest, run=False, save_config_callback=None)
     trainer = cli.trainer
     if not isinstance(trainer.strategy, AvgPipeStrategy):
@@ -83,7 +74,7 @@ def tune_main(argv: list[str]) -> int:
         tuner.memory_limit = ours.memory_limit_mb * 2**20
     if pipelines is not None:
         tuner.num_pipelines = pipelines[0] if len(pipelines) == 1 else pipelines
-    m = _ints(ours.num_microbatches, "--num-microbatches")
+    m = ours.num_microbatches
     if m is not None:
         tuner.num_microbatches = m
     tuner.profile_steps = ours.profile_steps

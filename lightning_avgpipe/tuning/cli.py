@@ -20,8 +20,8 @@ from lightning_avgpipe.tuning.search import NoFeasibleSettingError, search
 from lightning_avgpipe.tuning.whatif import project
 
 
-def _int_list(text: str) -> list[int]:
-    """One argument of a list option: ``4`` or ``2,4,8`` (the lists ``tune`` takes work here too)."""
+def int_list(text: str) -> list[int]:
+    """One argument of a list option: ``4`` or ``2,4,8`` (``tune`` and ``whatif`` alike)."""
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
@@ -47,9 +47,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="link bandwidth in GB/s, 1 GB = 1e9 bytes (default: the profiled one)")
     p.add_argument("--memory-limit-mb", type=float, default=None,
                    help="memory per stage in MiB (2**20 bytes); default: no limit")
-    p.add_argument("--num-microbatches", type=_int_list, nargs="+", default=None, metavar="M",
+    p.add_argument("--num-microbatches", type=int_list, nargs="+", default=None, metavar="M",
                    help="candidate micro-batch counts, each dividing the batch size (default: all divisors)")
-    p.add_argument("--num-pipelines", type=_int_list, nargs="+", default=None, metavar="N",
+    p.add_argument("--num-pipelines", type=int_list, nargs="+", default=None, metavar="N",
                    help="one value: consider 1..N pipelines; several: exactly those (default: 1..8)")
     p.add_argument("--schedule", default=None, choices=[*SCHEDULES, "gpipe"],
                    help="schedule to predict (default: the profiled one)")
