@@ -222,7 +222,7 @@ def sample_stream(size: int, count: int, seed: int) -> Tensor:
 # ---------------------------------------------------------------------------------------------------------------
 def train_run(data: Data, method: str, lr: float, seed: int, n: int) -> dict[str, Any]:
     from lightning_avgpipe.elastic import ElasticAveraging
-    from lightning_avgpipe.plugin.optim import clone_optimizer
+    from lightning_avgpipe.optim import clone_optimizer
 
     study = data.study
     b = study.batch
@@ -411,7 +411,7 @@ def _pipe_rank(rank: int, study: Study, n: int, m: int, steps: int, warmup: int)
 
     from lightning_avgpipe import microbatch
     from lightning_avgpipe.elastic import ElasticAveraging
-    from lightning_avgpipe.plugin.optim import clone_optimizer
+    from lightning_avgpipe.optim import clone_optimizer
     from lightning_avgpipe.runtime import Link, StageExecutor
     from lightning_avgpipe.schedules import build_plan, validate_plan
 

@@ -290,7 +290,7 @@ class AvgPipeRow(Row):
                  batches: list[tuple[Tensor, Tensor]]) -> None:
         from lightning_avgpipe import microbatch
         from lightning_avgpipe.elastic import ElasticAveraging
-        from lightning_avgpipe.plugin.optim import clone_optimizer
+        from lightning_avgpipe.optim import clone_optimizer
         from lightning_avgpipe.runtime import Link, StageExecutor
         from lightning_avgpipe.schedules import build_plan, validate_plan
 
@@ -355,7 +355,7 @@ def elastic_reference(base: list[nn.Module], n: int, steps: int, args: argparse.
     """
     from lightning_avgpipe import microbatch
     from lightning_avgpipe.elastic import ElasticAveraging
-    from lightning_avgpipe.plugin.optim import clone_optimizer
+    from lightning_avgpipe.optim import clone_optimizer
 
     elastic = ElasticAveraging(copy.deepcopy(base), n)
     user = _adamw(elastic.reference_params, args)

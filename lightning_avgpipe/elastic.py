@@ -213,6 +213,11 @@ class ElasticAveraging:
                     mean /= self.num_groups
                 buf.copy_(mean)
 
+    def buffers(self) -> list[Tensor]:
+        """The averaging's own tensors (offsets and the summed update), for memory accounting."""
+        offsets = [t for per_replica in (self._offsets or []) for t in per_replica]
+        return offsets + ([self._flat] if self._flat is not None else [])
+
     # -- what the user sees -------------------------------------------------------------------------------------
     def divergence(self) -> list[Tensor]:
         """Per replica, ``‖w_n - w_ref‖² `` and ``‖w_ref‖²`` summed over this stage (add across stages, then sqrt)."""

@@ -96,3 +96,14 @@ def _leaves(obj: Any) -> list[Tensor]:
     if isinstance(obj, (list, tuple)):
         return [leaf for v in obj for leaf in _leaves(v)]
     return []
+
+
+def to_cpu(obj: Any) -> Any:
+    """``obj`` with every tensor detached and on the CPU (nested tuples, lists and mappings kept)."""
+    if isinstance(obj, Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, Mapping):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj

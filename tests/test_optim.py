@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from lightning_avgpipe.elastic import ElasticAveraging
-from lightning_avgpipe.plugin.optim import ElasticOptimizer, clone_optimizer
+from lightning_avgpipe.optim import ElasticOptimizer, clone_optimizer
 
 
 def _setup(n: int = 2) -> tuple[ElasticAveraging, ElasticOptimizer, torch.optim.Optimizer]:

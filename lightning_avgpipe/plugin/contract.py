@@ -15,14 +15,12 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from lightning_avgpipe.errors import PipelineContractError
+
 CONTRACT_HELP = (
     "Implement `configure_pipeline(self)` returning the layers in order (an nn.Sequential or a list of submodules), "
     "with `forward` applying exactly those layers in order; see docs/contract.md."
 )
-
-
-class PipelineContractError(TypeError):
-    """The LightningModule does not meet the pipeline contract."""
 
 
 def pipeline_layers(module: nn.Module) -> list[nn.Module]:

@@ -12,7 +12,7 @@ import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
@@ -22,11 +22,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torchmetrics import Metric
 
 from lightning_avgpipe import microbatch
+from lightning_avgpipe.optim import clone_optimizer
 from lightning_avgpipe.plugin.contract import pipeline_inputs
-from lightning_avgpipe.plugin.optim import clone_optimizer
 from lightning_avgpipe.plugin.resume import resuming_from
-from lightning_avgpipe.runtime.trace import ActivationMeter, StepTrace
-from lightning_avgpipe.schedules import build_plan, simulate
+from lightning_avgpipe.schedules import simulate
 from lightning_avgpipe.tuning.model import PipelineProfile, StageProfile, microbatch_sizes, predict
 from lightning_avgpipe.tuning.profiler import (
     CopyOptimizer,
@@ -39,6 +38,9 @@ from lightning_avgpipe.tuning.profiler import (
     unit_times,
 )
 from lightning_avgpipe.tuning.search import TuningTable, candidate_microbatches, candidate_pipelines, search
+
+if TYPE_CHECKING:
+    from lightning_avgpipe.plugin.strategy import AvgPipeStrategy
 
 
 class AvgPipeTuner(Callback):
@@ -264,7 +266,7 @@ def _generators(loader: Any) -> list[torch.Generator]:
 
 
 def tune(
-    strategy: Any,
+    strategy: AvgPipeStrategy,
     trainer: pl.Trainer,
     memory_limit: float | None = None,
     num_pipelines: int | Sequence[int] | None = None,
@@ -277,7 +279,7 @@ def tune(
     batch, fetch_s, batches, last = strategy.broadcast((batch, fetch_s, batches, last), src=0)
     batch = strategy.batch_to_device(batch)
     size = microbatch.batch_size(batch)
-    ms = batch_norm_candidates(candidate_microbatches(size, num_microbatches), size, strategy._owned,
+    ms = batch_norm_candidates(candidate_microbatches(size, num_microbatches), size, strategy.stage_layers,
                                strategy.root_device, given=num_microbatches is not None, last_batch=last)
     ns = candidate_pipelines(num_pipelines)
     cap = None
@@ -291,14 +293,13 @@ def tune(
     profile.batch_fetch_s = fetch_s
     profile.accumulate = int(trainer.accumulate_grad_batches)
     limit = memory_limit if memory_limit is not None else strategy.config.memory_limit
-    limit = strategy._memory_limit_bytes(limit)
+    limit = strategy.memory_limit_bytes(limit)
     if limit is not None and strategy.world_size > 1:  # a fraction of memory can differ by rank: the smallest rules
         t = torch.tensor([float(limit)], dtype=torch.float64, device=strategy.root_device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         limit = float(t[0])
     # the user's k, not one a previous fit's tuner applied (reconfigure replaces "auto" with a number)
-    original = strategy.__dict__.setdefault("_tuner_user_advance_forwards", strategy.config.advance_forwards)
-    k: int | str = original if strategy.config.schedule == "advance" else 0
+    k: int | str = strategy.user_advance_forwards if strategy.config.schedule == "advance" else 0
     # every rank searches the same broadcast profile: a setting that fits nowhere raises on every rank alike
     return search(profile, ms, num_pipelines, limit, strategy.config.schedule, k, max_pipelines=cap)
 
@@ -348,53 +349,41 @@ def batch_norm_candidates(ms: Sequence[int], batch_size: int, layers: Sequence[t
     return kept
 
 
-def profile_pipeline(strategy: Any, batch: Any, sizes: Sequence[float], steps: int) -> PipelineProfile:
-    """Run the strategy's pipeline at each micro-batch size and measure; rank 0's profile reaches every rank.
+def profile_pipeline(strategy: AvgPipeStrategy, batch: Any, sizes: Sequence[float], steps: int) -> PipelineProfile:
+    """Run the strategy's step at each micro-batch size and measure; rank 0's profile reaches every rank.
 
-    Uses replica 0 of every stage and the user's ``training_step`` as the head, as training does, then puts back
-    gradients, buffers, torchmetrics states, RNG states and what the step bridge recorded.
+    Each size runs :meth:`StagePipeline.train_step` itself (1F1B, replica 0 of every stage, the user's
+    ``training_step`` as the loss), as training does, then puts back gradients, buffers, torchmetrics states, RNG
+    states and what the step bridge recorded.
     """
-    module = strategy._module
-    executor, bridge = strategy._executor, strategy._bridge
-    S, stage = strategy.num_stages, strategy.stage
+    module = strategy.lightning_module
+    assert module is not None
+    pipeline, bridge = strategy.pipeline, strategy.bridge
+    top = strategy.topology
+    S, stage = top.num_stages, top.stage
     device = strategy.root_device
-    elastic = strategy.elastic
-    params = list(strategy._stage_params)
+    elastic = pipeline.elastic
+    params = pipeline.params
     metrics = [m for m in module.modules() if isinstance(m, Metric)]
     replica_layers = [m for layers in elastic.replicas for m in layers] if not elastic.trivial else []
-    snap = Snapshot(params, [*strategy._owned, *replica_layers], metrics)
-    full_batch = strategy._full_batch
+    snap = Snapshot(params, [*pipeline.layers, *replica_layers], metrics)
     size = microbatch.batch_size(batch)
-    stage_fn = strategy._replica_fns[0]
+    last_layer = elastic.replicas[0][-1]  # what this stage sends: the output of replica 0's last layer
     forward_s: dict[float, float] = {}
     backward_s: dict[float, float] = {}
     activation: dict[float, float] = {}
     sent: dict[float, float] = {}
     units_seen: list[int] = []
     residuals: list[float] = []
+
+    def loss_fn(output: Any, micro: Any, share: float) -> Any:
+        return bridge.call_step("training_step", output, micro, share, 0)  # batch_idx 0
+
     try:
         settings = []
         for b in sizes:
             m = max(1, round(size / b))
-            micro = microbatch.split(batch, m)
-            keys = [("avgpipe-tune", microbatch.signature(mb)) for mb in micro]
-            plan = build_plan("1f1b", S, m, 0, True, int(not strategy._batched_p2p))
-            out_bytes: list[int] = []
-
-            def fn(x: Any, _fn: Any = stage_fn, _out: list[int] = out_bytes) -> Any:
-                y = _fn(x)
-                if not _out:
-                    _out.append(tensor_bytes(y))
-                return y
-
-            def head(u: int, output: Any, _micro: Any = micro, _m: int = m) -> Any:
-                out = bridge.call_step("training_step", output, _micro[u], 1.0 / _m, 0)  # batch_idx 0
-                loss = out.get("loss") if isinstance(out, dict) else out
-                if not isinstance(loss, torch.Tensor):
-                    raise TypeError(f"training_step must return a loss tensor (or a dict with 'loss'), got {out!r}")
-                return loss * (1.0 / _m)
-
-            settings.append((b, m, micro, keys, plan, out_bytes, fn, head))
+            settings.append((b, m, pipeline.variant(num_microbatches=m, schedule="1f1b", advance_forwards=0)))
 
         # Rounds in which every size takes a turn: a burst of background load then lands on every size alike
         # instead of bending the curve at one of them. A turn is two steps, the first untimed: after a change of
@@ -402,6 +391,7 @@ def profile_pipeline(strategy: Any, batch: Any, sizes: Sequence[float], steps: i
         spans: dict[float, list[Any]] = {b: [] for b in sizes}
         step_times: dict[float, list[float]] = {b: [] for b in sizes}
         peaks: dict[float, list[int]] = {b: [] for b in sizes}
+        out_bytes: dict[float, int] = {}
         # Between steps the optimizer of a copy of the stage steps, as the real one does between iterations (it
         # also times one replica's optimizer step): the profiled steps then see caches as training leaves them.
         user = strategy.optimizers[0]
@@ -409,54 +399,52 @@ def profile_pipeline(strategy: Any, batch: Any, sizes: Sequence[float], steps: i
         reference = elastic.reference_params
         copy_opt = CopyOptimizer(lambda ps: clone_optimizer(user, ps, reference), reference)
         turns = [(setting, timed) for _ in range(steps) for setting in settings for timed in (False, True)]
-        for (b, _m, micro, keys, plan, _out, fn, head), timed in turns:
+        for (b, _m, probe), timed in turns:
             for p in params:
                 p.grad = None
-            trace = StepTrace(stage)
-            meter = ActivationMeter(params)
-            executor.run(
-                plan.stages[stage], keys, training=True,
-                inputs=lambda u, _micro=micro: pipeline_inputs(module, _micro[u]),
-                head=head, forward_context=strategy.precision_plugin.train_step_context,
-                stage_fn_for=lambda u, _fn=fn: _fn, trace=trace, meter=meter,
-            )
-            if bridge is not None:
-                bridge.take_logs()
+            hook = None
+            if b not in out_bytes:
+                hook = last_layer.register_forward_hook(
+                    lambda _mod, _in, out, _b=b: out_bytes.setdefault(_b, tensor_bytes(out)))
+            try:
+                result = probe.train_step(
+                    [batch], loss_fn, inputs=lambda micro: pipeline_inputs(module, micro),
+                    forward_context=strategy.precision_plugin.train_step_context, measure=True, key="avgpipe-tune",
+                )
+            finally:
+                if hook is not None:
+                    hook.remove()
+            bridge.take_logs()
             copy_opt.step()
             if timed:
-                spans[b].append(trace.spans)
-                step_times[b].append(trace.step_time)
-                peaks[b].append(meter.peak)
-        for b, m, _micro, _keys, plan, out_bytes, _fn, _head in settings:
+                spans[b].append(result.trace.spans)
+                step_times[b].append(result.trace.step_time)
+                peaks[b].append(result.trace.peak_activation_bytes)
+        for b, m, probe in settings:
             f, bk = unit_times(spans[b])
             forward_s[b], backward_s[b] = f, bk
-            stash = simulate(plan).peak_stash[stage]
+            stash = simulate(probe.plan(True, m)).peak_stash[stage]
             activation[b] = statistics.median(peaks[b]) / max(1, stash)
-            sent[b] = float(out_bytes[0]) if out_bytes else 0.0
+            sent[b] = float(out_bytes.get(b, 0))
             units_seen.append(m)
             residuals.append(statistics.median(step_times[b]))  # the step as this stage saw it; fitted below
         # The strategy's own per-iteration collectives (the loss and logs from the last stage, the step figures)
         extra = []
         for _ in range(3):
             t0 = time.perf_counter()
-            strategy._share((torch.zeros(()), []) if executor.is_last else None)
-            if S > 1:
-                figures = torch.zeros(6, dtype=torch.float64, device=device)
-                rows = [torch.zeros_like(figures) for _ in range(S)]
-                dist.all_gather(rows, figures, group=strategy._pipeline_group)
+            pipeline.share((torch.zeros(()), []) if pipeline.is_last else None)
             extra.append(time.perf_counter() - t0)
         per_iteration = statistics.median(extra)
     finally:
         snap.restore()
-        strategy._full_batch = full_batch
     step_s, state_bytes = copy_opt.median(), copy_opt.state_bytes()
     del copy_opt
-    elastic_s = time_elastic_update(strategy._owned, device)
+    elastic_s = time_elastic_update(pipeline.layers, device)
     link_bytes = int(max(sent.values())) if sent else 4
-    group = strategy._pipeline_group
+    group = top.pipeline_group
     if S > 1:
         link_bytes = int(_max_over(strategy, float(link_bytes)))
-        latency, bandwidth = measure_link(stage, strategy._pipeline_ranks, link_bytes, device, group)
+        latency, bandwidth = measure_link(stage, top.pipeline_ranks, link_bytes, device, group)
     else:
         latency, bandwidth = 0.0, float("inf")
     mine = StageProfile(
@@ -468,7 +456,7 @@ def profile_pipeline(strategy: Any, batch: Any, sizes: Sequence[float], steps: i
     reduce_s = 0.0
     if strategy.num_groups > 1:  # the reference update's all-reduce over the D groups (every rank takes part)
         nbytes = float(sum(t.numel() * 4 for t in reference))  # the flat float32 buffer ElasticAveraging reduces
-        reduce_s = _max_list(strategy, [time_allreduce(nbytes, device, strategy._stage_group)])[0]
+        reduce_s = _max_list(strategy, [time_allreduce(nbytes, device, top.stage_group)])[0]
     profile = PipelineProfile(
         stages=stages, batch_size=size, latency_s=latency, bandwidth=bandwidth, num_groups=strategy.num_groups,
         schedule=strategy.config.schedule, reference_allreduce_s=reduce_s,
@@ -483,22 +471,22 @@ def profile_pipeline(strategy: Any, batch: Any, sizes: Sequence[float], steps: i
     return strategy.broadcast(profile, src=0)
 
 
-def _gather_stages(strategy: Any, mine: StageProfile) -> list[StageProfile]:
+def _gather_stages(strategy: AvgPipeStrategy, mine: StageProfile) -> list[StageProfile]:
     if strategy.num_stages == 1:
         return [mine]
     gathered: list[Any] = [None] * strategy.num_stages
-    dist.all_gather_object(gathered, mine, group=strategy._pipeline_group)
+    dist.all_gather_object(gathered, mine, group=strategy.topology.pipeline_group)
     return list(gathered)
 
 
-def _max_over(strategy: Any, value: float) -> float:
+def _max_over(strategy: AvgPipeStrategy, value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=strategy.root_device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=strategy._pipeline_group)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=strategy.topology.pipeline_group)
     return float(t[0])
 
 
-def _max_list(strategy: Any, values: Sequence[float]) -> list[float]:
+def _max_list(strategy: AvgPipeStrategy, values: Sequence[float]) -> list[float]:
     t = torch.tensor(list(values), dtype=torch.float64, device=strategy.root_device)
     if strategy.num_stages > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=strategy._pipeline_group)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=strategy.topology.pipeline_group)
     return [float(v) for v in t]

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_avgpipe.errors import loss_of
 from lightning_avgpipe.runtime.p2p import Link, flatten_output
 from lightning_avgpipe.runtime.trace import ActivationMeter, StepTrace
 from lightning_avgpipe.schedules.actions import Action, Kind
@@ -120,10 +121,7 @@ class StageExecutor:
                     note("F", u, t1, clock())
                     if self.is_last:
                         if training:
-                            if not isinstance(value, Tensor) or value.dim() != 0:
-                                raise TypeError(
-                                    f"The training head must return a scalar loss tensor, got {type(value).__name__}."
-                                )
+                            value = loss_of(value, "the training head")
                             stash[u] = (_needing_grad(x), [value])
                             value = value.detach()
                         results[u] = value

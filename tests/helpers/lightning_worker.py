@@ -40,7 +40,7 @@ class Fault(pl.Callback):
             return (args[0] * float("nan"),) if isinstance(args[0], torch.Tensor) else args
 
         strategy = trainer.strategy
-        firsts = {id(m): m for m in [strategy._owned[0], *(layers[0] for layers in strategy.elastic.replicas)]}
+        firsts = {id(m): m for m in [strategy.stage_layers[0], *(layers[0] for layers in strategy.elastic.replicas)]}
         for layer in firsts.values():  # the reference and every replica's copy of this rank's first layer
             layer.register_forward_pre_hook(nan if self.kind == "nan" else fail)
 

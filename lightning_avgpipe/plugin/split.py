@@ -1,0 +1,81 @@
+"""Splitting a LightningModule into its stages, and putting it back (docs/how-it-works.md#lightning-integration).
+
+Each rank keeps the layers of its stage; a layer that lives on another stage is replaced by an
+:class:`~lightning_avgpipe.plugin.bridge.Elsewhere` placeholder, so the module tree and its ``state_dict`` keys stay
+those of the unsplit model. The owned layers refuse direct calls from a user step (the output of a step comes from
+``self(x)``), and ``example_input_array`` is hidden while the model is split: summaries and graph loggers would run
+``forward`` on one rank, which a split model cannot do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from lightning_avgpipe.plugin.bridge import Anchor, Elsewhere, Guard, guard_layers
+from lightning_avgpipe.plugin.contract import locate
+
+
+@dataclass
+class SplitModule:
+    """What splitting did to the module on this rank, to undo and to redo it."""
+
+    module: nn.Module
+    owned: list[nn.Module]
+    partition: list[int]
+    full_keys: list[str]  # the unsplit model's state_dict keys, in order (checkpoints keep them)
+    guard: Guard
+    example_input: Any = None
+    handles: list[Any] = field(default_factory=list)
+
+    def names(self) -> dict[str, nn.Module]:
+        qualified = {id(m): n for n, m in self.module.named_modules()}
+        return {qualified[id(m)]: m for m in self.owned}
+
+    def guard_again(self) -> None:
+        """A later fit/validate with this strategy: guard the layers and hide the example input again."""
+        self.module.example_input_array = None  # type: ignore[assignment]
+        if not self.handles:
+            self.handles = guard_layers(self.names(), self.guard)
+
+    def release(self) -> None:
+        """After a fit: the owned layers callable again, the example input back."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        if self.example_input is not None:
+            self.module.example_input_array = self.example_input  # type: ignore[assignment]
+
+
+def already_split(module: nn.Module) -> bool:
+    return any(isinstance(m, Elsewhere) for m in module.modules())
+
+
+def split_module(module: nn.Module, layers: list[nn.Module], sizes: list[int], stage: int, guard: Guard) -> SplitModule:
+    """Keep ``layers``' share of ``stage`` (``sizes`` layers per stage) in ``module``; placeholders for the rest."""
+    if already_split(module):
+        raise ValueError(
+            f"This {type(module).__name__} was already split into stages by another AvgPipeStrategy (it holds "
+            "placeholders for layers that lived on other ranks). Give each Trainer a fresh module, for example "
+            "MyModule.load_from_checkpoint(path), or reuse the same Trainer."
+        )
+    full_keys = list(module.state_dict().keys())
+    start = sum(sizes[:stage])
+    owned = layers[start : start + sizes[stage]]
+    qualified = {id(m): n for n, m in module.named_modules()}
+    bounds = [sum(sizes[: s + 1]) for s in range(len(sizes))]
+    for index, layer in enumerate(layers):
+        if start <= index < start + sizes[stage]:
+            continue
+        owner = next(s for s, end in enumerate(bounds) if index < end)
+        for parent, attr in locate(module, layer):
+            setattr(parent, attr, Elsewhere(qualified[id(layer)], owner, guard))
+    example = getattr(module, "example_input_array", None)
+    module.example_input_array = None  # type: ignore[assignment]
+    if not any(True for layer in owned for _ in layer.parameters()):
+        module._avgpipe_anchor = Anchor()  # a parameter-free stage still builds the user's optimizer
+    split = SplitModule(module, list(owned), list(sizes), full_keys, guard, example)
+    split.handles = guard_layers(split.names(), guard)
+    return split
