@@ -81,16 +81,16 @@ from benchmarks.common import make_batches  # noqa: E402
 WORLD = 2
 ROWS = ("ours-1f1b", "ours-afab", "torch-1f1b", "torch-gpipe", "single")
 LABELS = {
-    "ours-1f1b": "lightning_avgpipe 1F1B (StageExecutor)",
-    "ours-afab": "lightning_avgpipe AFAB (StageExecutor)",
+    "ours-1f1b": "lightning_avgpipe 1F1B (StagePipeline)",
+    "ours-afab": "lightning_avgpipe AFAB (StagePipeline)",
     "torch-1f1b": "torch.distributed.pipelining Schedule1F1B",
     "torch-gpipe": "torch.distributed.pipelining ScheduleGPipe",
     "single": "single process, grad accumulation",
 }
 AVG_PREFIX = "avgpipe-N"
-# parts of an avgpipe step timed inside the row (per rank): the pipeline (zero_grad + the executor's run over N*M
-# units), the N optimizer steps, and the elastic update (begin_step() + finish_step())
-AVG_PARTS = ("pipeline", "optimizers", "elastic")
+# parts of an avgpipe step timed inside the row (per rank): the pipeline (zero_grad + StagePipeline.train_step over
+# N*M units) and the optimizer step (the N replica optimizers and the elastic update; the update alone is probed)
+AVG_PARTS = ("pipeline", "optimizer_step")
 # the per-stage compute-only measurements behind the ideal step time: each stage alone (the other rank idles),
 # and both stages at once (as in the pipeline, sharing the machine)
 PROBES = tuple(f"probe-solo-{r}" for r in range(WORLD)) + ("probe-both",)
@@ -124,6 +124,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "comma-separated; 'none' for no avgpipe rows")
     p.add_argument("--check-steps", type=int, default=3,
                    help="steps of every avgpipe-N row compared with a single-process AvgPipe (at least 1)")
+    p.add_argument("--fit-rounds", type=int, default=3,
+                   help="rounds of (the runtime row's steps, then a Trainer.fit of as many steps) compared pairwise; "
+                        "0 to skip")
     p.add_argument("--json", dest="json_path", default=None, help="also write the figures to this JSON file")
     args = p.parse_args(argv)
     text = str(args.pipelines).strip().lower()
@@ -189,36 +192,38 @@ class Row:
         return None
 
 
+def _pipeline(schedule: str, own: list[nn.Module], rank: int, args: argparse.Namespace, n: int = 1) -> Any:
+    """This rank's :class:`StagePipeline`, the step the strategy runs (D = 1, alpha = 1/N, synchronous reference)."""
+    from lightning_avgpipe.config import PipelineConfig
+    from lightning_avgpipe.runtime.pipeline import StagePipeline
+    from lightning_avgpipe.runtime.topology import Topology
+
+    cfg = PipelineConfig(num_stages=WORLD, num_microbatches=args.microbatches, schedule=schedule, num_pipelines=n,
+                         sync_reference=True, partition=list(args.partition))
+    return StagePipeline(own, Topology(rank, WORLD, WORLD), cfg)
+
+
+def _lm_loss(out: Tensor, batch: tuple[Tensor, Tensor], share: float) -> Tensor:
+    return _ce(out, batch[1])
+
+
 class OursRow(Row):
+    """One pipeline (N = 1) through :meth:`StagePipeline.train_step`, then the user's optimizer."""
+
     def __init__(self, schedule: str, own: list[nn.Module], rank: int, args: argparse.Namespace,
                  batches: list[tuple[Tensor, Tensor]]) -> None:
-        from lightning_avgpipe import microbatch
-        from lightning_avgpipe.runtime import Link, StageExecutor
-        from lightning_avgpipe.schedules import build_plan, validate_plan
-
         self.own, self.batches, self.rank = own, batches, rank
-        self.m = args.microbatches
-        self.split, self.signature = microbatch.split, microbatch.signature
-        self.opt = _adamw([p for layer in own for p in layer.parameters()], args)
-        link = Link(rank - 1 if rank > 0 else None, rank + 1 if rank < WORLD - 1 else None, torch.device("cpu"))
-        self.executor = StageExecutor(rank, WORLD, lambda x: _apply(own, x), link)
-        self.actions = validate_plan(build_plan(schedule, WORLD, self.m)).stages[rank]
-        self._results: dict[int, Tensor] = {}
+        self.pipe = _pipeline(schedule, own, rank, args)
+        self.opt = self.pipe.optimizer(_adamw(self.pipe.reference_params, args))
+        self._loss: Tensor | None = None
 
     def step(self, i: int) -> None:
-        x, y = self.batches[i]
-        mbs = self.split((x, y), self.m)
-        keys = [self.signature(mb) for mb in mbs]
-
-        def head(u: int, out: Tensor) -> Tensor:
-            return _ce(out, mbs[u][1]) * (len(mbs[u][1]) / len(y))
-
         self.opt.zero_grad(set_to_none=True)
-        self._results = self.executor.run(self.actions, keys, training=True, inputs=lambda u: mbs[u][0], head=head)
+        self._loss = self.pipe.train_step([self.batches[i]], _lm_loss).loss
         self.opt.step()
 
     def loss(self) -> float | None:
-        return float(sum(r.item() for r in self._results.values())) if self._results else None
+        return float(self._loss) if self._loss is not None else None
 
 
 class TorchRow(Row):
@@ -280,7 +285,8 @@ class SingleRow(Row):
 
 
 class AvgPipeRow(Row):
-    """AvgPipe with N parallel pipelines: N replicas of this stage, N*M units through one 1F1B plan, elastic update.
+    """AvgPipe with N parallel pipelines: :meth:`StagePipeline.train_step` over N*M units (1F1B), then the
+    optimizer the pipeline wraps (N replica optimizers and the elastic update), as the strategy runs them.
 
     Step ``i`` consumes batches ``i*N .. i*N + N-1`` (replica n takes batch ``i*N + n``, as ``GroupedBatches`` and
     ``reference_elastic`` do), so avgpipe-N1 sees exactly the other rows' batches.
@@ -288,62 +294,25 @@ class AvgPipeRow(Row):
 
     def __init__(self, n: int, own: list[nn.Module], rank: int, args: argparse.Namespace,
                  batches: list[tuple[Tensor, Tensor]]) -> None:
-        from lightning_avgpipe import microbatch
-        from lightning_avgpipe.elastic import ElasticAveraging
-        from lightning_avgpipe.optim import clone_optimizer
-        from lightning_avgpipe.runtime import Link, StageExecutor
-        from lightning_avgpipe.schedules import build_plan, validate_plan
-
-        self.n, self.m, self.batches, self.rank = n, args.microbatches, batches, rank
-        self.split, self.signature = microbatch.split, microbatch.signature
-        # D = 1, alpha = 1/N, synchronous reference update; N = 1: the replica is the reference (no copy)
-        self.elastic = ElasticAveraging(own, n)
-        user = _adamw(self.elastic.reference_params, args)  # what a user configures; each replica gets a clone
-        self.opts = [clone_optimizer(user, self.elastic.replica_params(r), self.elastic.reference_params)
-                     for r in range(n)]
-        self.fns = [(lambda x, layers=layers: _apply(layers, x)) for layers in self.elastic.replicas]
-        link = Link(rank - 1 if rank > 0 else None, rank + 1 if rank < WORLD - 1 else None, torch.device("cpu"))
-        self.executor = StageExecutor(rank, WORLD, self.fns[0], link)
-        self.actions = validate_plan(build_plan("1f1b", WORLD, n * self.m)).stages[rank]
-        self._results: dict[int, Tensor] = {}
+        self.n, self.batches, self.rank = n, batches, rank
+        self.pipe = _pipeline("1f1b", own, rank, args, n)
+        self.opt = self.pipe.optimizer(_adamw(self.pipe.reference_params, args))
+        self._loss: Tensor | None = None
         self.parts: dict[str, list[float]] = {part: [] for part in AVG_PARTS}
 
     def step(self, i: int) -> None:
         t0 = time.perf_counter()
-        mbs: list[tuple[Tensor, Tensor]] = []
-        owner: list[int] = []
-        weight: list[float] = []
-        for r in range(self.n):
-            x, y = self.batches[i * self.n + r]
-            parts = self.split((x, y), self.m)
-            mbs += parts
-            owner += [r] * len(parts)
-            weight += [len(part[1]) / len(y) for part in parts]  # each replica's gradient is its batch mean
-        keys = [self.signature(mb) for mb in mbs]
-        fns = self.fns
-
-        def head(u: int, out: Tensor) -> Tensor:
-            return _ce(out, mbs[u][1]) * weight[u]
-
-        for opt in self.opts:
-            opt.zero_grad(set_to_none=True)
-        self._results = self.executor.run(self.actions, keys, training=True, inputs=lambda u: mbs[u][0], head=head,
-                                          stage_fn_for=lambda u: fns[owner[u]])
+        self.opt.zero_grad(set_to_none=True)
+        batches = [self.batches[i * self.n + r] for r in range(self.n)]
+        self._loss = self.pipe.train_step(batches, _lm_loss).loss
         t1 = time.perf_counter()
-        self.elastic.begin_step()
-        t2 = time.perf_counter()
-        for opt in self.opts:
-            opt.step()
-        t3 = time.perf_counter()
-        self.elastic.finish_step()
-        t4 = time.perf_counter()
+        self.opt.step()
         self.parts["pipeline"].append(t1 - t0)
-        self.parts["optimizers"].append(t3 - t2)
-        self.parts["elastic"].append((t2 - t1) + (t4 - t3))
+        self.parts["optimizer_step"].append(time.perf_counter() - t1)
 
     def loss(self) -> float | None:
         """The mean over replicas of each replica's batch loss (what the strategy logs)."""
-        return float(sum(r.item() for r in self._results.values())) / self.n if self._results else None
+        return float(self._loss) if self._loss is not None else None
 
 
 def elastic_reference(base: list[nn.Module], n: int, steps: int, args: argparse.Namespace,
@@ -427,6 +396,69 @@ class Probe:
         return t1 - t0, time.perf_counter() - t1
 
 
+def _fit_module(layers: list[nn.Module], args: argparse.Namespace) -> Any:
+    """The same model as a user's LightningModule (the pipeline contract, a logged loss, AdamW)."""
+    import lightning.pytorch as pl
+
+    class Net(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.Sequential(*layers)
+
+        def configure_pipeline(self) -> nn.Sequential:
+            return self.layers
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.layers(x)
+
+        def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+            loss = _ce(self(batch[0]), batch[1])
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return _adamw(list(self.parameters()), args)
+
+    return Net()
+
+
+def fit_round(base: list[nn.Module], rank: int, args: argparse.Namespace, batches: list[tuple[Tensor, Tensor]],
+              logdir: Path) -> list[float]:
+    """One ``Trainer.fit`` under ``strategy="avgpipe"`` (1F1B, the rows' partition, a CSV logger every 50 steps):
+    the seconds between consecutive training-batch starts after the warm-up (a whole iteration: data, hooks, step,
+    optimizer, logging)."""
+    import lightning.pytorch as pl
+
+    from lightning_avgpipe import AvgPipeStrategy
+
+    starts: list[float] = []
+
+    class Clock(pl.Callback):
+        def on_train_batch_start(self, *_: Any) -> None:
+            starts.append(time.perf_counter())
+
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(WORLD))  # ranks made by this benchmark
+    total = args.warmup + args.steps + 1
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=WORLD, max_steps=total, logger=pl.loggers.CSVLogger(logdir), log_every_n_steps=50,
+        strategy=AvgPipeStrategy(num_microbatches=args.microbatches, partition=list(args.partition), schedule="1f1b"),
+        callbacks=[Clock()], enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        use_distributed_sampler=False, num_sanity_val_steps=0,
+    )
+    loader = torch.utils.data.DataLoader(batches[:total], batch_size=None)
+    trainer.fit(_fit_module(copy.deepcopy(base), args), loader)
+    return [b - a for a, b in zip(starts[args.warmup:], starts[args.warmup + 1:])]
+
+
+def runtime_round(row: Row, args: argparse.Namespace) -> list[float]:
+    """The runtime row's steps back to back, timed as ``fit_round`` times Lightning's (start to start)."""
+    starts = []
+    for i in range(args.warmup + args.steps + 1):
+        starts.append(time.perf_counter())
+        row.step(i)
+    return [b - a for a, b in zip(starts[args.warmup:], starts[args.warmup + 1:])]
+
+
 def rank_main(rank: int, args: argparse.Namespace, data: Tensor, vocab_size: int) -> dict[str, Any]:
     from examples.char_gpt import GPTConfig, gpt_layers
 
@@ -480,9 +512,22 @@ def rank_main(rank: int, args: argparse.Namespace, data: Tensor, vocab_size: int
             times[name].append(time.perf_counter() - t0)
             losses[name].append(rows[name].loss())
     dist.barrier()
+    # Trainer.fit against the runtime it calls, paired by round: runtime steps, then a fit of as many steps
+    fit_times: list[list[float]] = []
+    runtime_times: list[list[float]] = []
+    if args.fit_rounds:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as logdir:
+            for _ in range(args.fit_rounds):
+                dist.barrier()
+                runtime_times.append(runtime_round(OursRow("1f1b", own_copy(), rank, args, batches), args))
+                dist.barrier()
+                fit_times.append(fit_round(base, rank, args, batches, Path(logdir)))
+    dist.barrier()
 
     # ours-1f1b vs torch-1f1b: the same stage, trained by two runtimes from the same weights on the same data
-    ours = [p for layer in rows["ours-1f1b"].own for p in layer.parameters()]  # type: ignore[attr-defined]
+    ours = rows["ours-1f1b"].pipe.reference_params  # type: ignore[attr-defined]
     theirs = list(rows["torch-1f1b"].module.parameters())  # type: ignore[attr-defined]
     with torch.no_grad():
         diff = max((float((a - b).abs().max()) for a, b in zip(ours, theirs, strict=True)), default=0.0)
@@ -492,7 +537,8 @@ def rank_main(rank: int, args: argparse.Namespace, data: Tensor, vocab_size: int
     parts = {name: row.parts for name, row in rows.items() if isinstance(row, AvgPipeRow)}
     dist.barrier()
     return {"rank": rank, "times": times, "probe": probe_times, "losses": losses, "param_diff": diff,
-            "elastic_probe": elastic_times, "avgpipe_parts": parts, "elastic_reference": reference}
+            "elastic_probe": elastic_times, "avgpipe_parts": parts, "elastic_reference": reference,
+            "fit_rounds": fit_times, "runtime_rounds": runtime_times}
 
 
 def _entry(rank: int, port: int, args: argparse.Namespace, data: Tensor, vocab_size: int, queue: Any) -> None:
@@ -691,7 +737,18 @@ def summarise(args: argparse.Namespace, per_rank: list[dict[str, Any]], vocab_si
                  if not all(math.isfinite(loss_of(name, i)) for i in range(args.warmup + args.steps))]
     mismatches += [f"{name}: non-finite loss" for name in nonfinite]
     m, s = args.microbatches, WORLD
+    fit: dict[str, Any] | None = None
+    if args.fit_rounds:
+        # per round, the slowest rank's median step; the ratio fit / runtime per round, then its median
+        def medians_of(key: str) -> list[float]:
+            return [max(statistics.median(r[key][i]) for r in per_rank) for i in range(args.fit_rounds)]
+
+        fit_s, runtime_s = medians_of("fit_rounds"), medians_of("runtime_rounds")
+        ratios = [f / r for f, r in zip(fit_s, runtime_s, strict=True)]
+        fit = {"rounds": args.fit_rounds, "fit_step_s": fit_s, "runtime_step_s": runtime_s,
+               "fit_over_runtime": ratios, "fit_over_runtime_median": statistics.median(ratios)}
     return {
+        "fit_vs_runtime": fit,
         "config": {
             "world_size": WORLD, "threads_per_rank": 1, "batch_size": args.batch_size, "microbatches": m,
             "steps": args.steps, "warmup": args.warmup, "n_layer": args.n_layer, "n_embd": args.n_embd,
@@ -776,9 +833,9 @@ def format_table(summary: dict[str, Any]) -> str:
         for r in avg_rows:
             ai = ideal["avgpipe"][r["name"]]
             per_stage = "; ".join(
-                f"stage {k}: pipeline {p['pipeline'] * 1e3:.1f} + {r['pipelines']} AdamW steps "
-                f"{p['optimizers'] * 1e3:.1f} + elastic {p['elastic'] * 1e3:.2f} ms"
-                f" (alone {ai['stages'][k]['elastic_s'] * 1e3:.2f})"
+                f"stage {k}: pipeline {p['pipeline'] * 1e3:.1f} + optimizer step ({r['pipelines']} AdamW steps "
+                f"and the elastic update) {p['optimizer_step'] * 1e3:.1f} ms"
+                f" (the update alone {ai['stages'][k]['elastic_s'] * 1e3:.2f})"
                 for k, p in enumerate(r["parts_s"])
             )
             lines.append(f"  {r['name']} ideal {ai['step_s'] * 1e3:.1f} ms; in-step medians {per_stage}")
@@ -790,6 +847,13 @@ def format_table(summary: dict[str, Any]) -> str:
           + " ".join(f"{x:.6f}" for x in v["losses"]) + " | single-process AvgPipe: "
           + " ".join(f"{x:.6f}" for x in v["single_process"]) + f" (max rel diff {v['max_rel_diff']:.1e})"
           for name, v in checks["avgpipe_vs_single_process"].items()),
+        *([] if summary.get("fit_vs_runtime") is None else [
+            "Trainer.fit (strategy='avgpipe', 1F1B, CSV logger) vs the same StagePipeline step alone, paired by "
+            "round, step time fit/runtime: " + ", ".join(
+                f"{x:.3f}" for x in summary["fit_vs_runtime"]["fit_over_runtime"])
+            + f" (median {summary['fit_vs_runtime']['fit_over_runtime_median']:.3f}; runtime "
+            + ", ".join(f"{x * 1e3:.1f}" for x in summary["fit_vs_runtime"]["runtime_step_s"]) + " ms, fit "
+            + ", ".join(f"{x * 1e3:.1f}" for x in summary["fit_vs_runtime"]["fit_step_s"]) + " ms)"]),
         "correctness: " + ("OK (first-step losses agree, avgpipe rows match single-process AvgPipe, within "
                            f"rtol {checks['rtol']:g}; all losses finite)" if checks["ok"]
                            else f"MISMATCH {checks['mismatches']}"),
