@@ -48,7 +48,7 @@ What is measured, per row and iteration, with the executor's own ``StepTrace`` a
 - bubble fraction: share of the step a stage was not computing; mean over stages (``avgpipe/bubble_fraction``);
 - peak stash: the most activation bytes autograd held for backward at once on each stage, also in units: divided
   by the bytes one unit's forward saves on that stage (measured once per stage, alone). The schedule decides it:
-  AFAB M units, 1F1B S - s on stage s, advance S - s + k (DESIGN.md §5).
+  AFAB M units, 1F1B S - s on stage s, advance S - s + k (docs/how-it-works.md#peak-stash).
 
 Tables report medians over the timed rounds, ratios against AFAB and 1F1B of the same link (of medians, and
 "paired": the median over rounds of the ratio within one round), and a simulated step time: the project's

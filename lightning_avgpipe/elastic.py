@@ -1,4 +1,5 @@
-"""Elastic averaging (DESIGN.md §4): N replicas of a stage pulled toward a reference that moves by their mean update.
+"""Elastic averaging: N replicas of a stage pulled toward a reference that moves by their mean update.
+(Design: docs/how-it-works.md#elastic-averaging-rule.)
 
 Per iteration, for every replica n (on every stage, in parallel)::
 

@@ -1,4 +1,7 @@
-"""The elastic-averaging rule on one process: the reference stays the replicas' mean and follows DESIGN.md §4."""
+"""The elastic-averaging rule on one process: the reference stays the replicas' mean and follows the rule.
+
+Design: docs/how-it-works.md#elastic-averaging-rule.
+"""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 all call (Lightning-free).
 
 It owns what a stage needs to train: its layers and their N replicas tied by elastic averaging
-(docs/how-it-works.md#elastic-averaging), the executor and its link to the neighbouring stages, the plan cache, the
+(docs/how-it-works.md#elastic-averaging-rule), the executor and its link to the neighbouring stages, the plan cache, the
 micro-batch rules, the advance-forward search and the step's measurements. A caller gives it an iteration's N batches
 and a loss function, then steps the optimizer that :meth:`StagePipeline.optimizer` returns::
 

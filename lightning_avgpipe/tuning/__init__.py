@@ -1,4 +1,5 @@
-"""Tuning (DESIGN.md §6) in three pieces: measuring (``profiler``), predicting (``model``) and choosing (``search``).
+"""Tuning in three pieces: measuring (``profiler``), predicting (``model``) and choosing (``search``).
+(Design: docs/how-it-works.md#choosing-m-and-n.)
 
 The model and the search take and give plain numbers; only the profiler touches torch modules, and none of
 them imports Lightning (the ``AvgPipeTuner`` callback in ``plugin/tuner.py`` is the glue).

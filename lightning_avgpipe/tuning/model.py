@@ -1,4 +1,4 @@
-"""Predicting an iteration from a profile (DESIGN.md §6): plain numbers in, plain numbers out.
+"""Predicting an iteration from a profile (docs/how-it-works.md#choosing-m-and-n): plain numbers in, plain numbers out.
 
 A :class:`PipelineProfile` holds what was measured on one setting: per stage, the forward and backward time of
 one unit and the activation bytes it saves, each at two or more micro-batch sizes; the bytes a unit sends

@@ -1,4 +1,4 @@
-"""Measuring for the tuner (DESIGN.md §6), and leaving no trace while doing it.
+"""Measuring for the tuner (docs/how-it-works.md#choosing-m-and-n), and leaving no trace while doing it.
 
 Everything here touches torch objects and returns plain numbers: the per-unit forward/backward times a traced
 pipeline step shows, the bytes a stage's output and its saved activations take, the time of one replica's

@@ -1,4 +1,5 @@
-"""Reporting a tuning table (DESIGN.md §6): the JSON of every prediction and a heat map of samples/s over (M, N).
+"""Reporting a tuning table: the JSON of every prediction and a heat map of samples/s over (M, N).
+(Design: docs/how-it-works.md#choosing-m-and-n.)
 
 The heat map has the candidate micro-batch counts M across and the pipeline counts N down; each cell holds the
 predicted samples/s (and the early forwards k under ``advance``). Settings that do not fit the memory limit are

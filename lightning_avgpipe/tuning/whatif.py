@@ -1,4 +1,5 @@
-"""What-if projection (DESIGN.md §6): a profile measured on one layout, rescaled to more stages or groups.
+"""What-if projection: a profile measured on one layout, rescaled to more stages or groups.
+(Design: docs/how-it-works.md#choosing-m-and-n.)
 
 Profiling needs the hardware; a layout that is larger than the machine at hand (more stages S', more data-parallel
 groups D) can still be predicted by rescaling what was measured and running the same cost model and search.
