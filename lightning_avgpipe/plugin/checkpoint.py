@@ -13,6 +13,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_avgpipe.microbatch import to_cpu
+from lightning_avgpipe.plugin import compat
 from lightning_avgpipe.runtime.pipeline import StagePipeline
 
 
@@ -41,7 +42,7 @@ def gather_optimizer_state(optimizer: Optimizer, pipeline: StagePipeline, layout
     Saved as ``{"avgpipe_layout": {...}, "avgpipe_ranks": [per global rank {"optim", "replicas"}]}`` so a resume
     with the same layout continues exactly.
     """
-    inner = getattr(optimizer, "_optimizer", optimizer)
+    inner = compat.unwrap_optimizer(optimizer)
     elastic = pipeline.elastic
     replicas = [] if elastic.trivial else [[to_cpu(m.state_dict()) for m in layers] for layers in elastic.replicas]
     entry = {"optim": inner.state_dict(), "replicas": replicas}

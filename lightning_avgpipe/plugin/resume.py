@@ -8,27 +8,14 @@ would otherwise give another cut, and the optimizer states would be thrown away 
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 
+from lightning_avgpipe.plugin.compat import resuming_from  # the path is read from Lightning's private state
 
-def resuming_from(trainer: pl.Trainer) -> Any:
-    """The checkpoint this ``fit`` is about to restore, or ``None``.
-
-    ``trainer.ckpt_path`` is only set once the checkpoint is loaded, after ``on_fit_start`` under this strategy
-    (``restore_checkpoint_after_setup``); until then the path is a local of ``Trainer._run`` (Lightning 2.6), which
-    is read from the calling frames.
-    """
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "_run" and frame.f_locals.get("self") is trainer:
-            return frame.f_locals.get("ckpt_path")  # this fit's; trainer.ckpt_path may be a previous call's
-        frame = frame.f_back  # type: ignore[assignment]
-    return trainer.ckpt_path
+__all__ = ["checkpoint_layout", "resuming_from"]
 
 
 def checkpoint_layout(path: Any) -> dict[str, Any] | None:

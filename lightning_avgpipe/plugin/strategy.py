@@ -15,18 +15,9 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
@@ -42,6 +33,15 @@ from lightning_avgpipe.partition import partition_layers
 from lightning_avgpipe.plugin import checkpoint as ckpt
 from lightning_avgpipe.plugin import compat
 from lightning_avgpipe.plugin.bridge import Guard, StepBridge, replay_logs
+from lightning_avgpipe.plugin.compat import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _optimizers_to_device,
+    _StrategyRegistry,
+    _SubprocessScriptLauncher,
+    _sync_ddp_if_available,
+)
 from lightning_avgpipe.plugin.contract import PipelineContractError, pipeline_inputs, pipeline_layers
 from lightning_avgpipe.plugin.data import GroupedBatches
 from lightning_avgpipe.plugin.resume import checkpoint_layout, resuming_from

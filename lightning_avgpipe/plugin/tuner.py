@@ -24,6 +24,7 @@ from torchmetrics import Metric
 from lightning_avgpipe import microbatch
 from lightning_avgpipe.optim import clone_optimizer
 from lightning_avgpipe.plugin.contract import pipeline_inputs
+from lightning_avgpipe.plugin import compat
 from lightning_avgpipe.plugin.resume import resuming_from
 from lightning_avgpipe.schedules import simulate
 from lightning_avgpipe.tuning.model import PipelineProfile, StageProfile, microbatch_sizes, predict
@@ -217,8 +218,7 @@ def first_batch(trainer: pl.Trainer, fetches: int = 3) -> tuple[Any, float, int 
     Drawn from a fresh iterator; the global RNG states and the loader's own generators (``DataLoader(generator=)``,
     a sampler's ``generator``) are put back, so the data order training sees is kept.
     """
-    source = trainer.fit_loop._data_source
-    loader = source.dataloader()
+    loader = compat.request_train_dataloader(trainer)
     if loader is None:
         raise ValueError("AvgPipeTuner needs a training DataLoader to profile on; none is attached to fit().")
     snap = Snapshot([], [], generators=_generators(loader))
