@@ -20,7 +20,8 @@ CORE_PACKAGES = ["lightning_avgpipe.schedules", "lightning_avgpipe.partition", "
                  "lightning_avgpipe.tuning"]
 CORE_MODULES = ["lightning_avgpipe", "lightning_avgpipe.elastic", "lightning_avgpipe.replicas",
                 "lightning_avgpipe.microbatch", "lightning_avgpipe.config", "lightning_avgpipe.autotune",
-                "lightning_avgpipe.cpu", "lightning_avgpipe.__main__"]
+                "lightning_avgpipe.cpu", "lightning_avgpipe.errors", "lightning_avgpipe.optim",
+                "lightning_avgpipe.__main__"]
 
 
 def _python(code: str, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:

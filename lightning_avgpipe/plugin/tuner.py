@@ -23,8 +23,8 @@ from torchmetrics import Metric
 
 from lightning_avgpipe import microbatch
 from lightning_avgpipe.optim import clone_optimizer
-from lightning_avgpipe.plugin.contract import pipeline_inputs
 from lightning_avgpipe.plugin import compat
+from lightning_avgpipe.plugin.contract import pipeline_inputs
 from lightning_avgpipe.plugin.resume import resuming_from
 from lightning_avgpipe.schedules import simulate
 from lightning_avgpipe.tuning.model import PipelineProfile, StageProfile, microbatch_sizes, predict
