@@ -404,8 +404,11 @@ def profile_pipeline(strategy: AvgPipeStrategy, batch: Any, sizes: Sequence[floa
                 p.grad = None
             hook = None
             if b not in out_bytes:
-                hook = last_layer.register_forward_hook(
-                    lambda _mod, _in, out, _b=b: out_bytes.setdefault(_b, tensor_bytes(out)))
+
+                def record(_mod: Any, _in: Any, out: Any, _b: float = b) -> None:  # None: the output is kept
+                    out_bytes.setdefault(_b, tensor_bytes(out))
+
+                hook = last_layer.register_forward_hook(record)
             try:
                 result = probe.train_step(
                     [batch], loss_fn, inputs=lambda micro: pipeline_inputs(module, micro),
