@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from lightning_avgpipe.checks import is_int, is_number
 from lightning_avgpipe.elastic import check_alpha
 from lightning_avgpipe.partition import check_partition
 from lightning_avgpipe.schedules import check_schedule_name
@@ -50,23 +51,21 @@ class PipelineConfig:
     timeout: float = field(default=1800.0)
 
     def __post_init__(self) -> None:
-        if self.num_stages is not None and (
-            not isinstance(self.num_stages, int) or isinstance(self.num_stages, bool) or self.num_stages < 1
-        ):
+        if self.num_stages is not None and not is_int(self.num_stages, 1):
             raise ValueError(f"num_stages={self.num_stages!r} must be an int >= 1 (or None for all devices).")
         m = self.num_microbatches
-        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
+        if m is not None and not is_int(m, 1):
             raise ValueError(
                 f"num_microbatches={m!r} must be an int >= 1 (or None for 2 x num_stages); it splits each batch."
             )
         object.__setattr__(self, "schedule", check_schedule_name(self.schedule))
         k = self.advance_forwards
-        if k != "auto" and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
+        if k != "auto" and not is_int(k, 0):
             raise ValueError(
                 f"advance_forwards={self.advance_forwards!r} must be an int >= 0 (0 gives 1F1B) or 'auto'."
             )
         limit = self.memory_limit
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0):
+        if limit is not None and (not is_number(limit) or limit <= 0):
             raise ValueError(
                 f"memory_limit={limit!r} must be a number of bytes, or a fraction in (0, 1] of the device's memory."
             )
@@ -80,18 +79,18 @@ class PipelineConfig:
         if self.p2p not in ("auto", "eager", "batched"):
             raise ValueError(f"p2p={self.p2p!r} is not one of ['auto', 'eager', 'batched']; 'auto' suits most jobs.")
         n = self.num_pipelines
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        if not is_int(n, 1):
             raise ValueError(f"num_pipelines={n!r} must be an int >= 1 (1 = plain pipeline training).")
         if self.elastic_alpha is not None:
             check_alpha(self.elastic_alpha)
         t = self.p2p_timeout
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+        if not is_number(t) or not t > 0:
             raise ValueError(f"p2p_timeout={t!r} must be a positive number of seconds.")
         steps = self.trace_steps
-        if isinstance(steps, (str, bytes)) or not all(isinstance(s, int) and not isinstance(s, bool) for s in steps):
+        if isinstance(steps, (str, bytes)) or not all(is_int(s) for s in steps):
             raise ValueError(f"trace_steps={steps!r} must be a list of training step numbers, e.g. [2, 100].")
         object.__setattr__(self, "trace_steps", tuple(steps))
-        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
+        if not is_number(self.timeout) or not self.timeout > 0:
             raise ValueError(f"timeout={self.timeout!r} must be a positive number of seconds.")
 
     def microbatches_for(self, num_stages: int) -> int:

@@ -6,6 +6,8 @@ import os
 
 import torch
 
+from lightning_avgpipe.checks import is_int
+
 
 def share_cpu_threads(processes: int) -> int:
     """Give each of ``processes`` processes on this machine its share of the cores; call it first thing.
@@ -17,7 +19,7 @@ def share_cpu_threads(processes: int) -> int:
     call first). Does nothing when ``OMP_NUM_THREADS`` is set (you chose). Sets it otherwise, so the processes
     Lightning starts inherit it. Returns the number of threads in use.
     """
-    if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
+    if not is_int(processes, 1):
         raise ValueError(f"processes={processes!r} must be an int >= 1: the stage processes sharing this machine.")
     if "OMP_NUM_THREADS" in os.environ:
         return torch.get_num_threads()

@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_avgpipe.checks import is_int, is_number
+
 
 def default_alpha(num_replicas: int, num_groups: int = 1) -> float:
     """One over the number of replicas averaged: 1 / (N·D)."""
@@ -33,7 +35,7 @@ def default_alpha(num_replicas: int, num_groups: int = 1) -> float:
 
 
 def check_alpha(alpha: float) -> float:
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 < float(alpha) <= 1.0:
+    if not is_number(alpha) or not 0.0 < float(alpha) <= 1.0:
         raise ValueError(
             f"elastic_alpha={alpha!r} must be a number in (0, 1]: the share of the distance to the reference each "
             "replica moves per step. Use None for the default 1/(num_pipelines x groups)."
@@ -65,7 +67,7 @@ class ElasticAveraging:
         share_first: bool = True,
         device: torch.device | None = None,
     ) -> None:
-        if not isinstance(num_replicas, int) or isinstance(num_replicas, bool) or num_replicas < 1:
+        if not is_int(num_replicas, 1):
             raise ValueError(f"num_pipelines={num_replicas!r} must be an int >= 1.")
         self.reference = list(reference)
         self.num_replicas = num_replicas

@@ -7,6 +7,7 @@ from typing import Any, Union
 
 from torch import nn
 
+from lightning_avgpipe.checks import is_int
 from lightning_avgpipe.partition import blockpartition
 from lightning_avgpipe.partition.profile import LayerCost, param_bytes, profile_layers
 
@@ -31,7 +32,7 @@ def check_partition(partition: PartitionSpec, num_layers: int | None = None, num
             )
         return
     sizes = list(partition)
-    if not sizes or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes):
+    if not sizes or not all(is_int(n, 1) for n in sizes):
         raise ValueError(f"partition={sizes!r} must list a positive layer count per stage, for example [3, 5].")
     if num_stages is not None and len(sizes) != num_stages:
         raise ValueError(

@@ -12,10 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from lightning_avgpipe.partition import partition_layers
+from lightning_avgpipe.plugin import compat
 from lightning_avgpipe.plugin.bridge import Anchor, Elsewhere, Guard, guard_layers
 from lightning_avgpipe.plugin.contract import locate
+from lightning_avgpipe.plugin.resume import checkpoint_layout
 
 
 @dataclass
@@ -79,3 +84,47 @@ def split_module(module: nn.Module, layers: list[nn.Module], sizes: list[int], s
     split = SplitModule(module, list(owned), list(sizes), full_keys, guard, example)
     split.handles = guard_layers(split.names(), guard)
     return split
+
+
+def check_layer_count(num_layers: int, stages: int) -> None:
+    if num_layers < stages:
+        raise ValueError(
+            f"num_stages={stages} is more than the {num_layers} layers configure_pipeline() returns; use at most "
+            f"{num_layers} stages or split the model into more layers."
+        )
+
+
+def choose_partition(module: nn.Module, layers: list[nn.Module], spec: Any, stages: int) -> list[int]:
+    """Layers per stage: ``spec`` (a list of counts, or ``"balanced"``, ``"parameters"``, ``"uniform"``), or the
+    checkpoint's cut on a resumed ``fit`` (called on one rank: ``"balanced"`` times the layers)."""
+    check_layer_count(len(layers), stages)
+    if not isinstance(spec, str):
+        return partition_layers(layers, stages, list(spec))
+    resumed = _resumed_partition(module, stages, len(layers))
+    if resumed is not None:
+        return resumed
+    sample = getattr(module, "example_input_array", None)
+    if spec == "balanced" and sample is None:
+        rank_zero_info(
+            "AvgPipe: partition='balanced' profiles layers on `example_input_array`, which this module does not set; "
+            "balancing by parameters instead."
+        )
+    return partition_layers(layers, stages, spec, sample)
+
+
+def _resumed_partition(module: nn.Module, stages: int, num_layers: int) -> list[int] | None:
+    """On a resumed ``fit``, the partition the checkpoint was saved with (when it fits this model and S).
+
+    ``"balanced"`` times the layers, and timing noise gives another cut from run to run; a resumed run must cut as
+    the checkpoint did, or its optimizer states and replicas would be dropped as another layout's.
+    """
+    trainer = compat.attached_trainer(module)
+    if trainer is None or trainer.state.fn != TrainerFn.FITTING:
+        return None
+    path = compat.resuming_from(trainer)
+    layout = checkpoint_layout(path) if path is not None else None
+    saved = layout.get("partition") if layout else None
+    if not isinstance(saved, list) or len(saved) != stages or sum(saved) != num_layers or min(saved) < 1:
+        return None
+    rank_zero_info(f"AvgPipe: resuming; cutting the model as the checkpoint was cut, partition={saved}.")
+    return [int(v) for v in saved]

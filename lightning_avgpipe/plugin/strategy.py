@@ -29,7 +29,6 @@ from typing_extensions import override
 
 from lightning_avgpipe import microbatch
 from lightning_avgpipe.config import PipelineConfig
-from lightning_avgpipe.partition import partition_layers
 from lightning_avgpipe.plugin import checkpoint as ckpt
 from lightning_avgpipe.plugin import compat
 from lightning_avgpipe.plugin.bridge import Guard, StepBridge, replay_logs
@@ -44,8 +43,7 @@ from lightning_avgpipe.plugin.compat import (
 )
 from lightning_avgpipe.plugin.contract import PipelineContractError, pipeline_inputs, pipeline_layers
 from lightning_avgpipe.plugin.data import GroupedBatches
-from lightning_avgpipe.plugin.resume import checkpoint_layout, resuming_from
-from lightning_avgpipe.plugin.split import SplitModule, split_module
+from lightning_avgpipe.plugin.split import SplitModule, check_layer_count, choose_partition, split_module
 from lightning_avgpipe.plugin.telemetry import Telemetry
 from lightning_avgpipe.runtime.clipping import clip_grad_norm_across
 from lightning_avgpipe.runtime.p2p import report_failure
@@ -359,54 +357,21 @@ class AvgPipeStrategy(ParallelStrategy):
             )
 
     def _split_module(self, module: pl.LightningModule) -> None:
-        layers = pipeline_layers(module)
-        stages = self.num_stages
-        if len(layers) < stages:
-            raise ValueError(
-                f"num_stages={stages} is more than the {len(layers)} layers configure_pipeline() returns; use at most "
-                f"{len(layers)} stages or split the model into more layers."
-            )
-        sizes: list[int] | None = None
-        if self.global_rank == 0:
-            sample = getattr(module, "example_input_array", None)
-            spec = self.config.partition
-            if spec == "balanced" and sample is None:
-                rank_zero_info(
-                    "AvgPipe: partition='balanced' profiles layers on `example_input_array`, which this module does "
-                    "not set; balancing by parameters instead."
-                )
-            sizes = self._resumed_partition(module, len(layers)) if isinstance(spec, str) else None
-            if sizes is None:
-                sizes = partition_layers(layers, stages, spec if isinstance(spec, str) else list(spec), sample)
+        layers, stages = pipeline_layers(module), self.num_stages
+        check_layer_count(len(layers), stages)  # on every rank: none may wait in the broadcast for a failed rank 0
+        # decided on rank 0: "balanced" times the layers, and the ranks' timings would differ
+        sizes = choose_partition(module, layers, self.config.partition, stages) if self.global_rank == 0 else None
         sizes = self.broadcast(sizes, src=0)
         assert sizes is not None
         self._split = split_module(module, layers, list(sizes), self.stage, self._guard)
         rank_zero_info(
-            f"AvgPipe: {stages} stages, layers per stage {list(sizes)}, schedule={self.config.schedule}, "
+            f"AvgPipe: {self.num_stages} stages, layers per stage {list(sizes)}, schedule={self.config.schedule}, "
             f"num_microbatches={self.num_microbatches}."
         )
         self._bridge = StepBridge(module, self._guard)
         for metric in module.modules():
             if isinstance(metric, Metric):  # mirrored on every stage: sync each pipeline group's state once
                 metric.process_group = self.topology.stage_group
-
-    def _resumed_partition(self, module: pl.LightningModule, num_layers: int) -> list[int] | None:
-        """On a resumed ``fit``, the partition the checkpoint was saved with (when it fits this model and S).
-
-        ``"balanced"`` times the layers, and timing noise gives another cut from run to run; a resumed run must cut
-        as the checkpoint did, or its optimizer states and replicas would be dropped as another layout's.
-        """
-        trainer = compat.attached_trainer(module)
-        if trainer is None or trainer.state.fn != TrainerFn.FITTING:
-            return None
-        path = resuming_from(trainer)
-        layout = checkpoint_layout(path) if path is not None else None
-        saved = layout.get("partition") if layout else None
-        if (not isinstance(saved, list) or len(saved) != self.num_stages or sum(saved) != num_layers
-                or min(saved) < 1):
-            return None
-        rank_zero_info(f"AvgPipe: resuming; cutting the model as the checkpoint was cut, partition={saved}.")
-        return [int(v) for v in saved]
 
     def _make_pipeline(self) -> None:
         """Stage ``s`` of the N replicas (copies of the module's own layers) and the step that trains them."""

@@ -22,6 +22,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torchmetrics import Metric
 
 from lightning_avgpipe import microbatch
+from lightning_avgpipe.checks import is_int, is_number
 from lightning_avgpipe.optim import clone_optimizer
 from lightning_avgpipe.plugin import compat
 from lightning_avgpipe.plugin.contract import pipeline_inputs
@@ -79,13 +80,13 @@ class AvgPipeTuner(Callback):
         apply: bool = True,
         calibrate_steps: int = 4,
     ) -> None:
-        if not isinstance(profile_steps, int) or isinstance(profile_steps, bool) or profile_steps < 1:
+        if not is_int(profile_steps, 1):
             raise ValueError(f"profile_steps={profile_steps!r} must be an int >= 1 (timed steps per size).")
-        if memory_limit is not None and (isinstance(memory_limit, bool) or not memory_limit > 0):
+        if memory_limit is not None and (not is_number(memory_limit) or not memory_limit > 0):
             raise ValueError(
                 f"memory_limit={memory_limit!r} must be a number of bytes, or a fraction in (0, 1] of device memory."
             )
-        if not isinstance(calibrate_steps, int) or isinstance(calibrate_steps, bool) or calibrate_steps < 0:
+        if not is_int(calibrate_steps, 0):
             raise ValueError(f"calibrate_steps={calibrate_steps!r} must be an int >= 0 (0: no calibration).")
         candidate_pipelines(num_pipelines)  # validates
         self.memory_limit = memory_limit

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
+from lightning_avgpipe.checks import is_int
 from lightning_avgpipe.tuning.model import PipelineProfile, StageProfile, interpolate
 
 
@@ -66,9 +67,9 @@ def project(
     Raises:
         ValueError: ``num_stages`` or ``num_groups`` below 1, a negative latency, or a bandwidth not above 0.
     """
-    if not isinstance(num_stages, int) or isinstance(num_stages, bool) or num_stages < 1:
+    if not is_int(num_stages, 1):
         raise ValueError(f"num_stages={num_stages!r} must be an int >= 1 (the number of stages to project to).")
-    if not isinstance(num_groups, int) or isinstance(num_groups, bool) or num_groups < 1:
+    if not is_int(num_groups, 1):
         raise ValueError(f"num_groups={num_groups!r} must be an int >= 1 (data-parallel groups D; 1 for none).")
     if latency_s is not None and not latency_s >= 0:
         raise ValueError(f"latency_s={latency_s!r} must be >= 0 seconds (or None for the profiled latency).")
