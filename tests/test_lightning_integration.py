@@ -105,6 +105,42 @@ def test_divergence_is_measured_on_the_steps_lightning_writes_logs(tmp_path: Pat
     assert all(float(r["avgpipe/divergence"]) > 0 for r in rows)
 
 
+def test_step_figures_are_measured_only_on_the_steps_lightning_writes_logs(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The figures' all-gather and the activation meter's saved-tensor hooks cost every step they run on: they run
+    on log steps only (and the figures are then written), never on the steps between."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_avgpipe.runtime.pipeline import StagePipeline
+    from lightning_avgpipe.runtime.trace import ActivationMeter
+
+    trainer = _trainer(strategy=AvgPipeStrategy(num_microbatches=2, partition=[6]), max_steps=6,
+                       log_every_n_steps=3, logger=CSVLogger(tmp_path, name="", version=""))
+    gathered: list[int] = []
+    metered: list[int] = []
+    figures, unit = StagePipeline.figures, ActivationMeter.unit
+
+    def spy_figures(self: StagePipeline, *args: object) -> torch.Tensor:
+        gathered.append(trainer.global_step)
+        return figures(self, *args)  # type: ignore[arg-type]
+
+    def spy_unit(self: ActivationMeter, u: int) -> object:
+        metered.append(trainer.global_step)
+        return unit(self, u)
+
+    monkeypatch.setattr(StagePipeline, "figures", spy_figures)
+    monkeypatch.setattr(ActivationMeter, "unit", spy_unit)
+    trainer.fit(PipeNet(), loader())
+    assert gathered == [2, 5]
+    assert sorted(set(metered)) == [2, 5]  # every unit of those steps, no unit of the others
+    with open(tmp_path / "metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("avgpipe/bubble_fraction")]
+    assert [int(r["step"]) for r in rows] == [2, 5]
+    assert all(float(r["avgpipe/peak_memory_mb/stage0"]) > 0 for r in rows)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_resuming_a_balanced_partition_cuts_as_the_checkpoint(tmp_path: Path) -> None:
