@@ -57,12 +57,9 @@ import copy
 import json
 import math
 import multiprocessing as mp
-import os
-import socket
 import statistics
 import sys
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -75,6 +72,9 @@ if str(ROOT) not in sys.path:  # run as a script: make `examples` and this check
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402, N812
 from torch import Tensor, nn  # noqa: E402
+
+from benchmarks.harness import run_distributed  # noqa: E402
+from examples.gpt_args import add_model_args, check_model_args, model_sizes  # noqa: E402
 
 METHODS = ("pipe-B", "pipe-NB", "avgpipe-N")
 COLORS = {"pipe-B": "tab:blue", "pipe-NB": "tab:orange", "avgpipe-N": "tab:green"}
@@ -135,10 +135,9 @@ def make_studies(args: argparse.Namespace) -> dict[str, Study]:
                                                                                                      every),
         eval_every=every, lr_center=args.text_lr, lr_ratio=args.lr_ratio, grid_points=args.grid,
         description=f"stdlib docstrings, windows of {args.block_size} characters, examples/char_gpt.py GPT "
-                    f"(n_layer {args.n_layer}, n_embd {args.n_embd}, n_head 4), AdamW(weight_decay=0.01); "
+                    f"(n_layer {args.n_layer}, n_embd {args.n_embd}, n_head {args.n_head}), AdamW(weight_decay=0.01); "
                     f"validation loss on {args.text_val_windows} fixed validation windows",
-        extra={"block_size": args.block_size, "n_layer": args.n_layer, "n_embd": args.n_embd,
-               "corpus_chars": args.corpus_chars, "val_windows": args.text_val_windows},
+        extra={**model_sizes(args), "corpus_chars": args.corpus_chars, "val_windows": args.text_val_windows},
     )
     return {name: studies[name] for name in args.datasets}
 
@@ -186,8 +185,7 @@ class Data:
         from examples.char_gpt import GPTConfig, gpt_layers
 
         e = self.study.extra
-        return gpt_layers(GPTConfig(vocab_size=self.vocab, block_size=e["block_size"], n_layer=e["n_layer"],
-                                    n_head=4, n_embd=e["n_embd"], dropout=0.0))
+        return gpt_layers(GPTConfig(vocab_size=self.vocab, **model_sizes(e), dropout=0.0))
 
     def optimizer(self, params: Any, lr: float) -> torch.optim.Optimizer:
         if self.study.name == "digits":
@@ -488,55 +486,15 @@ def _pipe_rank(rank: int, study: Study, n: int, m: int, steps: int, warmup: int)
     return times
 
 
-def _pipe_entry(rank: int, port: int, study: Study, n: int, m: int, steps: int, warmup: int, queue: Any) -> None:
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=PIPE_WORLD)
-        queue.put((rank, "ok", _pipe_rank(rank, study, n, m, steps, warmup)))
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def _pipe_entry(rank: int, world: int, study: Study, n: int, m: int, steps: int, warmup: int) -> dict[str, Any]:
+    return _pipe_rank(rank, study, n, m, steps, warmup)
 
 
 def measure_pipeline(study: Study, n: int, m: int, steps: int, warmup: int, timeout: float) -> dict[str, Any]:
     """Median training-step seconds of each method's configuration, run by the real runtime on 2 gloo ranks."""
-    ctx: Any = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    queue = ctx.SimpleQueue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    procs = [ctx.Process(target=_pipe_entry, args=(r, port, study, n, m, steps, warmup, queue))
-             for r in range(PIPE_WORLD)]
-    for p in procs:
-        p.start()
-    got: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(got) < PIPE_WORLD:
-            if not queue.empty():
-                rank, status, payload = queue.get()
-                if status != "ok":
-                    raise RuntimeError(f"pipeline timing, rank {rank}:\n{payload}")
-                got[rank] = payload
-                continue
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"pipeline timing did not finish within {timeout:.0f} s")
-            if any(p.exitcode not in (None, 0) for p in procs) and queue.empty():
-                time.sleep(0.5)
-                if queue.empty():
-                    raise RuntimeError(f"a timing rank died (exit codes {[p.exitcode for p in procs]})")
-            time.sleep(0.02)
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join()
+    got = run_distributed(_pipe_entry, PIPE_WORLD, study, n, m, steps, warmup, timeout=timeout,
+                          start_method="fork" if "fork" in mp.get_all_start_methods() else "spawn",
+                          what="pipeline timing")
     out = {}
     for name in METHODS:
         per_step = [max(got[r][name][i] for r in range(PIPE_WORLD)) for i in range(steps)]  # the slowest rank's
@@ -791,9 +749,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--text-iters", type=int, default=128, help="budget for text in iterations of N·B windows")
     p.add_argument("--text-target", type=float, default=2.55, help="target validation loss (nats per character)")
     p.add_argument("--text-lr", type=float, default=8e-3, help="centre of the text lr grid")
-    p.add_argument("--block-size", type=int, default=32)
-    p.add_argument("--n-layer", type=int, default=2)
-    p.add_argument("--n-embd", type=int, default=64)
+    add_model_args(p, n_layer=2, n_embd=64, n_head=4, block_size=32)
     p.add_argument("--text-val-windows", type=int, default=256)
     p.add_argument("--corpus-chars", type=int, default=1_000_000)
     p.add_argument("--microbatches", type=int, default=4, help="micro-batches per batch B in the pipelined timing")
@@ -804,6 +760,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", dest="json_path", default=None, help="write every figure and run to this JSON file")
     p.add_argument("--png", default="runs/convergence.png", help="where to draw the curves")
     args = p.parse_args(argv)
+    check_model_args(p, args)
     args.datasets = [d.strip() for d in args.datasets.split(",") if d.strip()]
     unknown = set(args.datasets) - {"digits", "text"}
     if unknown or not args.datasets:

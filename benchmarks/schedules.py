@@ -62,15 +62,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import io
 import json
 import math
-import os
-import socket
 import statistics
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -80,12 +76,13 @@ if str(ROOT) not in sys.path:  # run as a script: make `examples`, `benchmarks` 
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
 from benchmarks.common import apply_layers as _apply  # noqa: E402
 from benchmarks.common import lm_loss as _ce  # noqa: E402
 from benchmarks.common import make_batches  # noqa: E402
+from benchmarks.harness import init_seconds, run_distributed  # noqa: E402
+from examples.gpt_args import add_model_args, check_model_args  # noqa: E402
 
 LINKS = ("loopback", "slow")
 SLOW_LABEL = "slow link (EMULATED: in-process delayed transport over gloo loopback, not a network)"
@@ -114,10 +111,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--latency-ms", type=float, default=5.0, help="emulated slow link: one-way latency per message")
     p.add_argument("--bandwidth-mbs", type=float, default=20.0,
                    help="emulated slow link: MB/s (1e6 bytes) of each direction's wire")
-    p.add_argument("--n-layer", type=int, default=6, help="transformer blocks")
-    p.add_argument("--n-embd", type=int, default=64, help="embedding width")
-    p.add_argument("--n-head", type=int, default=4, help="attention heads")
-    p.add_argument("--block-size", type=int, default=64, help="context length in characters")
+    add_model_args(p, n_layer=6, n_embd=64, n_head=4, block_size=64)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--corpus-chars", type=int, default=100_000, help="characters of stdlib docstrings to sample from")
@@ -145,8 +139,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--steps must be >= 1, --warmup and --search-rounds >= 0")
     if any(k < 1 for k in args.fixed_k):
         p.error("--fixed-k values must be >= 1 (k = 0 is the 1f1b row)")
-    if args.n_embd % args.n_head:
-        p.error("--n-embd must be a multiple of --n-head")
+    check_model_args(p, args)
     if args.latency_ms < 0 or args.bandwidth_mbs <= 0:
         p.error("--latency-ms must be >= 0 and --bandwidth-mbs > 0")
     return args
@@ -382,75 +375,17 @@ def rank_main(rank: int, args: argparse.Namespace, data: Tensor, vocab_size: int
     return {"worlds": out}
 
 
-def _entry(rank: int, world: int, port: int, args: argparse.Namespace, data: Tensor, vocab_size: int,
-           queue: Any) -> None:
-    t0 = time.perf_counter()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    try:
-        torch.set_num_interop_threads(1)
-    except RuntimeError:
-        pass
+def _rank(rank: int, world: int, args: argparse.Namespace, data: Tensor, vocab_size: int) -> dict[str, Any]:
     sys.setswitchinterval(5e-4)  # the emulated wire's thread wakes on time even while the main thread computes
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        t1 = time.perf_counter()
-        result = rank_main(rank, args, data, vocab_size)
-        result["init_s"] = t1 - t0
-        buf = io.BytesIO()
-        torch.save(result, buf)
-        queue.put((rank, "ok", buf.getvalue()))
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    result = rank_main(rank, args, data, vocab_size)
+    result["init_s"] = init_seconds()
+    return result
 
 
 def launch(world: int, args: argparse.Namespace, data: Tensor, vocab_size: int) -> list[dict[str, Any]]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, args, data, vocab_size, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict[int, dict[str, Any]] = {}
-    errors: list[str] = []
-    deadline = time.monotonic() + args.timeout
-    try:
-        while len(results) + len(errors) < world:
-            if not queue.empty():
-                rank, status, payload = queue.get()
-                if status == "ok":
-                    results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
-                else:
-                    errors.append(f"rank {rank}:\n{payload}")
-                    deadline = min(deadline, time.monotonic() + 20.0)
-                continue
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the {world} ranks did not finish within {args.timeout:.0f}s "
-                                   f"(done: {sorted(results)}); errors: {errors}")
-            if any(p.exitcode not in (None, 0) for p in procs):
-                time.sleep(0.5)
-                if queue.empty():
-                    raise RuntimeError(f"a rank died without a result (exit codes {[p.exitcode for p in procs]}); "
-                                       f"errors: {errors}")
-            time.sleep(0.02)
-        if errors:
-            raise RuntimeError("\n".join(errors))
-        return [results[r] for r in range(world)]
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join()
+    """``rank_main`` on ``world`` gloo ranks, 1 thread each; every rank is killed after ``--timeout`` seconds."""
+    return run_distributed(_rank, world, args, data, vocab_size, timeout=args.timeout,
+                           what=f"schedules benchmark ({world} ranks)")
 
 
 # ---------------------------------------------------------------------------------------------------------------

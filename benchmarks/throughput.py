@@ -53,15 +53,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import io
 import json
 import math
 import os
-import socket
 import statistics
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -71,12 +68,13 @@ if str(ROOT) not in sys.path:  # run as a script: make `examples` and this check
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
 from benchmarks.common import apply_layers as _apply  # noqa: E402
 from benchmarks.common import lm_loss as _ce  # noqa: E402
 from benchmarks.common import make_batches  # noqa: E402
+from benchmarks.harness import run_distributed  # noqa: E402
+from examples.gpt_args import add_model_args, add_partition_arg, check_model_args, model_sizes, partition_of  # noqa: E402
 
 WORLD = 2
 ROWS = ("ours-1f1b", "ours-afab", "torch-1f1b", "torch-gpipe", "single")
@@ -106,13 +104,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--microbatches", type=int, default=4, help="micro-batches per step (must divide the batch)")
     p.add_argument("--steps", type=int, default=60, help="timed steps per row")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per row before the timed ones")
-    p.add_argument("--n-layer", type=int, default=4, help="transformer blocks")
-    p.add_argument("--n-embd", type=int, default=128, help="embedding width")
-    p.add_argument("--n-head", type=int, default=4, help="attention heads")
-    p.add_argument("--block-size", type=int, default=64, help="context length in characters")
-    p.add_argument("--partition", default=None,
-                   help="layers per stage, e.g. '3,3' (Embed + blocks + Head = n_layer + 2 layers); default: "
-                        "Embed and the first half of the blocks on stage 0, the rest and the Head on stage 1")
+    add_model_args(p, n_layer=4, n_embd=128, n_head=4, block_size=64)
+    add_partition_arg(p)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=0)
@@ -138,15 +131,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--pipelines values must be >= 1, got {args.pipelines}")
     if args.check_steps < 1:
         p.error("--check-steps must be >= 1")
-    n_layers = args.n_layer + 2
-    if args.partition is None:
-        first = 1 + args.n_layer // 2
-        args.partition = [first, n_layers - first]
-    else:
-        args.partition = [int(v) for v in str(args.partition).split(",")]
-    if len(args.partition) != WORLD or sum(args.partition) != n_layers or min(args.partition) < 1:
-        p.error(f"--partition must be {WORLD} positive counts summing to n_layer + 2 = {n_layers}, "
-                f"got {args.partition}")
+    check_model_args(p, args)
+    args.partition = partition_of(p, args)
     if args.batch_size % args.microbatches:
         p.error(f"--microbatches={args.microbatches} must divide --batch-size={args.batch_size} (torch's schedules "
                 "and ours would otherwise weight uneven micro-batches differently)")
@@ -154,8 +140,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--microbatches must be >= {WORLD} (torch's Schedule1F1B needs at least one per stage)")
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
-    if args.n_embd % args.n_head:
-        p.error("--n-embd must be a multiple of --n-head")
     return args
 
 
@@ -462,8 +446,7 @@ def runtime_round(row: Row, args: argparse.Namespace) -> list[float]:
 def rank_main(rank: int, args: argparse.Namespace, data: Tensor, vocab_size: int) -> dict[str, Any]:
     from examples.char_gpt import GPTConfig, gpt_layers
 
-    cfg = GPTConfig(vocab_size=vocab_size, block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
-                    n_embd=args.n_embd, dropout=0.0)
+    cfg = GPTConfig(vocab_size=vocab_size, **model_sizes(args), dropout=0.0)
     torch.manual_seed(args.seed)
     base = list(gpt_layers(cfg))  # identical on every rank: same seed, same construction order
     total = args.warmup + args.steps
@@ -541,69 +524,13 @@ def rank_main(rank: int, args: argparse.Namespace, data: Tensor, vocab_size: int
             "fit_rounds": fit_times, "runtime_rounds": runtime_times}
 
 
-def _entry(rank: int, port: int, args: argparse.Namespace, data: Tensor, vocab_size: int, queue: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    try:
-        torch.set_num_interop_threads(1)
-    except RuntimeError:  # already set
-        pass
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-        result = rank_main(rank, args, data, vocab_size)
-        buf = io.BytesIO()
-        torch.save(result, buf)
-        queue.put((rank, "ok", buf.getvalue()))
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _rank(rank: int, world: int, args: argparse.Namespace, data: Tensor, vocab_size: int) -> dict[str, Any]:
+    return rank_main(rank, args, data, vocab_size)
 
 
 def launch(args: argparse.Namespace, data: Tensor, vocab_size: int) -> list[dict[str, Any]]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, port, args, data, vocab_size, queue)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    results: dict[int, dict[str, Any]] = {}
-    errors: list[str] = []
-    deadline = time.monotonic() + args.timeout
-    try:
-        while len(results) + len(errors) < WORLD:
-            if not queue.empty():
-                rank, status, payload = queue.get()
-                if status == "ok":
-                    results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
-                else:
-                    errors.append(f"rank {rank}:\n{payload}")
-                    deadline = min(deadline, time.monotonic() + 20.0)  # the other rank should fail fast now
-                continue
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the ranks did not finish within {args.timeout:.0f}s (done: {sorted(results)})")
-            if any(p.exitcode not in (None, 0) for p in procs):
-                time.sleep(0.5)
-                if queue.empty():
-                    raise RuntimeError(f"a rank died without a result (exit codes {[p.exitcode for p in procs]}); "
-                                       f"errors: {errors}")
-            time.sleep(0.02)
-        if errors:
-            raise RuntimeError("\n".join(errors))
-        return [results[r] for r in range(WORLD)]
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join()
+    """``rank_main`` on WORLD gloo ranks, 1 thread each; every rank is killed after ``--timeout`` seconds."""
+    return run_distributed(_rank, WORLD, args, data, vocab_size, timeout=args.timeout, what="throughput benchmark")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -59,10 +59,7 @@ import json
 import math
 import os
 import random
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -70,6 +67,12 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: make `benchmarks` and `examples` importable
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.harness import launch_ranks  # noqa: E402
+from examples.gpt_args import add_model_args, add_partition_arg, check_model_args, model_sizes, partition_of  # noqa: E402
+
 WORLD = 2
 TARGETS = {"median_time_error": 0.10, "pick_fraction_of_best": 0.95, "tuner_fraction_of_sweep": 0.05}
 
@@ -94,13 +97,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tuner-steps", type=int, default=7,
                    help="training steps of the tuner's Trainer after tuning (its calibration times steps 2-5)")
     p.add_argument("--profile-steps", type=int, default=2, help="AvgPipeTuner(profile_steps=...)")
-    p.add_argument("--n-layer", type=int, default=4, help="transformer blocks")
-    p.add_argument("--n-embd", type=int, default=128, help="embedding width")
-    p.add_argument("--n-head", type=int, default=4, help="attention heads")
-    p.add_argument("--block-size", type=int, default=64, help="context length in characters")
-    p.add_argument("--partition", default=None,
-                   help="layers per stage, e.g. '3,3' (n_layer + 2 layers); default: Embed and the first half of the "
-                        "blocks on stage 0, the rest and the Head on stage 1")
+    add_model_args(p, n_layer=4, n_embd=128, n_head=4, block_size=64)
+    add_partition_arg(p)
     p.add_argument("--corpus-chars", type=int, default=1_000_000, help="characters of stdlib docstrings")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=1800.0, help="kill the ranks after this many seconds")
@@ -128,23 +126,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = [m for m in args.microbatches if args.batch_size % m]
     if bad:
         p.error(f"--microbatches {bad} do not divide --batch-size={args.batch_size}")
-    n_layers = args.n_layer + 2
-    if args.partition is None:
-        first = 1 + args.n_layer // 2
-        args.partition = [first, n_layers - first]
-    else:
-        args.partition = _ints_ordered(args.partition)
-    if len(args.partition) != WORLD or sum(args.partition) != n_layers or min(args.partition) < 1:
-        p.error(f"--partition must be {WORLD} positive counts summing to n_layer + 2 = {n_layers}")
+    check_model_args(p, args)
+    args.partition = partition_of(p, args)
     if args.steps < 1 or args.warmup < 0 or args.repeats < 1 or args.tuner_steps < 0 or args.profile_steps < 1:
         p.error("--steps, --repeats, --profile-steps must be >= 1; --warmup, --tuner-steps >= 0")
-    if args.n_embd % args.n_head:
-        p.error("--n-embd must be a multiple of --n-head")
     return args
-
-
-def _ints_ordered(text: str) -> list[int]:
-    return [int(v) for v in str(text).split(",")]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -201,8 +187,7 @@ def rank_main(cfg: dict[str, Any]) -> None:
     def fit(m: int, n: int, max_steps: int, callbacks: list[Any]) -> tuple[pl.Trainer, float]:
         started = time.perf_counter()
         pl.seed_everything(seed, verbose=False)
-        model = CharGPT(vocab_size=dm.vocab_size, block_size=cfg["block_size"], n_layer=cfg["n_layer"],
-                        n_head=cfg["n_head"], n_embd=cfg["n_embd"])
+        model = CharGPT(vocab_size=dm.vocab_size, **model_sizes(cfg))
         strategy = AvgPipeStrategy(num_microbatches=m, num_pipelines=n, partition=list(cfg["partition"]),
                                    timeout=cfg["collective_timeout"])
         trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, callbacks=callbacks,
@@ -267,54 +252,17 @@ def rank_main(cfg: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # the launcher: 2 ranks, a hard timeout, every process ends
 # ---------------------------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def launch(cfg: dict[str, Any], timeout: float, log_dir: Path) -> None:
-    """Run ``rank_main(cfg)`` in 2 processes; raise with the ranks' log tails when one fails or time runs out."""
-    port = free_port()
-    procs, logs = [], []
-    for rank in range(WORLD):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank),
-                   RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(WORLD), OMP_NUM_THREADS="1",
-                   PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-        log = open(log_dir / f"rank{rank}.log", "w")  # noqa: SIM115 - closed below
-        logs.append(log)
-        # rank 0 shows its progress lines; both ranks' full output is kept in the logs
-        out = None if rank == 0 else log
-        procs.append(subprocess.Popen([sys.executable, __file__, "--_rank-config", json.dumps(cfg)], cwd=ROOT,
-                                      env=env, stdout=out, stderr=log if rank else None, start_new_session=True))
-    deadline = time.monotonic() + timeout
-    failed_at: float | None = None
-    why = ""
-    try:
-        while any(p.poll() is None for p in procs):
-            now = time.monotonic()
-            codes = [p.poll() for p in procs]
-            if failed_at is None and any(c not in (None, 0) for c in codes):
-                failed_at = now  # a rank failed: give the other a moment to fail on its own, then stop it
-            if now > deadline:
-                why = f"the ranks did not finish within {timeout:.0f} s"
-                break
-            if failed_at is not None and now - failed_at > 30:
-                why = "a rank failed and the other did not exit"
-                break
-            time.sleep(0.2)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-        for p in procs:
-            p.wait(timeout=10)
-        for log in logs:
-            log.close()
-    codes = [p.returncode for p in procs]
-    if why or any(codes):
-        tail = (log_dir / "rank1.log").read_text()[-4000:]
-        raise RuntimeError(f"{why or 'a rank failed'} (exit codes {codes}); rank 1's log ends:\n{tail}")
+    """Run ``rank_main(cfg)`` in 2 processes; raise with rank 1's log tail when one fails or time runs out.
+
+    Rank 0's progress lines go to the console; rank 1's output is kept in ``log_dir/rank1.log``. A rank still
+    running 30 s after the other failed is killed.
+    """
+    argv = [str(Path(__file__).resolve()), "--_rank-config", json.dumps(cfg)]
+    results = launch_ranks(argv, WORLD, timeout=timeout, log_dir=log_dir, echo=(0,), grace=30.0)
+    codes = [code for code, _ in results]
+    if any(codes):
+        raise RuntimeError(f"a rank failed (exit codes {codes}); rank 1's log ends:\n{results[1][1][-4000:]}")
 
 
 # ---------------------------------------------------------------------------------------------------------------

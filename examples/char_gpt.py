@@ -24,8 +24,10 @@ from torch.utils.data import DataLoader
 import lightning_avgpipe  # registers strategy="avgpipe"
 
 try:
+    from examples.gpt_args import add_model_args, check_model_args, model_sizes
     from examples.text_data import CharDataset, encode, stdlib_docstrings
 except ImportError:  # run as a script from examples/
+    from gpt_args import add_model_args, check_model_args, model_sizes  # type: ignore[no-redef]
     from text_data import CharDataset, encode, stdlib_docstrings  # type: ignore[no-redef]
 
 
@@ -156,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--partition", default="balanced")
     p.add_argument("--max-steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--n-layer", type=int, default=4)
+    add_model_args(p, **model_sizes(GPTConfig()))
     p.add_argument("--precision", default="32-true")
     p.add_argument("--pipelines", type=int, default=1, help="N parallel pipelines (AvgPipe's elastic averaging)")
     p.add_argument("--advance-forwards", default="auto", help="k for --schedule advance: an int or 'auto'")
@@ -165,11 +167,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--memory-limit-mb", type=float, default=None, help="the tuner's per-stage memory limit")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    check_model_args(p, args)
     if args.accelerator == "cpu":
         lightning_avgpipe.share_cpu_threads(args.devices)  # before the model starts torch's thread pool
     L.seed_everything(args.seed, verbose=False)
-    dm = CharDataModule(batch_size=args.batch_size)
-    model = CharGPT(vocab_size=dm.vocab_size, n_layer=args.n_layer)
+    dm = CharDataModule(block_size=args.block_size, batch_size=args.batch_size)
+    model = CharGPT(vocab_size=dm.vocab_size, **model_sizes(args))
     k = args.advance_forwards if args.advance_forwards == "auto" else int(args.advance_forwards)
     strategy = lightning_avgpipe.AvgPipeStrategy(
         num_microbatches=args.microbatches, schedule=args.schedule, partition=args.partition,

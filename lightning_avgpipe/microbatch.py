@@ -1,8 +1,12 @@
-"""Manipulation of micro-batches: split a batch along its first dimension, merge outputs back, and sign shapes."""
+"""Manipulation of micro-batches: split a batch along its first dimension, merge outputs back, and sign shapes.
+
+Also the nested-structure helpers the rest of the package and its benchmarks share: :func:`map_tensors`,
+:func:`to_cpu`, :func:`detached` and :func:`tensors`.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -11,7 +15,7 @@ from torch import Tensor
 
 def batch_size(batch: Any) -> int:
     """Size of the first dimension of the first tensor found in ``batch``."""
-    for leaf in _leaves(batch):
+    for leaf in tensors(batch):
         if leaf.dim() == 0:
             raise ValueError("Cannot split a batch that holds a 0-dim tensor; batch tensors need a batch dimension.")
         return int(leaf.shape[0])
@@ -33,20 +37,46 @@ def split(batch: Any, chunks: int) -> list[Any]:
 
 
 def _select(obj: Any, index: int, chunks: int, size: int) -> Any:
-    if isinstance(obj, Tensor):
-        if obj.dim() == 0 or obj.shape[0] != size:
+    def chunk(t: Tensor) -> Tensor:
+        if t.dim() == 0 or t.shape[0] != size:
             raise ValueError(
-                f"Batch tensors disagree on the batch dimension ({tuple(obj.shape)} vs {size} samples); every "
+                f"Batch tensors disagree on the batch dimension ({tuple(t.shape)} vs {size} samples); every "
                 "tensor in a pipelined batch needs the samples on dim 0."
             )
-        return torch.tensor_split(obj, chunks)[index]
+        return torch.tensor_split(t, chunks)[index]
+
+    return map_tensors(obj, chunk)
+
+
+def map_tensors(obj: Any, fn: Callable[[Tensor], Any]) -> Any:
+    """``obj`` with every tensor in it replaced by ``fn(tensor)``.
+
+    Mappings (of their own type where it can be rebuilt, see :func:`_like`), namedtuples, lists and tuples are
+    rebuilt around the results; any other leaf is kept as it is.
+    """
+    if isinstance(obj, Tensor):
+        return fn(obj)
     if isinstance(obj, Mapping):
-        return _like(obj, {k: _select(v, index, chunks, size) for k, v in obj.items()})
+        return _like(obj, {k: map_tensors(v, fn) for k, v in obj.items()})
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(_select(v, index, chunks, size) for v in obj))
+        return type(obj)(*(map_tensors(v, fn) for v in obj))
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_select(v, index, chunks, size) for v in obj)
+        return type(obj)(map_tensors(v, fn) for v in obj)
     return obj
+
+
+def to_cpu(obj: Any) -> Any:
+    """``obj`` with every tensor detached and on the CPU: what may leave the step, the device or the process."""
+    return map_tensors(obj, lambda t: t.detach().cpu())
+
+
+def detached(obj: Any, requires_grad: bool = False) -> Any:
+    """``obj`` with every tensor detached from its graph (sharing its storage).
+
+    With ``requires_grad``, the floating-point ones become leaves that record gradients: the input of a layer
+    whose backward is run on its own.
+    """
+    return map_tensors(obj, lambda t: t.detach().requires_grad_(requires_grad and t.is_floating_point()))
 
 
 def merge(outputs: Sequence[Any]) -> Any:
@@ -85,25 +115,16 @@ def _like(mapping: Mapping[Any, Any], items: dict[Any, Any]) -> Any:
 
 def signature(obj: Any) -> tuple[Any, ...]:
     """A hashable description of the shapes and dtypes of every tensor in ``obj`` (the metadata cache key)."""
-    return tuple((tuple(t.shape), t.dtype) for t in _leaves(obj))
+    return tuple((tuple(t.shape), t.dtype) for t in tensors(obj))
 
 
-def _leaves(obj: Any) -> list[Tensor]:
+def tensors(obj: Any) -> list[Tensor]:
+    """Every tensor in ``obj`` (mappings, lists and tuples searched depth first), in order."""
     if isinstance(obj, Tensor):
         return [obj]
     if isinstance(obj, Mapping):
-        return [leaf for v in obj.values() for leaf in _leaves(v)]
+        return [leaf for v in obj.values() for leaf in tensors(v)]
     if isinstance(obj, (list, tuple)):
-        return [leaf for v in obj for leaf in _leaves(v)]
+        return [leaf for v in obj for leaf in tensors(v)]
     return []
 
-
-def to_cpu(obj: Any) -> Any:
-    """``obj`` with every tensor detached and on the CPU (nested tuples, lists and mappings kept)."""
-    if isinstance(obj, Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, Mapping):
-        return {k: to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(to_cpu(v) for v in obj)
-    return obj

@@ -176,3 +176,36 @@ def test_split_defaultdict() -> None:
     parts = microbatch.split(batch, 2)
     assert [p["x"].tolist() for p in parts] == [[0, 1], [2, 3]]
     assert torch.equal(microbatch.merge(parts)["x"], batch["x"])
+
+
+@pytest.mark.parametrize("name", list(_batches()))
+def test_to_cpu_and_detached_keep_the_structure(name: str) -> None:
+    batch = _batches()[name]
+    _assert_same(microbatch.to_cpu(batch), batch)
+    _assert_same(microbatch.detached(batch), batch)
+    assert [t.data_ptr() for t in microbatch.tensors(microbatch.detached(batch))] == \
+        [t.data_ptr() for t in microbatch.tensors(batch)]  # detached, not copied
+
+
+def test_to_cpu_detaches_and_keeps_other_leaves() -> None:
+    w = torch.ones(2, requires_grad=True)
+    tag = object()
+    out = microbatch.to_cpu({"y": w * 2, "tag": tag, "n": 3, "d": defaultdict(list, a=[w + 1])})
+    assert not out["y"].requires_grad and out["y"].grad_fn is None and out["y"].device.type == "cpu"
+    assert out["tag"] is tag and out["n"] == 3
+    assert type(out["d"]) is defaultdict and out["d"].default_factory is list and not out["d"]["a"][0].requires_grad
+
+
+def test_detached_with_requires_grad_makes_float_leaves_only() -> None:
+    w = torch.ones(3, requires_grad=True)
+    x, idx = microbatch.detached((w * 2, torch.arange(3)), requires_grad=True)
+    assert x.requires_grad and x.is_leaf and x.grad_fn is None
+    assert not idx.requires_grad
+    x.sum().backward()
+    assert w.grad is None and x.grad is not None  # the graph was cut
+
+
+def test_tensors_lists_every_tensor_in_order() -> None:
+    x, y = torch.zeros(1), torch.ones(1)
+    found = microbatch.tensors({"a": [x, None], "b": Pair(y, 3)})
+    assert len(found) == 2 and found[0] is x and found[1] is y

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 from torchmetrics import Metric
 
+from lightning_avgpipe.microbatch import to_cpu
 from lightning_avgpipe.plugin.contract import PipelineContractError, pipeline_inputs, same_structure
 
 
@@ -144,8 +145,8 @@ class StepBridge:
         for rec in self._records.values():
             last = rec.values[-1]
             if isinstance(last, Metric):
-                state = {k: _to_cpu(getattr(last, k)) for k in last._defaults}
-                extra = {"count": last._update_count, "cache": _to_cpu(last._forward_cache)}
+                state = {k: to_cpu(getattr(last, k)) for k in last._defaults}
+                extra = {"count": last._update_count, "cache": to_cpu(last._forward_cache)}
                 out.append((rec.name, "metric", (names.get(id(last)), state, extra), rec.kwargs))
             else:
                 values = torch.stack([_as_tensor(v).cpu() for v in rec.values])
@@ -170,8 +171,8 @@ class StepBridge:
             if not isinstance(m, Metric):
                 continue
             if qualname not in logged and m._update_count != before.get(qualname, m._update_count):
-                state = {k: _to_cpu(getattr(m, k)) for k in m._defaults}
-                extra = {"count": m._update_count, "cache": _to_cpu(m._forward_cache)}
+                state = {k: to_cpu(getattr(m, k)) for k in m._defaults}
+                extra = {"count": m._update_count, "cache": to_cpu(m._forward_cache)}
                 out.append((qualname, "state", (qualname, state, extra), {}))
         return out
 
@@ -216,14 +217,6 @@ def _as_tensor(v: Any) -> Tensor:
     if isinstance(v, Tensor):
         return v.detach().float()
     return torch.tensor(float(v))
-
-
-def _to_cpu(v: Any) -> Any:
-    if isinstance(v, Tensor):
-        return v.detach().cpu()
-    if isinstance(v, list):
-        return [_to_cpu(x) for x in v]
-    return v
 
 
 def _to_device(v: Any, device: torch.device) -> Any:

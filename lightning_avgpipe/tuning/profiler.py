@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_avgpipe.elastic import ElasticAveraging
+from lightning_avgpipe.microbatch import detached, tensors
 from lightning_avgpipe.runtime.trace import ActivationMeter, Span
 
 
@@ -287,27 +288,6 @@ def param_bytes(layer: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in layer.parameters())
 
 
-def _detach(obj: Any) -> Any:
-    if isinstance(obj, Tensor):
-        out = obj.detach()
-        return out.requires_grad_(True) if out.is_floating_point() else out
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_detach(o) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _detach(v) for k, v in obj.items()}
-    return obj
-
-
-def _tensors(obj: Any) -> list[Tensor]:
-    if isinstance(obj, Tensor):
-        return [obj]
-    if isinstance(obj, (list, tuple)):
-        return [t for o in obj for t in _tensors(o)]
-    if isinstance(obj, dict):
-        return [t for o in obj.values() for t in _tensors(o)]
-    return []
-
-
 def profile_layers(
     layers: Sequence[nn.Module], sample: Any, repeats: int = 3, device: torch.device | None = None
 ) -> list[LayerCost]:
@@ -329,14 +309,14 @@ def _inputs(layers: Sequence[nn.Module], sample: Any) -> Iterator[tuple[nn.Modul
     x = sample
     for layer in layers:
         yield layer, x
-        x = _detach(layer(_detach(x)))
+        x = detached(layer(detached(x, requires_grad=True)), requires_grad=True)
 
 
 def _time_layer(layer: nn.Module, x: Any, repeats: int, device: torch.device) -> LayerCost:
     fwd_times, bwd_times = [], []
     saved = out_bytes = 0
     for r in range(repeats + 1):
-        inp = _detach(x)
+        inp = detached(x, requires_grad=True)
         meter = ActivationMeter(list(layer.parameters()))
         _sync(device)
         t0 = time.perf_counter()
@@ -344,7 +324,7 @@ def _time_layer(layer: nn.Module, x: Any, repeats: int, device: torch.device) ->
             out = layer(inp)
         _sync(device)
         t1 = time.perf_counter()
-        outs = [t for t in _tensors(out) if t.requires_grad]
+        outs = [t for t in tensors(out) if t.requires_grad]
         if outs:
             torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
         _sync(device)
