@@ -4,6 +4,7 @@ and files that are never left half-written."""
 from __future__ import annotations
 
 import os
+import pickle
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -112,6 +113,20 @@ def check_loaded(checkpoint: Mapping[str, Any], path: Any, fitting: bool) -> Non
         missing = []  # save_weights_only checkpoints
     if missing:
         raise ValueError(f"The checkpoint {path} lacks {missing}; it is not a training checkpoint.")
+
+
+def needs_unpickling(err: BaseException) -> bool:
+    """Whether ``torch.load(weights_only=True)`` refused the file for holding more than tensors and plain values."""
+    return isinstance(err, pickle.UnpicklingError) and "weights_only" in str(err)
+
+
+def refused(path: Any, err: BaseException) -> ValueError:
+    what = str(err).split("WeightsUnpickler error:")[-1].strip().splitlines()[0][:200]
+    return ValueError(
+        f"Refusing to load the checkpoint {path}: it holds objects other than tensors and plain values ({what}), and "
+        "unpickling them can run code from the file on every rank, so AvgPipeStrategy loads with weights_only=True. "
+        "If you trust the file, load it with AvgPipeStrategy(trusted_checkpoints=True) (weights_only=False)."
+    )
 
 
 def unreadable(path: Any, err: BaseException) -> ValueError:

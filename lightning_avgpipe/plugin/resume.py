@@ -21,17 +21,18 @@ __all__ = ["checkpoint_layout", "resuming_from"]
 def checkpoint_layout(path: Any) -> dict[str, Any] | None:
     """The ``avgpipe_layout`` (stages, groups, pipelines, partition) a checkpoint was saved with, or ``None``.
 
-    Reads a local file only (memory-mapped where the format allows); anything unreadable gives ``None`` and the
-    full load later reports it.
+    Reads a local file only (memory-mapped where the format allows) with ``weights_only=True``, so it never runs
+    code from the file; anything unreadable, or holding more than tensors and plain values, gives ``None`` and the
+    full load later reports (or refuses) it.
     """
     try:
         local = Path(path)
         if not local.is_file():
             return None
         try:
-            checkpoint = torch.load(local, map_location="cpu", weights_only=False, mmap=True)
+            checkpoint = torch.load(local, map_location="cpu", weights_only=True, mmap=True)
         except RuntimeError:  # an old (non-zip) file cannot be memory-mapped
-            checkpoint = torch.load(local, map_location="cpu", weights_only=False)
+            checkpoint = torch.load(local, map_location="cpu", weights_only=True)
         states = checkpoint.get("optimizer_states") or []
         layout = states[0].get("avgpipe_layout") if states and isinstance(states[0], dict) else None
         return dict(layout) if isinstance(layout, dict) else None

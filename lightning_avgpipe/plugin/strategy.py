@@ -99,6 +99,13 @@ class AvgPipeStrategy(ParallelStrategy):
             takes longer (very large models); lower it to fail faster.
         timeout: seconds a collective (and a point-to-point wait in the first step) may block before failing.
         process_group_backend: ``"gloo"`` or ``"nccl"``; ``None`` picks by device.
+        trusted_checkpoints: unpickle checkpoints in full (``torch.load(weights_only=False)``) when resuming or
+            evaluating from one. Off by default: this strategy's checkpoints hold only tensors and plain values, and
+            unpickling anything else can run code from the file on every rank. Turn it on only for a file you trust
+            that holds other objects (the error that refuses it says so). ``trainer.fit(..., weights_only=False)``
+            does the same (Lightning 2.6 does not pass it to a strategy that restores after setup, so use this).
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: Lightning's own, as for
+            any strategy (the Trainer sets them).
     """
 
     strategy_name = "avgpipe"
@@ -121,6 +128,7 @@ class AvgPipeStrategy(ParallelStrategy):
         p2p_timeout: float = 30.0,
         timeout: float = 1800.0,
         process_group_backend: str | None = None,
+        trusted_checkpoints: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -154,6 +162,7 @@ class AvgPipeStrategy(ParallelStrategy):
         # The k the user asked for, kept across fits (a tuner's reconfigure replaces "auto" with a number).
         self.user_advance_forwards: int | str = advance_forwards
         self._process_group_backend = process_group_backend
+        self.trusted_checkpoints = bool(trusted_checkpoints)
         self._num_nodes = 1
         self._topology: Topology | None = None
         self._topology_of: Any = None  # the default process group the topology's groups were made in
@@ -615,12 +624,20 @@ class AvgPipeStrategy(ParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load and verify a checkpoint; a truncated or corrupt file is named with what to do instead."""
+        """Load and verify a checkpoint; a truncated or corrupt file is named with what to do instead.
+
+        Loads with ``weights_only=True`` unless ``trusted_checkpoints=True`` or the caller passed
+        ``weights_only=False``: this strategy's checkpoints hold only tensors and plain values, and unpickling
+        anything else can run code from the file on every rank.
+        """
+        weights_only = (not self.trusted_checkpoints) if weights_only is None else weights_only
         try:
             loaded = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         except FileNotFoundError:
             raise
         except Exception as err:  # unpickling, zip and EOF errors all mean the same to the user
+            if weights_only and ckpt.needs_unpickling(err):
+                raise ckpt.refused(checkpoint_path, err) from err
             raise ckpt.unreadable(checkpoint_path, err) from err
         module = self.lightning_module
         trainer = compat.attached_trainer(module) if module is not None else None

@@ -106,6 +106,8 @@ class StagePipeline:
         device: where this stage runs.
         backend: the process-group backend (``"nccl"`` makes ``p2p="auto"`` batch its transfers).
         processes: stage processes sharing this machine (a ``memory_limit`` fraction is of their share on CPU).
+        link: the transfers to the neighbouring stages; by default a :class:`~lightning_avgpipe.runtime.Link` over
+            the default process group (a benchmark passes one over its own group, or an emulated slow link).
     """
 
     def __init__(
@@ -116,6 +118,7 @@ class StagePipeline:
         device: torch.device | None = None,
         backend: str | None = None,
         processes: int = 1,
+        link: Link | None = None,
     ) -> None:
         self.layers = list(layers)
         self.topology = topology
@@ -124,7 +127,7 @@ class StagePipeline:
         self.backend = backend
         self.processes = processes
         stage, S, ranks = topology.stage, topology.num_stages, topology.pipeline_ranks
-        link = (
+        link = link or (
             Link(
                 ranks[stage - 1] if stage > 0 else None,
                 ranks[stage + 1] if stage < S - 1 else None,

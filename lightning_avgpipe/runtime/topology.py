@@ -21,7 +21,8 @@ class Topology:
     rank: int
     world_size: int
     num_stages: int
-    pipeline_group: Any = field(default=None, compare=False)  # None when the pipeline has one stage
+    # None: the default process group (a job of one pipeline), or no group at all in a single process
+    pipeline_group: Any = field(default=None, compare=False)
     stage_group: Any = field(default=None, compare=False)  # None when there is one group
 
     def __post_init__(self) -> None:
