@@ -41,7 +41,7 @@ final metric. Two times are reported and labelled:
 
 - ``1-proc s``: the measured wall time of the single-process run (training only, evaluation excluded, one thread);
 - ``pipe s (proj)``: a projection for the real pipeline: iterations x the median step time of that configuration
-  measured once with this project's ``StageExecutor`` (1F1B) on 2 gloo ranks (1 thread each), 2 stages, each
+  measured once with this project's ``StagePipeline`` (1F1B) on 2 gloo ranks (1 thread each), 2 stages, each
   replica's batch in ``--microbatches`` micro-batches (pipe-NB uses N times as many micro-batches of the same
   size, so it has AvgPipe's bubble fraction). It ignores everything but the training step (data loading,
   evaluation, Lightning's loop).
@@ -399,7 +399,7 @@ def tune(studies: dict[str, Study], args: argparse.Namespace, log: Callable[[str
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# pipelined step time of each configuration: StageExecutor, 1F1B, 2 gloo ranks
+# pipelined step time of each configuration: StagePipeline (the strategy's step), 1F1B, 2 gloo ranks
 # ---------------------------------------------------------------------------------------------------------------
 PIPE_WORLD = 2
 
@@ -407,11 +407,9 @@ PIPE_WORLD = 2
 def _pipe_rank(rank: int, study: Study, n: int, m: int, steps: int, warmup: int) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from lightning_avgpipe import microbatch
-    from lightning_avgpipe.elastic import ElasticAveraging
-    from lightning_avgpipe.optim import clone_optimizer
-    from lightning_avgpipe.runtime import Link, StageExecutor
-    from lightning_avgpipe.schedules import build_plan, validate_plan
+    from lightning_avgpipe.config import PipelineConfig
+    from lightning_avgpipe.runtime.pipeline import StagePipeline
+    from lightning_avgpipe.runtime.topology import Topology
 
     data = data_for(study)
     layers = list(data.model(0))
@@ -424,53 +422,27 @@ def _pipe_rank(rank: int, study: Study, n: int, m: int, steps: int, warmup: int)
         idx = torch.randint(0, len(data.x), (size,), generator=g)
         return data.x[idx], data.y[idx]
 
-    def apply(mods: Sequence[nn.Module]) -> Callable[[Any], Any]:
-        def fn(x: Any) -> Any:
-            for mod in mods:
-                x = mod(x)
-            return x
-        return fn
+    def loss(out: Tensor, micro: tuple[Tensor, Tensor], share: float) -> Tensor:
+        return Data.loss(out, micro[1])
 
     class Config:
+        """One method's StagePipeline step (what the strategy runs), 1F1B, then the optimizer it wraps."""
+
         def __init__(self, method: str) -> None:
             self.method = method
-            self.units = m if method == "pipe-B" else n * m
-            self.actions = validate_plan(build_plan("1f1b", PIPE_WORLD, self.units)).stages[rank]
-            mods = copy.deepcopy(own)
-            self.template = data.optimizer([p for mod in mods for p in mod.parameters()], study.lr_center)
-            if method == "avgpipe-N":
-                self.elastic = ElasticAveraging(mods, num_replicas=n)
-                ref = self.elastic.reference_params
-                self.opts = [clone_optimizer(self.template, self.elastic.replica_params(r), ref) for r in range(n)]
-                self.fns = [apply(rep) for rep in self.elastic.replicas]
-            else:
-                self.opts = [self.template]
-                self.fns = [apply(mods)]
-            link = Link(rank - 1 if rank > 0 else None, rank + 1 if rank < PIPE_WORLD - 1 else None,
-                        torch.device("cpu"))
-            self.executor = StageExecutor(rank, PIPE_WORLD, self.fns[0], link)
+            self.replicas = n if method == "avgpipe-N" else 1
+            self.per_replica = n * b if method == "pipe-NB" else b
+            units = n * m if method == "pipe-NB" else m  # micro-batches per replica's batch
+            cfg = PipelineConfig(num_microbatches=units, num_pipelines=self.replicas, sync_reference=True,
+                                 partition=[cut, len(layers) - cut])
+            self.pipe = StagePipeline(copy.deepcopy(own), Topology(rank, PIPE_WORLD, PIPE_WORLD), cfg)
+            self.opt = self.pipe.optimizer(data.optimizer(self.pipe.reference_params, study.lr_center))
 
         def step(self) -> None:
-            replicas = n if self.method == "avgpipe-N" else 1
-            per_replica = b if self.method != "pipe-NB" else n * b
-            micro, weight, owner = [], [], []
-            for r in range(replicas):
-                parts = microbatch.split(batch(per_replica), self.units // replicas)
-                micro += parts
-                weight += [len(p[1]) / per_replica for p in parts]
-                owner += [r] * len(parts)
-            keys = [microbatch.signature(mb) for mb in micro]
-            for o in self.opts:
-                o.zero_grad(set_to_none=True)
-            self.executor.run(self.actions, keys, training=True, inputs=lambda u: micro[u][0],
-                              head=lambda u, out: Data.loss(out, micro[u][1]) * weight[u],
-                              stage_fn_for=lambda u: self.fns[owner[u]])
-            if self.method == "avgpipe-N":
-                self.elastic.begin_step()
-            for o in self.opts:
-                o.step()
-            if self.method == "avgpipe-N":
-                self.elastic.finish_step()
+            batches = [batch(self.per_replica) for _ in range(self.replicas)]
+            self.opt.zero_grad(set_to_none=True)
+            self.pipe.train_step(batches, loss)
+            self.opt.step()
 
     configs = {name: Config(name) for name in METHODS}
     times: dict[str, list[float]] = {name: [] for name in METHODS}
@@ -598,7 +570,7 @@ def format_table(summary: dict[str, Any], args: argparse.Namespace) -> str:
             lines.append(f"   {m} lr grid (mean final {st['metric']}): {grid}{ext}")
         pipe = entry["pipeline_step_s"]
         if pipe:
-            lines.append("   pipelined step time (StageExecutor 1F1B, 2 gloo ranks x 1 thread, median): " + ", ".join(
+            lines.append("   pipelined step time (StagePipeline 1F1B, 2 gloo ranks x 1 thread, median): " + ", ".join(
                 f"{m} {p['step_s_median'] * 1e3:.1f} ms ({p['microbatches']} x {p['microbatch_size']})"
                 for m, p in pipe.items()))
         div = entry["methods"]["avgpipe-N"]["replica_divergence_final"]
