@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from lightning_avgpipe.errors import PipelineContractError
@@ -103,3 +104,54 @@ def locate(root: nn.Module, layer: nn.Module) -> list[tuple[nn.Module, str]]:
         for name, child in parent.named_children()
         if child is layer
     ]
+
+
+def check_forward(module: nn.Module, layers: list[nn.Module], x: Any) -> None:
+    """Raise when ``module(x)`` is not ``layers`` applied to ``x`` in order (eval mode, no grad, RNG untouched).
+
+    Training under the pipeline runs the layers; inference after ``load_from_checkpoint`` runs ``forward``: when
+    they differ, the two are different models and nothing else would say so.
+    """
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            by_forward = module(x)
+            by_layers = x
+            for layer in layers:
+                by_layers = layer(by_layers)
+    finally:
+        module.train(was_training)
+    difference = _difference(by_forward, by_layers)
+    if difference is None:
+        return
+    name = type(module).__name__
+    raise PipelineContractError(
+        f"{name}.forward(x) is not its configure_pipeline() layers applied in order: {difference}. Training under "
+        "strategy='avgpipe' runs the layers, while inference (load_from_checkpoint, predict on one device) runs "
+        "forward, so they would be two different models. Move the extra computation into a layer of "
+        "configure_pipeline(), or into your step after self(x). (AvgPipeStrategy(check_forward=False) skips this "
+        "check, for a model too large to run whole on one device.)"
+    )
+
+
+def _difference(a: Any, b: Any) -> str | None:
+    """How ``a`` and ``b`` (tensors, or tuples/lists/dicts of them) differ, or ``None`` when they match."""
+    if isinstance(a, Tensor) and isinstance(b, Tensor):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return (f"forward gives {str(a.dtype).replace('torch.', '')} {tuple(a.shape)}, the layers give "
+                    f"{str(b.dtype).replace('torch.', '')} {tuple(b.shape)}")
+        try:
+            torch.testing.assert_close(a, b, equal_nan=True)
+        except AssertionError:
+            gap = (a.double() - b.double()).abs().nan_to_num(float("inf"))
+            return f"the largest difference is {float(gap.max()):.4g} (output shape {tuple(a.shape)})"
+        return None
+    if isinstance(a, Mapping) and isinstance(b, Mapping) and a.keys() == b.keys():
+        return next((f"[{k!r}]: {d}" for k in a if (d := _difference(a[k], b[k])) is not None), None)
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)) and len(a) == len(b):
+        return next((f"[{i}]: {d}" for i, (u, v) in enumerate(zip(a, b)) if (d := _difference(u, v)) is not None),
+                    None)
+    if isinstance(a, Tensor) or isinstance(b, Tensor) or type(a) is not type(b):
+        return f"forward gives {type(a).__name__}, the layers give {type(b).__name__}"
+    return None if a == b else f"forward gives {a!r}, the layers give {b!r}"
