@@ -1,16 +1,22 @@
 """Choosing the advance-forward count k online (``advance_forwards="auto"``): raise k while iterations get faster and
 fit, looking past flat steps, then keep the best k measured.
 
+k early forwards run on every stage but the last (the last stage keeps 1F1B's order: there an early forward fills
+no bubble and only stashes activations), so k + 1 stashes one more unit on stage s < S - 1 until it holds all of
+them, and nothing more on the last stage (``lightning_avgpipe.schedules.peak_stash``).
+
 Start at k = 0 (1F1B). Measure a few iterations at each k (the first after a change is dropped: its plan and
 buffers are new) and take their median. A k *improves* when its median beats the reference (the median of the last
 k that improved, at first k = 0's) by more than the noise margin. Keep raising k by one while
 
-- fewer than ``patience`` k's in a row failed to improve: the step-time curve over k has flat steps (on 2 stages an
-  extra forward on the last stage fills no bubble, so k = 2j + 1 is as fast as k = 2j and the gain shows only at the
-  next k), so one k that is no faster does not end the search; a k that is slower only counts as one that failed,
-  since on a shared machine one median can be slow by chance;
-- k < ``max_k`` (beyond it the plan is AFAB's);
-- every stage's peak memory plus the one more unit of activations that k + 1 stashes stays under the limit.
+- fewer than ``patience`` k's in a row failed to improve: the step-time curve over k can have flat steps (an early
+  forward that lands where no stage waited changes nothing, and the gain shows only at a later k), so one k that is
+  no faster does not end the search; a k that is slower only counts as one that failed, since on a shared machine
+  one median can be slow by chance;
+- k < ``max_k`` (from ``max_advance_forwards(S, units)`` on, stages 0 .. S - 2 run AFAB's order and no larger k
+  changes the plan);
+- every stage's peak memory plus what k + 1 adds to it (``added_bytes``: one more unit of activations on the
+  stages whose stash grows) stays under the limit.
 
 Then settle on the best k measured: the smallest k whose median is within the noise margin of the fastest median
 (a smaller k stashes fewer units, so it is the one to keep when the times cannot be told apart). Plain numbers in, a
@@ -23,13 +29,29 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from lightning_avgpipe.schedules import peak_stash
+
+
+def added_bytes(activation_bytes: Sequence[float], num_stages: int, units: int, k: int) -> list[float]:
+    """Per stage, the activation bytes ``advance_forwards=k + 1`` adds to the peak measured at ``k``.
+
+    ``activation_bytes``: each stage's measured activation peak at ``k``, ``peak_stash("advance", S, units, k)``
+    units' worth. A stage whose stash grows at ``k + 1`` (``s < S - 1`` still holding fewer than ``units``) adds one
+    unit's bytes (its peak / its stash); the others, the last stage among them, add nothing.
+    """
+    if len(activation_bytes) != num_stages:
+        raise ValueError(f"activation_bytes has {len(activation_bytes)} entries for {num_stages} stages.")
+    now = peak_stash("advance", num_stages, units, k)
+    then = peak_stash("advance", num_stages, units, k + 1)
+    return [float(a) / max(1, n) * (t - n) for a, n, t in zip(activation_bytes, now, then, strict=True)]
+
 
 @dataclass
 class AdvanceSearch:
     """The state of the search over k.
 
     Args:
-        max_k: the largest useful k (units - 1: beyond it the plan is AFAB).
+        max_k: the largest useful k (``max_advance_forwards(S, units)``: no larger k changes the plan).
         memory_limit: bytes a stage may hold at its peak; ``None`` for no limit.
         steps_per_k: iterations measured at each k (after one dropped warm-up iteration).
         noise: relative margin: a k improves when its median is lower than the reference's by more than this, and
@@ -61,8 +83,12 @@ class AdvanceSearch:
         """The median step time of every k measured so far (all ``steps_per_k`` iterations in)."""
         return {k: statistics.median(t) for k, t in sorted(self._times.items()) if len(t) >= self.steps_per_k}
 
-    def observe(self, step_time: float, peak_bytes: Sequence[float], unit_bytes: Sequence[float]) -> int:
-        """Record one iteration at the current k; returns the k to use next."""
+    def observe(self, step_time: float, peak_bytes: Sequence[float], added: Sequence[float]) -> int:
+        """Record one iteration at the current k; returns the k to use next.
+
+        ``peak_bytes``: each stage's peak at k; ``added``: the bytes k + 1 would add to it on each stage
+        (``added_bytes``: one unit's activations where the stash grows, 0 on the last stage).
+        """
         if self.settled:
             return self.k
         self._seen_at_k += 1
@@ -85,10 +111,10 @@ class AdvanceSearch:
                                  f"{self.noise:.0%} ({self._misses} in a row, patience {self.patience})")
                     return self.k
         if k >= self.max_k:
-            self._settle(f"k={k} is the largest useful value (the plan is AFAB beyond it)")
+            self._settle(f"k={k} is the largest useful value (no larger k changes the plan)")
             return self.k
         if self.memory_limit is not None:
-            worst = max((p + u for p, u in zip(peak_bytes, unit_bytes)), default=0.0)
+            worst = max((p + a for p, a in zip(peak_bytes, added)), default=0.0)
             if worst > self.memory_limit:
                 self._settle(f"k={k + 1} would need about {worst / 2**20:.1f} MiB on a stage, over the limit of "
                              f"{self.memory_limit / 2**20:.1f} MiB")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_avgpipe.autotune import AdvanceSearch
+from lightning_avgpipe.autotune import AdvanceSearch, added_bytes
 
 
 def _run(search: AdvanceSearch, time_of_k, peak: float = 0.0, unit: float = 0.0) -> list[int]:
@@ -25,7 +25,7 @@ def _run(search: AdvanceSearch, time_of_k, peak: float = 0.0, unit: float = 0.0)
 
 
 def test_passes_a_flat_step_and_finds_the_faster_k() -> None:
-    # the 2-stage shape: k = 2j + 1 as fast as k = 2j (an extra forward on the last stage fills no bubble)
+    # a curve with flat steps: k = 2j + 1 as fast as k = 2j (an early forward that lands where no stage waited)
     curve = {0: 1.35, 1: 1.35, 2: 1.19, 3: 1.19, 4: 1.03, 5: 1.03, 6: 0.87, 7: 0.87}
     search = AdvanceSearch(max_k=7)
     ks = _run(search, curve)
@@ -56,7 +56,7 @@ def test_monotone_improvement_climbs_to_max_k() -> None:
     search = AdvanceSearch(max_k=5)
     ks = _run(search, {k: 1.0 - 0.1 * k for k in range(6)})
     assert search.k == 5 and max(ks) == 5
-    assert "k=5 is the largest useful value (the plan is AFAB beyond it)" in search.reason
+    assert "k=5 is the largest useful value (no larger k changes the plan)" in search.reason
 
 
 def test_slow_gradual_gains_are_compared_with_the_last_improvement() -> None:
@@ -135,3 +135,27 @@ def test_settled_search_ignores_further_observations() -> None:
 def test_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="patience"):
         AdvanceSearch(max_k=3, patience=0)
+
+
+def test_added_bytes_grows_every_stage_but_the_last() -> None:
+    # S = 4, U = 6: stash [4, 3, 2, 1] at k = 0, [5, 4, 3, 1] at k = 1; the last stage keeps 1F1B's one unit
+    assert added_bytes([8.0, 6.0, 4.0, 9.0], 4, 6, 0) == [2.0, 2.0, 2.0, 0.0]
+    # k = 2: stash [6, 5, 4, 1]; stage 0 holds all 6 units, so k = 3 adds nothing there either
+    assert added_bytes([12.0, 10.0, 8.0, 9.0], 4, 6, 2) == [0.0, 2.0, 2.0, 0.0]
+    assert added_bytes([5.0], 1, 8, 3) == [0.0]  # one stage is the last: advance is 1F1B
+    with pytest.raises(ValueError, match="2 entries for 3 stages"):
+        added_bytes([1.0, 2.0], 3, 6, 0)
+
+
+def test_a_heavy_last_stage_does_not_stop_the_search() -> None:
+    # the last stage is nearest the limit, but k + 1 adds nothing there: the search climbs until stage 0 would not fit
+    MiB = 2**20
+    search = AdvanceSearch(max_k=6, memory_limit=10 * MiB)
+    S, U = 2, 8
+    for _ in range(200):
+        k = search.k
+        peaks = [(min(U, S + k)) * 1.0 * MiB, 9.5 * MiB]  # stage 0: 1 MiB a unit; the last stage: 9.5 MiB at any k
+        search.observe(1.0 - 0.05 * k, peaks, added_bytes(peaks, S, U, k))
+        if search.settled:
+            break
+    assert search.k == 6 and "largest useful value" in search.reason, search.reason

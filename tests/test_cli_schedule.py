@@ -49,7 +49,7 @@ def test_advance_forwards(capsys: pytest.CaptureFixture[str]) -> None:
         capsys, "--stages", "4", "--microbatches", "8", "--schedule", "advance", "--advance-forwards", "2"
     )
     assert summary.startswith("schedule=advance stages=4 units=8 advance_forwards=2:")
-    assert "peak stash per stage [6, 5, 4, 3]" in summary
+    assert "peak stash per stage [6, 5, 4, 1]" in summary  # min(U, S - s + k), 1F1B's 1 on the last stage
     assert "bubble 27.3%" in summary
     assert _rows(lines)[0][:7] == ["F0", "F1", "F2", "F3", "F4", "F5", "."]
 

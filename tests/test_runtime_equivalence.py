@@ -46,7 +46,7 @@ def reference(
 
 def _worker(
     rank: int, world: int, schedule: str, partition: list[int], m: int, sizes: list[int] | None = None,
-    batched: bool = False,
+    batched: bool = False, k: int = 0,
 ) -> dict:
     layers = make_layers()
     start = sum(partition[:rank])
@@ -55,7 +55,7 @@ def _worker(
     opt = torch.optim.SGD(params, lr=0.1, momentum=0.9) if params else None
     link = Link(rank - 1 if rank > 0 else None, rank + 1 if rank < world - 1 else None, torch.device("cpu"))
     executor = StageExecutor(rank, world, lambda x: _apply(own, x), link, coalesce=batched)
-    plan = validate_plan(build_plan(schedule, world, m, recv_lookahead=0 if batched else 1), nccl=batched)
+    plan = validate_plan(build_plan(schedule, world, m, k, recv_lookahead=0 if batched else 1), nccl=batched)
     losses = []
     for step in range(len(sizes) if sizes else STEPS):
         x, y = make_batch(step, sizes[step] if sizes else 12)
@@ -85,7 +85,7 @@ def _cases_worker(rank: int, world: int, cases: list[tuple]) -> list[dict]:
     return [_worker(rank, world, *case) for case in cases]
 
 
-# (schedule, partition, micro-batches, batch sizes per step or None, batched p2p)
+# (schedule, partition, micro-batches, batch sizes per step or None, batched p2p[, advance forwards k])
 CASES: dict[str, tuple] = {
     "S2-1f1b-even": ("1f1b", [3, 3], 4, None, False),
     "S2-afab-uneven": ("afab", [1, 5], 3, None, False),
@@ -97,6 +97,10 @@ CASES: dict[str, tuple] = {
     "S4-1f1b-fewer-microbatches-than-stages": ("1f1b", [2, 2, 1, 1], 2, None, False),
     "S4-advance": ("advance", [2, 1, 1, 2], 4, None, False),
     "S4-1f1b-batched-p2p": ("1f1b", [1, 2, 2, 1], 4, [12, 12, 7], True),
+    # k early forwards on all stages but the last: the last stage receives ahead what the stage before sends ahead
+    "S2-advance-k2-batched-p2p": ("advance", [3, 3], 4, [12, 12, 7], True, 2),
+    "S4-advance-k3-eager": ("advance", [2, 1, 1, 2], 6, None, False, 3),
+    "S4-advance-k2-batched-p2p": ("advance", [1, 2, 2, 1], 6, [12, 12, 7], True, 2),
 }
 
 
@@ -115,7 +119,7 @@ def outcomes() -> dict[str, list[dict]]:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", list(CASES))
 def test_pipeline_matches_plain_training(outcomes: dict[str, list[dict]], name: str) -> None:
-    schedule, partition, m, sizes, _ = CASES[name]
+    schedule, partition, m, sizes = CASES[name][:4]
     outs = outcomes[name]
     ref_losses, ref_states = reference(m, len(sizes) if sizes else STEPS, sizes)
     torch.testing.assert_close(torch.tensor(outs[-1]["losses"]), torch.tensor(ref_losses))

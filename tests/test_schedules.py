@@ -17,6 +17,8 @@ from lightning_avgpipe.schedules import (
     build_plan,
     check_schedule_name,
     compute_order,
+    max_advance_forwards,
+    peak_stash,
     plan_errors,
     simulate,
     timeline_table,
@@ -31,7 +33,7 @@ GRID = [(S, U) for S in STAGES for U in UNITS]
 
 
 def _ks(U: int) -> range:
-    return range(0, U + 2)  # k = U and U + 1 must both behave as AFAB
+    return range(0, U + 2)  # k = U and U + 1 must both give the final plan (AFAB's order but on the last stage)
 
 
 def _variants(U: int) -> list[tuple[str, int]]:
@@ -122,19 +124,56 @@ def test_every_generated_plan_validates(S: int, U: int) -> None:
                 assert sorted(backwards) == (list(range(U)) if training else [])
 
 
+@pytest.mark.parametrize("S", range(1, 6))
+def test_advance_plans_validate_and_finish_for_a_grid_of_m_n_k(S: int) -> None:
+    """No deadlock, every send matched by a receive, on gloo (receive one ahead) and NCCL (just in time, batched)."""
+    for M in range(1, 5):
+        for N in range(1, 4):
+            U = M * N
+            for k in range(U + 2):
+                for lookahead in (0, 1):
+                    plan = validate_plan(build_plan("advance", S, U, k, recv_lookahead=lookahead), nccl=lookahead == 0)
+                    sim = simulate(plan, 1.0, 2.0, latency=0.3)
+                    assert sim.peak_stash[-1] == min(U, 1), (M, N, k)
+                    assert list(sim.peak_stash) == peak_stash("advance", S, U, k), (M, N, k)
+
+
 @pytest.mark.parametrize(("S", "U"), GRID)
-def test_advance_spans_1f1b_to_afab(S: int, U: int) -> None:
+def test_advance_spans_1f1b_to_afab_on_all_stages_but_the_last(S: int, U: int) -> None:
     one_f_one_b = build_plan("1f1b", S, U)
     afab = build_plan("afab", S, U)
     assert build_plan("advance", S, U, 0).stages == one_f_one_b.stages
-    for k in range(U, U + 2):
-        assert build_plan("advance", S, U, k).stages == afab.stages
-    # In between, stage 0 (which has the most room) must differ from both ends when both ends differ.
-    if S > 1 and S - 1 < U:
-        between = [build_plan("advance", S, U, k).stages for k in range(1, U - S + 1)]
-        for stages in between:
-            assert stages != one_f_one_b.stages
-            assert stages != afab.stages
+    top = max_advance_forwards(S, U)
+    for k in range(top, U + 2):  # k large: stages 0 .. S - 2 run AFAB's order, the last stage 1F1B's
+        plan = build_plan("advance", S, U, k)
+        for s in range(S - 1):
+            assert plan.compute(s) == afab.compute(s), (k, s)
+            assert plan.stages[s] == afab.stages[s], (k, s)  # lowering follows the compute order
+        assert plan.compute(S - 1) == one_f_one_b.compute(S - 1), k
+        assert plan.stages[S - 1] == one_f_one_b.stages[S - 1], k
+    if top > 0:  # max_advance_forwards is the first k of the final plan
+        assert build_plan("advance", S, U, top - 1).stages != build_plan("advance", S, U, top).stages
+    # In between, stage 0 (which has the most room) differs from both ends (with one stage, the last, it is 1F1B).
+    for k in range(1, U - S) if S > 1 else ():
+        compute = build_plan("advance", S, U, k).compute(0)
+        assert compute != one_f_one_b.compute(0) and compute != afab.compute(0), k
+
+
+@pytest.mark.parametrize(("S", "U"), GRID)
+def test_the_last_stage_runs_1f1b_for_every_k(S: int, U: int) -> None:
+    last = build_plan("1f1b", S, U).compute(S - 1)
+    for k in _ks(U):
+        plan = build_plan("advance", S, U, k)
+        assert plan.compute(S - 1) == last, k
+        assert simulate(plan).peak_stash[S - 1] <= simulate(build_plan("1f1b", S, U)).peak_stash[S - 1] == min(U, 1)
+
+
+def test_max_advance_forwards() -> None:
+    assert [max_advance_forwards(1, U) for U in (1, 2, 8)] == [0, 0, 0]  # one stage: the last, always 1F1B
+    assert [max_advance_forwards(2, U) for U in (1, 2, 3, 8)] == [0, 0, 1, 6]
+    assert max_advance_forwards(4, 8) == 6
+    with pytest.raises(ValueError, match="num_units=0"):
+        max_advance_forwards(2, 0)
 
 
 def test_1f1b_and_afab_ignore_advance_forwards() -> None:
@@ -146,13 +185,13 @@ def test_1f1b_and_afab_ignore_advance_forwards() -> None:
 
 
 def test_compute_order_warmup_counts() -> None:
-    # S = 4, U = 6: 1F1B warms up with S - s - 1 forwards, advance with k more, AFAB with all of them.
+    # S = 4, U = 6: 1F1B warms up with S - s - 1 forwards, advance with k more (but on the last stage), AFAB with all.
     # The first backward follows the warm-up forwards plus, when units are left, one steady-state forward.
     def forwards_before_first_backward(order: list[Action]) -> int:
         return next(i for i, a in enumerate(order) if a.kind is Kind.BACKWARD)
 
     assert [forwards_before_first_backward(compute_order("1f1b", 4, 6, s)) for s in range(4)] == [4, 3, 2, 1]
-    assert [forwards_before_first_backward(compute_order("advance", 4, 6, s, 2)) for s in range(4)] == [6, 5, 4, 3]
+    assert [forwards_before_first_backward(compute_order("advance", 4, 6, s, 2)) for s in range(4)] == [6, 5, 4, 1]
     assert [forwards_before_first_backward(compute_order("afab", 4, 6, s)) for s in range(4)] == [6, 6, 6, 6]
     assert compute_order("1f1b", 2, 3, 1) == [F(1, 0), B(1, 0), F(1, 1), B(1, 1), F(1, 2), B(1, 2)]
     assert compute_order("1f1b", 2, 3, 0, training=False) == [F(0, 0), F(0, 1), F(0, 2)]
@@ -194,7 +233,7 @@ def test_build_plan_rejects_no_stages(num_stages: int) -> None:
 def _peak_formula(name: str, S: int, U: int, k: int, s: int) -> int:
     if name == "afab":
         return U
-    if name == "1f1b":
+    if name == "1f1b" or s == S - 1:  # no advance forwards on the last stage
         return min(U, S - s)
     return min(U, S - s + k)
 
@@ -204,6 +243,7 @@ def test_peak_stash_matches_the_design_formulas(S: int, U: int) -> None:
     for name, k in _variants(U):
         sim = simulate(build_plan(name, S, U, k))
         assert list(sim.peak_stash) == [_peak_formula(name, S, U, k, s) for s in range(S)], (name, k)
+        assert peak_stash(name, S, U, k) == list(sim.peak_stash), (name, k)  # the closed form
     assert simulate(build_plan("afab", S, U, training=False)).peak_stash == (0,) * S
 
 
@@ -446,3 +486,20 @@ def test_receives_posted_ahead_deadlock_under_nccl_and_the_validator_says_so() -
         validate_plan(plan, nccl=True)
     # the same just-in-time plan without coalescing deadlocks too: the batches are what makes it safe
     assert nccl_deadlock(build_plan("1f1b", 2, 3, recv_lookahead=0), coalesce=False) is not None
+
+
+def test_last_stage_receives_early_what_the_stage_before_sends_ahead_under_nccl() -> None:
+    """Advance's last stage runs 1F1B's order while the stage before runs k more forwards ahead: lowered just in
+    time without regard to that, their NCCL streams deadlock (the sender's activations queue before the gradient it
+    waits for); the plan receives them in the batch that sends the gradient."""
+    from lightning_avgpipe.schedules.nccl import nccl_deadlock
+
+    plan = build_plan("advance", 2, 4, 2, recv_lookahead=0)
+    assert plan.stages[1] == tuple(
+        Action.parse(a) for a in "1RF0 1F0 1B0 1SB0 1RF1 1RF2 1RF3 1F1 1B1 1SB1 1F2 1B2 1SB2 1F3 1B3 1SB3".split()
+    )
+    validate_plan(plan, nccl=True)
+    naive = _replace_stage(plan, 1, lower(plan.compute(1), 2, recv_lookahead=0))  # no upstream order
+    problem = nccl_deadlock(naive, coalesce=True)
+    assert problem is not None and "stage 0 at 0B0" in problem
+    assert build_plan("advance", 2, 4, 2).stages[1] == tuple(lower(plan.compute(1), 2))  # gloo: one ahead, unchanged

@@ -3,20 +3,40 @@
 All three schedules are one family. Stage ``s`` of ``S`` first runs ``w`` forwards ("warm-up"), then alternates
 one forward and one backward, then drains the remaining backwards::
 
-    w = min(U, S - s - 1 + k)      U units per iteration, k advance forwards
+    w = min(U, S - s - 1 + k)      U units per iteration, k advance forwards (k = 0 on the last stage, s = S - 1)
 
-    k = 0          -> 1F1B (PipeDream-flush / DAPPLE): peak stash S - s
-    0 < k < U      -> AvgPipe's advance forward propagation: k extra forwards run early, in bubble time
-    k >= U         -> AFAB (GPipe): all forwards, then all backwards, peak stash U
+    k = 0          -> 1F1B (PipeDream-flush / DAPPLE): peak stash min(U, S - s)
+    0 < k          -> AvgPipe's advance forward propagation: k extra forwards run early, in bubble time, on every
+                      stage but the last; peak stash min(U, S - s + k) there, and 1F1B's (1 unit) on the last stage
+    k >= U - 2     -> (S > 1) stages 0 .. S - 2 run AFAB's order (a warm-up of U - 1 forwards already is all
+                      forwards, then all backwards) and the last stage 1F1B's; no larger k changes the plan
+                      (``max_advance_forwards``)
+    AFAB (GPipe)   -> w = U on every stage: peak stash U
 
-The 1F1B timeline for S = 4, U = 6 (F = forward of unit, B = backward, costs 1 and 2)::
+The last stage runs no advance forwards (the paper states its Algorithm 1 for the first GPU): its backward needs
+only its own forward, so there an early forward fills no bubble and only stashes activations, and it delays the
+gradients every stage upstream waits for.
 
-    stage 0 | F0 F1 F2 F3 .  .  .  B0 B0 F4 B1 B1 F5 B2 B2 .  B3 B3 .  B4 B4 .  B5 B5
-    stage 1 |    F0 F1 F2 .  .  B0 B0 F3 B1 B1 F4 B2 B2 F5 B3 B3 ...
-    stage 2 |       F0 F1 .  B0 B0 F2 B1 B1 F3 ...
-    stage 3 |          F0 B0 B0 F1 B1 B1 F2 ...
+The timelines for S = 4, U = 6 (F = forward of unit, B = backward, costs 1 and 2), 1F1B::
 
-(``python -m lightning_avgpipe schedule --stages 4 --microbatches 6`` prints the exact simulated table.)
+    stage 0 | F0 F1 F2 F3 .  .  .  .  .  .  B0 B0 F4 B1 B1 F5 B2 B2 .  B3 B3 .  B4 B4 .  B5 B5
+    stage 1 | .  F0 F1 F2 .  .  .  .  B0 B0 F3 B1 B1 F4 B2 B2 F5 B3 B3 .  B4 B4 .  B5 B5 .  .
+    stage 2 | .  .  F0 F1 .  .  B0 B0 F2 B1 B1 F3 B2 B2 F4 B3 B3 F5 B4 B4 .  B5 B5 .  .  .  .
+    stage 3 | .  .  .  F0 B0 B0 F1 B1 B1 F2 B2 B2 F3 B3 B3 F4 B4 B4 F5 B5 B5 .  .  .  .  .  .
+
+and advance with k = 1: stages 0 to 2 run one more forward early (in what was bubble), stage 3 runs 1F1B's order;
+peak stash [5, 4, 3, 1] against 1F1B's [4, 3, 2, 1]::
+
+    stage 0 | F0 F1 F2 F3 F4 .  .  .  .  .  B0 B0 F5 B1 B1 .  B2 B2 .  B3 B3 .  B4 B4 .  B5 B5
+    stage 1 | .  F0 F1 F2 F3 .  .  .  B0 B0 F4 B1 B1 F5 B2 B2 .  B3 B3 .  B4 B4 .  B5 B5 .  .
+    stage 2 | .  .  F0 F1 F2 .  B0 B0 F3 B1 B1 F4 B2 B2 F5 B3 B3 .  B4 B4 .  B5 B5 .  .  .  .
+    stage 3 | .  .  .  F0 B0 B0 F1 B1 B1 F2 B2 B2 F3 B3 B3 F4 B4 B4 F5 B5 B5 .  .  .  .  .  .
+
+With uniform costs and no latency every schedule takes the same time; the early forwards pay off when a message
+between stages is slow or the stages' costs vary.
+
+(``python -m lightning_avgpipe schedule --stages 4 --microbatches 6 [--schedule advance --advance-forwards 1]``
+prints the exact simulated table.)
 """
 
 from __future__ import annotations
@@ -47,8 +67,31 @@ def warmup_forwards(schedule: str, num_stages: int, num_units: int, stage: int, 
     schedule = check_schedule_name(schedule)
     if schedule == "afab":
         return num_units
-    extra = advance_forwards if schedule == "advance" else 0
+    extra = advance_forwards if schedule == "advance" and stage < num_stages - 1 else 0  # none on the last stage
     return min(num_units, num_stages - stage - 1 + extra)
+
+
+def peak_stash(schedule: str, num_stages: int, num_units: int, advance_forwards: int = 0) -> list[int]:
+    """Per stage, the most units a training iteration has forwarded and not yet backwarded (closed form).
+
+    AFAB: ``U`` on every stage; 1F1B: ``min(U, S - s)``; advance: ``min(U, S - s + k)`` on stages ``s < S - 1`` and
+    1F1B's ``min(U, 1)`` on the last stage. Equal to ``simulate(build_plan(...)).peak_stash`` for every plan.
+    """
+    _check_sizes(num_stages, num_units, advance_forwards)
+    return [
+        min(num_units, warmup_forwards(schedule, num_stages, num_units, s, advance_forwards) + 1)
+        for s in range(num_stages)
+    ]
+
+
+def max_advance_forwards(num_stages: int, num_units: int) -> int:
+    """The largest k that changes an ``advance`` plan: from it on, stages 0 .. S - 2 run AFAB's order.
+
+    A stage that warms up with ``U - 1`` forwards already runs all forwards, then all backwards, so stage ``S - 2``
+    gets there at ``k = U - 2``; with one stage (the last) ``advance`` is 1F1B for every k.
+    """
+    _check_sizes(num_stages, num_units, 0)
+    return 0 if num_stages == 1 else max(0, num_units - 2)
 
 
 def compute_order(
@@ -85,7 +128,9 @@ def _send_for(action: Action, num_stages: int) -> Action | None:
     return None
 
 
-def lower(compute: Sequence[Action], num_stages: int, recv_lookahead: int = 1) -> list[Action]:
+def lower(
+    compute: Sequence[Action], num_stages: int, recv_lookahead: int = 1, upstream: Sequence[Action] | None = None
+) -> list[Action]:
     """Add sends and receives to a stage's compute order.
 
     With ``recv_lookahead=1`` the receive a compute action needs is posted one compute action ahead (before the
@@ -97,13 +142,26 @@ def lower(compute: Sequence[Action], num_stages: int, recv_lookahead: int = 1) -
     communication between two computes is "send what I just made, receive what I need next". NCCL runs the
     point-to-point operations between two ranks in order on one stream and a send waits for its receive; the
     executor then issues each such stretch as one ``batch_isend_irecv`` group, and both neighbours' groups
-    match (the validator's NCCL check proves it for a plan).
+    match (the validator's NCCL check proves it for a plan). For that the messages between two neighbours must
+    come in the same order on both: ``upstream``, the previous stage's compute order, makes this stage receive,
+    before it sends the gradient of unit j, every activation the previous stage sends before it receives that
+    gradient (in the same batch as the send). Under ``advance`` the stage before the last runs up to k + 1 more
+    forwards ahead than the last stage (which runs 1F1B's order), so the last stage posts those receives early;
+    where neighbours' warm-ups differ by at most one (1F1B, AFAB) nothing changes.
     """
     if recv_lookahead not in (0, 1):
         raise ValueError(f"recv_lookahead={recv_lookahead!r} must be 0 (just in time, NCCL) or 1 (one ahead, gloo).")
     out: list[Action] = []
     posted: set[Action] = set()
     forwarded: set[int] = set()
+    sent_before: dict[int, list[int]] = {}  # unit j -> the units the previous stage forwards before its backward of j
+    if recv_lookahead == 0 and upstream is not None:
+        done: list[int] = []
+        for a in upstream:
+            if a.kind is Kind.FORWARD:
+                done.append(a.unit)
+            elif a.kind is Kind.BACKWARD:
+                sent_before[a.unit] = list(done)
 
     def post(action: Action) -> None:
         recv = _recv_for(action, num_stages)
@@ -124,6 +182,12 @@ def lower(compute: Sequence[Action], num_stages: int, recv_lookahead: int = 1) -
         send = _send_for(action, num_stages)
         if send is not None:
             out.append(send)
+            if send.kind is Kind.SEND_B:  # receive what the previous stage sends before it takes this gradient
+                for u in sent_before.get(send.unit, ()):
+                    recv = Action(action.stage, Kind.RECV_F, u)
+                    if recv not in posted:
+                        posted.add(recv)
+                        out.append(recv)
         if recv_lookahead and i + 1 < len(compute):
             post(compute[i + 1])  # the next backward's receive, once its forward has run
     return out
@@ -165,10 +229,9 @@ def build_plan(
     """Build the lowered plan of every stage for ``num_units`` units (micro-batches times replicas)."""
     name = check_schedule_name(schedule)
     _check_sizes(num_stages, num_units, advance_forwards)
+    computes = [compute_order(name, num_stages, num_units, s, advance_forwards, training) for s in range(num_stages)]
     stages = tuple(
-        tuple(
-            lower(compute_order(name, num_stages, num_units, s, advance_forwards, training), num_stages, recv_lookahead)
-        )
+        tuple(lower(computes[s], num_stages, recv_lookahead, computes[s - 1] if s > 0 else None))
         for s in range(num_stages)
     )
     k = advance_forwards if name == "advance" else 0

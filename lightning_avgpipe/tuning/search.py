@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from lightning_avgpipe.schedules import max_advance_forwards
 from lightning_avgpipe.tuning.model import PipelineProfile, Prediction, divisors, predict
 
 DEFAULT_MAX_PIPELINES = 8
@@ -48,10 +49,12 @@ def candidate_pipelines(num_pipelines: int | Sequence[int] | None = None) -> lis
     return sorted(set(values))
 
 
-def _k_candidates(units: int) -> list[int]:
-    ks = {0, max(0, units - 1)}
+def _k_candidates(num_stages: int, units: int) -> list[int]:
+    """The k tried under ``advance_forwards="auto"``: 0, the powers of two below the largest useful k, and it."""
+    top = max_advance_forwards(num_stages, units)  # beyond it stages 0 .. S - 2 run AFAB's order
+    ks = {0, top}
     k = 1
-    while k < units:
+    while k < top:
         ks.add(k)
         k *= 2
     return sorted(ks)
@@ -144,8 +147,9 @@ def search(
     ``max_pipelines`` drops the candidate N above it (the tuner passes the batches an epoch has per group: an
     iteration takes N of them).
 
-    With ``schedule="advance"`` and ``advance_forwards="auto"`` each (M, N) gets the k (0, 1, 2, 4, ... units-1)
-    with the best predicted time that fits. Ties in samples/s (within 0.5%) go to fewer pipelines, then fewer
+    With ``schedule="advance"`` and ``advance_forwards="auto"`` each (M, N) gets the k (0, 1, 2, 4, ... and
+    ``max_advance_forwards(S, units)``, from which stages 0 .. S - 2 run AFAB's order; the last stage runs no advance
+    forwards) with the best predicted time that fits. Ties in samples/s (within 0.5%) go to fewer pipelines, then fewer
     micro-batches (less memory, less statistical change). ``num_pipelines=None`` stops raising N once no M fits.
 
     Raises:
@@ -163,7 +167,7 @@ def search(
             if schedule == "advance" and advance_forwards == "auto":
                 options = [
                     predict(profile, m, n, schedule, k, memory_limit, latency_s, bandwidth)
-                    for k in _k_candidates(m * n)
+                    for k in _k_candidates(profile.num_stages, m * n)
                 ]
                 fits = [p for p in options if p.feasible] or options[:1]
                 best = min(fits, key=lambda p: (p.step_time, p.advance_forwards))
