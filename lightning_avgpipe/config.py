@@ -21,7 +21,7 @@ class PipelineConfig:
     num_microbatches: int | None = None
     # "1f1b" (memory-lean), "afab" (GPipe: all forwards then all backwards), or "advance" (1F1B + k early forwards).
     schedule: str = "1f1b"
-    # Forwards each stage runs early beyond 1F1B's warm-up; only used by schedule="advance".
+    # Forwards every stage but the last runs early beyond 1F1B's warm-up; only used by schedule="advance".
     # "auto": raise k from 0 while iterations get faster and memory_limit holds (see autotune.py).
     advance_forwards: int | str = "auto"
     # Peak memory a stage may use when choosing k automatically: bytes, or a fraction (<= 1) of the device's memory.

@@ -67,7 +67,8 @@ class AvgPipeStrategy(ParallelStrategy):
         schedule: ``"1f1b"`` keeps at most ``S - s`` micro-batches of activations on stage ``s`` (the default);
             ``"afab"`` (GPipe) runs all forwards first, which keeps all ``M`` and communicates less often;
             ``"advance"`` sits between them with ``advance_forwards`` extra early forwards.
-        advance_forwards: early forwards per stage for ``schedule="advance"``; 0 is 1F1B, ``units - 1`` is AFAB.
+        advance_forwards: early forwards on every stage but the last for ``schedule="advance"``; 0 is 1F1B; from
+            ``units - 2`` on, stages 0..S-2 run AFAB's order (the last stage always runs 1F1B's).
             ``"auto"`` (the default) starts at 0 and raises k by one every few iterations while iterations get
             faster beyond noise and ``memory_limit`` holds, then keeps it (the choice and why are logged).
         memory_limit: the peak memory a stage may use when ``advance_forwards="auto"`` raises k: bytes, or a
@@ -104,8 +105,11 @@ class AvgPipeStrategy(ParallelStrategy):
             unpickling anything else can run code from the file on every rank. Turn it on only for a file you trust
             that holds other objects (the error that refuses it says so). ``trainer.fit(..., weights_only=False)``
             does the same (Lightning 2.6 does not pass it to a strategy that restores after setup, so use this).
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: Lightning's own, as for
-            any strategy (the Trainer sets them).
+        accelerator: Lightning's own, as for any strategy (the Trainer sets it, as the next four).
+        parallel_devices: the devices of this node.
+        cluster_environment: where the ranks come from (Lightning's, torchrun, SLURM).
+        checkpoint_io: how checkpoints are written and read.
+        precision_plugin: the precision the Trainer was given.
     """
 
     strategy_name = "avgpipe"

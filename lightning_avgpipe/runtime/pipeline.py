@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_avgpipe import microbatch
-from lightning_avgpipe.autotune import AdvanceSearch
+from lightning_avgpipe.autotune import AdvanceSearch, added_bytes
 from lightning_avgpipe.config import PipelineConfig
 from lightning_avgpipe.cpu import host_memory_bytes
 from lightning_avgpipe.elastic import ElasticAveraging
@@ -40,7 +40,7 @@ from lightning_avgpipe.runtime.executor import StageExecutor
 from lightning_avgpipe.runtime.p2p import Link, PeerFailureError, first_failure
 from lightning_avgpipe.runtime.topology import Topology
 from lightning_avgpipe.runtime.trace import ActivationMeter, StepTrace, write_trace
-from lightning_avgpipe.schedules import Plan, build_plan, validate_plan
+from lightning_avgpipe.schedules import Plan, build_plan, max_advance_forwards, validate_plan
 
 # (stage output, micro-batch, its share of all the iteration's samples) -> a scalar loss, or {"loss": ...}
 LossFn = Callable[[Any, Any, float], Any]
@@ -560,14 +560,12 @@ class StagePipeline:
         units = self.num_microbatches * (1 if self.batched is not None else self.num_pipelines)
         if self._search is None:
             limit = memory_limit_bytes(self.config.memory_limit, self.device, self.processes)
-            self._search = AdvanceSearch(max_k=max(0, units - 1), memory_limit=limit)
+            self._search = AdvanceSearch(max_k=max_advance_forwards(self.num_stages, units), memory_limit=limit)
         search = self._search
         if search.settled:
             return None
-        S, k = self.num_stages, self._k
-        stash = [min(units, S - s + k) for s in range(S)]  # units in flight at the peak
-        unit_bytes = [float(table[s, 4]) / max(1, stash[s]) for s in range(S)]
-        search.observe(float(table[:, 0].max()), [float(v) for v in table[:, 4]], unit_bytes)
+        peaks = [float(v) for v in table[:, 4]]  # what k + 1 would add follows the peak stash's closed form
+        search.observe(float(table[:, 0].max()), peaks, added_bytes(peaks, self.num_stages, units, self._k))
         decision = torch.tensor([search.k, int(search.settled)], dtype=torch.int64, device=self.device)
         if self.topology.world_size > 1:
             dist.broadcast(decision, src=0)
