@@ -151,3 +151,44 @@ class TwoOptimizers(PipeNet):
 def test_more_than_one_optimizer() -> None:
     with pytest.raises(Exception, match="multiple optimizers is only supported with manual optimization"):
         fit(TwoOptimizers())
+
+
+class ScalesOutput(PipeNet):
+    """forward does more than the layers: trained as the layers, served as forward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x) * 2
+
+
+class Flattens(PipeNet):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x).flatten()
+
+
+@pytest.mark.parametrize("example", [False, True], ids=["first-batch", "example-input"])
+def test_a_forward_that_is_not_the_layers_is_refused_naming_the_difference(example: bool) -> None:
+    model = ScalesOutput()
+    if example:
+        model.example_input_array = torch.randn(5, 8)
+    with pytest.raises(PipelineContractError, match=r"forward\(x\) is not its configure_pipeline\(\) layers") as info:
+        fit(model, num_microbatches=2)
+    assert "largest difference" in str(info.value) and "check_forward=False" in str(info.value)
+    with pytest.raises(PipelineContractError, match=r"forward gives float32 \(\d+,\), the layers give float32 \(2, 4\)"):
+        fit(Flattens(), num_microbatches=2)
+
+
+def test_the_forward_check_keeps_the_data_order_and_can_be_turned_off() -> None:
+    from lightning_avgpipe.plugin.data import peek
+
+    from torch.utils.data import DataLoader
+
+    from tests.helpers.lit import dataset
+
+    shuffled = DataLoader(dataset(48), batch_size=12, shuffle=True)  # its order comes from the global RNG
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    first = peek(shuffled)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert torch.equal(first[0], next(iter(shuffled))[0])  # training then sees the batches it would have seen
+    trainer = fit(ScalesOutput(), num_microbatches=2, check_forward=False)  # the user said: too large to run whole
+    assert trainer.global_step == 1

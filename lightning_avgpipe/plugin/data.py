@@ -5,6 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import torch
+
+from lightning_avgpipe.tuning.profiler import Snapshot
+
 
 class GroupedBatches:
     """Yields lists of ``num_pipelines`` consecutive batches of ``loader``; an incomplete last group is dropped.
@@ -45,3 +49,24 @@ class GroupedBatches:
         # Lightning sets it after process_dataloader (seed_everything(workers=True)): it belongs on the DataLoader,
         # whose workers call it, not on this wrapper.
         self.loader.worker_init_fn = fn
+
+
+def loader_generators(loader: Any) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects a DataLoader draws from besides the global RNG (each once)."""
+    found: dict[int, torch.Generator] = {}
+    for owner in (loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None),
+                  getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+        g = getattr(owner, "generator", None)
+        if isinstance(g, torch.Generator):
+            found.setdefault(id(g), g)
+    return list(found.values())
+
+
+def peek(loader: Any) -> Any:
+    """The first batch of a fresh iterator over ``loader``, leaving the global RNG states and the loader's own
+    generators as they were (the data order training sees is kept); ``None`` when it yields nothing."""
+    snap = Snapshot([], [], generators=loader_generators(loader))
+    try:
+        return next(iter(loader), None)
+    finally:
+        snap.restore()

@@ -16,10 +16,12 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from lightning_avgpipe import microbatch
 from lightning_avgpipe.partition import partition_layers
 from lightning_avgpipe.plugin import compat
 from lightning_avgpipe.plugin.bridge import Anchor, Elsewhere, Guard, guard_layers
-from lightning_avgpipe.plugin.contract import locate
+from lightning_avgpipe.plugin.contract import locate, pipeline_inputs
+from lightning_avgpipe.plugin.data import peek
 from lightning_avgpipe.plugin.resume import checkpoint_layout
 
 
@@ -128,3 +130,27 @@ def _resumed_partition(module: nn.Module, stages: int, num_layers: int) -> list[
         return None
     rank_zero_info(f"AvgPipe: resuming; cutting the model as the checkpoint was cut, partition={saved}.")
     return [int(v) for v in saved]
+
+
+def forward_sample(module: nn.Module) -> Any:
+    """A small input for checking ``forward`` against the layers: the first two samples of
+    ``example_input_array``, or, in ``fit``, of the first training batch (drawn without changing the data order);
+    ``None`` when there is neither."""
+    sample = getattr(module, "example_input_array", None)
+    if sample is None:
+        trainer = compat.attached_trainer(module)
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING:
+            return None
+        loader = compat.request_train_dataloader(trainer)
+        batch = peek(loader) if loader is not None else None
+        if batch is None:
+            return None
+        sample = pipeline_inputs(module, batch)
+    try:
+        size = microbatch.batch_size(sample)
+    except (TypeError, ValueError):  # no tensor to split: check with the whole sample
+        return sample
+    device = next((p.device for p in module.parameters()), None)
+    if device is not None:
+        sample = microbatch.map_tensors(sample, lambda t: t.to(device))
+    return microbatch.split(sample, max(1, size // 2))[0] if size > 2 else sample

@@ -41,9 +41,15 @@ from lightning_avgpipe.plugin.compat import (
     _SubprocessScriptLauncher,
     _sync_ddp_if_available,
 )
-from lightning_avgpipe.plugin.contract import PipelineContractError, pipeline_inputs, pipeline_layers
+from lightning_avgpipe.plugin.contract import PipelineContractError, check_forward, pipeline_inputs, pipeline_layers
 from lightning_avgpipe.plugin.data import GroupedBatches
-from lightning_avgpipe.plugin.split import SplitModule, check_layer_count, choose_partition, split_module
+from lightning_avgpipe.plugin.split import (
+    SplitModule,
+    check_layer_count,
+    choose_partition,
+    forward_sample,
+    split_module,
+)
 from lightning_avgpipe.plugin.telemetry import Telemetry
 from lightning_avgpipe.runtime.clipping import clip_grad_norm_across
 from lightning_avgpipe.runtime.p2p import report_failure
@@ -100,6 +106,10 @@ class AvgPipeStrategy(ParallelStrategy):
             takes longer (very large models); lower it to fail faster.
         timeout: seconds a collective (and a point-to-point wait in the first step) may block before failing.
         process_group_backend: ``"gloo"`` or ``"nccl"``; ``None`` picks by device.
+        check_forward: at setup, before the split, run the whole model once in eval mode on two samples
+            (``example_input_array``, or in ``fit`` the first training batch) and fail when ``forward`` is not the
+            ``configure_pipeline()`` layers applied in order (training runs the layers, inference runs
+            ``forward``). Turn it off only for a model too large to run whole on one device.
         trusted_checkpoints: unpickle checkpoints in full (``torch.load(weights_only=False)``) when resuming or
             evaluating from one. Off by default: this strategy's checkpoints hold only tensors and plain values, and
             unpickling anything else can run code from the file on every rank. Turn it on only for a file you trust
@@ -132,6 +142,7 @@ class AvgPipeStrategy(ParallelStrategy):
         p2p_timeout: float = 30.0,
         timeout: float = 1800.0,
         process_group_backend: str | None = None,
+        check_forward: bool = True,
         trusted_checkpoints: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -166,6 +177,7 @@ class AvgPipeStrategy(ParallelStrategy):
         # The k the user asked for, kept across fits (a tuner's reconfigure replaces "auto" with a number).
         self.user_advance_forwards: int | str = advance_forwards
         self._process_group_backend = process_group_backend
+        self.check_forward = bool(check_forward)
         self.trusted_checkpoints = bool(trusted_checkpoints)
         self._num_nodes = 1
         self._topology: Topology | None = None
@@ -372,6 +384,10 @@ class AvgPipeStrategy(ParallelStrategy):
     def _split_module(self, module: pl.LightningModule) -> None:
         layers, stages = pipeline_layers(module), self.num_stages
         check_layer_count(len(layers), stages)  # on every rank: none may wait in the broadcast for a failed rank 0
+        if self.check_forward:  # every rank checks its own whole copy, so every rank fails alike
+            sample = forward_sample(module)
+            if sample is not None:
+                check_forward(module, layers, sample)
         # decided on rank 0: "balanced" times the layers, and the ranks' timings would differ
         sizes = choose_partition(module, layers, self.config.partition, stages) if self.global_rank == 0 else None
         sizes = self.broadcast(sizes, src=0)

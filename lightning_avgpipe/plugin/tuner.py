@@ -26,6 +26,7 @@ from lightning_avgpipe.checks import is_int, is_number
 from lightning_avgpipe.optim import clone_optimizer
 from lightning_avgpipe.plugin import compat
 from lightning_avgpipe.plugin.contract import pipeline_inputs
+from lightning_avgpipe.plugin.data import loader_generators
 from lightning_avgpipe.plugin.resume import resuming_from
 from lightning_avgpipe.schedules import simulate
 from lightning_avgpipe.tuning.model import PipelineProfile, StageProfile, microbatch_sizes, predict
@@ -222,7 +223,7 @@ def first_batch(trainer: pl.Trainer, fetches: int = 3) -> tuple[Any, float, int 
     loader = compat.request_train_dataloader(trainer)
     if loader is None:
         raise ValueError("AvgPipeTuner needs a training DataLoader to profile on; none is attached to fit().")
-    snap = Snapshot([], [], generators=_generators(loader))
+    snap = Snapshot([], [], generators=loader_generators(loader))
     times = []
     try:
         it = iter(loader)
@@ -253,17 +254,6 @@ def _last_batch_size(loader: Any) -> int | None:
     if not isinstance(size, int) or drop or n % size == 0:
         return None
     return n % size
-
-
-def _generators(loader: Any) -> list[torch.Generator]:
-    """The ``torch.Generator`` objects a DataLoader draws from besides the global RNG (each once)."""
-    found: dict[int, torch.Generator] = {}
-    for owner in (loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None),
-                  getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
-        g = getattr(owner, "generator", None)
-        if isinstance(g, torch.Generator):
-            found.setdefault(id(g), g)
-    return list(found.values())
 
 
 def tune(
