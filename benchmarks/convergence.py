@@ -120,23 +120,36 @@ def make_studies(args: argparse.Namespace) -> dict[str, Study]:
     epochs = 2 if quick else args.digits_epochs
     budget = _round_up(epochs * 1200, 2 * per_iter)
     studies["digits"] = Study(
-        name="digits", metric="val_acc", target=args.digits_target, batch=b, budget_samples=budget,
-        eval_every=2 * per_iter, lr_center=args.digits_lr, lr_ratio=args.lr_ratio, grid_points=args.grid,
+        name="digits",
+        metric="val_acc",
+        target=args.digits_target,
+        batch=b,
+        budget_samples=budget,
+        eval_every=2 * per_iter,
+        lr_center=args.digits_lr,
+        lr_ratio=args.lr_ratio,
+        grid_points=args.grid,
         final_window=0 if quick else 1200,  # accuracy on 297 images jumps by 1-2% between evaluations: one epoch
         description="scikit-learn digits (1,200 train / 297 val images), examples/digits.py DigitsMLP "
-                    "(64-256x4-10), Adam",
+        "(64-256x4-10), Adam",
     )
     b = args.text_batch
     per_iter = n * b
     iters = 8 if quick else args.text_iters  # iterations of pipe-NB / avgpipe (N·B windows each)
     every = max(1, iters // (4 if quick else 16)) * per_iter
     studies["text"] = Study(
-        name="text", metric="val_loss", target=args.text_target, batch=b, budget_samples=_round_up(iters * per_iter,
-                                                                                                     every),
-        eval_every=every, lr_center=args.text_lr, lr_ratio=args.lr_ratio, grid_points=args.grid,
+        name="text",
+        metric="val_loss",
+        target=args.text_target,
+        batch=b,
+        budget_samples=_round_up(iters * per_iter, every),
+        eval_every=every,
+        lr_center=args.text_lr,
+        lr_ratio=args.lr_ratio,
+        grid_points=args.grid,
         description=f"stdlib docstrings, windows of {args.block_size} characters, examples/char_gpt.py GPT "
-                    f"(n_layer {args.n_layer}, n_embd {args.n_embd}, n_head {args.n_head}), AdamW(weight_decay=0.01); "
-                    f"validation loss on {args.text_val_windows} fixed validation windows",
+        f"(n_layer {args.n_layer}, n_embd {args.n_embd}, n_head {args.n_head}), AdamW(weight_decay=0.01); "
+        f"validation loss on {args.text_val_windows} fixed validation windows",
         extra={**model_sizes(args), "corpus_chars": args.corpus_chars, "val_windows": args.text_val_windows},
     )
     return {name: studies[name] for name in args.datasets}
@@ -240,8 +253,14 @@ def train_run(data: Data, method: str, lr: float, seed: int, n: int) -> dict[str
         model.eval()
         val_loss, val_acc = data.evaluate(model)  # the reference model for avgpipe-N
         model.train()
-        return {"iteration": it, "samples": it * per_iter, "train_s": train_s, "train_loss": train_loss,
-                "val_loss": val_loss, "val_acc": val_acc}
+        return {
+            "iteration": it,
+            "samples": it * per_iter,
+            "train_s": train_s,
+            "train_loss": train_loss,
+            "val_loss": val_loss,
+            "val_acc": val_acc,
+        }
 
     curve = [point(0, 0.0, float("nan"))]
     train_s = 0.0
@@ -278,8 +297,14 @@ def train_run(data: Data, method: str, lr: float, seed: int, n: int) -> dict[str
             curve.append(point(it, train_s, sum(recent) / len(recent)))
             recent = []
     out: dict[str, Any] = {
-        "method": method, "lr": lr, "seed": seed, "iterations": iterations, "samples_per_iteration": per_iter,
-        "diverged": diverged, "curve": curve, "train_s": train_s,
+        "method": method,
+        "lr": lr,
+        "seed": seed,
+        "iterations": iterations,
+        "samples_per_iteration": per_iter,
+        "diverged": diverged,
+        "curve": curve,
+        "train_s": train_s,
     }
     tail = [p for p in curve if p["samples"] >= study.budget_samples - study.final_window]
     final = statistics.fmean(p[study.metric] for p in tail) if not diverged else None
@@ -368,8 +393,10 @@ def tune(studies: dict[str, Study], args: argparse.Namespace, log: Callable[[str
         round_no = 0
         while pending:
             # the slowest runs first, so the pool's workers finish together
-            jobs = sorted(((s, m, lr, seed) for s, m, lr in pending for seed in seeds),
-                          key=lambda j: (j[0] != "text", j[1] == "pipe-NB"))
+            jobs = sorted(
+                ((s, m, lr, seed) for s, m, lr in pending for seed in seeds),
+                key=lambda j: (j[0] != "text", j[1] == "pipe-NB"),
+            )
             futures = {pool.submit(_job, s, m, lr, seed, args.pipelines): (s, m, lr) for s, m, lr, seed in jobs}
             done = 0
             for fut in as_completed(futures):
@@ -385,8 +412,10 @@ def tune(studies: dict[str, Study], args: argparse.Namespace, log: Callable[[str
                     continue
                 if len(extensions[(s, m)]) >= args.max_extend:
                     if round_no == len(extensions[(s, m)]):  # say it once
-                        log(f"  {s} {m}: best lr {best:g} is still at the {edge} edge of the grid after "
-                            f"{args.max_extend} extension(s); reported as EDGE")
+                        log(
+                            f"  {s} {m}: best lr {best:g} is still at the {edge} edge of the grid after "
+                            f"{args.max_extend} extension(s); reported as EDGE"
+                        )
                     continue
                 lrs = sorted(by_lr)
                 ratio = studies[s].lr_ratio
@@ -433,8 +462,12 @@ def _pipe_rank(rank: int, study: Study, n: int, m: int, steps: int, warmup: int)
             self.replicas = n if method == "avgpipe-N" else 1
             self.per_replica = n * b if method == "pipe-NB" else b
             units = n * m if method == "pipe-NB" else m  # micro-batches per replica's batch
-            cfg = PipelineConfig(num_microbatches=units, num_pipelines=self.replicas, sync_reference=True,
-                                 partition=[cut, len(layers) - cut])
+            cfg = PipelineConfig(
+                num_microbatches=units,
+                num_pipelines=self.replicas,
+                sync_reference=True,
+                partition=[cut, len(layers) - cut],
+            )
             self.pipe = StagePipeline(copy.deepcopy(own), Topology(rank, PIPE_WORLD, PIPE_WORLD), cfg)
             self.opt = self.pipe.optimizer(data.optimizer(self.pipe.reference_params, study.lr_center))
 
@@ -464,16 +497,28 @@ def _pipe_entry(rank: int, world: int, study: Study, n: int, m: int, steps: int,
 
 def measure_pipeline(study: Study, n: int, m: int, steps: int, warmup: int, timeout: float) -> dict[str, Any]:
     """Median training-step seconds of each method's configuration, run by the real runtime on 2 gloo ranks."""
-    got = run_distributed(_pipe_entry, PIPE_WORLD, study, n, m, steps, warmup, timeout=timeout,
-                          start_method="fork" if "fork" in mp.get_all_start_methods() else "spawn",
-                          what="pipeline timing")
+    got = run_distributed(
+        _pipe_entry,
+        PIPE_WORLD,
+        study,
+        n,
+        m,
+        steps,
+        warmup,
+        timeout=timeout,
+        start_method="fork" if "fork" in mp.get_all_start_methods() else "spawn",
+        what="pipeline timing",
+    )
     out = {}
     for name in METHODS:
         per_step = [max(got[r][name][i] for r in range(PIPE_WORLD)) for i in range(steps)]  # the slowest rank's
-        out[name] = {"step_s_median": statistics.median(per_step), "step_s_min": min(per_step),
-                     "step_s_max": max(per_step),
-                     "microbatches": m if name == "pipe-B" else n * m,
-                     "microbatch_size": study.batch // m}
+        out[name] = {
+            "step_s_median": statistics.median(per_step),
+            "step_s_min": min(per_step),
+            "step_s_max": max(per_step),
+            "microbatches": m if name == "pipe-B" else n * m,
+            "microbatch_size": study.batch // m,
+        }
     return out
 
 
@@ -483,12 +528,17 @@ def measure_pipeline(study: Study, n: int, m: int, steps: int, warmup: int, time
 def _stats(values: Sequence[float]) -> dict[str, float] | None:
     if not values:
         return None
-    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
-            "min": min(values), "max": max(values)}
+    return {
+        "mean": statistics.fmean(values),
+        "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+        "min": min(values),
+        "max": max(values),
+    }
 
 
-def summarise(studies: dict[str, Study], tuned: dict[str, Any], pipe: dict[str, Any], args: argparse.Namespace
-              ) -> dict[str, Any]:
+def summarise(
+    studies: dict[str, Study], tuned: dict[str, Any], pipe: dict[str, Any], args: argparse.Namespace
+) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for s, study in studies.items():
         methods = {}
@@ -498,9 +548,15 @@ def summarise(studies: dict[str, Study], tuned: dict[str, Any], pipe: dict[str, 
             runs = sorted(by_lr[best], key=lambda r: r["seed"])
             reached = [r for r in runs if r["to_target"] is not None]
             step_s = pipe[s][m]["step_s_median"] if pipe.get(s) else None
-            grid = [{"lr": lr, "score_mean_final": _mean_or_none([r["final"] for r in by_lr[lr]]),
-                     "finals": [r["final"] for r in sorted(by_lr[lr], key=lambda r: r["seed"])],
-                     "diverged": sum(r["diverged"] for r in by_lr[lr])} for lr in sorted(by_lr)]
+            grid = [
+                {
+                    "lr": lr,
+                    "score_mean_final": _mean_or_none([r["final"] for r in by_lr[lr]]),
+                    "finals": [r["final"] for r in sorted(by_lr[lr], key=lambda r: r["seed"])],
+                    "diverged": sum(r["diverged"] for r in by_lr[lr]),
+                }
+                for lr in sorted(by_lr)
+            ]
             methods[m] = {
                 "best_lr": best,
                 "best_lr_inside_grid": edge is None,
@@ -513,12 +569,14 @@ def summarise(studies: dict[str, Study], tuned: dict[str, Any], pipe: dict[str, 
                 "iterations_to_target": _stats([r["to_target"]["iteration"] for r in reached]),
                 "samples_to_target": _stats([r["to_target"]["samples"] for r in reached]),
                 "single_process_s_to_target": _stats([r["to_target"]["train_s"] for r in reached]),
-                "pipeline_s_to_target_projected": None if step_s is None else _stats(
-                    [r["to_target"]["iteration"] * step_s for r in reached]),
+                "pipeline_s_to_target_projected": None
+                if step_s is None
+                else _stats([r["to_target"]["iteration"] * step_s for r in reached]),
                 "final_metric": _stats([r["final"] if r["final"] is not None else math.nan for r in runs]),
                 "single_process_s_total": _stats([r["train_s"] for r in runs]),
                 "replica_divergence_final": _stats([r["replica_divergence"] for r in runs])
-                if m == "avgpipe-N" else None,
+                if m == "avgpipe-N"
+                else None,
                 "runs": runs,
             }
         out[s] = {"study": asdict(study), "methods": methods, "pipeline_step_s": pipe.get(s)}
@@ -549,8 +607,11 @@ def format_table(summary: dict[str, Any], args: argparse.Namespace) -> str:
             f"   B = {st['batch']}, N = {n}; budget {st['budget_samples']} samples for every method; evaluated every "
             f"{st['eval_every']} samples; target {st['metric']} {better} {st['target']:g}; {args.seeds} seeds; "
             f"mean (min-max) over seeds at each method's best lr; final = "
-            + (f"mean of the evaluations in the last {st['final_window']} samples" if st["final_window"]
-               else "the last evaluation"),
+            + (
+                f"mean of the evaluations in the last {st['final_window']} samples"
+                if st["final_window"]
+                else "the last evaluation"
+            ),
             f"{'method':<10} {'best lr':>8} {'grid':>7} {'reached':>7} {'iterations to target':>21} "
             f"{'samples to target':>21} {'1-proc s to target':>19} {'pipe s (proj)':>19} "
             f"{'final ' + st['metric']:>24}",
@@ -570,9 +631,13 @@ def format_table(summary: dict[str, Any], args: argparse.Namespace) -> str:
             lines.append(f"   {m} lr grid (mean final {st['metric']}): {grid}{ext}")
         pipe = entry["pipeline_step_s"]
         if pipe:
-            lines.append("   pipelined step time (StagePipeline 1F1B, 2 gloo ranks x 1 thread, median): " + ", ".join(
-                f"{m} {p['step_s_median'] * 1e3:.1f} ms ({p['microbatches']} x {p['microbatch_size']})"
-                for m, p in pipe.items()))
+            lines.append(
+                "   pipelined step time (StagePipeline 1F1B, 2 gloo ranks x 1 thread, median): "
+                + ", ".join(
+                    f"{m} {p['step_s_median'] * 1e3:.1f} ms ({p['microbatches']} x {p['microbatch_size']})"
+                    for m, p in pipe.items()
+                )
+            )
         div = entry["methods"]["avgpipe-N"]["replica_divergence_final"]
         if div:
             lines.append(f"   avgpipe-N replica divergence at the end, |w_n - w_ref| / |w_ref|: {div['mean']:.4f}")
@@ -623,7 +688,8 @@ def verdict(summary: dict[str, Any], args: argparse.Namespace) -> str:
         rel = "better" if sign * (fa["mean"] - fnb["mean"]) > 0 else "worse"
         text.append(
             f"Its final {st['metric']} was {fa['mean']:.3f} against {fnb['mean']:.3f} for pipe-NB ({rel}"
-            + (", within the seed spread" if _overlap(fa, fnb) else "") + f") and {fb['mean']:.3f} for pipe-B."
+            + (", within the seed spread" if _overlap(fa, fnb) else "")
+            + f") and {fb['mean']:.3f} for pipe-B."
         )
         # 2. against the small batch, per sample
         if b["samples_to_target"] is None:
@@ -642,8 +708,11 @@ def verdict(summary: dict[str, Any], args: argparse.Namespace) -> str:
             per_sample_a = step["avgpipe-N"] / (n * st["batch"])
             text.append(
                 f"Projected pipelined time to target: AvgPipe {proj['avgpipe-N']['mean']:.2f} s, {others}; "
-                + ("AvgPipe was the fastest." if fastest == "avgpipe-N" else f"{fastest} was the fastest, so AvgPipe "
-                   "did not pay in time here.")
+                + (
+                    "AvgPipe was the fastest."
+                    if fastest == "avgpipe-N"
+                    else f"{fastest} was the fastest, so AvgPipe did not pay in time here."
+                )
                 + f" Per iteration its pipelined step took {step['avgpipe-N'] / step['pipe-NB']:.2f}x pipe-NB's "
                 f"(N optimizer steps and the averaging), and per sample {per_sample_a / per_sample_b:.2f}x pipe-B's "
                 f"(fewer bubbles {'outweighed' if per_sample_a < per_sample_b else 'did not outweigh'} that "
@@ -690,10 +759,14 @@ def plot(summary: dict[str, Any], path: Path, args: argparse.Namespace) -> None:
                 ax.set_ylim(lo - 0.15, lo + 1.5)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8, loc="lower right" if st["metric"] == "val_acc" else "upper right")
-            ax.set_title(f"{s}: B={st['batch']}, N={args.pipelines}, mean and min-max over {args.seeds} seeds",
-                         fontsize=10)
-    fig.suptitle("AvgPipe vs plain pipeline training: validation metric at each method's tuned lr "
-                 "(single-process arithmetic = the pipeline's)", fontsize=11)
+            ax.set_title(
+                f"{s}: B={st['batch']}, N={args.pipelines}, mean and min-max over {args.seeds} seeds", fontsize=10
+            )
+    fig.suptitle(
+        "AvgPipe vs plain pipeline training: validation metric at each method's tuned lr "
+        "(single-process arithmetic = the pipeline's)",
+        fontsize=11,
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -704,8 +777,9 @@ def plot(summary: dict[str, Any], path: Path, args: argparse.Namespace) -> None:
 # main
 # ---------------------------------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--datasets", default="digits,text", help="comma-separated: digits, text")
     p.add_argument("--pipelines", type=int, default=4, help="N: AvgPipe's replicas, and pipe-NB's batch multiplier")
     p.add_argument("--seeds", type=int, default=3, help="seeds per (method, lr): 0, 1, ..., seeds-1")
@@ -727,8 +801,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--microbatches", type=int, default=4, help="micro-batches per batch B in the pipelined timing")
     p.add_argument("--pipe-steps", type=int, default=20, help="timed steps per method in the pipelined timing")
     p.add_argument("--no-pipe-timing", action="store_true", help="skip the pipelined timing (no projection)")
-    p.add_argument("--quick", action="store_true",
-                   help="a ~30 s smoke run: tiny budgets, 3-point grids, 2 seeds, no grid extension")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a ~30 s smoke run: tiny budgets, 3-point grids, 2 seeds, no grid extension",
+    )
     p.add_argument("--json", dest="json_path", default=None, help="write every figure and run to this JSON file")
     p.add_argument("--png", default="runs/convergence.png", help="where to draw the curves")
     args = p.parse_args(argv)
@@ -761,11 +838,15 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(msg, flush=True)
 
-    log(f"Convergence benchmark: {', '.join(studies)}; methods {', '.join(METHODS)} with N = {args.pipelines}; "
+    log(
+        f"Convergence benchmark: {', '.join(studies)}; methods {', '.join(METHODS)} with N = {args.pipelines}; "
         f"{args.seeds} seeds x {args.grid}-point lr grids (ratio {args.lr_ratio:g}); {args.workers} workers."
-        + (" QUICK smoke run: the numbers mean nothing." if args.quick else ""))
-    log("Statistical efficiency is measured with the single-process computation that the pipelined strategy is "
-        "proven (tests/test_parallel_pipelines.py) to equal; wall times are labelled single-process or projected.")
+        + (" QUICK smoke run: the numbers mean nothing." if args.quick else "")
+    )
+    log(
+        "Statistical efficiency is measured with the single-process computation that the pipelined strategy is "
+        "proven (tests/test_parallel_pipelines.py) to equal; wall times are labelled single-process or projected."
+    )
     for study in studies.values():
         data_for(study)  # loaded once here; the forked processes below inherit it
     log(f"data loaded ({time.perf_counter() - started:.0f} s)")
@@ -793,7 +874,7 @@ def main(argv: list[str] | None = None) -> int:
         doc = {
             "config": {k: v for k, v in vars(args).items()} | {"methods": list(METHODS), "torch": torch.__version__},
             "method": "single-process arithmetic equal to the pipelined strategy (tests/test_parallel_pipelines.py); "
-                      "pipeline times are projections: iterations x median step time on 2 gloo ranks",
+            "pipeline times are projections: iterations x median step time on 2 gloo ranks",
             "studies": summary,
             "verdict": text,
             "wall_s": elapsed,

@@ -54,8 +54,16 @@ def init_seconds() -> float:
     return _init_s
 
 
-def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, queue: Any, threads: int,
-           seed: int | None) -> None:
+def _entry(
+    rank: int,
+    world_size: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: tuple,
+    queue: Any,
+    threads: int,
+    seed: int | None,
+) -> None:
     global _init_s
     started = time.perf_counter()
     try:
@@ -88,9 +96,17 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: 
             dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, threads: int = 1,
-                    seed: int | None = 0, start_method: str = "spawn", grace: float = 20.0,
-                    what: str = "distributed run") -> list[Any]:
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    threads: int = 1,
+    seed: int | None = 0,
+    start_method: str = "spawn",
+    grace: float = 20.0,
+    what: str = "distributed run",
+) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; return the results ordered by rank.
 
     ``fn`` and ``args`` must be picklable (a module-level function) under ``start_method``; the results travel
@@ -107,8 +123,10 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     ctx = mp.get_context(start_method)
     queue = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, threads, seed))
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, threads, seed))
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
@@ -128,21 +146,28 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
             if time.monotonic() > deadline:
                 if errors:
                     break  # the ranks that did not stop on their own are killed below
-                raise TimeoutError(f"{what}: the {world_size} ranks did not finish within {timeout:.0f} s (ranks "
-                                   f"done: {sorted(results)}); every rank was killed")
+                raise TimeoutError(
+                    f"{what}: the {world_size} ranks did not finish within {timeout:.0f} s (ranks "
+                    f"done: {sorted(results)}); every rank was killed"
+                )
             if any(p.exitcode not in (None, 0) for p in procs):
                 time.sleep(0.5)  # a result may still be in the pipe
                 if queue.empty():
                     codes = [p.exitcode for p in procs]
-                    raise RuntimeError(f"{what}: a rank died without a result (exit codes {codes})"
-                                       + "".join(f"\nrank {r}:\n{e}" for r, e in sorted(errors.items())))
+                    raise RuntimeError(
+                        f"{what}: a rank died without a result (exit codes {codes})"
+                        + "".join(f"\nrank {r}:\n{e}" for r, e in sorted(errors.items()))
+                    )
                 continue
             time.sleep(0.02)
         if errors:
             stuck = sorted(set(range(world_size)) - set(results) - set(errors))
             note = f"\n(ranks {stuck} were still running {grace:.0f} s after the first failure and were killed)"
-            raise RuntimeError(f"{what} failed:\n" + "\n".join(f"rank {r}:\n{e}" for r, e in sorted(errors.items()))
-                               + (note if stuck else ""))
+            raise RuntimeError(
+                f"{what} failed:\n"
+                + "\n".join(f"rank {r}:\n{e}" for r, e in sorted(errors.items()))
+                + (note if stuck else "")
+            )
         finished = True
         return [results[r] for r in range(world_size)]
     finally:
@@ -168,9 +193,16 @@ def _kill(pid: int) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # a command line on every rank
 # ---------------------------------------------------------------------------------------------------------------
-def launch_ranks(args: Sequence[str], world_size: int, timeout: float = 240.0, env: dict[str, str] | None = None,
-                 *, log_dir: Path | None = None, echo: Collection[int] = (), grace: float | None = None
-                 ) -> list[tuple[int, str]]:
+def launch_ranks(
+    args: Sequence[str],
+    world_size: int,
+    timeout: float = 240.0,
+    env: dict[str, str] | None = None,
+    *,
+    log_dir: Path | None = None,
+    echo: Collection[int] = (),
+    grace: float | None = None,
+) -> list[tuple[int, str]]:
     """Run ``python *args`` as ranks 0..world_size-1 from the repository root; return (exit code, output) per rank.
 
     Each rank gets torchrun's variables (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``LOCAL_RANK``,
@@ -190,14 +222,30 @@ def launch_ranks(args: Sequence[str], world_size: int, timeout: float = 240.0, e
     timed_out = False
     try:
         for rank in range(world_size):
-            penv = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                        LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1",
-                        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+            penv = dict(
+                os.environ,
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                NODE_RANK="0",
+                WORLD_SIZE=str(world_size),
+                OMP_NUM_THREADS="1",
+                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+            )
             penv.update(env or {})
             log = None if rank in echo else open(folder / f"rank{rank}.log", "w")  # noqa: SIM115 - closed below
             logs.append(log)
-            procs.append(subprocess.Popen([sys.executable, *args], cwd=ROOT, env=penv, stdout=log,
-                                          stderr=None if log is None else subprocess.STDOUT, start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, *args],
+                    cwd=ROOT,
+                    env=penv,
+                    stdout=log,
+                    stderr=None if log is None else subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
         deadline = time.monotonic() + timeout
         failed_at: float | None = None
         while any(p.poll() is None for p in procs):
@@ -220,8 +268,9 @@ def launch_ranks(args: Sequence[str], world_size: int, timeout: float = 240.0, e
         for log in logs:
             if log is not None:
                 log.close()
-    outputs = ["" if log is None else (folder / f"rank{r}.log").read_text(errors="replace")
-               for r, log in enumerate(logs)]
+    outputs = [
+        "" if log is None else (folder / f"rank{r}.log").read_text(errors="replace") for r, log in enumerate(logs)
+    ]
     if tmp is not None:
         tmp.cleanup()
     if timed_out:

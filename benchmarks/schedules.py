@@ -86,39 +86,68 @@ from examples.gpt_args import add_model_args, check_model_args  # noqa: E402
 
 LINKS = ("loopback", "slow")
 SLOW_LABEL = "slow link (EMULATED: in-process delayed transport over gloo loopback, not a network)"
-QUICK = dict(n_layer=2, n_embd=32, n_head=2, block_size=16, batch_size=16, microbatches=8, steps=3, warmup=1,
-             search_rounds=4, fixed_k="", corpus_chars=20_000, latency_ms=1.0, bandwidth_mbs=50.0)
+QUICK = dict(
+    n_layer=2,
+    n_embd=32,
+    n_head=2,
+    block_size=16,
+    batch_size=16,
+    microbatches=8,
+    steps=3,
+    warmup=1,
+    search_rounds=4,
+    fixed_k="",
+    corpus_chars=20_000,
+    latency_ms=1.0,
+    bandwidth_mbs=50.0,
+)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # arguments and data
 # ---------------------------------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--ranks", default="2,4", help="world sizes (= pipeline stages) to run, comma-separated")
     p.add_argument("--links", default=",".join(LINKS), help=f"links to run, comma-separated, of {LINKS}")
     p.add_argument("--batch-size", type=int, default=32, help="samples per optimizer step")
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches per step (must divide the batch)")
     p.add_argument("--steps", type=int, default=20, help="timed rounds (one iteration of every row each)")
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds before the search / timed rounds")
-    p.add_argument("--search-rounds", type=int, default=40,
-                   help="most untimed rounds spent waiting for advance-auto to settle (it may stay unsettled)")
+    p.add_argument(
+        "--search-rounds",
+        type=int,
+        default=40,
+        help="most untimed rounds spent waiting for advance-auto to settle (it may stay unsettled)",
+    )
     p.add_argument("--fixed-k", default="1", help="advance rows with these fixed k, comma-separated ('' for none)")
-    p.add_argument("--no-proposal", dest="proposal", action="store_false",
-                   help="leave out the proposed-auto row (a benchmark-only variant of advance: no advance forwards "
-                        "on the last stage, k chosen by the same search)")
+    p.add_argument(
+        "--no-proposal",
+        dest="proposal",
+        action="store_false",
+        help="leave out the proposed-auto row (a benchmark-only variant of advance: no advance forwards "
+        "on the last stage, k chosen by the same search)",
+    )
     p.add_argument("--latency-ms", type=float, default=5.0, help="emulated slow link: one-way latency per message")
-    p.add_argument("--bandwidth-mbs", type=float, default=20.0,
-                   help="emulated slow link: MB/s (1e6 bytes) of each direction's wire")
+    p.add_argument(
+        "--bandwidth-mbs",
+        type=float,
+        default=20.0,
+        help="emulated slow link: MB/s (1e6 bytes) of each direction's wire",
+    )
     add_model_args(p, n_layer=6, n_embd=64, n_head=4, block_size=64)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--corpus-chars", type=int, default=100_000, help="characters of stdlib docstrings to sample from")
     p.add_argument("--rtol", type=float, default=1e-5, help="relative tolerance of the first-iteration loss check")
     p.add_argument("--timeout", type=float, default=600.0, help="kill the ranks after this many seconds")
-    p.add_argument("--quick", action="store_true",
-                   help="smoke run: tiny model, few rounds (" + ", ".join(f"{k}={v}" for k, v in QUICK.items()) + ")")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: tiny model, few rounds (" + ", ".join(f"{k}={v}" for k, v in QUICK.items()) + ")",
+    )
     p.add_argument("--json", dest="json_path", default=None, help="also write the figures to this JSON file")
     args = p.parse_args(argv)
     if args.quick:
@@ -146,8 +175,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def row_names(args: argparse.Namespace) -> list[str]:
-    return ["afab", "1f1b", "advance-auto", *(f"advance-k{k}" for k in args.fixed_k),
-            *(["proposed-auto"] if args.proposal else [])]
+    return [
+        "afab",
+        "1f1b",
+        "advance-auto",
+        *(f"advance-k{k}" for k in args.fixed_k),
+        *(["proposed-auto"] if args.proposal else []),
+    ]
 
 
 def warmups(name: str, stages: int, units: int, k: int) -> list[int]:
@@ -155,8 +189,10 @@ def warmups(name: str, stages: int, units: int, k: int) -> list[int]:
     from lightning_avgpipe.schedules.generate import warmup_forwards
 
     schedule = "advance" if name.startswith(("advance", "proposed")) else name
-    return [warmup_forwards(schedule, stages, units, s, 0 if name.startswith("proposed") and s == stages - 1 else k)
-            for s in range(stages)]
+    return [
+        warmup_forwards(schedule, stages, units, s, 0 if name.startswith("proposed") and s == stages - 1 else k)
+        for s in range(stages)
+    ]
 
 
 def make_plan(name: str, stages: int, units: int, k: int) -> Any:
@@ -169,8 +205,9 @@ def make_plan(name: str, stages: int, units: int, k: int) -> Any:
         schedule = "advance" if name.startswith("advance") else name
         return validate_plan(build_plan(schedule, stages, units, k))
     per_stage = [k if s < stages - 1 else 0 for s in range(stages)]
-    lowered = tuple(tuple(lower(compute_order("advance", stages, units, s, per_stage[s]), stages))
-                    for s in range(stages))
+    lowered = tuple(
+        tuple(lower(compute_order("advance", stages, units, s, per_stage[s]), stages)) for s in range(stages)
+    )
     return validate_plan(Plan("advance", stages, units, k, True, lowered))
 
 
@@ -180,20 +217,26 @@ def partition(n_layers: int, stages: int) -> list[int]:
     return [base + (1 if s < extra else 0) for s in range(stages)]
 
 
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # one rank
 # ---------------------------------------------------------------------------------------------------------------
 
 
-
-
 class Row:
     """One (link, schedule) row on this rank: its own copy of the stage, optimizer, process group and link."""
 
-    def __init__(self, link_name: str, schedule: str, own: list[nn.Module], rank: int, world: int,
-                 args: argparse.Namespace, batches: list[tuple[Tensor, Tensor]], group: Any, control: Any) -> None:
+    def __init__(
+        self,
+        link_name: str,
+        schedule: str,
+        own: list[nn.Module],
+        rank: int,
+        world: int,
+        args: argparse.Namespace,
+        batches: list[tuple[Tensor, Tensor]],
+        group: Any,
+        control: Any,
+    ) -> None:
         from lightning_avgpipe import microbatch
         from lightning_avgpipe.autotune import AdvanceSearch
         from lightning_avgpipe.runtime import Link, StageExecutor
@@ -208,9 +251,15 @@ class Row:
         if link_name == "slow":
             from benchmarks.slow_link import DelayedLink
 
-            self.link: Link = DelayedLink(prev, nxt, torch.device("cpu"), group=group, stage=rank,
-                                          latency_s=args.latency_ms * 1e-3,
-                                          bandwidth_bytes_per_s=args.bandwidth_mbs * 1e6)
+            self.link: Link = DelayedLink(
+                prev,
+                nxt,
+                torch.device("cpu"),
+                group=group,
+                stage=rank,
+                latency_s=args.latency_ms * 1e-3,
+                bandwidth_bytes_per_s=args.bandwidth_mbs * 1e6,
+            )
         else:
             self.link = Link(prev, nxt, torch.device("cpu"), group=group, stage=rank)
         self.executor = StageExecutor(rank, world, lambda x: _apply(own, x), self.link)
@@ -244,17 +293,25 @@ class Row:
         self.opt.zero_grad(set_to_none=True)
         meter = ActivationMeter(self.params)
         trace = StepTrace(self.rank)  # starts now
-        results = self.executor.run(actions, keys, training=True, inputs=lambda u: mbs[u][0], head=head,
-                                    trace=trace, meter=meter)
+        results = self.executor.run(
+            actions, keys, training=True, inputs=lambda u: mbs[u][0], head=head, trace=trace, meter=meter
+        )
         self.opt.step()
         fwd = [s.end - s.start for s in trace.spans if s.kind == "F"]
         bwd = [s.end - s.start for s in trace.spans if s.kind == "B"]
-        self.records.append({
-            "k": self.k, "step_s": trace.step_time, "compute_s": trace.compute_time, "wait_s": trace.wait_time,
-            "bubble": trace.bubble_fraction, "peak_bytes": trace.peak_activation_bytes,
-            "fwd_s": statistics.median(fwd), "bwd_s": statistics.median(bwd),
-            "loss": float(sum(r.item() for r in results.values())) if results else None,
-        })
+        self.records.append(
+            {
+                "k": self.k,
+                "step_s": trace.step_time,
+                "compute_s": trace.compute_time,
+                "wait_s": trace.wait_time,
+                "bubble": trace.bubble_fraction,
+                "peak_bytes": trace.peak_activation_bytes,
+                "fwd_s": statistics.median(fwd),
+                "bwd_s": statistics.median(bwd),
+                "loss": float(sum(r.item() for r in results.values())) if results else None,
+            }
+        )
         if self.search is not None and not self.search.settled and not self.frozen:
             self._observe(trace)
 
@@ -281,8 +338,7 @@ class Row:
             self.link.close()  # type: ignore[attr-defined]
 
 
-def unit_bytes(base: list[nn.Module], start: int, count: int, last: bool, batch: tuple[Tensor, Tensor],
-               m: int) -> int:
+def unit_bytes(base: list[nn.Module], start: int, count: int, last: bool, batch: tuple[Tensor, Tensor], m: int) -> int:
     """Bytes one unit's forward saves for backward on this stage (the executor's meter, one unit alone)."""
     from lightning_avgpipe.runtime.trace import ActivationMeter
 
@@ -313,15 +369,23 @@ def run_pipeline(rank: int, world: int, args: argparse.Namespace, data: Tensor, 
     groups = {(link, name): dist.new_group(list(range(world))) for link in args.links for name in names}
     if not member:
         return {}
-    cfg = GPTConfig(vocab_size=vocab_size, block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
-                    n_embd=args.n_embd, dropout=0.0)
+    cfg = GPTConfig(
+        vocab_size=vocab_size,
+        block_size=args.block_size,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        n_embd=args.n_embd,
+        dropout=0.0,
+    )
     torch.manual_seed(args.seed)
     base = list(gpt_layers(cfg))  # identical on every rank
     parts = partition(len(base), world)
     start, count = sum(parts[:rank]), parts[rank]
     batches = make_batches(data, args.block_size, args.batch_size, 16, args.seed + 1)
-    rows = {key: Row(*key, copy.deepcopy(base)[start : start + count], rank, world, args, batches, group, control)
-            for key, group in groups.items()}
+    rows = {
+        key: Row(*key, copy.deepcopy(base)[start : start + count], rank, world, args, batches, group, control)
+        for key, group in groups.items()
+    }
     per_unit = unit_bytes(base, start, count, rank == world - 1, batches[0], args.microbatches)
 
     setup_s = time.perf_counter() - t_setup
@@ -352,14 +416,23 @@ def run_pipeline(rank: int, world: int, args: argparse.Namespace, data: Tensor, 
     for row in rows.values():
         row.close()
     return {
-        "rank": rank, "layers": count, "unit_bytes": per_unit, "setup_s": setup_s,
-        "loop_s": time.perf_counter() - t_loop, "first_timed": first_timed, "rounds": i,
-        "rows": {f"{link}/{name}": {
-            "records": row.records, "history": row.history,
-            "settled": None if row.search is None else row.search.settled,
-            "reason": None if row.search is None else row.search.reason,
-            "final_k": row.k,
-        } for (link, name), row in rows.items()},
+        "rank": rank,
+        "layers": count,
+        "unit_bytes": per_unit,
+        "setup_s": setup_s,
+        "loop_s": time.perf_counter() - t_loop,
+        "first_timed": first_timed,
+        "rounds": i,
+        "rows": {
+            f"{link}/{name}": {
+                "records": row.records,
+                "history": row.history,
+                "settled": None if row.search is None else row.search.settled,
+                "reason": None if row.search is None else row.search.reason,
+                "final_k": row.k,
+            }
+            for (link, name), row in rows.items()
+        },
     }
 
 
@@ -384,8 +457,9 @@ def _rank(rank: int, world: int, args: argparse.Namespace, data: Tensor, vocab_s
 
 def launch(world: int, args: argparse.Namespace, data: Tensor, vocab_size: int) -> list[dict[str, Any]]:
     """``rank_main`` on ``world`` gloo ranks, 1 thread each; every rank is killed after ``--timeout`` seconds."""
-    return run_distributed(_rank, world, args, data, vocab_size, timeout=args.timeout,
-                           what=f"schedules benchmark ({world} ranks)")
+    return run_distributed(
+        _rank, world, args, data, vocab_size, timeout=args.timeout, what=f"schedules benchmark ({world} ranks)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -411,15 +485,20 @@ def summarise_world(world: int, args: argparse.Namespace, per_rank: list[dict[st
             fwd = [statistics.median(recs[s][i]["fwd_s"] for i in timed) for s in range(S)]
             bwd = [statistics.median(recs[s][i]["bwd_s"] for i in timed) for s in range(S)]
             row: dict[str, Any] = {
-                "name": name, "link": link, "k": ks[0] if len(ks) == 1 else ks,
-                "step_s_median": statistics.median(step), "step_s_min": min(step), "step_s_max": max(step),
+                "name": name,
+                "link": link,
+                "k": ks[0] if len(ks) == 1 else ks,
+                "step_s_median": statistics.median(step),
+                "step_s_min": min(step),
+                "step_s_max": max(step),
                 "step_s": step,
                 "comm_wait_s_median": statistics.median(wait),
                 "bubble_fraction_median": statistics.median(bubble),
                 "peak_stash_bytes": peaks,
                 "peak_stash_units": [p / u if u else None for p, u in zip(peaks, unit, strict=True)],
                 "peak_stash_bytes_max": max(peaks),
-                "forward_s_per_unit": fwd, "backward_s_per_unit": bwd,
+                "forward_s_per_unit": fwd,
+                "backward_s_per_unit": bwd,
                 "first_loss": recs[-1][0]["loss"],
             }
             if name.endswith("-auto"):
@@ -427,7 +506,8 @@ def summarise_world(world: int, args: argparse.Namespace, per_rank: list[dict[st
                 row["settled"] = info["settled"]
                 row["reason"] = info["reason"] or (
                     f"NOT settled within {len(info['history'])} iterations (--search-rounds); the timed rounds ran "
-                    f"at k={info['final_k']}, where the search had got to")
+                    f"at k={info['final_k']}, where the search had got to"
+                )
                 row["search_iterations"] = len(info["history"])
                 row["search_history"] = info["history"]
             rows.append(row)
@@ -437,14 +517,20 @@ def summarise_world(world: int, args: argparse.Namespace, per_rank: list[dict[st
         latency = args.latency_ms * 1e-3 if link == "slow" else 0.0
         act_bytes = args.batch_size // m * args.block_size * args.n_embd * 4
         xfer = act_bytes / (args.bandwidth_mbs * 1e6) if link == "slow" else 0.0
-        def sim_of(name: str, k: int, f: list[float] = costs_f, b: list[float] = costs_b, lat: float = latency,
-                   xf: float = xfer) -> Any:
+
+        def sim_of(
+            name: str,
+            k: int,
+            f: list[float] = costs_f,
+            b: list[float] = costs_b,
+            lat: float = latency,
+            xf: float = xfer,
+        ) -> Any:
             return simulate(make_plan(name, S, m, k), f, b, latency=lat, transfer_cost=xf)
 
         # the simulated step time of every k, for the package's advance plans and the proposal's: where the search
         # can climb and where it meets a plateau
-        sim_by_k = {"afab": sim_of("afab", 0).step_time,
-                    "advance": [sim_of("advance", k).step_time for k in range(m)]}
+        sim_by_k = {"afab": sim_of("afab", 0).step_time, "advance": [sim_of("advance", k).step_time for k in range(m)]}
         if args.proposal:
             sim_by_k["proposed"] = [sim_of("proposed", k).step_time for k in range(m)]
         for r in rows:
@@ -456,33 +542,51 @@ def summarise_world(world: int, args: argparse.Namespace, per_rank: list[dict[st
                 base = by[ref]
                 r[f"step_vs_{ref}"] = r["step_s_median"] / base["step_s_median"]
                 r[f"step_vs_{ref}_paired"] = statistics.median(
-                    a / b for a, b in zip(r["step_s"], base["step_s"], strict=True))
+                    a / b for a, b in zip(r["step_s"], base["step_s"], strict=True)
+                )
                 r[f"memory_vs_{ref}"] = r["peak_stash_bytes_max"] / base["peak_stash_bytes_max"]
-        label = "loopback (gloo over 127.0.0.1)" if link == "loopback" else (
-            f"{SLOW_LABEL}: {args.latency_ms:g} ms latency + bytes / {args.bandwidth_mbs:g} MB/s per direction")
-        tables[link] = {"label": label, "emulated": link == "slow", "rows": rows, "simulated_step_s_by_k": sim_by_k,
-                        "simulator_inputs": {"forward_s": costs_f, "backward_s": costs_b, "latency_s": latency,
-                                             "transfer_s": xfer}}
+        label = (
+            "loopback (gloo over 127.0.0.1)"
+            if link == "loopback"
+            else (f"{SLOW_LABEL}: {args.latency_ms:g} ms latency + bytes / {args.bandwidth_mbs:g} MB/s per direction")
+        )
+        tables[link] = {
+            "label": label,
+            "emulated": link == "slow",
+            "rows": rows,
+            "simulated_step_s_by_k": sim_by_k,
+            "simulator_inputs": {"forward_s": costs_f, "backward_s": costs_b, "latency_s": latency, "transfer_s": xfer},
+        }
     losses = [r["first_loss"] for t in tables.values() for r in t["rows"]]
     ok = all(math.isclose(v, losses[0], rel_tol=args.rtol, abs_tol=args.rtol) for v in losses)
     return {
-        "world_size": S, "partition": [r["layers"] for r in per_rank], "unit_bytes": unit,
+        "world_size": S,
+        "partition": [r["layers"] for r in per_rank],
+        "unit_bytes": unit,
         "activation_bytes_per_message": args.batch_size // m * args.block_size * args.n_embd * 4,
-        "timed_rounds": len(timed), "search_rounds": first - args.warmup, "links": tables,
-        "first_loss_ok": ok, "first_losses": losses,
+        "timed_rounds": len(timed),
+        "search_rounds": first - args.warmup,
+        "links": tables,
+        "first_loss_ok": ok,
+        "first_losses": losses,
     }
 
 
 def format_world(w: dict[str, Any]) -> str:
     S = w["world_size"]
-    out = [f"== {S} ranks, partition {w['partition']} (layers per stage), bytes per unit "
-           f"{[round(b / 1024) for b in w['unit_bytes']]} KiB, {w['activation_bytes_per_message'] / 1024:.0f} KiB per "
-           f"activation message; {w['timed_rounds']} timed rounds after {w['search_rounds']} search rounds =="]
+    out = [
+        f"== {S} ranks, partition {w['partition']} (layers per stage), bytes per unit "
+        f"{[round(b / 1024) for b in w['unit_bytes']]} KiB, {w['activation_bytes_per_message'] / 1024:.0f} KiB per "
+        f"activation message; {w['timed_rounds']} timed rounds after {w['search_rounds']} search rounds =="
+    ]
     for t in w["links"].values():
-        out += ["", f"link: {t['label']}",
-                f"{'row':<14} {'k':>2} {'step ms':>8} {'(min-max)':>11} {'vs AFAB':>8} {'(paired)':>8} "
-                f"{'vs 1F1B':>8} {'(paired)':>8} {'wait ms':>8} {'bubble':>7} {'sim ms':>7}  "
-                f"{'peak stash units/stage':<24} {'KiB max':>8} {'mem vs AFAB':>11} {'vs 1F1B':>8}"]
+        out += [
+            "",
+            f"link: {t['label']}",
+            f"{'row':<14} {'k':>2} {'step ms':>8} {'(min-max)':>11} {'vs AFAB':>8} {'(paired)':>8} "
+            f"{'vs 1F1B':>8} {'(paired)':>8} {'wait ms':>8} {'bubble':>7} {'sim ms':>7}  "
+            f"{'peak stash units/stage':<24} {'KiB max':>8} {'mem vs AFAB':>11} {'vs 1F1B':>8}",
+        ]
         for r in t["rows"]:
             k = r["k"] if isinstance(r["k"], int) else "/".join(map(str, r["k"]))
             spread = f"({r['step_s_min'] * 1e3:.0f}-{r['step_s_max'] * 1e3:.0f})"
@@ -492,18 +596,28 @@ def format_world(w: dict[str, Any]) -> str:
                 f"{r['step_vs_afab_paired']:7.2f}x {r['step_vs_1f1b']:7.2f}x {r['step_vs_1f1b_paired']:7.2f}x "
                 f"{r['comm_wait_s_median'] * 1e3:8.1f} {r['bubble_fraction_median']:7.2f} "
                 f"{r['simulated_step_s'] * 1e3:7.1f}  {units:<24} {r['peak_stash_bytes_max'] / 1024:8.0f} "
-                f"{r['memory_vs_afab']:10.2f}x {r['memory_vs_1f1b']:7.2f}x")
+                f"{r['memory_vs_afab']:10.2f}x {r['memory_vs_1f1b']:7.2f}x"
+            )
         for r in t["rows"]:
             if r["name"].endswith("-auto"):
                 path = " ".join(f"k{h['k']}:{h['step_s'] * 1e3:.0f}" for h in r["search_history"])
-                out.append(f"{r['name']}: {r['reason']} [{r['search_iterations']} iterations; ms per iteration "
-                           f"while searching: {path}]")
+                out.append(
+                    f"{r['name']}: {r['reason']} [{r['search_iterations']} iterations; ms per iteration "
+                    f"while searching: {path}]"
+                )
         sims = t["simulated_step_s_by_k"]
-        out.append(f"simulated ms by k with this run's costs (afab {sims['afab'] * 1e3:.0f}): " + "; ".join(
-            f"{plan} " + " ".join(f"k{k}:{v * 1e3:.0f}" for k, v in enumerate(sims[plan]))
-            for plan in ("advance", "proposed") if plan in sims))
-    out.append("first-iteration loss of every row: " + ("identical (OK)" if w["first_loss_ok"] else
-                                                          f"MISMATCH {w['first_losses']}"))
+        out.append(
+            f"simulated ms by k with this run's costs (afab {sims['afab'] * 1e3:.0f}): "
+            + "; ".join(
+                f"{plan} " + " ".join(f"k{k}:{v * 1e3:.0f}" for k, v in enumerate(sims[plan]))
+                for plan in ("advance", "proposed")
+                if plan in sims
+            )
+        )
+    out.append(
+        "first-iteration loss of every row: "
+        + ("identical (OK)" if w["first_loss_ok"] else f"MISMATCH {w['first_losses']}")
+    )
     return "\n".join(out)
 
 
@@ -523,14 +637,31 @@ def main(argv: list[str] | None = None) -> int:
         worlds.append(summary)
     result = {
         "config": {
-            "ranks": args.ranks, "links": args.links, "threads_per_rank": 1, "batch_size": args.batch_size,
-            "microbatches": args.microbatches, "steps": args.steps, "warmup": args.warmup,
-            "search_rounds_max": args.search_rounds, "fixed_k": args.fixed_k, "proposal_row": args.proposal,
+            "ranks": args.ranks,
+            "links": args.links,
+            "threads_per_rank": 1,
+            "batch_size": args.batch_size,
+            "microbatches": args.microbatches,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "search_rounds_max": args.search_rounds,
+            "fixed_k": args.fixed_k,
+            "proposal_row": args.proposal,
             "n_layer": args.n_layer,
-            "n_embd": args.n_embd, "n_head": args.n_head, "block_size": args.block_size, "vocab_size": len(chars),
-            "optimizer": "AdamW (untimed)", "lr": args.lr, "seed": args.seed, "quick": args.quick,
-            "slow_link": {"emulated": True, "method": "in-process delayed transport (benchmarks/slow_link.py)",
-                          "latency_ms": args.latency_ms, "bandwidth_MB_per_s": args.bandwidth_mbs},
+            "n_embd": args.n_embd,
+            "n_head": args.n_head,
+            "block_size": args.block_size,
+            "vocab_size": len(chars),
+            "optimizer": "AdamW (untimed)",
+            "lr": args.lr,
+            "seed": args.seed,
+            "quick": args.quick,
+            "slow_link": {
+                "emulated": True,
+                "method": "in-process delayed transport (benchmarks/slow_link.py)",
+                "latency_ms": args.latency_ms,
+                "bandwidth_MB_per_s": args.bandwidth_mbs,
+            },
             "torch": torch.__version__,
         },
         "worlds": worlds,
@@ -538,10 +669,12 @@ def main(argv: list[str] | None = None) -> int:
         "rank_init_s": max(r["init_s"] for r in per_rank),
     }
     c = result["config"]
-    print(f"GPT n_layer={c['n_layer']} n_embd={c['n_embd']} n_head={c['n_head']} block_size={c['block_size']} "
-          f"vocab={c['vocab_size']} | batch {c['batch_size']} in {c['microbatches']} micro-batches | gloo ranks x 1 "
-          f"thread | torch {c['torch']} | step = pipeline only (slowest stage), medians over timed rounds; wait = "
-          f"max over stages; bubble = mean over stages; stash units = peak bytes / bytes of one unit")
+    print(
+        f"GPT n_layer={c['n_layer']} n_embd={c['n_embd']} n_head={c['n_head']} block_size={c['block_size']} "
+        f"vocab={c['vocab_size']} | batch {c['batch_size']} in {c['microbatches']} micro-batches | gloo ranks x 1 "
+        f"thread | torch {c['torch']} | step = pipeline only (slowest stage), medians over timed rounds; wait = "
+        f"max over stages; bubble = mean over stages; stash units = peak bytes / bytes of one unit"
+    )
     for w in worlds:
         print()
         print(format_world(w))

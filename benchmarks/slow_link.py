@@ -100,11 +100,22 @@ class DelayedLink(Link):
         The rest as for ``Link``.
     """
 
-    def __init__(self, prev_rank: int | None, next_rank: int | None, device: torch.device, *, latency_s: float,
-                 bandwidth_bytes_per_s: float, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        prev_rank: int | None,
+        next_rank: int | None,
+        device: torch.device,
+        *,
+        latency_s: float,
+        bandwidth_bytes_per_s: float,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(prev_rank, next_rank, device, **kwargs)
-        self.wires = {peer: Wire(latency_s, bandwidth_bytes_per_s, f"slow-wire-to-{peer}")
-                      for peer in (prev_rank, next_rank) if peer is not None}
+        self.wires = {
+            peer: Wire(latency_s, bandwidth_bytes_per_s, f"slow-wire-to-{peer}")
+            for peer in (prev_rank, next_rank)
+            if peer is not None
+        }
 
     def _p2p(self, send: bool, tensor: Tensor, peer: int) -> Any:
         if send and self._batch is None and not self.always_batch:

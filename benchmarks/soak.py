@@ -48,9 +48,18 @@ def rank_main(cfg: dict[str, Any]) -> None:
     sampler = Sampler()
     data = DataLoader(dataset(n=480), batch_size=12, shuffle=True)
     strategy = AvgPipeStrategy(num_microbatches=2, partition=[3, 3], num_pipelines=cfg["pipelines"])
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=cfg["steps"], logger=False,
-                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                         callbacks=[sampler], log_every_n_steps=50)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=cfg["steps"],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=[sampler],
+        log_every_n_steps=50,
+    )
     trainer.fit(PipeNet(optimizer="adam", lr=1e-3), data)
     Path(cfg["out"], f"rank{trainer.global_rank}.json").write_text(json.dumps(sampler.samples))
 

@@ -98,8 +98,9 @@ PROBES = tuple(f"probe-solo-{r}" for r in range(WORLD)) + ("probe-both",)
 # arguments and data
 # ---------------------------------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--batch-size", type=int, default=32, help="samples per optimizer step")
     p.add_argument("--microbatches", type=int, default=4, help="micro-batches per step (must divide the batch)")
     p.add_argument("--steps", type=int, default=60, help="timed steps per row")
@@ -112,14 +113,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--corpus-chars", type=int, default=200_000, help="characters of stdlib docstrings to sample from")
     p.add_argument("--rtol", type=float, default=1e-5, help="relative tolerance of the first-step loss checks")
     p.add_argument("--timeout", type=float, default=900.0, help="kill the ranks after this many seconds")
-    p.add_argument("--pipelines", default="1,2,4",
-                   help="N values of the avgpipe-N rows (N parallel pipelines with elastic averaging), "
-                        "comma-separated; 'none' for no avgpipe rows")
-    p.add_argument("--check-steps", type=int, default=3,
-                   help="steps of every avgpipe-N row compared with a single-process AvgPipe (at least 1)")
-    p.add_argument("--fit-rounds", type=int, default=3,
-                   help="rounds of (the runtime row's steps, then a Trainer.fit of as many steps) compared pairwise; "
-                        "0 to skip")
+    p.add_argument(
+        "--pipelines",
+        default="1,2,4",
+        help="N values of the avgpipe-N rows (N parallel pipelines with elastic averaging), "
+        "comma-separated; 'none' for no avgpipe rows",
+    )
+    p.add_argument(
+        "--check-steps",
+        type=int,
+        default=3,
+        help="steps of every avgpipe-N row compared with a single-process AvgPipe (at least 1)",
+    )
+    p.add_argument(
+        "--fit-rounds",
+        type=int,
+        default=3,
+        help="rounds of (the runtime row's steps, then a Trainer.fit of as many steps) compared pairwise; 0 to skip",
+    )
     p.add_argument("--json", dest="json_path", default=None, help="also write the figures to this JSON file")
     args = p.parse_args(argv)
     text = str(args.pipelines).strip().lower()
@@ -134,8 +145,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     check_model_args(p, args)
     args.partition = partition_of(p, args)
     if args.batch_size % args.microbatches:
-        p.error(f"--microbatches={args.microbatches} must divide --batch-size={args.batch_size} (torch's schedules "
-                "and ours would otherwise weight uneven micro-batches differently)")
+        p.error(
+            f"--microbatches={args.microbatches} must divide --batch-size={args.batch_size} (torch's schedules "
+            "and ours would otherwise weight uneven micro-batches differently)"
+        )
     if args.microbatches < WORLD:
         p.error(f"--microbatches must be >= {WORLD} (torch's Schedule1F1B needs at least one per stage)")
     if args.steps < 1 or args.warmup < 0:
@@ -149,16 +162,12 @@ def row_names(args: argparse.Namespace) -> list[str]:
 
 def pipelines_of(name: str) -> int:
     """N for an avgpipe-N row, 1 for every other row (one batch of B samples per step)."""
-    return int(name[len(AVG_PREFIX):]) if name.startswith(AVG_PREFIX) else 1
-
-
+    return int(name[len(AVG_PREFIX) :]) if name.startswith(AVG_PREFIX) else 1
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # one rank
 # ---------------------------------------------------------------------------------------------------------------
-
-
 
 
 def _adamw(params: list[nn.Parameter], args: argparse.Namespace) -> torch.optim.Optimizer:
@@ -182,8 +191,14 @@ def _pipeline(schedule: str, own: list[nn.Module], rank: int, args: argparse.Nam
     from lightning_avgpipe.runtime.pipeline import StagePipeline
     from lightning_avgpipe.runtime.topology import Topology
 
-    cfg = PipelineConfig(num_stages=WORLD, num_microbatches=args.microbatches, schedule=schedule, num_pipelines=n,
-                         sync_reference=True, partition=list(args.partition))
+    cfg = PipelineConfig(
+        num_stages=WORLD,
+        num_microbatches=args.microbatches,
+        schedule=schedule,
+        num_pipelines=n,
+        sync_reference=True,
+        partition=list(args.partition),
+    )
     return StagePipeline(own, Topology(rank, WORLD, WORLD), cfg)
 
 
@@ -194,8 +209,14 @@ def _lm_loss(out: Tensor, batch: tuple[Tensor, Tensor], share: float) -> Tensor:
 class OursRow(Row):
     """One pipeline (N = 1) through :meth:`StagePipeline.train_step`, then the user's optimizer."""
 
-    def __init__(self, schedule: str, own: list[nn.Module], rank: int, args: argparse.Namespace,
-                 batches: list[tuple[Tensor, Tensor]]) -> None:
+    def __init__(
+        self,
+        schedule: str,
+        own: list[nn.Module],
+        rank: int,
+        args: argparse.Namespace,
+        batches: list[tuple[Tensor, Tensor]],
+    ) -> None:
         self.own, self.batches, self.rank = own, batches, rank
         self.pipe = _pipeline(schedule, own, rank, args)
         self.opt = self.pipe.optimizer(_adamw(self.pipe.reference_params, args))
@@ -211,8 +232,14 @@ class OursRow(Row):
 
 
 class TorchRow(Row):
-    def __init__(self, schedule: str, own: list[nn.Module], rank: int, args: argparse.Namespace,
-                 batches: list[tuple[Tensor, Tensor]]) -> None:
+    def __init__(
+        self,
+        schedule: str,
+        own: list[nn.Module],
+        rank: int,
+        args: argparse.Namespace,
+        batches: list[tuple[Tensor, Tensor]],
+    ) -> None:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
         self.batches, self.rank = batches, rank
@@ -243,8 +270,9 @@ class TorchRow(Row):
 class SingleRow(Row):
     """Plain training of the whole model with gradient accumulation; only rank 0 works."""
 
-    def __init__(self, layers: list[nn.Module], rank: int, args: argparse.Namespace,
-                 batches: list[tuple[Tensor, Tensor]]) -> None:
+    def __init__(
+        self, layers: list[nn.Module], rank: int, args: argparse.Namespace, batches: list[tuple[Tensor, Tensor]]
+    ) -> None:
         self.active = rank == 0
         self.model = nn.Sequential(*layers)
         self.opt = _adamw(list(self.model.parameters()), args)
@@ -276,8 +304,9 @@ class AvgPipeRow(Row):
     ``reference_elastic`` do), so avgpipe-N1 sees exactly the other rows' batches.
     """
 
-    def __init__(self, n: int, own: list[nn.Module], rank: int, args: argparse.Namespace,
-                 batches: list[tuple[Tensor, Tensor]]) -> None:
+    def __init__(
+        self, n: int, own: list[nn.Module], rank: int, args: argparse.Namespace, batches: list[tuple[Tensor, Tensor]]
+    ) -> None:
         self.n, self.batches, self.rank = n, batches, rank
         self.pipe = _pipeline("1f1b", own, rank, args, n)
         self.opt = self.pipe.optimizer(_adamw(self.pipe.reference_params, args))
@@ -299,8 +328,9 @@ class AvgPipeRow(Row):
         return float(self._loss) if self._loss is not None else None
 
 
-def elastic_reference(base: list[nn.Module], n: int, steps: int, args: argparse.Namespace,
-                      batches: list[tuple[Tensor, Tensor]]) -> list[float]:
+def elastic_reference(
+    base: list[nn.Module], n: int, steps: int, args: argparse.Namespace, batches: list[tuple[Tensor, Tensor]]
+) -> list[float]:
     """AvgPipe in one process (as ``tests/helpers/lit.py::reference_elastic``): the per-step mean-over-replicas loss.
 
     The whole model, N replicas each on its own consecutive batch with gradient accumulation over the same
@@ -349,8 +379,15 @@ class ElasticProbe:
 class Probe:
     """This rank's stage compute alone: forward+backward of all micro-batches, then AdamW, no communication."""
 
-    def __init__(self, layers: list[nn.Module], start: int, count: int, rank: int, args: argparse.Namespace,
-                 batch: tuple[Tensor, Tensor]) -> None:
+    def __init__(
+        self,
+        layers: list[nn.Module],
+        start: int,
+        count: int,
+        rank: int,
+        args: argparse.Namespace,
+        batch: tuple[Tensor, Tensor],
+    ) -> None:
         self.own = copy.deepcopy(layers[start : start + count])
         self.opt = _adamw([p for layer in self.own for p in layer.parameters()], args)
         self.is_first, self.is_last = rank == 0, rank == WORLD - 1
@@ -406,8 +443,9 @@ def _fit_module(layers: list[nn.Module], args: argparse.Namespace) -> Any:
     return Net()
 
 
-def fit_round(base: list[nn.Module], rank: int, args: argparse.Namespace, batches: list[tuple[Tensor, Tensor]],
-              logdir: Path) -> list[float]:
+def fit_round(
+    base: list[nn.Module], rank: int, args: argparse.Namespace, batches: list[tuple[Tensor, Tensor]], logdir: Path
+) -> list[float]:
     """One ``Trainer.fit`` under ``strategy="avgpipe"`` (1F1B, the rows' partition, a CSV logger every 50 steps):
     the seconds between consecutive training-batch starts after the warm-up (a whole iteration: data, hooks, step,
     optimizer, logging)."""
@@ -424,14 +462,22 @@ def fit_round(base: list[nn.Module], rank: int, args: argparse.Namespace, batche
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(WORLD))  # ranks made by this benchmark
     total = args.warmup + args.steps + 1
     trainer = pl.Trainer(
-        accelerator="cpu", devices=WORLD, max_steps=total, logger=pl.loggers.CSVLogger(logdir), log_every_n_steps=50,
+        accelerator="cpu",
+        devices=WORLD,
+        max_steps=total,
+        logger=pl.loggers.CSVLogger(logdir),
+        log_every_n_steps=50,
         strategy=AvgPipeStrategy(num_microbatches=args.microbatches, partition=list(args.partition), schedule="1f1b"),
-        callbacks=[Clock()], enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-        use_distributed_sampler=False, num_sanity_val_steps=0,
+        callbacks=[Clock()],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        use_distributed_sampler=False,
+        num_sanity_val_steps=0,
     )
     loader = torch.utils.data.DataLoader(batches[:total], batch_size=None)
     trainer.fit(_fit_module(copy.deepcopy(base), args), loader)
-    return [b - a for a, b in zip(starts[args.warmup:], starts[args.warmup + 1:])]
+    return [b - a for a, b in zip(starts[args.warmup :], starts[args.warmup + 1 :])]
 
 
 def runtime_round(row: Row, args: argparse.Namespace) -> list[float]:
@@ -440,7 +486,7 @@ def runtime_round(row: Row, args: argparse.Namespace) -> list[float]:
     for i in range(args.warmup + args.steps + 1):
         starts.append(time.perf_counter())
         row.step(i)
-    return [b - a for a, b in zip(starts[args.warmup:], starts[args.warmup + 1:])]
+    return [b - a for a, b in zip(starts[args.warmup :], starts[args.warmup + 1 :])]
 
 
 def rank_main(rank: int, args: argparse.Namespace, data: Tensor, vocab_size: int) -> dict[str, Any]:
@@ -519,9 +565,18 @@ def rank_main(rank: int, args: argparse.Namespace, data: Tensor, vocab_size: int
     reference = {n: elastic_reference(base, n, check_steps, args, batches) for n in args.pipelines} if rank == 0 else {}
     parts = {name: row.parts for name, row in rows.items() if isinstance(row, AvgPipeRow)}
     dist.barrier()
-    return {"rank": rank, "times": times, "probe": probe_times, "losses": losses, "param_diff": diff,
-            "elastic_probe": elastic_times, "avgpipe_parts": parts, "elastic_reference": reference,
-            "fit_rounds": fit_times, "runtime_rounds": runtime_times}
+    return {
+        "rank": rank,
+        "times": times,
+        "probe": probe_times,
+        "losses": losses,
+        "param_diff": diff,
+        "elastic_probe": elastic_times,
+        "avgpipe_parts": parts,
+        "elastic_reference": reference,
+        "fit_rounds": fit_times,
+        "runtime_rounds": runtime_times,
+    }
 
 
 def _rank(rank: int, world: int, args: argparse.Namespace, data: Tensor, vocab_size: int) -> dict[str, Any]:
@@ -543,15 +598,22 @@ def summarise(args: argparse.Namespace, per_rank: list[dict[str, Any]], vocab_si
     # step time of a row = the slowest rank's time for that step
     step_times = {name: [max(r["times"][name][i] for r in per_rank) for i in timed] for name in names}
     samples = {name: pipelines_of(name) * args.batch_size for name in names}
+
     def stage_costs(kind: str) -> list[dict[str, Any]]:
         stages = []
         for r in per_rank:
             fb = [t[0] for t in r["probe"][kind][w:]]
             opt = [t[1] for t in r["probe"][kind][w:]]
             total = [a + b for a, b in zip(fb, opt, strict=True)]
-            stages.append({"stage": r["rank"], "layers": args.partition[r["rank"]],
-                           "fwd_bwd_s": statistics.median(fb), "optimizer_s": statistics.median(opt),
-                           "compute_s": statistics.median(total)})
+            stages.append(
+                {
+                    "stage": r["rank"],
+                    "layers": args.partition[r["rank"]],
+                    "fwd_bwd_s": statistics.median(fb),
+                    "optimizer_s": statistics.median(opt),
+                    "compute_s": statistics.median(total),
+                }
+            )
         return stages
 
     stages, stages_both = stage_costs("solo"), stage_costs("both")
@@ -572,15 +634,23 @@ def summarise(args: argparse.Namespace, per_rank: list[dict[str, Any]], vocab_si
         avg_stages = []
         for st, r in zip(stages, per_rank, strict=True):
             el = statistics.median(elastic_s(r, n, i) for i in timed)
-            avg_stages.append({"stage": st["stage"], "layers": st["layers"], "fwd_bwd_s": n * st["fwd_bwd_s"],
-                               "optimizer_s": n * st["optimizer_s"], "elastic_s": el,
-                               "compute_s": statistics.median(n * sum(r["probe"]["solo"][i]) + elastic_s(r, n, i)
-                                                              for i in timed)})
+            avg_stages.append(
+                {
+                    "stage": st["stage"],
+                    "layers": st["layers"],
+                    "fwd_bwd_s": n * st["fwd_bwd_s"],
+                    "optimizer_s": n * st["optimizer_s"],
+                    "elastic_s": el,
+                    "compute_s": statistics.median(n * sum(r["probe"]["solo"][i]) + elastic_s(r, n, i) for i in timed),
+                }
+            )
         units = n * args.microbatches
         avg_ideal[f"{AVG_PREFIX}{n}"] = {
-            "step_s": max(st["compute_s"] for st in avg_stages), "stages": avg_stages,
-            "step_s_both_stages_at_once": max(n * sb["compute_s"] + st["elastic_s"]
-                                              for sb, st in zip(stages_both, avg_stages, strict=True)),
+            "step_s": max(st["compute_s"] for st in avg_stages),
+            "stages": avg_stages,
+            "step_s_both_stages_at_once": max(
+                n * sb["compute_s"] + st["elastic_s"] for sb, st in zip(stages_both, avg_stages, strict=True)
+            ),
             "bubble_bound_1f1b": units / (units + WORLD - 1),
             "per_round": [avg_ideal_round(n, i) for i in timed],
         }
@@ -620,11 +690,14 @@ def summarise(args: argparse.Namespace, per_rank: list[dict[str, Any]], vocab_si
             # samples/s ratio within each round: (samples / t_row) / (B / t_torch)
             "paired_ratio_to_torch_1f1b": statistics.median(
                 (samples[name] / args.batch_size) * t / u
-                for t, u in zip(step_times["torch-1f1b"], step_times[name], strict=True)),
-            "paired_pipeline_efficiency": None if name == "single" else statistics.median(
-                a / u for a, u in zip(row_ideal_round(name), step_times[name], strict=True)),
-            "pipeline_efficiency_vs_both_stages_at_once": None if name == "single" else (
-                avg_ideal[name]["step_s_both_stages_at_once"] if avg else ideal_both) / medians[name],
+                for t, u in zip(step_times["torch-1f1b"], step_times[name], strict=True)
+            ),
+            "paired_pipeline_efficiency": None
+            if name == "single"
+            else statistics.median(a / u for a, u in zip(row_ideal_round(name), step_times[name], strict=True)),
+            "pipeline_efficiency_vs_both_stages_at_once": None
+            if name == "single"
+            else (avg_ideal[name]["step_s_both_stages_at_once"] if avg else ideal_both) / medians[name],
             "first_step_loss": loss_of(name, 0),
             "final_loss": loss_of(name, args.warmup + args.steps - 1),
         }
@@ -653,15 +726,19 @@ def summarise(args: argparse.Namespace, per_rank: list[dict[str, Any]], vocab_si
         name = f"{AVG_PREFIX}{n}"
         ours = [loss_of(name, i) for i in range(check_steps)]
         ok = all(close(a, b) for a, b in zip(ours, reference[n], strict=True))
-        avg_checks[name] = {"losses": ours, "single_process": reference[n],
-                            "max_rel_diff": max(abs(a - b) / abs(b) for a, b in zip(ours, reference[n], strict=True)),
-                            "ok": ok}
+        avg_checks[name] = {
+            "losses": ours,
+            "single_process": reference[n],
+            "max_rel_diff": max(abs(a - b) / abs(b) for a, b in zip(ours, reference[n], strict=True)),
+            "ok": ok,
+        }
         if not ok:
             mismatches.append(f"{name} vs single-process AvgPipe (first {check_steps} steps)")
         if n == 1 and not close(first[name], first["single"]):
             mismatches.append(name)
-    nonfinite = [name for name in names
-                 if not all(math.isfinite(loss_of(name, i)) for i in range(args.warmup + args.steps))]
+    nonfinite = [
+        name for name in names if not all(math.isfinite(loss_of(name, i)) for i in range(args.warmup + args.steps))
+    ]
     mismatches += [f"{name}: non-finite loss" for name in nonfinite]
     m, s = args.microbatches, WORLD
     fit: dict[str, Any] | None = None
@@ -672,31 +749,49 @@ def summarise(args: argparse.Namespace, per_rank: list[dict[str, Any]], vocab_si
 
         fit_s, runtime_s = medians_of("fit_rounds"), medians_of("runtime_rounds")
         ratios = [f / r for f, r in zip(fit_s, runtime_s, strict=True)]
-        fit = {"rounds": args.fit_rounds, "fit_step_s": fit_s, "runtime_step_s": runtime_s,
-               "fit_over_runtime": ratios, "fit_over_runtime_median": statistics.median(ratios)}
+        fit = {
+            "rounds": args.fit_rounds,
+            "fit_step_s": fit_s,
+            "runtime_step_s": runtime_s,
+            "fit_over_runtime": ratios,
+            "fit_over_runtime_median": statistics.median(ratios),
+        }
     return {
         "fit_vs_runtime": fit,
         "config": {
-            "world_size": WORLD, "threads_per_rank": 1, "batch_size": args.batch_size, "microbatches": m,
-            "steps": args.steps, "warmup": args.warmup, "n_layer": args.n_layer, "n_embd": args.n_embd,
-            "n_head": args.n_head, "block_size": args.block_size, "vocab_size": vocab_size,
-            "partition": args.partition, "optimizer": "AdamW", "lr": args.lr, "weight_decay": args.weight_decay,
-            "seed": args.seed, "torch": torch.__version__, "pipelines": args.pipelines,
+            "world_size": WORLD,
+            "threads_per_rank": 1,
+            "batch_size": args.batch_size,
+            "microbatches": m,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "n_layer": args.n_layer,
+            "n_embd": args.n_embd,
+            "n_head": args.n_head,
+            "block_size": args.block_size,
+            "vocab_size": vocab_size,
+            "partition": args.partition,
+            "optimizer": "AdamW",
+            "lr": args.lr,
+            "weight_decay": args.weight_decay,
+            "seed": args.seed,
+            "torch": torch.__version__,
+            "pipelines": args.pipelines,
             "check_steps": check_steps,
         },
         "rows": rows,
         "ideal": {
             "step_s": ideal,
             "definition": "max over stages of the median (forward+backward over all micro-batches + optimizer "
-                          "step) of that stage's layers alone: no communication, the other rank idle",
+            "step) of that stage's layers alone: no communication, the other rank idle",
             "stages": stages,
             "step_s_both_stages_at_once": ideal_both,
             "stages_both_at_once": stages_both,
             "bubble_bound_1f1b": m / (m + s - 1),
             "avgpipe": {k: {kk: vv for kk, vv in v.items() if kk != "per_round"} for k, v in avg_ideal.items()},
             "avgpipe_definition": "per stage: N x (the probe's forward+backward over M micro-batches + optimizer "
-                                  "step) + the elastic update (begin_step + finish_step on a private N-replica "
-                                  "copy, in the same solo slot); max over stages",
+            "step) + the elastic update (begin_step + finish_step on a private N-replica "
+            "copy, in the same solo slot); max over stages",
         },
         "checks": {
             "first_step_loss": first,
@@ -733,6 +828,7 @@ def format_table(summary: dict[str, Any]) -> str:
             f"{r['speedup_vs_single']:9.3f}x {fmt(r['pipeline_efficiency']):>9} "
             f"{fmt(r['paired_pipeline_efficiency']):>9}"
         )
+
     def stage_txt(stages: list[dict[str, Any]]) -> str:
         return ", ".join(
             f"stage {s['stage']} ({s['layers']} layers) {s['fwd_bwd_s'] * 1e3:.1f} + {s['optimizer_s'] * 1e3:.1f} ms"
@@ -770,20 +866,35 @@ def format_table(summary: dict[str, Any]) -> str:
         "first-step loss: " + ", ".join(f"{k} {v:.6f}" for k, v in checks["first_step_loss"].items()),
         "final loss:      " + ", ".join(f"{r['name']} {r['final_loss']:.6f}" for r in summary["rows"]),
         f"max |w_ours-1f1b - w_torch-1f1b| after all steps: {checks['max_param_diff_ours_vs_torch_1f1b']:.2e}",
-        *(f"{name} mean-over-replicas loss, first {len(v['losses'])} steps: "
-          + " ".join(f"{x:.6f}" for x in v["losses"]) + " | single-process AvgPipe: "
-          + " ".join(f"{x:.6f}" for x in v["single_process"]) + f" (max rel diff {v['max_rel_diff']:.1e})"
-          for name, v in checks["avgpipe_vs_single_process"].items()),
-        *([] if summary.get("fit_vs_runtime") is None else [
-            "Trainer.fit (strategy='avgpipe', 1F1B, CSV logger) vs the same StagePipeline step alone, paired by "
-            "round, step time fit/runtime: " + ", ".join(
-                f"{x:.3f}" for x in summary["fit_vs_runtime"]["fit_over_runtime"])
-            + f" (median {summary['fit_vs_runtime']['fit_over_runtime_median']:.3f}; runtime "
-            + ", ".join(f"{x * 1e3:.1f}" for x in summary["fit_vs_runtime"]["runtime_step_s"]) + " ms, fit "
-            + ", ".join(f"{x * 1e3:.1f}" for x in summary["fit_vs_runtime"]["fit_step_s"]) + " ms)"]),
-        "correctness: " + ("OK (first-step losses agree, avgpipe rows match single-process AvgPipe, within "
-                           f"rtol {checks['rtol']:g}; all losses finite)" if checks["ok"]
-                           else f"MISMATCH {checks['mismatches']}"),
+        *(
+            f"{name} mean-over-replicas loss, first {len(v['losses'])} steps: "
+            + " ".join(f"{x:.6f}" for x in v["losses"])
+            + " | single-process AvgPipe: "
+            + " ".join(f"{x:.6f}" for x in v["single_process"])
+            + f" (max rel diff {v['max_rel_diff']:.1e})"
+            for name, v in checks["avgpipe_vs_single_process"].items()
+        ),
+        *(
+            []
+            if summary.get("fit_vs_runtime") is None
+            else [
+                "Trainer.fit (strategy='avgpipe', 1F1B, CSV logger) vs the same StagePipeline step alone, paired by "
+                "round, step time fit/runtime: "
+                + ", ".join(f"{x:.3f}" for x in summary["fit_vs_runtime"]["fit_over_runtime"])
+                + f" (median {summary['fit_vs_runtime']['fit_over_runtime_median']:.3f}; runtime "
+                + ", ".join(f"{x * 1e3:.1f}" for x in summary["fit_vs_runtime"]["runtime_step_s"])
+                + " ms, fit "
+                + ", ".join(f"{x * 1e3:.1f}" for x in summary["fit_vs_runtime"]["fit_step_s"])
+                + " ms)"
+            ]
+        ),
+        "correctness: "
+        + (
+            "OK (first-step losses agree, avgpipe rows match single-process AvgPipe, within "
+            f"rtol {checks['rtol']:g}; all losses finite)"
+            if checks["ok"]
+            else f"MISMATCH {checks['mismatches']}"
+        ),
     ]
     return "\n".join(lines)
 

@@ -85,28 +85,43 @@ def _ints(text: str) -> list[int]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--microbatches", default="1,2,4,8,16", help="M values of the grid (divisors of the batch size)")
     p.add_argument("--pipelines", default="1,2,4", help="N values of the grid")
     p.add_argument("--batch-size", type=int, default=32, help="B: samples per pipeline per iteration")
     p.add_argument("--steps", type=int, default=6, help="timed iterations per setting")
     p.add_argument("--warmup", type=int, default=2, help="untimed iterations per setting before the timed ones")
-    p.add_argument("--repeats", type=int, default=3,
-                   help="run the sweep this many times (shuffled order each time); per-setting median over repeats")
-    p.add_argument("--tuner-steps", type=int, default=7,
-                   help="training steps of the tuner's Trainer after tuning (its calibration times steps 2-5)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="run the sweep this many times (shuffled order each time); per-setting median over repeats",
+    )
+    p.add_argument(
+        "--tuner-steps",
+        type=int,
+        default=7,
+        help="training steps of the tuner's Trainer after tuning (its calibration times steps 2-5)",
+    )
     p.add_argument("--profile-steps", type=int, default=2, help="AvgPipeTuner(profile_steps=...)")
     add_model_args(p, n_layer=4, n_embd=128, n_head=4, block_size=64)
     add_partition_arg(p)
     p.add_argument("--corpus-chars", type=int, default=1_000_000, help="characters of stdlib docstrings")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=1800.0, help="kill the ranks after this many seconds")
-    p.add_argument("--out-dir", default=None, help="the tuner's tuning.json/png and the ranks' logs go here "
-                                                   "(default: a temporary folder)")
+    p.add_argument(
+        "--out-dir",
+        default=None,
+        help="the tuner's tuning.json/png and the ranks' logs go here (default: a temporary folder)",
+    )
     p.add_argument("--json", dest="json_path", default=None, help="also write everything to this JSON file")
-    p.add_argument("--quick", action="store_true",
-                   help="a tiny model and grid (M 1,2,4 x N 1,2, B 8, 1 timed step): a smoke run, not a result")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a tiny model and grid (M 1,2,4 x N 1,2, B 8, 1 timed step): a smoke run, not a result",
+    )
     p.add_argument("--_rank-config", dest="rank_config", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.rank_config:
@@ -181,19 +196,31 @@ def rank_main(cfg: dict[str, Any]) -> None:
             if len(self.starts) < self.last:
                 return
             metrics = trainer.callback_metrics
-            self.peaks = [float(metrics.get(f"avgpipe/peak_memory_mb/stage{s}", float("nan")))
-                          for s in range(self.stages)]
+            self.peaks = [
+                float(metrics.get(f"avgpipe/peak_memory_mb/stage{s}", float("nan"))) for s in range(self.stages)
+            ]
 
     def fit(m: int, n: int, max_steps: int, callbacks: list[Any]) -> tuple[pl.Trainer, float]:
         started = time.perf_counter()
         pl.seed_everything(seed, verbose=False)
         model = CharGPT(vocab_size=dm.vocab_size, **model_sizes(cfg))
-        strategy = AvgPipeStrategy(num_microbatches=m, num_pipelines=n, partition=list(cfg["partition"]),
-                                   timeout=cfg["collective_timeout"])
-        trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, callbacks=callbacks,
-                             max_steps=max_steps, logger=False, enable_checkpointing=False,
-                             enable_progress_bar=False, num_sanity_val_steps=0, limit_val_batches=0,
-                             enable_model_summary=False, default_root_dir=cfg["out_dir"])
+        strategy = AvgPipeStrategy(
+            num_microbatches=m, num_pipelines=n, partition=list(cfg["partition"]), timeout=cfg["collective_timeout"]
+        )
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=WORLD,
+            strategy=strategy,
+            callbacks=callbacks,
+            max_steps=max_steps,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            num_sanity_val_steps=0,
+            limit_val_batches=0,
+            enable_model_summary=False,
+            default_root_dir=cfg["out_dir"],
+        )
         trainer.fit(model, train_dataloaders=dm.train_dataloader())
         return trainer, time.perf_counter() - started
 
@@ -211,40 +238,60 @@ def rank_main(cfg: dict[str, Any]) -> None:
     grid = [(m, n) for n in ns for m in ms]
     result["tuners"] = []
     for r in range(cfg["repeats"]):
-        tuner = AvgPipeTuner(num_microbatches=ms, num_pipelines=ns, apply=True, profile_steps=cfg["profile_steps"],
-                             output_dir=str(Path(cfg["out_dir"], "tuning", f"repeat{r}")))
+        tuner = AvgPipeTuner(
+            num_microbatches=ms,
+            num_pipelines=ns,
+            apply=True,
+            profile_steps=cfg["profile_steps"],
+            output_dir=str(Path(cfg["out_dir"], "tuning", f"repeat{r}")),
+        )
         trainer, wall = fit(ms[0], ns[0], cfg["tuner_steps"], [tuner])
         assert tuner.table is not None and tuner.choice is not None
         choice = tuner.choice
         applied = (trainer.strategy.num_microbatches, trainer.strategy.num_pipelines)
-        result["tuners"].append({
-            "seconds": tuner.seconds, "wall_s": wall, "choice": [choice.num_microbatches, choice.num_pipelines],
-            "applied": list(applied), "table": tuner.table.to_dict(),
-        })
+        result["tuners"].append(
+            {
+                "seconds": tuner.seconds,
+                "wall_s": wall,
+                "choice": [choice.num_microbatches, choice.num_pipelines],
+                "applied": list(applied),
+                "table": tuner.table.to_dict(),
+            }
+        )
         del trainer
         gc.collect()
-        say(f"repeat {r} tuner: {tuner.seconds:.2f} s in on_fit_start ({wall:.1f} s whole Trainer), chose "
-            f"M={choice.num_microbatches} N={choice.num_pipelines}, strategy now M={applied[0]} N={applied[1]}")
+        say(
+            f"repeat {r} tuner: {tuner.seconds:.2f} s in on_fit_start ({wall:.1f} s whole Trainer), chose "
+            f"M={choice.num_microbatches} N={choice.num_pipelines}, strategy now M={applied[0]} N={applied[1]}"
+        )
         order = list(grid)
         random.Random(seed + r).shuffle(order)
         for m, n in order:
             timer = Timer(len(cfg["partition"]), warmup + steps + 1)
             trainer, wall = fit(m, n, warmup + steps + 1, [timer])
             intervals = [b - a for a, b in zip(timer.starts, timer.starts[1:])]
-            timed = intervals[warmup:warmup + steps]
+            timed = intervals[warmup : warmup + steps]
             if len(timed) != steps or len(timer.peaks) != len(cfg["partition"]):
                 raise RuntimeError(f"M={m} N={n}: {len(timer.starts)} iterations seen, expected {warmup + steps + 1}")
             row = {
-                "num_microbatches": m, "num_pipelines": n, "repeat": r, "iteration_s": timed,
-                "iteration_s_median": statistics.median(timed), "timed_s": sum(timed), "wall_s": wall,
+                "num_microbatches": m,
+                "num_pipelines": n,
+                "repeat": r,
+                "iteration_s": timed,
+                "iteration_s_median": statistics.median(timed),
+                "timed_s": sum(timed),
+                "wall_s": wall,
                 "peak_mib": list(timer.peaks),
                 "config_seen": [trainer.strategy.num_microbatches, trainer.strategy.num_pipelines],
             }
             del trainer
             gc.collect()  # the old Trainer's cycles go now, not in a collection inside a later setting's timing
             result["settings"].append(row)
-            say(f"repeat {r} M={m:>2} N={n}: {row['iteration_s_median'] * 1e3:8.1f} ms/iteration, peak MiB "
-                + "/".join(f"{v:.1f}" for v in row["peak_mib"]) + f", {wall:.1f} s wall")
+            say(
+                f"repeat {r} M={m:>2} N={n}: {row['iteration_s_median'] * 1e3:8.1f} ms/iteration, peak MiB "
+                + "/".join(f"{v:.1f}" for v in row["peak_mib"])
+                + f", {wall:.1f} s wall"
+            )
     if rank == 0:
         Path(cfg["result_path"]).write_text(json.dumps(result))
 
@@ -322,24 +369,30 @@ def analyse(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
             first = predicted[0][(m, n)]
             pred_peak = [b / 2**20 for b in first["peak_bytes"]]
             pred = statistics.median(pred_r)
-            cells.append({
-                "num_microbatches": m, "num_pipelines": n,
-                "measured_iteration_s": it, "predicted_iteration_s": pred,
-                "time_error": statistics.median(err_r),  # paired: repeat r's tuner against repeat r's sweep
-                "time_error_per_repeat": err_r,
-                "time_error_unpaired": (first["step_time"] - it) / it,  # the first tuner against the medians
-                "calibrated_iteration_s": statistics.median(cal_r),
-                "calibrated_time_error": statistics.median(cal_err_r),
-                "measured_peak_mib": peak, "predicted_peak_mib": pred_peak,
-                "peak_error": [(p - q) / q for p, q in zip(pred_peak, peak)],
-                "measured_samples_per_sec": n * B / it,
-                "predicted_samples_per_sec": statistics.median(p[(m, n)]["samples_per_sec"] for p in predicted),
-                "predicted_iteration_s_per_repeat": pred_r,
-                "predicted_pipeline_s": first["pipeline_time"], "predicted_update_s": first["update_time"],
-                "iteration_s_per_repeat": [runs[r]["iteration_s_median"] for r in reps],
-                "wall_s_per_repeat": [runs[r]["wall_s"] for r in reps],
-                "configured_as": runs[reps[0]]["config_seen"],
-            })
+            cells.append(
+                {
+                    "num_microbatches": m,
+                    "num_pipelines": n,
+                    "measured_iteration_s": it,
+                    "predicted_iteration_s": pred,
+                    "time_error": statistics.median(err_r),  # paired: repeat r's tuner against repeat r's sweep
+                    "time_error_per_repeat": err_r,
+                    "time_error_unpaired": (first["step_time"] - it) / it,  # the first tuner against the medians
+                    "calibrated_iteration_s": statistics.median(cal_r),
+                    "calibrated_time_error": statistics.median(cal_err_r),
+                    "measured_peak_mib": peak,
+                    "predicted_peak_mib": pred_peak,
+                    "peak_error": [(p - q) / q for p, q in zip(pred_peak, peak)],
+                    "measured_samples_per_sec": n * B / it,
+                    "predicted_samples_per_sec": statistics.median(p[(m, n)]["samples_per_sec"] for p in predicted),
+                    "predicted_iteration_s_per_repeat": pred_r,
+                    "predicted_pipeline_s": first["pipeline_time"],
+                    "predicted_update_s": first["update_time"],
+                    "iteration_s_per_repeat": [runs[r]["iteration_s_median"] for r in reps],
+                    "wall_s_per_repeat": [runs[r]["wall_s"] for r in reps],
+                    "configured_as": runs[reps[0]]["config_seen"],
+                }
+            )
     time_err = [abs(c["time_error"]) for c in cells]
     unpaired = [abs(c["time_error_unpaired"]) for c in cells]
     cal_err = [abs(c["calibrated_time_error"]) for c in cells]
@@ -365,8 +418,9 @@ def analyse(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         "calibrated_time_error_worst": max(cal_err),
         "peak_error_median": statistics.median(mem_err),
         "peak_error_worst": max(mem_err),
-        "spearman_samples_per_sec": spearman([c["predicted_samples_per_sec"] for c in cells],
-                                             [c["measured_samples_per_sec"] for c in cells]),
+        "spearman_samples_per_sec": spearman(
+            [c["predicted_samples_per_sec"] for c in cells], [c["measured_samples_per_sec"] for c in cells]
+        ),
         "picks": [list(p) for p in picks],
         "pick_fractions_of_best": fractions,
         "pick": list(picks[median_pick]),
@@ -385,15 +439,21 @@ def analyse(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         "drift_by_third": thirds,
     }
     summary["targets"] = {
-        "median_time_error": {"target": f"<= {TARGETS['median_time_error']:.0%}",
-                              "value": summary["time_error_median"],
-                              "ok": summary["time_error_median"] <= TARGETS["median_time_error"]},
-        "pick_fraction_of_best": {"target": f">= {TARGETS['pick_fraction_of_best']:.0%}",
-                                  "value": summary["pick_fraction_of_best"],
-                                  "ok": summary["pick_fraction_of_best"] >= TARGETS["pick_fraction_of_best"]},
-        "tuner_fraction_of_sweep": {"target": f"<= {TARGETS['tuner_fraction_of_sweep']:.0%}",
-                                    "value": summary["tuner_fraction_of_sweep"],
-                                    "ok": summary["tuner_fraction_of_sweep"] <= TARGETS["tuner_fraction_of_sweep"]},
+        "median_time_error": {
+            "target": f"<= {TARGETS['median_time_error']:.0%}",
+            "value": summary["time_error_median"],
+            "ok": summary["time_error_median"] <= TARGETS["median_time_error"],
+        },
+        "pick_fraction_of_best": {
+            "target": f">= {TARGETS['pick_fraction_of_best']:.0%}",
+            "value": summary["pick_fraction_of_best"],
+            "ok": summary["pick_fraction_of_best"] >= TARGETS["pick_fraction_of_best"],
+        },
+        "tuner_fraction_of_sweep": {
+            "target": f"<= {TARGETS['tuner_fraction_of_sweep']:.0%}",
+            "value": summary["tuner_fraction_of_sweep"],
+            "ok": summary["tuner_fraction_of_sweep"] <= TARGETS["tuner_fraction_of_sweep"],
+        },
     }
     return {"cells": cells, "summary": summary}
 
@@ -406,14 +466,16 @@ def drift(settings: list[dict[str, Any]]) -> list[float]:
     medians = {k: statistics.median(v) for k, v in by_cell.items()}
     ratios = [s["iteration_s_median"] / medians[(s["num_microbatches"], s["num_pipelines"])] for s in settings]
     k = max(1, len(ratios) // 3)
-    parts = [ratios[:k], ratios[k:2 * k], ratios[2 * k:]]
+    parts = [ratios[:k], ratios[k : 2 * k], ratios[2 * k :]]
     return [statistics.fmean(p) for p in parts if p]
 
 
 def format_report(report: dict[str, Any]) -> str:
     cells, s = report["cells"], report["summary"]
-    lines = [f"{'M':>3} {'N':>2} {'meas ms':>9} {'pred ms':>9} {'err':>7}  {'meas MiB':>13} {'pred MiB':>13} "
-             f"{'err':>13}  {'meas smp/s':>10} {'pred smp/s':>10}"]
+    lines = [
+        f"{'M':>3} {'N':>2} {'meas ms':>9} {'pred ms':>9} {'err':>7}  {'meas MiB':>13} {'pred MiB':>13} "
+        f"{'err':>13}  {'meas smp/s':>10} {'pred smp/s':>10}"
+    ]
     for c in cells:
         picked = s["picks"].count([c["num_microbatches"], c["num_pipelines"]])
         mark = f" <- tuner x{picked}" if picked else ""
@@ -439,16 +501,19 @@ def format_report(report: dict[str, Any]) -> str:
         f"median signed {s['time_error_signed_median']:+.1%}",
         f"  unpaired (the first tuner against each cell's median over all repeats): median "
         f"{s['time_error_unpaired_median']:.1%}, worst {s['time_error_unpaired_worst']:.1%}",
-        (f"iteration time error after the tuners' calibration (x{', x'.join(f'{f:.3f}' for f in factors)}, from the "
-         f"chosen setting's first training iterations): median {s['calibrated_time_error_median']:.1%}, worst "
-         f"{s['calibrated_time_error_worst']:.1%}") if factors
+        (
+            f"iteration time error after the tuners' calibration (x{', x'.join(f'{f:.3f}' for f in factors)}, from the "
+            f"chosen setting's first training iterations): median {s['calibrated_time_error_median']:.1%}, worst "
+            f"{s['calibrated_time_error_worst']:.1%}"
+        )
+        if factors
         else "no calibration (--tuner-steps < 6)",
         "drift: measured / cell median over the run's thirds: " + ", ".join(f"{v:.3f}" for v in s["drift_by_third"]),
         f"peak memory error:    median {s['peak_error_median']:.1%}, worst {s['peak_error_worst']:.1%}"
         " (over settings x stages)",
         f"rank correlation (Spearman) of predicted and measured samples/s: {s['spearman_samples_per_sec']:.3f}",
-        "tuners' picks: " + ", ".join(f"M={p[0]} N={p[1]} {f:.1%}" for p, f in zip(s["picks"],
-                                                                          s["pick_fractions_of_best"]))
+        "tuners' picks: "
+        + ", ".join(f"M={p[0]} N={p[1]} {f:.1%}" for p, f in zip(s["picks"], s["pick_fractions_of_best"]))
         + f" of the best measured (M={s['best'][0]} N={s['best'][1]}, {s['best_measured_samples_per_sec']:.1f} "
         f"samples/s); the median pick M={s['pick'][0]} N={s['pick'][1]}: {s['pick_measured_samples_per_sec']:.1f} "
         f"samples/s = {s['pick_fraction_of_best']:.1%}, the worst {s['pick_fraction_of_best_worst']:.1%}",
@@ -473,18 +538,32 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.out_dir) if args.out_dir else Path(tempfile.mkdtemp(prefix="tuner_accuracy-"))
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = {
-        "microbatches": args.microbatches, "pipelines": args.pipelines, "batch_size": args.batch_size,
-        "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "tuner_steps": args.tuner_steps,
-        "profile_steps": args.profile_steps, "n_layer": args.n_layer, "n_embd": args.n_embd, "n_head": args.n_head,
-        "block_size": args.block_size, "partition": args.partition, "corpus_chars": args.corpus_chars,
-        "seed": args.seed, "out_dir": str(out_dir.resolve()), "result_path": str((out_dir / "raw.json").resolve()),
+        "microbatches": args.microbatches,
+        "pipelines": args.pipelines,
+        "batch_size": args.batch_size,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "tuner_steps": args.tuner_steps,
+        "profile_steps": args.profile_steps,
+        "n_layer": args.n_layer,
+        "n_embd": args.n_embd,
+        "n_head": args.n_head,
+        "block_size": args.block_size,
+        "partition": args.partition,
+        "corpus_chars": args.corpus_chars,
+        "seed": args.seed,
+        "out_dir": str(out_dir.resolve()),
+        "result_path": str((out_dir / "raw.json").resolve()),
         "collective_timeout": max(60.0, min(args.timeout, 600.0)),
     }
     grid = len(args.microbatches) * len(args.pipelines)
-    print(f"tuner accuracy: GPT {args.n_layer} blocks x {args.n_embd} wide, block {args.block_size}, B = "
-          f"{args.batch_size}, partition {args.partition}, M in {args.microbatches} x N in {args.pipelines} "
-          f"({grid} settings), {args.warmup} + {args.steps} iterations each, {args.repeats} repeat(s); 2 ranks",
-          flush=True)
+    print(
+        f"tuner accuracy: GPT {args.n_layer} blocks x {args.n_embd} wide, block {args.block_size}, B = "
+        f"{args.batch_size}, partition {args.partition}, M in {args.microbatches} x N in {args.pipelines} "
+        f"({grid} settings), {args.warmup} + {args.steps} iterations each, {args.repeats} repeat(s); 2 ranks",
+        flush=True,
+    )
     started = time.perf_counter()
     launch(cfg, args.timeout, out_dir)
     raw = json.loads((out_dir / "raw.json").read_text())
@@ -496,11 +575,19 @@ def main(argv: list[str] | None = None) -> int:
         path = Path(args.json_path)
         path.parent.mkdir(parents=True, exist_ok=True)
         config = {k: v for k, v in cfg.items() if k != "result_path"}
-        path.write_text(json.dumps({
-            "config": config, "cells": report["cells"], "summary": report["summary"],
-            "measurements": raw["settings"], "warmup_fit": raw["warmup_fit"],
-            "tuners": raw["tuners"],
-        }, indent=1))
+        path.write_text(
+            json.dumps(
+                {
+                    "config": config,
+                    "cells": report["cells"],
+                    "summary": report["summary"],
+                    "measurements": raw["settings"],
+                    "warmup_fit": raw["warmup_fit"],
+                    "tuners": raw["tuners"],
+                },
+                indent=1,
+            )
+        )
     return 0
 
 

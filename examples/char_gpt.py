@@ -92,8 +92,17 @@ def gpt_layers(cfg: GPTConfig) -> nn.Sequential:
 class CharGPT(L.LightningModule):
     """A character GPT whose layers are embedding, ``n_layer`` transformer blocks and the output head."""
 
-    def __init__(self, vocab_size: int = 128, block_size: int = 64, n_layer: int = 4, n_head: int = 4,
-                 n_embd: int = 128, dropout: float = 0.0, lr: float = 3e-3, weight_decay: float = 0.01) -> None:
+    def __init__(
+        self,
+        vocab_size: int = 128,
+        block_size: int = 64,
+        n_layer: int = 4,
+        n_head: int = 4,
+        n_embd: int = 128,
+        dropout: float = 0.0,
+        lr: float = 3e-3,
+        weight_decay: float = 0.01,
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.cfg = GPTConfig(vocab_size, block_size, n_layer, n_head, n_embd, dropout)
@@ -142,8 +151,9 @@ class CharDataModule(L.LightningDataModule):
         return len(self.chars)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(CharDataset(self.train_data, self.block_size), batch_size=self.batch_size, shuffle=True,
-                          drop_last=True)
+        return DataLoader(
+            CharDataset(self.train_data, self.block_size), batch_size=self.batch_size, shuffle=True, drop_last=True
+        )
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(CharDataset(self.val_data, self.block_size), batch_size=self.batch_size)
@@ -175,21 +185,37 @@ def main(argv: list[str] | None = None) -> None:
     model = CharGPT(vocab_size=dm.vocab_size, **model_sizes(args))
     k = args.advance_forwards if args.advance_forwards == "auto" else int(args.advance_forwards)
     strategy = lightning_avgpipe.AvgPipeStrategy(
-        num_microbatches=args.microbatches, schedule=args.schedule, partition=args.partition,
-        num_pipelines=args.pipelines, advance_forwards=k, trace_dir=args.trace_dir, trace_steps=[5],
+        num_microbatches=args.microbatches,
+        schedule=args.schedule,
+        partition=args.partition,
+        num_pipelines=args.pipelines,
+        advance_forwards=k,
+        trace_dir=args.trace_dir,
+        trace_steps=[5],
     )
     callbacks = []
     if args.tune:
         limit = args.memory_limit_mb * 2**20 if args.memory_limit_mb else None
         callbacks.append(lightning_avgpipe.AvgPipeTuner(memory_limit=limit, num_pipelines=4))
-    trainer = L.Trainer(accelerator=args.accelerator, devices=args.devices, strategy=strategy, callbacks=callbacks,
-                        max_steps=args.max_steps, val_check_interval=min(100, args.max_steps), limit_val_batches=20,
-                        check_val_every_n_epoch=None,  # every 100 steps across epochs: N pipelines shorten an epoch
-                        precision=args.precision, log_every_n_steps=10, default_root_dir="runs/char_gpt")
+    trainer = L.Trainer(
+        accelerator=args.accelerator,
+        devices=args.devices,
+        strategy=strategy,
+        callbacks=callbacks,
+        max_steps=args.max_steps,
+        val_check_interval=min(100, args.max_steps),
+        limit_val_batches=20,
+        check_val_every_n_epoch=None,  # every 100 steps across epochs: N pipelines shorten an epoch
+        precision=args.precision,
+        log_every_n_steps=10,
+        default_root_dir="runs/char_gpt",
+    )
     trainer.fit(model, dm)
     if trainer.is_global_zero:
-        print(f"final val_loss {float(trainer.callback_metrics['val_loss']):.3f} "
-              f"(uniform guess: {math.log(dm.vocab_size):.3f})")
+        print(
+            f"final val_loss {float(trainer.callback_metrics['val_loss']):.3f} "
+            f"(uniform guess: {math.log(dm.vocab_size):.3f})"
+        )
 
 
 if __name__ == "__main__":

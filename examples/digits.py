@@ -102,8 +102,14 @@ def main(argv: list[str] | None = None) -> None:
     strategy: Any = args.strategy
     if args.strategy == "avgpipe":
         strategy = lightning_avgpipe.AvgPipeStrategy(num_microbatches=args.microbatches, schedule=args.schedule)
-    trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_epochs=args.epochs,
-                        log_every_n_steps=5, default_root_dir="runs/digits")
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=strategy,
+        max_epochs=args.epochs,
+        log_every_n_steps=5,
+        default_root_dir="runs/digits",
+    )
     model, dm = DigitsMLP(), DigitsDataModule()
     trainer.fit(model, dm)
     result = trainer.test(model, dm)

@@ -18,8 +18,7 @@ SIZES = {
 }
 
 
-def add_model_args(parser: argparse.ArgumentParser, *, n_layer: int, n_embd: int, n_head: int,
-                   block_size: int) -> None:
+def add_model_args(parser: argparse.ArgumentParser, *, n_layer: int, n_embd: int, n_head: int, block_size: int) -> None:
     """Add ``--n-layer``, ``--n-embd``, ``--n-head`` and ``--block-size``, with the caller's defaults."""
     defaults = {"n_layer": n_layer, "n_embd": n_embd, "n_head": n_head, "block_size": block_size}
     for name, text in SIZES.items():
@@ -43,9 +42,12 @@ def model_sizes(obj: Any) -> dict[str, int]:
 
 def add_partition_arg(parser: argparse.ArgumentParser) -> None:
     """Add the benchmarks' ``--partition``: the layers of each of two stages."""
-    parser.add_argument("--partition", default=None,
-                        help="layers per stage, e.g. '3,3' (Embed + blocks + Head = n_layer + 2 layers); default: "
-                             "Embed and the first half of the blocks on stage 0, the rest and the Head on stage 1")
+    parser.add_argument(
+        "--partition",
+        default=None,
+        help="layers per stage, e.g. '3,3' (Embed + blocks + Head = n_layer + 2 layers); default: "
+        "Embed and the first half of the blocks on stage 0, the rest and the Head on stage 1",
+    )
 
 
 def partition_of(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[int]:

@@ -1,9 +1,9 @@
 """Command line: ``python -m lightning_avgpipe schedule ...`` prints a plan; anything else is LightningCLI.
 
-    python -m lightning_avgpipe schedule --stages 4 --microbatches 8 --schedule 1f1b
-    python -m lightning_avgpipe fit --config cfg.yaml        # LightningCLI with strategy="avgpipe" registered
-    python -m lightning_avgpipe tune --config cfg.yaml       # AvgPipeTuner's table and choice, no training
-    python -m lightning_avgpipe whatif --profile tuning.json --stages 8 --groups 4   # project a larger layout
+python -m lightning_avgpipe schedule --stages 4 --microbatches 8 --schedule 1f1b
+python -m lightning_avgpipe fit --config cfg.yaml        # LightningCLI with strategy="avgpipe" registered
+python -m lightning_avgpipe tune --config cfg.yaml       # AvgPipeTuner's table and choice, no training
+python -m lightning_avgpipe whatif --profile tuning.json --stages 8 --groups 4   # project a larger layout
 """
 
 from __future__ import annotations
@@ -31,8 +31,12 @@ def schedule_command(argv: list[str]) -> int:
     p.add_argument("--actions", action="store_true", help="also print the lowered action lists (with comms)")
     p.add_argument("--trace", metavar="PATH", help="write the simulated timeline as a Chrome trace (PATH) and a PNG")
     args = p.parse_args(argv)
-    for flag, value, low in (("--stages", args.stages, 1), ("--microbatches", args.microbatches, 1),
-                             ("--pipelines", args.pipelines, 1), ("--advance-forwards", args.advance_forwards, 0)):
+    for flag, value, low in (
+        ("--stages", args.stages, 1),
+        ("--microbatches", args.microbatches, 1),
+        ("--pipelines", args.pipelines, 1),
+        ("--advance-forwards", args.advance_forwards, 0),
+    ):
         if value < low:
             p.error(f"{flag} {value}: must be at least {low}")
     for flag, value in (("--forward-cost", args.forward_cost), ("--backward-cost", args.backward_cost)):

@@ -75,9 +75,11 @@ class AdvanceSearch:
 
     def __post_init__(self) -> None:
         if self.max_k < 0 or self.steps_per_k < 1 or self.patience < 1 or self.noise < 0:
-            raise ValueError(f"AdvanceSearch needs max_k >= 0, steps_per_k >= 1, patience >= 1 and noise >= 0; got "
-                             f"max_k={self.max_k}, steps_per_k={self.steps_per_k}, patience={self.patience}, "
-                             f"noise={self.noise}")
+            raise ValueError(
+                f"AdvanceSearch needs max_k >= 0, steps_per_k >= 1, patience >= 1 and noise >= 0; got "
+                f"max_k={self.max_k}, steps_per_k={self.steps_per_k}, patience={self.patience}, "
+                f"noise={self.noise}"
+            )
 
     def medians(self) -> dict[int, float]:
         """The median step time of every k measured so far (all ``steps_per_k`` iterations in)."""
@@ -107,8 +109,10 @@ class AdvanceSearch:
                 self._misses += 1
                 if self._misses >= self.patience:
                     tried = f"k={k - self._misses + 1}..{k}" if self._misses > 1 else f"k={k}"
-                    self._settle(f"{tried} not faster than {ref * 1e3:.1f} ms at k={self._ref_k} by more than "
-                                 f"{self.noise:.0%} ({self._misses} in a row, patience {self.patience})")
+                    self._settle(
+                        f"{tried} not faster than {ref * 1e3:.1f} ms at k={self._ref_k} by more than "
+                        f"{self.noise:.0%} ({self._misses} in a row, patience {self.patience})"
+                    )
                     return self.k
         if k >= self.max_k:
             self._settle(f"k={k} is the largest useful value (no larger k changes the plan)")
@@ -116,8 +120,10 @@ class AdvanceSearch:
         if self.memory_limit is not None:
             worst = max((p + a for p, a in zip(peak_bytes, added)), default=0.0)
             if worst > self.memory_limit:
-                self._settle(f"k={k + 1} would need about {worst / 2**20:.1f} MiB on a stage, over the limit of "
-                             f"{self.memory_limit / 2**20:.1f} MiB")
+                self._settle(
+                    f"k={k + 1} would need about {worst / 2**20:.1f} MiB on a stage, over the limit of "
+                    f"{self.memory_limit / 2**20:.1f} MiB"
+                )
                 return self.k
         self.k += 1
         self._seen_at_k = 0
@@ -130,8 +136,13 @@ class AdvanceSearch:
         chosen = min(k for k, t in medians.items() if t <= fastest * (1 + self.noise))
         fast_k = min(medians, key=medians.__getitem__)
         self.k, self.settled = chosen, True
-        best = ("the fastest measured" if chosen == fast_k else
-                f"within {self.noise:.0%} of the fastest, k={fast_k} at {fastest * 1e3:.1f} ms")
+        best = (
+            "the fastest measured"
+            if chosen == fast_k
+            else f"within {self.noise:.0%} of the fastest, k={fast_k} at {fastest * 1e3:.1f} ms"
+        )
         table = " ".join(f"k{k}:{t * 1e3:.1f}" for k, t in medians.items())
-        self.reason = (f"settled on advance_forwards={chosen} ({medians[chosen] * 1e3:.1f} ms per iteration, {best}); "
-                       f"stopped at k={max(medians)}: {why}; median ms by k: {table}")
+        self.reason = (
+            f"settled on advance_forwards={chosen} ({medians[chosen] * 1e3:.1f} ms per iteration, {best}); "
+            f"stopped at k={max(medians)}: {why}; median ms by k: {table}"
+        )

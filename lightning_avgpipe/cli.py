@@ -47,10 +47,12 @@ def tune_main(argv: list[str]) -> int:
         "training. Other arguments (--config cfg.yaml, --trainer.*, --model.*, --data.*) go to LightningCLI.",
     )
     p.add_argument("--memory-limit-mb", type=float, default=None, help="MiB a stage may hold at its peak")
-    p.add_argument("--num-pipelines", type=int_list, default=None,
-                   help="largest N (one int) or the N values (comma list)")
-    p.add_argument("--num-microbatches", type=int_list, default=None,
-                   help="M values to consider (comma list of divisors of B)")
+    p.add_argument(
+        "--num-pipelines", type=int_list, default=None, help="largest N (one int) or the N values (comma list)"
+    )
+    p.add_argument(
+        "--num-microbatches", type=int_list, default=None, help="M values to consider (comma list of divisors of B)"
+    )
     p.add_argument("--profile-steps", type=int, default=3, help="timed pipeline steps per profiled size")
     p.add_argument("--output-dir", default=None, help="where tuning.json and tuning.png go")
     ours, rest = p.parse_known_args(argv)
@@ -86,17 +88,20 @@ def tune_main(argv: list[str]) -> int:
     trainer.fit(cli.model, datamodule=cli.datamodule)
     if trainer.is_global_zero and tuner.table is not None and tuner.choice is not None:
         c = tuner.choice
-        flags = f"--trainer.strategy.init_args.num_microbatches {c.num_microbatches} " \
-                f"--trainer.strategy.init_args.num_pipelines {c.num_pipelines}"
+        flags = (
+            f"--trainer.strategy.init_args.num_microbatches {c.num_microbatches} "
+            f"--trainer.strategy.init_args.num_pipelines {c.num_pipelines}"
+        )
         if tuner.table.schedule == "advance":
             flags += f" --trainer.strategy.init_args.advance_forwards {c.advance_forwards}"
         print(tuner.table.format())
         print(
             f"plan: num_microbatches={c.num_microbatches} num_pipelines={c.num_pipelines} schedule="
-            f"{tuner.table.schedule}" + (f" advance_forwards={c.advance_forwards}" if tuner.table.schedule ==
-                                        "advance" else "")
+            f"{tuner.table.schedule}"
+            + (f" advance_forwards={c.advance_forwards}" if tuner.table.schedule == "advance" else "")
             + f": predicted {c.step_time * 1e3:.1f} ms per iteration, {c.samples_per_sec:.1f} samples/s, peak "
-            + "/".join(f"{b / 2**20:.1f}" for b in c.peak_bytes) + " MiB per stage"
+            + "/".join(f"{b / 2**20:.1f}" for b in c.peak_bytes)
+            + " MiB per stage"
         )
         print(f"to train with it: python -m lightning_avgpipe fit {' '.join(rest)} {flags}")
         for kind, path in tuner.files.items():

@@ -73,9 +73,7 @@ class PipelineConfig:
             object.__setattr__(self, "partition", tuple(self.partition))
         check_partition(self.partition, num_stages=None if isinstance(self.partition, str) else self.num_stages)
         if self.replica_execution not in ("sequential", "batched"):
-            raise ValueError(
-                f"replica_execution={self.replica_execution!r} is not one of ['sequential', 'batched']."
-            )
+            raise ValueError(f"replica_execution={self.replica_execution!r} is not one of ['sequential', 'batched'].")
         if self.p2p not in ("auto", "eager", "batched"):
             raise ValueError(f"p2p={self.p2p!r} is not one of ['auto', 'eager', 'batched']; 'auto' suits most jobs.")
         n = self.num_pipelines

@@ -127,4 +127,3 @@ def tensors(obj: Any) -> list[Tensor]:
     if isinstance(obj, (list, tuple)):
         return [leaf for v in obj for leaf in tensors(v)]
     return []
-

@@ -20,10 +20,32 @@ def test_throughput_benchmark_smoke(tmp_path: Path) -> None:
     out = tmp_path / "throughput.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     cmd = [
-        sys.executable, str(ROOT / "benchmarks" / "throughput.py"),
-        "--steps", "2", "--warmup", "1", "--n-layer", "2", "--n-embd", "16", "--n-head", "2", "--block-size", "8",
-        "--batch-size", "4", "--microbatches", "2", "--corpus-chars", "20000", "--timeout", "100", "--json", str(out),
-        "--pipelines", "1,2",
+        sys.executable,
+        str(ROOT / "benchmarks" / "throughput.py"),
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--n-layer",
+        "2",
+        "--n-embd",
+        "16",
+        "--n-head",
+        "2",
+        "--block-size",
+        "8",
+        "--batch-size",
+        "4",
+        "--microbatches",
+        "2",
+        "--corpus-chars",
+        "20000",
+        "--timeout",
+        "100",
+        "--json",
+        str(out),
+        "--pipelines",
+        "1,2",
     ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr

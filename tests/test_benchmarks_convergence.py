@@ -39,8 +39,17 @@ def test_pick_reports_the_edge_that_holds_the_best_lr() -> None:
 
 def test_with_one_pipeline_the_three_methods_are_the_same_training() -> None:
     """N = 1: same initial weights, same sample stream, same evaluation points, so the same numbers for all three."""
-    study = Study(name="digits", metric="val_acc", target=0.5, batch=16, budget_samples=128, eval_every=32,
-                  lr_center=1e-3, lr_ratio=2.0, grid_points=1)
+    study = Study(
+        name="digits",
+        metric="val_acc",
+        target=0.5,
+        batch=16,
+        budget_samples=128,
+        eval_every=32,
+        lr_center=1e-3,
+        lr_ratio=2.0,
+        grid_points=1,
+    )
     data = Data(study)
     runs = {m: train_run(data, m, 1e-3, seed=1, n=1) for m in METHODS}
     curves = {m: [(p["samples"], p["val_loss"], p["val_acc"]) for p in r["curve"]] for m, r in runs.items()}
@@ -76,8 +85,12 @@ def test_convergence_benchmark_quick_smoke(tmp_path: Path) -> None:
             assert r["best_lr"] in [g["lr"] for g in r["grid"]], (name, method)
             assert len(r["grid"]) == 3 and r["seeds"] == 2 and len(r["runs"]) == 2, (name, method)
             assert r["final_metric"]["mean"] is not None, (name, method)
-            for key in ("iterations_to_target", "samples_to_target", "single_process_s_to_target",
-                        "pipeline_s_to_target_projected"):
+            for key in (
+                "iterations_to_target",
+                "samples_to_target",
+                "single_process_s_to_target",
+                "pipeline_s_to_target_projected",
+            ):
                 assert key in r, (name, method, key)
             for run in r["runs"]:
                 curve = run["curve"]

@@ -16,9 +16,23 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 ROW_FIELDS = {
-    "name", "link", "k", "step_s_median", "step_s", "comm_wait_s_median", "bubble_fraction_median",
-    "peak_stash_bytes", "peak_stash_units", "peak_stash_bytes_max", "step_vs_afab", "step_vs_1f1b",
-    "step_vs_afab_paired", "step_vs_1f1b_paired", "memory_vs_afab", "memory_vs_1f1b", "simulated_step_s",
+    "name",
+    "link",
+    "k",
+    "step_s_median",
+    "step_s",
+    "comm_wait_s_median",
+    "bubble_fraction_median",
+    "peak_stash_bytes",
+    "peak_stash_units",
+    "peak_stash_bytes_max",
+    "step_vs_afab",
+    "step_vs_1f1b",
+    "step_vs_afab_paired",
+    "step_vs_1f1b_paired",
+    "memory_vs_afab",
+    "memory_vs_1f1b",
+    "simulated_step_s",
 }
 
 

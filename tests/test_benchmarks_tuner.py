@@ -13,9 +13,18 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SUMMARY = (
-    "time_error_median", "time_error_worst", "peak_error_median", "peak_error_worst", "spearman_samples_per_sec",
-    "pick_fraction_of_best", "tuner_seconds", "tuner_trainer_wall_s", "sweep_wall_s", "sweep_timed_s",
-    "tuner_fraction_of_sweep", "tuner_fraction_of_sweep_timed",
+    "time_error_median",
+    "time_error_worst",
+    "peak_error_median",
+    "peak_error_worst",
+    "spearman_samples_per_sec",
+    "pick_fraction_of_best",
+    "tuner_seconds",
+    "tuner_trainer_wall_s",
+    "sweep_wall_s",
+    "sweep_timed_s",
+    "tuner_fraction_of_sweep",
+    "tuner_fraction_of_sweep_timed",
 )
 
 
@@ -24,8 +33,17 @@ SUMMARY = (
 def test_tuner_accuracy_benchmark_smoke(tmp_path: Path) -> None:
     out = tmp_path / "tuner_accuracy.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "tuner_accuracy.py"), "--quick", "--timeout", "80",
-           "--out-dir", str(tmp_path / "out"), "--json", str(out)]
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "tuner_accuracy.py"),
+        "--quick",
+        "--timeout",
+        "80",
+        "--out-dir",
+        str(tmp_path / "out"),
+        "--json",
+        str(out),
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=90)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "rank correlation" in proc.stdout and "target pick" in proc.stdout

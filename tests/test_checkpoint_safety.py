@@ -25,8 +25,14 @@ class _Touch:
 
 def _trainer(tmp_path: Path, steps: int, trusted: bool = False) -> pl.Trainer:
     return pl.Trainer(
-        accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path),
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=str(tmp_path),
         strategy=AvgPipeStrategy(num_microbatches=2, partition=[6], trusted_checkpoints=trusted),
     )
 

@@ -87,14 +87,17 @@ def test_fractional_costs_still_draw_every_action(capsys: pytest.CaptureFixture[
             assert f"F{u}" in cells and f"B{u}" in cells, (s, cells)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--microbatches", "0"], "--microbatches 0: must be at least 1"),
-    (["--stages", "0"], "--stages 0: must be at least 1"),
-    (["--pipelines", "-1"], "--pipelines -1: must be at least 1"),
-    (["--advance-forwards", "-1", "--schedule", "advance"], "--advance-forwards -1: must be at least 0"),
-    (["--forward-cost", "0"], "--forward-cost 0.0: must be a positive time"),
-    (["--latency", "-1"], "--latency -1.0: must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--microbatches", "0"], "--microbatches 0: must be at least 1"),
+        (["--stages", "0"], "--stages 0: must be at least 1"),
+        (["--pipelines", "-1"], "--pipelines -1: must be at least 1"),
+        (["--advance-forwards", "-1", "--schedule", "advance"], "--advance-forwards -1: must be at least 0"),
+        (["--forward-cost", "0"], "--forward-cost 0.0: must be a positive time"),
+        (["--latency", "-1"], "--latency -1.0: must be >= 0"),
+    ],
+)
 def test_bad_values_name_the_flag(capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["schedule", *args])
@@ -127,8 +130,11 @@ def test_the_cli_shares_the_cores_between_cpu_stage_processes(monkeypatch: pytes
     monkeypatch.setattr(lightning_avgpipe, "share_cpu_threads", calls.append)
     before = dict(os.environ)
     try:
-        AvgPipeCLI(args=["--config", "examples/char_gpt.yaml", "--data.init_args.max_chars", "20000"], run=False,
-                   save_config_callback=None)
+        AvgPipeCLI(
+            args=["--config", "examples/char_gpt.yaml", "--data.init_args.max_chars", "20000"],
+            run=False,
+            save_config_callback=None,
+        )
     finally:  # a Trainer may pick a MASTER_PORT; later multi-process tests must not inherit it
         for key in set(os.environ) - set(before):
             del os.environ[key]

@@ -24,9 +24,18 @@ def broke(use: str) -> str:
 
 
 def trainer(tmp_path: Path, **kwargs: Any) -> pl.Trainer:
-    kwargs = {"accelerator": "cpu", "devices": 1, "logger": False, "enable_checkpointing": False,
-              "enable_progress_bar": False, "enable_model_summary": False, "limit_val_batches": 0,
-              "max_steps": 4, "default_root_dir": tmp_path, **kwargs}
+    kwargs = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "limit_val_batches": 0,
+        "max_steps": 4,
+        "default_root_dir": tmp_path,
+        **kwargs,
+    }
     return pl.Trainer(**kwargs)
 
 
@@ -84,8 +93,9 @@ def test_resuming_from(tmp_path: Path) -> None:
 def test_writes_logs(tmp_path: Path) -> None:
     """Inside ``training_step``: True on every ``log_every_n_steps``-th step (counting the step that runs)."""
     use = "trainer._logger_connector.should_update_logs (compat.writes_logs)"
-    assert isinstance(inspect.getattr_static(type(pl.Trainer(logger=False)._logger_connector), "should_update_logs",
-                                             None), property), broke(use)
+    assert isinstance(
+        inspect.getattr_static(type(pl.Trainer(logger=False)._logger_connector), "should_update_logs", None), property
+    ), broke(use)
     seen: list[bool] = []
 
     class Model(BoringModel):
@@ -164,21 +174,28 @@ def test_private_imports_keep_their_shape() -> None:
     def params(fn: Any) -> list[str]:
         return list(inspect.signature(fn).parameters)
 
-    assert params(compat._SubprocessScriptLauncher)[:3] == ["cluster_environment", "num_processes", "num_nodes"], \
-        broke("_SubprocessScriptLauncher(cluster_environment, num_processes, num_nodes)")
-    assert params(compat._init_dist_connection)[:2] == ["cluster_environment", "torch_distributed_backend"] and \
-        "kwargs" in params(compat._init_dist_connection), broke("_init_dist_connection(env, backend, timeout=)")
-    assert params(compat._sync_ddp_if_available)[:3] == ["result", "group", "reduce_op"], \
-        broke("_sync_ddp_if_available(tensor, group, reduce_op=)")
+    assert params(compat._SubprocessScriptLauncher)[:3] == ["cluster_environment", "num_processes", "num_nodes"], broke(
+        "_SubprocessScriptLauncher(cluster_environment, num_processes, num_nodes)"
+    )
+    assert params(compat._init_dist_connection)[:2] == [
+        "cluster_environment",
+        "torch_distributed_backend",
+    ] and "kwargs" in params(compat._init_dist_connection), broke("_init_dist_connection(env, backend, timeout=)")
+    assert params(compat._sync_ddp_if_available)[:3] == ["result", "group", "reduce_op"], broke(
+        "_sync_ddp_if_available(tensor, group, reduce_op=)"
+    )
     assert params(compat._optimizers_to_device)[:2] == ["optimizers", "device"], broke("_optimizers_to_device")
-    assert compat._get_default_process_group_backend_for_device(torch.device("cpu")) == "gloo", \
-        broke("_get_default_process_group_backend_for_device")
-    assert compat._distributed_is_initialized() is torch.distributed.is_initialized(), \
-        broke("_distributed_is_initialized")
+    assert compat._get_default_process_group_backend_for_device(torch.device("cpu")) == "gloo", broke(
+        "_get_default_process_group_backend_for_device"
+    )
+    assert compat._distributed_is_initialized() is torch.distributed.is_initialized(), broke(
+        "_distributed_is_initialized"
+    )
     registry = compat._StrategyRegistry()
     registry.register("probe", dict, description="d", a=1)
-    assert registry.get("probe") == {"a": 1} and "probe" in registry.available_strategies(), \
-        broke("_StrategyRegistry.register/get")
+    assert registry.get("probe") == {"a": 1} and "probe" in registry.available_strategies(), broke(
+        "_StrategyRegistry.register/get"
+    )
     from lightning.pytorch.strategies import StrategyRegistry
 
     assert isinstance(StrategyRegistry, compat._StrategyRegistry), broke("StrategyRegistry's type")

@@ -51,9 +51,7 @@ def run_command(command: str) -> subprocess.CompletedProcess[str]:
     assert argv[0] == "python", command
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    return subprocess.run(
-        [sys.executable, *argv[1:]], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
-    )
+    return subprocess.run([sys.executable, *argv[1:]], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
 
 
 def _lines(text: str) -> list[str]:
@@ -63,9 +61,21 @@ def _lines(text: str) -> list[str]:
 def test_mkdocs_build_strict(tmp_path: Path) -> None:
     pytest.importorskip("mkdocs", reason="mkdocs is not installed; `pip install -e .[docs]` to build the docs")
     proc = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(ROOT / "mkdocs.yml"),
-         "--site-dir", str(tmp_path / "site")],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "--config-file",
+            str(ROOT / "mkdocs.yml"),
+            "--site-dir",
+            str(tmp_path / "site"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     warnings = [line for line in (proc.stdout + proc.stderr).splitlines() if "WARNING" in line]
@@ -85,7 +95,7 @@ def test_quoted_schedule_command_runs(command: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("page", "command", "output"), transcripts(), ids=[f"{p}:{c[len(COMMAND):].strip()}" for p, c, _ in transcripts()]
+    ("page", "command", "output"), transcripts(), ids=[f"{p}:{c[len(COMMAND) :].strip()}" for p, c, _ in transcripts()]
 )
 def test_quoted_schedule_output_is_current(page: str, command: str, output: str) -> None:
     """The output pasted under a command is what the command prints today (trailing spaces aside)."""

@@ -48,7 +48,8 @@ def test_reference_is_the_mean_of_the_replicas(opt_cls: type, n: int) -> None:
     _train(elastic, opt_cls, steps=5, check_mean=True)
     spread = max(
         (elastic.replica_params(a)[0] - elastic.replica_params(b)[0]).abs().max().item()
-        for a in range(n) for b in range(n)
+        for a in range(n)
+        for b in range(n)
     )
     assert spread > 1e-4  # the replicas really trained on different data
 

@@ -17,8 +17,15 @@ from tests.helpers.lit import PipeNet, loader
 def fit(model: pl.LightningModule, batch_size: int = 12, **strategy: Any) -> pl.Trainer:
     plugins = strategy.pop("plugins", None)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, strategy=AvgPipeStrategy(**strategy), max_steps=1, logger=False,
-        enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0,
+        accelerator="cpu",
+        devices=1,
+        strategy=AvgPipeStrategy(**strategy),
+        max_steps=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
         plugins=plugins,
     )
     trainer.fit(model, loader(batch_size))
@@ -173,15 +180,15 @@ def test_a_forward_that_is_not_the_layers_is_refused_naming_the_difference(examp
     with pytest.raises(PipelineContractError, match=r"forward\(x\) is not its configure_pipeline\(\) layers") as info:
         fit(model, num_microbatches=2)
     assert "largest difference" in str(info.value) and "check_forward=False" in str(info.value)
-    with pytest.raises(PipelineContractError, match=r"forward gives float32 \(\d+,\), the layers give float32 \(2, 4\)"):
+    wrong_shape = r"forward gives float32 \(\d+,\), the layers give float32 \(2, 4\)"
+    with pytest.raises(PipelineContractError, match=wrong_shape):
         fit(Flattens(), num_microbatches=2)
 
 
 def test_the_forward_check_keeps_the_data_order_and_can_be_turned_off() -> None:
-    from lightning_avgpipe.plugin.data import peek
-
     from torch.utils.data import DataLoader
 
+    from lightning_avgpipe.plugin.data import peek
     from tests.helpers.lit import dataset
 
     shuffled = DataLoader(dataset(48), batch_size=12, shuffle=True)  # its order comes from the global RNG

@@ -23,8 +23,13 @@ pytestmark = pytest.mark.slow
 )
 def test_failing_rank_ends_every_rank_with_a_message(world: int, rank: int, kind: str) -> None:
     out_dir = tempfile.mkdtemp()
-    cfg = {"out": out_dir, "devices": world, "steps": 6, "strategy": {"num_microbatches": 2, "p2p_timeout": 5},
-           "fault": {"rank": rank, "step": 2, "kind": kind}}
+    cfg = {
+        "out": out_dir,
+        "devices": world,
+        "steps": 6,
+        "strategy": {"num_microbatches": 2, "p2p_timeout": 5},
+        "fault": {"rank": rank, "step": 2, "kind": kind},
+    }
     start = time.monotonic()
     results = launch_ranks(["-m", "tests.helpers.lightning_worker", json.dumps(cfg)], world, timeout=120)
     elapsed = time.monotonic() - start
@@ -53,8 +58,13 @@ def test_rank_stuck_while_alive_is_ended_by_its_watchdog(rank: int) -> None:
     """A rank that sleeps forever inside a layer raises nothing: its neighbour times out and records the failure,
     and the stuck rank's watchdog ends it p2p_timeout seconds later, saying why and where it was stuck."""
     out_dir = tempfile.mkdtemp()
-    cfg = {"out": out_dir, "devices": 2, "steps": 6, "strategy": {"num_microbatches": 2, "p2p_timeout": 3},
-           "fault": {"rank": rank, "step": 2, "kind": "hang"}}
+    cfg = {
+        "out": out_dir,
+        "devices": 2,
+        "steps": 6,
+        "strategy": {"num_microbatches": 2, "p2p_timeout": 3},
+        "fault": {"rank": rank, "step": 2, "kind": "hang"},
+    }
     start = time.monotonic()
     results = launch_ranks(["-m", "tests.helpers.lightning_worker", json.dumps(cfg)], 2, timeout=120)
     elapsed = time.monotonic() - start
@@ -62,11 +72,13 @@ def test_rank_stuck_while_alive_is_ended_by_its_watchdog(rank: int) -> None:
     stuck_code, stuck_out = results[rank]
     other_code, other_out = results[1 - rank]
     assert stuck_code == 1 and other_code != 0, (stuck_code, other_code)
-    assert f"lightning_avgpipe watchdog: rank {rank} (stage {rank}) is still running 3 s after the job failed" in \
-        stuck_out, stuck_out[-3000:]
+    assert (
+        f"lightning_avgpipe watchdog: rank {rank} (stage {rank}) is still running 3 s after the job failed" in stuck_out
+    ), stuck_out[-3000:]
     # what failed first, or (when rank 0 stopped before the stuck rank looked) that rank 0 is gone
     assert f"First failure: rank {1 - rank} (stage {1 - rank}): PeerFailureError" in stuck_out or (
-        rank == 1 and "the rendezvous store on rank 0 stopped answering" in stuck_out), stuck_out[-3000:]
+        rank == 1 and "the rendezvous store on rank 0 stopped answering" in stuck_out
+    ), stuck_out[-3000:]
     assert "time.sleep" in stuck_out or "in fail" in stuck_out  # the stack shows where it was stuck
     assert f"from rank {rank} (stage {rank}) did not arrive" in other_out, other_out[-3000:]
 
@@ -74,8 +86,13 @@ def test_rank_stuck_while_alive_is_ended_by_its_watchdog(rank: int) -> None:
 def test_non_finite_loss_is_named_on_every_rank() -> None:
     """A NaN entering stage 1's layers: the last stage names the loss, and every rank stops with a named cause."""
     out_dir = tempfile.mkdtemp()
-    cfg = {"out": out_dir, "devices": 2, "steps": 4, "strategy": {"num_microbatches": 2, "p2p_timeout": 5},
-           "fault": {"rank": 1, "step": 1, "kind": "nan"}}
+    cfg = {
+        "out": out_dir,
+        "devices": 2,
+        "steps": 4,
+        "strategy": {"num_microbatches": 2, "p2p_timeout": 5},
+        "fault": {"rank": 1, "step": 1, "kind": "nan"},
+    }
     results = launch_ranks(["-m", "tests.helpers.lightning_worker", json.dumps(cfg)], 2, timeout=120)
     assert all(code != 0 for code, _ in results)
     assert "FloatingPointError: stage 1 (rank 1): the loss of unit(s) [0, 1] is not finite" in results[1][1]
@@ -94,8 +111,15 @@ def test_killed_run_resumed_from_its_last_checkpoint_ends_bit_identical(tmp_path
     straight = tmp_path / "straight"
     run_lightning(straight, 2, strategy, steps=6, model=model)
     crashed = tmp_path / "crashed"
-    cfg = {"out": str(crashed), "devices": 2, "steps": 6, "strategy": strategy, "model": model,
-           "every_n_train_steps": 2, "fault": {"rank": 1, "step": 5, "kind": "kill"}}
+    cfg = {
+        "out": str(crashed),
+        "devices": 2,
+        "steps": 6,
+        "strategy": strategy,
+        "model": model,
+        "every_n_train_steps": 2,
+        "fault": {"rank": 1, "step": 5, "kind": "kill"},
+    }
     codes = [code for code, _ in launch_ranks(["-m", "tests.helpers.lightning_worker", json.dumps(cfg)], 2)]
     assert codes[1] == -9 and codes[0] != 0
     saved = sorted((crashed / "every").glob("*.ckpt"))

@@ -27,8 +27,10 @@ def _gone(pid: int) -> bool:
 # launch_ranks: a command line per rank
 # ---------------------------------------------------------------------------------------------------------------
 def test_launch_ranks_gives_each_rank_torchrun_variables_and_returns_its_output() -> None:
-    code = ("import os, sys; print(*(os.environ[k] for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE'))); "
-            "sys.exit(int(os.environ['RANK']))")
+    code = (
+        "import os, sys; print(*(os.environ[k] for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE'))); "
+        "sys.exit(int(os.environ['RANK']))"
+    )
     results = launch_ranks(["-c", code], 3, timeout=60)
     assert [c for c, _ in results] == [0, 1, 2]
     assert [out.split() for _, out in results] == [[str(r), str(r), "3"] for r in range(3)]
@@ -56,8 +58,13 @@ def test_launch_ranks_with_grace_stops_the_ranks_left_after_a_failure(tmp_path: 
 def _seeded(rank: int, world: int) -> dict[str, object]:
     import torch.distributed as dist
 
-    return {"rank": rank, "world": world, "draw": torch.rand(3), "threads": torch.get_num_threads(),
-            "group": dist.get_world_size()}
+    return {
+        "rank": rank,
+        "world": world,
+        "draw": torch.rand(3),
+        "threads": torch.get_num_threads(),
+        "group": dist.get_world_size(),
+    }
 
 
 def _fails_on_rank_1(rank: int, world: int, pid_dir: str) -> None:
@@ -145,8 +152,13 @@ def test_example_help_lists_the_model_flags() -> None:
     import subprocess
 
     root = Path(__file__).resolve().parents[1]
-    out = subprocess.run([sys.executable, str(root / "examples" / "char_gpt.py"), "--help"], cwd=root,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(root / "examples" / "char_gpt.py"), "--help"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     for flag in ("--n-layer", "--n-embd", "--n-head", "--block-size", "--batch-size", "--devices", "--tune"):
         assert flag in out.stdout

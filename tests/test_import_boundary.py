@@ -16,20 +16,38 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 # Every module of these packages (found by walking them, so new modules such as runtime/pipeline.py are covered)
-CORE_PACKAGES = ["lightning_avgpipe.schedules", "lightning_avgpipe.partition", "lightning_avgpipe.runtime",
-                 "lightning_avgpipe.tuning"]
-CORE_MODULES = ["lightning_avgpipe", "lightning_avgpipe.elastic", "lightning_avgpipe.replicas",
-                "lightning_avgpipe.microbatch", "lightning_avgpipe.config", "lightning_avgpipe.autotune",
-                "lightning_avgpipe.cpu", "lightning_avgpipe.errors", "lightning_avgpipe.optim",
-                "lightning_avgpipe.__main__"]
+CORE_PACKAGES = [
+    "lightning_avgpipe.schedules",
+    "lightning_avgpipe.partition",
+    "lightning_avgpipe.runtime",
+    "lightning_avgpipe.tuning",
+]
+CORE_MODULES = [
+    "lightning_avgpipe",
+    "lightning_avgpipe.elastic",
+    "lightning_avgpipe.replicas",
+    "lightning_avgpipe.microbatch",
+    "lightning_avgpipe.config",
+    "lightning_avgpipe.autotune",
+    "lightning_avgpipe.cpu",
+    "lightning_avgpipe.errors",
+    "lightning_avgpipe.optim",
+    "lightning_avgpipe.__main__",
+]
 
 
 def _python(code: str, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT", "RANK"):
         env.pop(var, None)
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -55,12 +73,17 @@ def test_core_modules_import_neither_lightning_nor_the_plugin() -> None:
             assert not loaded, f"importing {name} loaded {loaded[:5]}"
         print(json.dumps(names))
         """,
-        json.dumps(CORE_MODULES), json.dumps(CORE_PACKAGES),
+        json.dumps(CORE_MODULES),
+        json.dumps(CORE_PACKAGES),
     )
     checked = set(json.loads(proc.stdout.strip().splitlines()[-1]))
-    for name in ("lightning_avgpipe.schedules.simulate", "lightning_avgpipe.partition.blockpartition",
-                 "lightning_avgpipe.runtime.executor", "lightning_avgpipe.tuning.model",
-                 "lightning_avgpipe.tuning.search"):
+    for name in (
+        "lightning_avgpipe.schedules.simulate",
+        "lightning_avgpipe.partition.blockpartition",
+        "lightning_avgpipe.runtime.executor",
+        "lightning_avgpipe.tuning.model",
+        "lightning_avgpipe.tuning.search",
+    ):
         assert name in checked
 
 
@@ -99,10 +122,12 @@ TRAINER = """
 
 
 def test_strategy_name_resolves_when_the_package_is_imported_before_lightning() -> None:
-    proc = _python(TRAINER.format(
-        first="import lightning_avgpipe; assert 'lightning' not in sys.modules",
-        second="import lightning.pytorch as L",
-    ))
+    proc = _python(
+        TRAINER.format(
+            first="import lightning_avgpipe; assert 'lightning' not in sys.modules",
+            second="import lightning.pytorch as L",
+        )
+    )
     assert proc.stdout.strip().endswith("OK")
 
 

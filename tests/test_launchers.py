@@ -19,8 +19,9 @@ def run(args: list[str], tmp_path: Path, timeout: float = 240) -> str:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT", "RANK"):
         env.pop(var, None)
-    proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout,
-                          start_new_session=True)
+    proc = subprocess.run(
+        args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout, start_new_session=True
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     return out
@@ -36,29 +37,66 @@ def test_plain_script_uses_lightnings_launcher(tmp_path: Path) -> None:
 
 def test_torchrun(tmp_path: Path) -> None:
     torchrun = Path(sys.executable).with_name("torchrun")
-    out = run([str(torchrun), "--nproc_per_node", "2", str(ROOT / "examples" / "char_gpt.py"), "--max-steps", "20",
-               "--n-layer", "2"], tmp_path)
+    out = run(
+        [
+            str(torchrun),
+            "--nproc_per_node",
+            "2",
+            str(ROOT / "examples" / "char_gpt.py"),
+            "--max-steps",
+            "20",
+            "--n-layer",
+            "2",
+        ],
+        tmp_path,
+    )
     match = re.search(r"final val_loss ([0-9.]+) \(uniform guess: ([0-9.]+)\)", out)
     assert match, out[-2000:]
     assert float(match.group(1)) < float(match.group(2))
 
 
-CLI = ["-m", "lightning_avgpipe", "fit", "--config", str(ROOT / "examples" / "char_gpt.yaml"),
-       "--trainer.max_steps", "3", "--trainer.limit_val_batches", "2", "--trainer.val_check_interval", "3",
-       "--trainer.enable_progress_bar", "false",
-       "--model.init_args.n_layer", "2", "--data.init_args.max_chars", "200000"]
+CLI = [
+    "-m",
+    "lightning_avgpipe",
+    "fit",
+    "--config",
+    str(ROOT / "examples" / "char_gpt.yaml"),
+    "--trainer.max_steps",
+    "3",
+    "--trainer.limit_val_batches",
+    "2",
+    "--trainer.val_check_interval",
+    "3",
+    "--trainer.enable_progress_bar",
+    "false",
+    "--model.init_args.n_layer",
+    "2",
+    "--data.init_args.max_chars",
+    "200000",
+]
 
 
 def test_cli_class_path_flags(tmp_path: Path) -> None:
-    out = run([sys.executable, *CLI, "--trainer.default_root_dir", str(tmp_path),
-               "--trainer.strategy.init_args.num_microbatches", "8", "--trainer.strategy.init_args.schedule", "afab"],
-              tmp_path)
+    out = run(
+        [
+            sys.executable,
+            *CLI,
+            "--trainer.default_root_dir",
+            str(tmp_path),
+            "--trainer.strategy.init_args.num_microbatches",
+            "8",
+            "--trainer.strategy.init_args.schedule",
+            "afab",
+        ],
+        tmp_path,
+    )
     assert "schedule=afab, num_microbatches=8" in out, out[-2000:]
     saved = yaml.safe_load(next(tmp_path.rglob("config.yaml")).read_text())
     assert saved["trainer"]["strategy"]["init_args"]["num_microbatches"] == 8
 
 
 def test_cli_strategy_name(tmp_path: Path) -> None:
-    out = run([sys.executable, *CLI, "--trainer.default_root_dir", str(tmp_path), "--trainer.strategy", "avgpipe"],
-              tmp_path)
+    out = run(
+        [sys.executable, *CLI, "--trainer.default_root_dir", str(tmp_path), "--trainer.strategy", "avgpipe"], tmp_path
+    )
     assert "schedule=1f1b, num_microbatches=4" in out, out[-2000:]  # the registered defaults: 2 x stages

@@ -16,8 +16,14 @@ pytestmark = pytest.mark.slow
 def test_validation_predict_and_model_checkpoint(tmp_path: Path) -> None:
     """Metrics logged on the last stage reach every rank; predictions come back whole; the best checkpoint loads."""
     results = run_lightning(
-        tmp_path, 2, {"num_microbatches": 3, "partition": [2, 4]}, steps=4, sanity=2, limit_val_batches=1.0,
-        predict=True, monitor="val_acc",
+        tmp_path,
+        2,
+        {"num_microbatches": 3, "partition": [2, 4]},
+        steps=4,
+        sanity=2,
+        limit_val_batches=1.0,
+        predict=True,
+        monitor="val_acc",
     )
     _, ref_state = reference(4, 3)
     val_loss, val_acc, logits = evaluate(ref_state)
@@ -62,8 +68,9 @@ def test_resume_continues_exactly(tmp_path: Path) -> None:
 
 
 def test_bf16_mixed_matches_autocast_reference(tmp_path: Path) -> None:
-    results = run_lightning(tmp_path, 2, {"num_microbatches": 2, "partition": [3, 3]}, steps=3,
-                            trainer={"precision": "bf16-mixed"})
+    results = run_lightning(
+        tmp_path, 2, {"num_microbatches": 2, "partition": [3, 3]}, steps=3, trainer={"precision": "bf16-mixed"}
+    )
     ref_losses, ref_state = reference(3, 2, bf16=True)
     torch.testing.assert_close(torch.tensor(results[0]["losses"]), torch.tensor(ref_losses))
     state = final_state(tmp_path)

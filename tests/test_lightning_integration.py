@@ -15,9 +15,17 @@ from tests.test_strategy_equivalence import final_state, run_lightning
 
 
 def _trainer(**kwargs: object) -> pl.Trainer:
-    options = dict(accelerator="cpu", devices=1, strategy=AvgPipeStrategy(num_microbatches=4, partition=[6]),
-                   max_steps=2, logger=False, enable_progress_bar=False, enable_checkpointing=False,
-                   enable_model_summary=False, num_sanity_val_steps=0)
+    options = dict(
+        accelerator="cpu",
+        devices=1,
+        strategy=AvgPipeStrategy(num_microbatches=4, partition=[6]),
+        max_steps=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
     options.update(kwargs)
     return pl.Trainer(**options)  # type: ignore[arg-type]
 
@@ -60,8 +68,14 @@ def test_weights_only_checkpoint_validates(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_epoch_end_metric_is_the_same_on_every_stage(tmp_path: Path) -> None:
     """A metric updated on the last stage and computed in on_validation_epoch_end: rank 0 (the logger's) agrees."""
-    results = run_lightning(tmp_path, 2, {"num_microbatches": 3, "partition": [2, 4]}, steps=4,
-                            limit_val_batches=1.0, model={"epoch_metric": True})
+    results = run_lightning(
+        tmp_path,
+        2,
+        {"num_microbatches": 3, "partition": [2, 4]},
+        steps=4,
+        limit_val_batches=1.0,
+        model={"epoch_metric": True},
+    )
     _, ref_state = reference(4, 3)
     _, acc, _ = evaluate(ref_state)
     assert results[0]["metrics"]["val_acc"] == pytest.approx(acc) == results[1]["metrics"]["val_acc"]
@@ -71,14 +85,20 @@ def test_epoch_end_metric_is_the_same_on_every_stage(tmp_path: Path) -> None:
 def test_clipping_by_value_reaches_the_replicas(tmp_path: Path) -> None:
     strategy = {"num_microbatches": 2, "partition": [3, 3], "num_pipelines": 2}
     run_lightning(tmp_path / "plain", 2, strategy, steps=2)
-    run_lightning(tmp_path / "clipped", 2, strategy, steps=2,
-                  trainer={"gradient_clip_val": 1e-3, "gradient_clip_algorithm": "value"})
+    run_lightning(
+        tmp_path / "clipped",
+        2,
+        strategy,
+        steps=2,
+        trainer={"gradient_clip_val": 1e-3, "gradient_clip_algorithm": "value"},
+    )
     plain, clipped = final_state(tmp_path / "plain"), final_state(tmp_path / "clipped")
     assert any(not torch.equal(plain[k], clipped[k]) for k in plain)
 
 
-def test_divergence_is_measured_on_the_steps_lightning_writes_logs(tmp_path: Path,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_divergence_is_measured_on_the_steps_lightning_writes_logs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """N = 2 on one process: the divergence costs N passes over the weights and an all-reduce, so it is measured
     only on the steps whose logs Lightning writes (every log_every_n_steps), and then it is logged."""
     import csv
@@ -87,8 +107,12 @@ def test_divergence_is_measured_on_the_steps_lightning_writes_logs(tmp_path: Pat
 
     from lightning_avgpipe.elastic import ElasticAveraging
 
-    trainer = _trainer(strategy=AvgPipeStrategy(num_microbatches=2, num_pipelines=2, partition=[6]), max_steps=6,
-                       log_every_n_steps=3, logger=CSVLogger(tmp_path, name="", version=""))
+    trainer = _trainer(
+        strategy=AvgPipeStrategy(num_microbatches=2, num_pipelines=2, partition=[6]),
+        max_steps=6,
+        log_every_n_steps=3,
+        logger=CSVLogger(tmp_path, name="", version=""),
+    )
     measured: list[int] = []
     original = ElasticAveraging.divergence
 
@@ -105,8 +129,9 @@ def test_divergence_is_measured_on_the_steps_lightning_writes_logs(tmp_path: Pat
     assert all(float(r["avgpipe/divergence"]) > 0 for r in rows)
 
 
-def test_step_figures_are_measured_only_on_the_steps_lightning_writes_logs(tmp_path: Path,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_step_figures_are_measured_only_on_the_steps_lightning_writes_logs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The figures' all-gather and the activation meter's saved-tensor hooks cost every step they run on: they run
     on log steps only (and the figures are then written), never on the steps between."""
     import csv
@@ -116,8 +141,12 @@ def test_step_figures_are_measured_only_on_the_steps_lightning_writes_logs(tmp_p
     from lightning_avgpipe.runtime.pipeline import StagePipeline
     from lightning_avgpipe.runtime.trace import ActivationMeter
 
-    trainer = _trainer(strategy=AvgPipeStrategy(num_microbatches=2, partition=[6]), max_steps=6,
-                       log_every_n_steps=3, logger=CSVLogger(tmp_path, name="", version=""))
+    trainer = _trainer(
+        strategy=AvgPipeStrategy(num_microbatches=2, partition=[6]),
+        max_steps=6,
+        log_every_n_steps=3,
+        logger=CSVLogger(tmp_path, name="", version=""),
+    )
     gathered: list[int] = []
     metered: list[int] = []
     figures, unit = StagePipeline.figures, ActivationMeter.unit
@@ -147,12 +176,17 @@ def test_resuming_a_balanced_partition_cuts_as_the_checkpoint(tmp_path: Path) ->
     """partition="balanced" times the layers, and noise gives other cuts; a resumed fit takes the checkpoint's cut,
     so the replicas' optimizer states are restored instead of dropped as another layout's."""
     strategy = {"num_microbatches": 2, "num_pipelines": 2, "partition": "balanced"}
-    run_lightning(tmp_path / "first", 2, strategy, steps=2, example_input=True,
-                  model={"optimizer": "adam", "lr": 0.01})
+    run_lightning(tmp_path / "first", 2, strategy, steps=2, example_input=True, model={"optimizer": "adam", "lr": 0.01})
     saved = torch.load(tmp_path / "first" / "final.ckpt", weights_only=False)["optimizer_states"][0]["avgpipe_layout"]
-    resumed = run_lightning(tmp_path / "resumed", 2, strategy, steps=4, example_input=True,
-                            model={"optimizer": "adam", "lr": 0.01},
-                            ckpt_path=str(tmp_path / "first" / "final.ckpt"))
+    resumed = run_lightning(
+        tmp_path / "resumed",
+        2,
+        strategy,
+        steps=4,
+        example_input=True,
+        model={"optimizer": "adam", "lr": 0.01},
+        ckpt_path=str(tmp_path / "first" / "final.ckpt"),
+    )
     out = resumed[0]["output"]
     assert f"cutting the model as the checkpoint was cut, partition={saved['partition']}" in out
     assert "differs from" not in out  # the layout matched: optimizer states and replicas were restored

@@ -183,8 +183,9 @@ def test_to_cpu_and_detached_keep_the_structure(name: str) -> None:
     batch = _batches()[name]
     _assert_same(microbatch.to_cpu(batch), batch)
     _assert_same(microbatch.detached(batch), batch)
-    assert [t.data_ptr() for t in microbatch.tensors(microbatch.detached(batch))] == \
-        [t.data_ptr() for t in microbatch.tensors(batch)]  # detached, not copied
+    assert [t.data_ptr() for t in microbatch.tensors(microbatch.detached(batch))] == [
+        t.data_ptr() for t in microbatch.tensors(batch)
+    ]  # detached, not copied
 
 
 def test_to_cpu_detaches_and_keeps_other_leaves() -> None:

@@ -71,9 +71,14 @@ def test_groups_empty_on_this_stage_do_not_shift_the_hyperparameters() -> None:
     here = [nn.Linear(3, 4), nn.Linear(4, 2)]
     elsewhere = nn.Linear(2, 2)  # on another stage: not among this stage's (reference) parameters
     elastic = ElasticAveraging(here, num_replicas=2)
-    user = torch.optim.SGD([{"params": list(elsewhere.parameters()), "lr": 1e-4},
-                            {"params": list(here[0].parameters()), "lr": 0.1},
-                            {"params": list(here[1].parameters()), "lr": 1.0}], lr=0.5)
+    user = torch.optim.SGD(
+        [
+            {"params": list(elsewhere.parameters()), "lr": 1e-4},
+            {"params": list(here[0].parameters()), "lr": 0.1},
+            {"params": list(here[1].parameters()), "lr": 1.0},
+        ],
+        lr=0.5,
+    )
     clones = [clone_optimizer(user, elastic.replica_params(i), elastic.reference_params) for i in range(2)]
     opt = ElasticOptimizer(user, clones, elastic)
     for p in elastic.all_replica_params():

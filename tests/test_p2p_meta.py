@@ -142,8 +142,11 @@ def test_posting_to_a_gone_neighbour_names_it(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(dist, "irecv", gone)
     monkeypatch.setattr(dist, "isend", gone)
     link = Link(0, 2, torch.device("cpu"), name="stage 1 (rank 1)", stage=1)
-    with pytest.raises(PeerFailureError, match=r"stage 1 \(rank 1\): a transfer \(receive\) from rank 0 \(stage 0\) "
-                                               r"did not arrive: that rank failed.*Connection closed by peer"):
+    with pytest.raises(
+        PeerFailureError,
+        match=r"stage 1 \(rank 1\): a transfer \(receive\) from rank 0 \(stage 0\) "
+        r"did not arrive: that rank failed.*Connection closed by peer",
+    ):
         link._p2p(False, torch.zeros(2), 0)
     with pytest.raises(PeerFailureError, match=r"a transfer \(send\) from rank 2 \(stage 2\) did not arrive"):
         link._p2p(True, torch.zeros(2), 2)

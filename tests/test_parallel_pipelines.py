@@ -23,8 +23,7 @@ def replicas_from_checkpoint(path: Path) -> dict[tuple[int, int], list[dict[str,
 @pytest.mark.parametrize("optimizer", ["sgd", "adam", "adamw"])
 def test_two_pipelines_match_single_process_avgpipe(tmp_path: Path, optimizer: str) -> None:
     lr = 0.1 if optimizer == "sgd" else 0.01
-    strategy: dict[str, Any] = {"num_microbatches": 2, "partition": [2, 4], "num_pipelines": 2,
-                                "sync_reference": True}
+    strategy: dict[str, Any] = {"num_microbatches": 2, "partition": [2, 4], "num_pipelines": 2, "sync_reference": True}
     results = run_lightning(tmp_path, 2, strategy, steps=5, model={"optimizer": optimizer, "lr": lr})
     ref_losses, ref_state, ref_replicas = reference_elastic(5, 2, 2, lr=lr, optimizer=optimizer)
     torch.testing.assert_close(torch.tensor(results[0]["losses"]), torch.tensor(ref_losses))
@@ -56,10 +55,22 @@ def test_two_groups_equal_two_pipelines_in_one_group(tmp_path: Path, sync: bool)
     model = {"optimizer": "adam", "lr": 0.01}
     one_group = tmp_path / "one_group"
     two_groups = tmp_path / "two_groups"
-    a = run_lightning(one_group, 2, {"num_microbatches": 2, "partition": [3, 3], "num_pipelines": 2,
-                                     "sync_reference": True}, steps=4, model=model, group_data=True)
-    b = run_lightning(two_groups, 4, {"num_stages": 2, "num_microbatches": 2, "partition": [3, 3],
-                                      "sync_reference": sync}, steps=4, model=model, group_data=True)
+    a = run_lightning(
+        one_group,
+        2,
+        {"num_microbatches": 2, "partition": [3, 3], "num_pipelines": 2, "sync_reference": True},
+        steps=4,
+        model=model,
+        group_data=True,
+    )
+    b = run_lightning(
+        two_groups,
+        4,
+        {"num_stages": 2, "num_microbatches": 2, "partition": [3, 3], "sync_reference": sync},
+        steps=4,
+        model=model,
+        group_data=True,
+    )
     sa, sb = final_state(one_group), final_state(two_groups)
     for key in sa:
         torch.testing.assert_close(sb[key], sa[key], msg=lambda m, key=key: f"{key}: {m}")
@@ -91,15 +102,20 @@ def test_resume_with_replicas_is_exact_and_another_layout_starts_from_the_refere
             for sa, sb in zip(la, lb):
                 assert all(torch.equal(sa[k], sb[k]) for k in sa)
     # another N: weights restored, replicas restart from the reference, and the run says so
-    other = run_lightning(tmp_path / "other", 2, {**strategy, "num_pipelines": 3}, steps=3, model=model,
-                          ckpt_path=str(midway))
+    other = run_lightning(
+        tmp_path / "other", 2, {**strategy, "num_pipelines": 3}, steps=3, model=model, ckpt_path=str(midway)
+    )
     assert "the replicas start from the reference" in other[0]["output"]
 
 
 def test_batched_replica_execution_matches(tmp_path: Path) -> None:
     """replica_execution='batched' (one vmap over stacked weights per unit) computes the same AvgPipe step."""
-    strategy: dict[str, Any] = {"num_microbatches": 2, "partition": [3, 3], "num_pipelines": 2,
-                                "replica_execution": "batched"}
+    strategy: dict[str, Any] = {
+        "num_microbatches": 2,
+        "partition": [3, 3],
+        "num_pipelines": 2,
+        "replica_execution": "batched",
+    }
     results = run_lightning(tmp_path, 2, strategy, steps=4, model={"optimizer": "adam", "lr": 0.01})
     ref_losses, ref_state, _ = reference_elastic(4, 2, 2, lr=0.01, optimizer="adam")
     torch.testing.assert_close(torch.tensor(results[0]["losses"]), torch.tensor(ref_losses))
@@ -117,7 +133,8 @@ def test_same_seed_same_setting_gives_identical_weights(tmp_path: Path) -> None:
 
 
 def test_grouped_batches_take_n_consecutive_batches_and_seed_the_loaders_workers(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from lightning.fabric.utilities.data import _auto_add_worker_init_fn
     from torch.utils.data import DataLoader
 

@@ -45,8 +45,14 @@ def reference(
 
 
 def _worker(
-    rank: int, world: int, schedule: str, partition: list[int], m: int, sizes: list[int] | None = None,
-    batched: bool = False, k: int = 0,
+    rank: int,
+    world: int,
+    schedule: str,
+    partition: list[int],
+    m: int,
+    sizes: list[int] | None = None,
+    batched: bool = False,
+    k: int = 0,
 ) -> dict:
     layers = make_layers()
     start = sum(partition[:rank])
@@ -67,8 +73,7 @@ def _worker(
 
         if opt:
             opt.zero_grad()
-        results = executor.run(plan.stages[rank], keys, training=True, inputs=lambda u, mbs=mbs: mbs[u][0],
-                               head=head)
+        results = executor.run(plan.stages[rank], keys, training=True, inputs=lambda u, mbs=mbs: mbs[u][0], head=head)
         if opt:
             opt.step()
         losses.append(sum(r.item() for r in results.values()))

@@ -468,7 +468,7 @@ def test_just_in_time_coalesced_plans_never_deadlock_under_nccl(name: str, S: in
     from lightning_avgpipe.schedules.nccl import nccl_deadlock
 
     for U in range(1, 10):
-        for k in ([0] if name != "advance" else range(U + 2)):
+        for k in [0] if name != "advance" else range(U + 2):
             for training in (True, False):
                 plan = build_plan(name, S, U, k, training, recv_lookahead=0)
                 assert nccl_deadlock(plan, coalesce=True) is None, (name, S, U, k, training)

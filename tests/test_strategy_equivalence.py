@@ -13,8 +13,9 @@ from tests.helpers.launch import launch_ranks
 from tests.helpers.lit import PipeNet, reference
 
 
-def run_lightning(tmp_path: Path, devices: int, strategy: dict[str, Any], steps: int = 4, **extra: Any
-                  ) -> list[dict[str, Any]]:
+def run_lightning(
+    tmp_path: Path, devices: int, strategy: dict[str, Any], steps: int = 4, **extra: Any
+) -> list[dict[str, Any]]:
     cfg = {"out": str(tmp_path), "devices": devices, "steps": steps, "strategy": strategy, **extra}
     results = launch_ranks(["-m", "tests.helpers.lightning_worker", json.dumps(cfg)], devices, timeout=300)
     failed = [f"rank {r} exited {code}:\n{out[-3000:]}" for r, (code, out) in enumerate(results) if code != 0]
@@ -45,8 +46,16 @@ def assert_matches(tmp_path: Path, results: list[dict[str, Any]], m: int, steps:
         (2, {"num_microbatches": 3, "schedule": "afab", "partition": [1, 5]}),
         (4, {"num_microbatches": 4, "schedule": "1f1b", "partition": [1, 2, 2, 1]}),
         (4, {"num_microbatches": 6, "schedule": "afab", "partition": "uniform"}),
-        (4, {"num_microbatches": 4, "schedule": "advance", "advance_forwards": 1, "partition": [2, 1, 1, 2],
-             "p2p": "batched"}),
+        (
+            4,
+            {
+                "num_microbatches": 4,
+                "schedule": "advance",
+                "advance_forwards": 1,
+                "partition": [2, 1, 1, 2],
+                "p2p": "batched",
+            },
+        ),
     ],
     ids=["S2-1f1b-even", "S2-afab-uneven", "S4-1f1b-uneven", "S4-afab-uniform", "S4-advance-batched-p2p"],
 )
@@ -60,7 +69,11 @@ def test_adam_clipping_accumulation_scheduler(tmp_path: Path) -> None:
     """Global-norm clipping, accumulate_grad_batches, an lr scheduler and Adam all keep the arithmetic exact."""
     strategy = {"num_microbatches": 2, "partition": [2, 4]}
     results = run_lightning(
-        tmp_path, 2, strategy, steps=3, model={"optimizer": "adam", "lr": 0.01, "scheduler": True},
+        tmp_path,
+        2,
+        strategy,
+        steps=3,
+        model={"optimizer": "adam", "lr": 0.01, "scheduler": True},
         trainer={"gradient_clip_val": 0.05, "accumulate_grad_batches": 2},
     )
     assert_matches(tmp_path, results, 2, steps=3, optimizer="adam", lr=0.01, scheduler=True, clip=0.05, accumulate=2)
@@ -80,6 +93,8 @@ def test_advance_auto_changes_plans_without_changing_the_arithmetic(tmp_path: Pa
     """advance_forwards='auto' tries k = 0, 1, ... between iterations; every plan computes the same step."""
     strategy = {"num_microbatches": 4, "schedule": "advance", "partition": [3, 3]}
     results = run_lightning(tmp_path, 2, strategy, steps=10, trainer={"log_every_n_steps": 1})
-    assert "advance_forwards='auto' settled on" in results[0]["output"] or results[0]["metrics"][
-        "avgpipe/advance_forwards"] >= 1.0  # it moved past k = 0 or decided, within 10 iterations
+    assert (
+        "advance_forwards='auto' settled on" in results[0]["output"]
+        or results[0]["metrics"]["avgpipe/advance_forwards"] >= 1.0
+    )  # it moved past k = 0 or decided, within 10 iterations
     assert_matches(tmp_path, results, 4, steps=10)

@@ -34,8 +34,9 @@ def test_traced_step_matches_the_plan_and_memory_follows_the_schedule(tmp_path: 
     assert 0.0 <= metrics["avgpipe/bubble_fraction"] < 1.0 and metrics["avgpipe/comm_wait_s"] >= 0.0
     peaks = {"advance": metrics["avgpipe/peak_memory_mb/stage0"]}
     for schedule in ("afab", "1f1b"):
-        out = run_lightning(tmp_path / schedule, 2, {**base, "schedule": schedule}, steps=2,
-                           trainer={"log_every_n_steps": 1})  # the figures are measured on log steps
+        out = run_lightning(
+            tmp_path / schedule, 2, {**base, "schedule": schedule}, steps=2, trainer={"log_every_n_steps": 1}
+        )  # the figures are measured on log steps
         peaks[schedule] = out[0]["metrics"]["avgpipe/peak_memory_mb/stage0"]
     # the logged peak is the stage's tensors (the same in the three runs) plus the activation stash: stage 0 keeps
     # M = 4 units under AFAB, S - s + k = 3 under advance(k=1) and S - s = 2 under 1F1B

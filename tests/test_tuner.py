@@ -51,9 +51,15 @@ def test_snapshot_restores_rng_grads_buffers_and_metrics() -> None:
 
 
 def test_unit_times_charge_sends_to_the_compute_before_them() -> None:
-    spans = [Span("F", 0, 0.0, 0.010), Span("send", 0, 0.010, 0.012), Span("wait", 1, 0.012, 0.050),
-             Span("F", 1, 0.050, 0.060), Span("B", 0, 0.060, 0.080), Span("send", 0, 0.080, 0.083),
-             Span("B", 1, 0.083, 0.103)]
+    spans = [
+        Span("F", 0, 0.0, 0.010),
+        Span("send", 0, 0.010, 0.012),
+        Span("wait", 1, 0.012, 0.050),
+        Span("F", 1, 0.050, 0.060),
+        Span("B", 0, 0.060, 0.080),
+        Span("send", 0, 0.080, 0.083),
+        Span("B", 1, 0.083, 0.103),
+    ]
     fwd, bwd = unit_times([spans])
     assert fwd == pytest.approx(0.011)  # mean of 0.012 and 0.010; the wait is not charged
     assert bwd == pytest.approx(0.0215)  # mean of 0.023 and 0.020
@@ -93,8 +99,9 @@ def test_tuner_arguments_are_checked() -> None:
 def test_calibration_scales_times_and_keeps_the_choice() -> None:
     from lightning_avgpipe.tuning import PipelineProfile, StageProfile, search
 
-    stage = StageProfile({1: 0.001, 8: 0.004}, {1: 0.002, 8: 0.008}, {1: 1e4, 8: 8e4}, {1: 1e3, 8: 8e3},
-                         1e6, 2e6, 0.003, 0.001)
+    stage = StageProfile(
+        {1: 0.001, 8: 0.004}, {1: 0.002, 8: 0.008}, {1: 1e4, 8: 8e4}, {1: 1e3, 8: 8e3}, 1e6, 2e6, 0.003, 0.001
+    )
     table = search(PipelineProfile([stage, stage], 8, latency_s=1e-4, bandwidth=1e9), num_pipelines=2)
     before = table.choice
     assert before is not None
@@ -115,8 +122,16 @@ def test_tuner_needs_the_avgpipe_strategy(tmp_path: Path) -> None:
     from lightning_avgpipe import AvgPipeTuner
     from tests.helpers.lit import PipeNet, loader
 
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
-                         enable_checkpointing=False, callbacks=[AvgPipeTuner()], default_root_dir=str(tmp_path))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        callbacks=[AvgPipeTuner()],
+        default_root_dir=str(tmp_path),
+    )
     with pytest.raises(ValueError, match=r"AvgPipeTuner tunes strategy='avgpipe'.*SingleDeviceStrategy"):
         trainer.fit(PipeNet(), loader())
 
@@ -130,9 +145,20 @@ def test_profiling_leaves_no_trace(tmp_path: Path) -> None:
     model = {"noisy": True, "optimizer": "adam", "lr": 0.01, "scheduler": True}
     strategy = {"num_microbatches": 2, "partition": [3, 3]}
     plain = run_lightning(tmp_path / "plain", 2, strategy, steps=5, model=model, shuffle=True)
-    tuned = run_lightning(tmp_path / "tuned", 2, strategy, steps=5, model=model, shuffle=True,
-                          tuner={"apply": False, "num_pipelines": 2, "num_microbatches": [1, 2, 4],  # BatchNorm: b > 1
-                                 "output_dir": str(tmp_path / "tuning")})
+    tuned = run_lightning(
+        tmp_path / "tuned",
+        2,
+        strategy,
+        steps=5,
+        model=model,
+        shuffle=True,
+        tuner={
+            "apply": False,
+            "num_pipelines": 2,
+            "num_microbatches": [1, 2, 4],  # BatchNorm: b > 1
+            "output_dir": str(tmp_path / "tuning"),
+        },
+    )
     assert tuned[0]["tuner"]["choice"] is not None  # it did profile and predict
     assert (tmp_path / "tuning" / "tuning.json").exists()
     assert tuned[0]["losses"] == plain[0]["losses"]
@@ -149,8 +175,13 @@ def test_profiling_leaves_no_trace(tmp_path: Path) -> None:
 @pytest.mark.timeout(300)
 def test_tuner_applies_its_choice_and_reports_the_table(tmp_path: Path) -> None:
     out = tmp_path / "tuning"
-    results = run_lightning(tmp_path, 2, {"num_microbatches": 2, "partition": [3, 3]}, steps=5,
-                            tuner={"num_pipelines": [1, 2], "output_dir": str(out), "calibrate_steps": 2})
+    results = run_lightning(
+        tmp_path,
+        2,
+        {"num_microbatches": 2, "partition": [3, 3]},
+        steps=5,
+        tuner={"num_pipelines": [1, 2], "output_dir": str(out), "calibrate_steps": 2},
+    )
     choice = results[0]["tuner"]["choice"]
     for r in results:  # every rank runs the same setting, the tuner's
         assert r["setting"] == [choice["num_microbatches"], choice["num_pipelines"]]
@@ -182,8 +213,12 @@ def test_known_costs_give_the_right_pick(tmp_path: Path) -> None:
     setting the true costs make fastest (within 10%)."""
     fixed_f, row_f, fixed_b, row_b = 0.001, 0.001, 0.002, 0.002  # true best M: 3-4 (60 ms; M = 1 or 12: 78)
     results = run_lightning(
-        tmp_path, 2, {"num_microbatches": 2, "partition": [2, 4]}, steps=1,
-        model={"sleep": [fixed_f, row_f, fixed_b, row_b]}, tuner={"num_pipelines": 1, "profile_steps": 2},
+        tmp_path,
+        2,
+        {"num_microbatches": 2, "partition": [2, 4]},
+        steps=1,
+        model={"sleep": [fixed_f, row_f, fixed_b, row_b]},
+        tuner={"num_pipelines": 1, "profile_steps": 2},
     )
     profile = results[0]["tuner"]["profile"]
     for stage in profile["stages"]:
@@ -210,8 +245,13 @@ def test_known_costs_give_the_right_pick(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_memory_limit_no_setting_meets_stops_every_rank_with_the_need(tmp_path: Path) -> None:
-    cfg = {"out": str(tmp_path), "devices": 2, "steps": 2, "strategy": {"num_microbatches": 2},
-           "tuner": {"memory_limit": 1000, "num_pipelines": 2}}
+    cfg = {
+        "out": str(tmp_path),
+        "devices": 2,
+        "steps": 2,
+        "strategy": {"num_microbatches": 2},
+        "tuner": {"memory_limit": 1000, "num_pipelines": 2},
+    }
     results = launch_ranks(["-m", "tests.helpers.lightning_worker", json.dumps(cfg)], 2, timeout=240)
     for code, out in results:
         assert code != 0
@@ -234,9 +274,23 @@ def test_tune_command_prints_the_table_without_training(tmp_path: Path) -> None:
     for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT", "RANK"):  # left by in-process Trainers
         env.pop(var, None)
     proc = subprocess.run(
-        [sys.executable, "-m", "lightning_avgpipe", "tune", "--config", str(config), "--num-pipelines", "2",
-         "--output-dir", str(tmp_path / "out")],
-        cwd=ROOT, capture_output=True, text=True, timeout=240, env=env,
+        [
+            sys.executable,
+            "-m",
+            "lightning_avgpipe",
+            "tune",
+            "--config",
+            str(config),
+            "--num-pipelines",
+            "2",
+            "--output-dir",
+            str(tmp_path / "out"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "<- chosen" in proc.stdout and "plan: num_microbatches=" in proc.stdout
@@ -279,9 +333,14 @@ def test_tuner_keeps_the_setting_when_resuming(tmp_path: Path) -> None:
     restored optimizer states belong to the checkpoint's replicas."""
     strategy = {"num_microbatches": 2, "partition": [3, 3]}
     run_lightning(tmp_path / "first", 2, strategy, steps=2)
-    resumed = run_lightning(tmp_path / "resumed", 2, strategy, steps=4,
-                            ckpt_path=str(tmp_path / "first" / "final.ckpt"),
-                            tuner={"num_pipelines": [1, 2], "output_dir": str(tmp_path / "tuning")})
+    resumed = run_lightning(
+        tmp_path / "resumed",
+        2,
+        strategy,
+        steps=4,
+        ckpt_path=str(tmp_path / "first" / "final.ckpt"),
+        tuner={"num_pipelines": [1, 2], "output_dir": str(tmp_path / "tuning")},
+    )
     for r in resumed:
         assert r["tuner"]["choice"] is None and r["setting"] == [2, 1]
         assert len(r["losses"]) == 2  # steps 3 and 4
@@ -343,10 +402,20 @@ def test_first_batch_leaves_the_loaders_own_generators_as_they_were() -> None:
     batch, fetch_s, batches, last = first_batch(_fake_trainer(loader))
     assert batch[0].shape == (4,) and fetch_s >= 0 and batches == 13 and last == 2  # 50 = 12 x 4 + 2
     assert order(loader) == untouched  # without the restore the first training batch changes
-    sampler_gen = DataLoader(data, batch_size=4, sampler=torch.utils.data.RandomSampler(
-        data, generator=torch.Generator().manual_seed(5)), drop_last=True)
-    before = order(DataLoader(data, batch_size=4, sampler=torch.utils.data.RandomSampler(
-        data, generator=torch.Generator().manual_seed(5)), drop_last=True))
+    sampler_gen = DataLoader(
+        data,
+        batch_size=4,
+        sampler=torch.utils.data.RandomSampler(data, generator=torch.Generator().manual_seed(5)),
+        drop_last=True,
+    )
+    before = order(
+        DataLoader(
+            data,
+            batch_size=4,
+            sampler=torch.utils.data.RandomSampler(data, generator=torch.Generator().manual_seed(5)),
+            drop_last=True,
+        )
+    )
     assert first_batch(_fake_trainer(sampler_gen))[3] is None  # drop_last: no short batch
     assert order(sampler_gen) == before
 
@@ -395,8 +464,13 @@ def test_calibration_times_whole_accumulation_cycles(monkeypatch: pytest.MonkeyP
     tuner._calibrating = True
     clock = iter([0.0, 5.0, 6.0, 9.0, 10.0, 15.0])  # a warm-up interval, then 1, 3, 1, 5
     monkeypatch.setattr(tuner_module.time, "perf_counter", lambda: next(clock))
-    trainer = SimpleNamespace(accumulate_grad_batches=2, strategy=SimpleNamespace(broadcast=lambda v, src: v),
-                              is_global_zero=False, loggers=[], global_step=0)
+    trainer = SimpleNamespace(
+        accumulate_grad_batches=2,
+        strategy=SimpleNamespace(broadcast=lambda v, src: v),
+        is_global_zero=False,
+        loggers=[],
+        global_step=0,
+    )
     for i in range(5):
         tuner.on_train_batch_start(trainer, None, None, i)  # type: ignore[arg-type]
     assert tuner._calibrating  # 3 steps round up to 4 intervals (two cycles of K = 2) after the warm-up
@@ -411,9 +485,13 @@ def test_calibration_times_whole_accumulation_cycles(monkeypatch: pytest.MonkeyP
 @pytest.mark.timeout(300)
 def test_tuner_with_two_groups_times_the_reference_allreduce(tmp_path: Path) -> None:
     out = tmp_path / "tuning"
-    results = run_lightning(tmp_path, 4, {"num_stages": 2, "num_microbatches": 2, "partition": [3, 3]}, steps=2,
-                            tuner={"num_pipelines": [1, 2], "num_microbatches": [1, 2], "output_dir": str(out),
-                                   "calibrate_steps": 0})
+    results = run_lightning(
+        tmp_path,
+        4,
+        {"num_stages": 2, "num_microbatches": 2, "partition": [3, 3]},
+        steps=2,
+        tuner={"num_pipelines": [1, 2], "num_microbatches": [1, 2], "output_dir": str(out), "calibrate_steps": 0},
+    )
     choice = results[0]["tuner"]["choice"]
     for r in results:  # all four ranks (two groups of two stages) run the same choice
         assert r["setting"] == [choice["num_microbatches"], choice["num_pipelines"]]
@@ -426,9 +504,19 @@ def test_tuner_with_two_groups_times_the_reference_allreduce(tmp_path: Path) -> 
 def test_a_new_n_regroups_a_loader_set_up_early(tmp_path: Path) -> None:
     """configure_optimizers reading trainer.estimated_stepping_batches sets the training loader up (grouped for the
     strategy's N) before the tuner runs; the tuner's new N must regroup it."""
-    results = run_lightning(tmp_path, 2, {"num_microbatches": 2, "partition": [3, 3]}, steps=3,
-                            model={"stepping": True}, trainer={"max_epochs": 10},  # max_epochs: it loads the data
-                            tuner={"num_pipelines": [2], "num_microbatches": [2], "calibrate_steps": 0,
-                                   "output_dir": str(tmp_path / "tuning")})
+    results = run_lightning(
+        tmp_path,
+        2,
+        {"num_microbatches": 2, "partition": [3, 3]},
+        steps=3,
+        model={"stepping": True},
+        trainer={"max_epochs": 10},  # max_epochs: it loads the data
+        tuner={
+            "num_pipelines": [2],
+            "num_microbatches": [2],
+            "calibrate_steps": 0,
+            "output_dir": str(tmp_path / "tuning"),
+        },
+    )
     for r in results:
         assert r["setting"] == [2, 2] and len(r["losses"]) == 3

@@ -26,8 +26,15 @@ from lightning_avgpipe.tuning.whatif import allreduce_seconds, project
 MiB = 2**20
 
 
-def stage(f: float = 1e-3, act: float = 1e6, send: float = 1e5, params: float = 4e6, opt_s: float = 2e-4,
-          elastic_s: float = 1e-4, fixed: float = 0.0) -> StageProfile:
+def stage(
+    f: float = 1e-3,
+    act: float = 1e6,
+    send: float = 1e5,
+    params: float = 4e6,
+    opt_s: float = 2e-4,
+    elastic_s: float = 1e-4,
+    fixed: float = 0.0,
+) -> StageProfile:
     """Costs linear in the micro-batch size b (plus ``fixed`` per unit), measured at b = 1, 2 and 8."""
     sizes = (1.0, 2.0, 8.0)
     return StageProfile(
@@ -43,18 +50,36 @@ def stage(f: float = 1e-3, act: float = 1e6, send: float = 1e5, params: float = 
 
 
 def profile(num_stages: int = 4, **kw: float) -> PipelineProfile:
-    link = {k: kw.pop(k) for k in ("latency_s", "bandwidth", "iteration_overhead_s", "unit_overhead_s",
-                                   "batch_fetch_s", "sync_reference", "accumulate") if k in kw}
-    return PipelineProfile([stage(**kw) for _ in range(num_stages)], batch_size=8,
-                           **{"latency_s": 2e-3, "bandwidth": 1e9, **link})
+    link = {
+        k: kw.pop(k)
+        for k in (
+            "latency_s",
+            "bandwidth",
+            "iteration_overhead_s",
+            "unit_overhead_s",
+            "batch_fetch_s",
+            "sync_reference",
+            "accumulate",
+        )
+        if k in kw
+    }
+    return PipelineProfile(
+        [stage(**kw) for _ in range(num_stages)], batch_size=8, **{"latency_s": 2e-3, "bandwidth": 1e9, **link}
+    )
 
 
 def uneven() -> PipelineProfile:
     """Three different stages (an embedding-like first stage, a heavy middle, a head)."""
     return PipelineProfile(
-        [stage(f=1e-3, params=8e6, send=2e5), stage(f=3e-3, params=2e6, send=1e5, act=3e6),
-         stage(f=2e-3, params=6e6, opt_s=5e-4, elastic_s=3e-4)],
-        batch_size=8, latency_s=1e-3, bandwidth=5e8, iteration_overhead_s=4e-3,
+        [
+            stage(f=1e-3, params=8e6, send=2e5),
+            stage(f=3e-3, params=2e6, send=1e5, act=3e6),
+            stage(f=2e-3, params=6e6, opt_s=5e-4, elastic_s=3e-4),
+        ],
+        batch_size=8,
+        latency_s=1e-3,
+        bandwidth=5e8,
+        iteration_overhead_s=4e-3,
     )
 
 
@@ -313,8 +338,9 @@ def test_overlapped_reference_allreduce_hides_behind_the_pipeline() -> None:
     p_none, p_short, p_long = predict(none, 4, 1), predict(short, 4, 1), predict(long, 4, 1)
     assert p_short.step_time == pytest.approx(p_none.step_time)  # 1 ms hides behind the next pipeline
     assert p_long.step_time == pytest.approx(p_none.step_time + 10.0 - p_none.pipeline_time)  # what sticks out
-    waited = PipelineProfile([stage() for _ in range(4)], batch_size=8, reference_allreduce_s=1e-3,
-                             sync_reference=True, **base)
+    waited = PipelineProfile(
+        [stage() for _ in range(4)], batch_size=8, reference_allreduce_s=1e-3, sync_reference=True, **base
+    )
     assert predict(waited, 4, 1).step_time == pytest.approx(p_none.step_time + 1e-3)
 
 
@@ -343,26 +369,59 @@ def _tuning_json(tmp_path: Path) -> Path:
 
 def test_whatif_command_prints_a_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = _tuning_json(tmp_path)
-    args = ["whatif", "--profile", str(path), "--stages", "8", "--groups", "4", "--latency-ms", "0.05",
-            "--bandwidth-gbs", "10", "--num-pipelines", "3", "--memory-limit-mb", "40"]
+    args = [
+        "whatif",
+        "--profile",
+        str(path),
+        "--stages",
+        "8",
+        "--groups",
+        "4",
+        "--latency-ms",
+        "0.05",
+        "--bandwidth-gbs",
+        "10",
+        "--num-pipelines",
+        "3",
+        "--memory-limit-mb",
+        "40",
+    ]
     assert main(args) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("what-if: 4 profiled stage(s) -> S=8, D=4, B=8, latency 0.05 ms, bandwidth 10 GB/s")
     assert lines[1].split()[:4] == ["M", "N", "k", "iter"]
-    body = lines[2:2 + 4 * 3]
-    assert [tuple(int(x) for x in line.split()[:2]) for line in body] == [(m, n) for n in (1, 2, 3)
-                                                                          for m in (1, 2, 4, 8)]
+    body = lines[2 : 2 + 4 * 3]
+    assert [tuple(int(x) for x in line.split()[:2]) for line in body] == [
+        (m, n) for n in (1, 2, 3) for m in (1, 2, 4, 8)
+    ]
     assert sum("<- chosen" in line for line in body) == 1
     expected = search(project(profile(), 8, 4, 5e-5, 1e10), num_pipelines=3, memory_limit=40 * MiB).choice
     assert expected is not None
-    assert lines[-1].startswith(f"choice: num_microbatches={expected.num_microbatches} "
-                                f"num_pipelines={expected.num_pipelines}: {expected.samples_per_sec:.1f} samples/s")
+    assert lines[-1].startswith(
+        f"choice: num_microbatches={expected.num_microbatches} "
+        f"num_pipelines={expected.num_pipelines}: {expected.samples_per_sec:.1f} samples/s"
+    )
 
 
 def test_whatif_command_writes_a_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = _tuning_json(tmp_path)
-    args = ["whatif", "--profile", str(path), "--stages", "2", "--num-microbatches", "2", "4",
-            "--num-pipelines", "1", "2", "--schedule", "advance", "--report", str(tmp_path / "rep")]
+    args = [
+        "whatif",
+        "--profile",
+        str(path),
+        "--stages",
+        "2",
+        "--num-microbatches",
+        "2",
+        "4",
+        "--num-pipelines",
+        "1",
+        "2",
+        "--schedule",
+        "advance",
+        "--report",
+        str(tmp_path / "rep"),
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "advance_forwards=" in out.splitlines()[-2]
@@ -381,8 +440,9 @@ def test_whatif_command_writes_a_report(tmp_path: Path, capsys: pytest.CaptureFi
         (["--stages", "2", "--advance-forwards", "x"], "--advance-forwards x: must be an int >= 0 or 'auto'"),
     ],
 )
-def test_whatif_command_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str],
-                                  needle: str) -> None:
+def test_whatif_command_bad_input(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], needle: str
+) -> None:
     path = _tuning_json(tmp_path)
     with pytest.raises(SystemExit) as info:
         main(["whatif", "--profile", str(path), *extra])

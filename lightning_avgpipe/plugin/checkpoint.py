@@ -149,7 +149,7 @@ def save_atomically(checkpoint_io: Any, checkpoint: dict[str, Any], filepath: An
     if ("://" in text and not text.startswith("file://")) or isinstance(checkpoint_io, AsyncCheckpointIO):
         checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         return
-    path = Path(text[len("file://"):] if text.startswith("file://") else text)
+    path = Path(text[len("file://") :] if text.startswith("file://") else text)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         checkpoint_io.save_checkpoint(checkpoint, tmp, storage_options=storage_options)

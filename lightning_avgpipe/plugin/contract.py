@@ -98,12 +98,7 @@ def same_structure(a: Any, b: Any) -> bool:
 
 def locate(root: nn.Module, layer: nn.Module) -> list[tuple[nn.Module, str]]:
     """Every (parent, attribute name) under which ``layer`` is registered in ``root``."""
-    return [
-        (parent, name)
-        for parent in root.modules()
-        for name, child in parent.named_children()
-        if child is layer
-    ]
+    return [(parent, name) for parent in root.modules() for name, child in parent.named_children() if child is layer]
 
 
 def check_forward(module: nn.Module, layers: list[nn.Module], x: Any) -> None:
@@ -139,8 +134,10 @@ def _difference(a: Any, b: Any) -> str | None:
     """How ``a`` and ``b`` (tensors, or tuples/lists/dicts of them) differ, or ``None`` when they match."""
     if isinstance(a, Tensor) and isinstance(b, Tensor):
         if a.shape != b.shape or a.dtype != b.dtype:
-            return (f"forward gives {str(a.dtype).replace('torch.', '')} {tuple(a.shape)}, the layers give "
-                    f"{str(b.dtype).replace('torch.', '')} {tuple(b.shape)}")
+            return (
+                f"forward gives {str(a.dtype).replace('torch.', '')} {tuple(a.shape)}, the layers give "
+                f"{str(b.dtype).replace('torch.', '')} {tuple(b.shape)}"
+            )
         try:
             torch.testing.assert_close(a, b, equal_nan=True)
         except AssertionError:
@@ -150,8 +147,7 @@ def _difference(a: Any, b: Any) -> str | None:
     if isinstance(a, Mapping) and isinstance(b, Mapping) and a.keys() == b.keys():
         return next((f"[{k!r}]: {d}" for k in a if (d := _difference(a[k], b[k])) is not None), None)
     if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)) and len(a) == len(b):
-        return next((f"[{i}]: {d}" for i, (u, v) in enumerate(zip(a, b)) if (d := _difference(u, v)) is not None),
-                    None)
+        return next((f"[{i}]: {d}" for i, (u, v) in enumerate(zip(a, b)) if (d := _difference(u, v)) is not None), None)
     if isinstance(a, Tensor) or isinstance(b, Tensor) or type(a) is not type(b):
         return f"forward gives {type(a).__name__}, the layers give {type(b).__name__}"
     return None if a == b else f"forward gives {a!r}, the layers give {b!r}"

@@ -54,8 +54,12 @@ class GroupedBatches:
 def loader_generators(loader: Any) -> list[torch.Generator]:
     """The ``torch.Generator`` objects a DataLoader draws from besides the global RNG (each once)."""
     found: dict[int, torch.Generator] = {}
-    for owner in (loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None),
-                  getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+    for owner in (
+        loader,
+        getattr(loader, "sampler", None),
+        getattr(loader, "batch_sampler", None),
+        getattr(getattr(loader, "batch_sampler", None), "sampler", None),
+    ):
         g = getattr(owner, "generator", None)
         if isinstance(g, torch.Generator):
             found.setdefault(id(g), g)

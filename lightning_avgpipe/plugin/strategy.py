@@ -406,7 +406,11 @@ class AvgPipeStrategy(ParallelStrategy):
         """Stage ``s`` of the N replicas (copies of the module's own layers) and the step that trains them."""
         assert self._split is not None
         self._pipeline = StagePipeline(
-            self._split.owned, self.topology, self.config, self.root_device, self._process_group_backend,
+            self._split.owned,
+            self.topology,
+            self.config,
+            self.root_device,
+            self._process_group_backend,
             self.num_processes,
         )
         elastic = self._pipeline.elastic
@@ -454,8 +458,11 @@ class AvgPipeStrategy(ParallelStrategy):
         A new N re-makes the replicas from the reference and the optimizers (``configure_optimizers`` runs again);
         every rank must call it with the same values.
         """
-        changes: dict[str, Any] = {"num_microbatches": num_microbatches, "num_pipelines": num_pipelines,
-                   "advance_forwards": advance_forwards}
+        changes: dict[str, Any] = {
+            "num_microbatches": num_microbatches,
+            "num_pipelines": num_pipelines,
+            "advance_forwards": advance_forwards,
+        }
         self.config = replace(self.config, **{k: v for k, v in changes.items() if v is not None})
         if self._pipeline is not None and self._pipeline.reconfigure(self.config):
             trainer = self.lightning_module.trainer if self.lightning_module is not None else None
@@ -617,8 +624,12 @@ class AvgPipeStrategy(ParallelStrategy):
     @property
     def layout(self) -> dict[str, Any]:
         """What a checkpoint's optimizer states depend on: stages, groups, pipelines and the partition."""
-        return {"stages": self.num_stages, "groups": self.num_groups, "pipelines": self.num_pipelines,
-                "partition": self.partition}
+        return {
+            "stages": self.num_stages,
+            "groups": self.num_groups,
+            "pipelines": self.num_pipelines,
+            "partition": self.partition,
+        }
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:

@@ -57,8 +57,9 @@ class Telemetry:
             module.log(f"avgpipe/peak_memory_mb/stage{s}", float(table[s, 5]) / 2**20, on_step=True, on_epoch=False)
         cfg, step = pipeline.config, module.trainer.global_step
         if cfg.trace_dir is not None and step in cfg.trace_steps:
-            written = pipeline.write_trace(result.trace, Path(cfg.trace_dir) / f"step{step}.json",
-                                           f"step {step}: {pipeline.describe()}")
+            written = pipeline.write_trace(
+                result.trace, Path(cfg.trace_dir) / f"step{step}.json", f"step {step}: {pipeline.describe()}"
+            )
             if written is not None:
                 json_path, png_path = written
                 also = f" and {png_path}" if png_path else ""

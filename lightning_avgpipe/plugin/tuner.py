@@ -128,15 +128,17 @@ class AvgPipeTuner(Callback):
             )
             return
         started = time.perf_counter()
-        table = tune(strategy, trainer, self.memory_limit, self.num_pipelines, self.num_microbatches,
-                     self.profile_steps)
+        table = tune(
+            strategy, trainer, self.memory_limit, self.num_pipelines, self.num_microbatches, self.profile_steps
+        )
         self.table, self.profile = table, table.profile
         choice = table.choice
         assert choice is not None
         if self.apply:
             k = choice.advance_forwards if strategy.config.schedule == "advance" else None
-            strategy.reconfigure(num_microbatches=choice.num_microbatches, num_pipelines=choice.num_pipelines,
-                                 advance_forwards=k)
+            strategy.reconfigure(
+                num_microbatches=choice.num_microbatches, num_pipelines=choice.num_pipelines, advance_forwards=k
+            )
         self.seconds = time.perf_counter() - started
         table.notes["tuner_seconds"] = self.seconds
         self._calibrating = self.apply and self.calibrate_steps > 0
@@ -149,26 +151,31 @@ class AvgPipeTuner(Callback):
             rank_zero_info(
                 f"AvgPipeTuner ({self.seconds:.1f} s): predicted iteration time and peak memory per setting\n"
                 f"{table.format()}\nchosen: num_microbatches={choice.num_microbatches}, num_pipelines="
-                f"{choice.num_pipelines}" + (f", advance_forwards={choice.advance_forwards}"
-                                              if strategy.config.schedule == "advance" else "")
+                f"{choice.num_pipelines}"
+                + (f", advance_forwards={choice.advance_forwards}" if strategy.config.schedule == "advance" else "")
                 + f", {choice.samples_per_sec:.1f} samples/s predicted"
-                + ("" if self.apply else " (not applied: apply=False)") + (f"; written to {where}" if where else "")
+                + ("" if self.apply else " (not applied: apply=False)")
+                + (f"; written to {where}" if where else "")
             )
         for logger in trainer.loggers:
-            logger.log_metrics({
-                "tuner/num_microbatches": float(choice.num_microbatches),
-                "tuner/num_pipelines": float(choice.num_pipelines),
-                "tuner/predicted_samples_per_sec": choice.samples_per_sec,
-                "tuner/predicted_step_time_s": choice.step_time,
-                "tuner/seconds": self.seconds,
-            }, step=0)
+            logger.log_metrics(
+                {
+                    "tuner/num_microbatches": float(choice.num_microbatches),
+                    "tuner/num_pipelines": float(choice.num_pipelines),
+                    "tuner/predicted_samples_per_sec": choice.samples_per_sec,
+                    "tuner/predicted_step_time_s": choice.step_time,
+                    "tuner/seconds": self.seconds,
+                },
+                step=0,
+            )
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._calibrating:
             self._starts = []  # an interval with validation in it is not an iteration: start the window again
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if not self._calibrating or self.table is None or self.table.choice is None:
             return
         self._starts.append(time.perf_counter())
@@ -185,8 +192,11 @@ class AvgPipeTuner(Callback):
         predicted = self.table.choice.step_time
         factor = measured / predicted
         self.table.calibrate(factor)
-        self.table.notes.update(calibration_measured_step_s=measured, calibration_predicted_step_s=predicted,
-                                calibration_steps=self.calibrate_steps)
+        self.table.notes.update(
+            calibration_measured_step_s=measured,
+            calibration_predicted_step_s=predicted,
+            calibration_steps=self.calibrate_steps,
+        )
         if trainer.is_global_zero and self._out is not None:
             self.files = _write(self.table, self._out)
             rank_zero_info(
@@ -194,8 +204,9 @@ class AvgPipeTuner(Callback):
                 f"{predicted * 1e3:.1f} ms predicted (x{factor:.2f}); the table's times are scaled by it."
             )
         for logger in trainer.loggers:
-            logger.log_metrics({"tuner/calibration_factor": factor, "tuner/measured_step_time_s": measured},
-                               step=trainer.global_step)
+            logger.log_metrics(
+                {"tuner/calibration_factor": factor, "tuner/measured_step_time_s": measured}, step=trainer.global_step
+            )
 
 
 def _write(table: TuningTable, out: Path) -> dict[str, Path]:
@@ -207,9 +218,11 @@ def _write(table: TuningTable, out: Path) -> dict[str, Path]:
             return {"json": table.write_json(out / "tuning.json")}
         return write_report(table, out)
     except Exception as err:  # noqa: BLE001 - a report must not end the run
-        rank_zero_warn(f"AvgPipeTuner: could not write the report to {out} ({type(err).__name__}: {err}); the "
-                       "choice is applied and logged all the same. Pass AvgPipeTuner(output_dir=...) a writable "
-                       "folder.")
+        rank_zero_warn(
+            f"AvgPipeTuner: could not write the report to {out} ({type(err).__name__}: {err}); the "
+            "choice is applied and logged all the same. Pass AvgPipeTuner(output_dir=...) a writable "
+            "folder."
+        )
         return {}
 
 
@@ -270,16 +283,24 @@ def tune(
     batch, fetch_s, batches, last = strategy.broadcast((batch, fetch_s, batches, last), src=0)
     batch = strategy.batch_to_device(batch)
     size = microbatch.batch_size(batch)
-    ms = batch_norm_candidates(candidate_microbatches(size, num_microbatches), size, strategy.stage_layers,
-                               strategy.root_device, given=num_microbatches is not None, last_batch=last)
+    ms = batch_norm_candidates(
+        candidate_microbatches(size, num_microbatches),
+        size,
+        strategy.stage_layers,
+        strategy.root_device,
+        given=num_microbatches is not None,
+        last_batch=last,
+    )
     ns = candidate_pipelines(num_pipelines)
     cap = None
     if batches is not None:  # an iteration takes N batches: N above an epoch's batches (per group) trains nothing
         cap = max(1, batches // strategy.num_groups)
         dropped = [n for n in ns if n > cap]
         if dropped and num_pipelines is not None:
-            rank_zero_info(f"AvgPipeTuner: leaving out num_pipelines={dropped}: an epoch has {cap} batches per "
-                           "pipeline group and an iteration takes one per pipeline.")
+            rank_zero_info(
+                f"AvgPipeTuner: leaving out num_pipelines={dropped}: an epoch has {cap} batches per "
+                "pipeline group and an iteration takes one per pipeline."
+            )
     profile = profile_pipeline(strategy, batch, microbatch_sizes(size, ms), profile_steps)
     profile.batch_fetch_s = fetch_s
     profile.accumulate = int(trainer.accumulate_grad_batches)
@@ -295,9 +316,14 @@ def tune(
     return search(profile, ms, num_pipelines, limit, strategy.config.schedule, k, max_pipelines=cap)
 
 
-def batch_norm_candidates(ms: Sequence[int], batch_size: int, layers: Sequence[torch.nn.Module],
-                          device: torch.device | None = None, given: bool = False,
-                          last_batch: int | None = None) -> list[int]:
+def batch_norm_candidates(
+    ms: Sequence[int],
+    batch_size: int,
+    layers: Sequence[torch.nn.Module],
+    device: torch.device | None = None,
+    given: bool = False,
+    last_batch: int | None = None,
+) -> list[int]:
     """Drop the M whose micro-batches hold one sample when a stage has BatchNorm (training BatchNorm needs two).
 
     ``last_batch``: the size of the epoch's short last batch (``drop_last=False``); it is split into M parts too
@@ -313,6 +339,7 @@ def batch_norm_candidates(ms: Sequence[int], batch_size: int, layers: Sequence[t
         has_bn = bool(flag.item())
     if not has_bn:
         return list(ms)
+
     def smallest(m: int) -> int:
         sizes = [batch_size] + ([last_batch] if last_batch else [])
         return min(b // m if b >= m else 1 for b in sizes)
@@ -335,8 +362,10 @@ def batch_norm_candidates(ms: Sequence[int], batch_size: int, layers: Sequence[t
             "use a batch size of at least 2 (and DataLoader(drop_last=True) if the last batch is the problem)."
         )
     if ones:
-        rank_zero_info(f"AvgPipeTuner: skipping num_microbatches={ones} (micro-batches of one sample; the model has "
-                       "BatchNorm layers).")
+        rank_zero_info(
+            f"AvgPipeTuner: skipping num_microbatches={ones} (micro-batches of one sample; the model has "
+            "BatchNorm layers)."
+        )
     return kept
 
 
@@ -402,8 +431,12 @@ def profile_pipeline(strategy: AvgPipeStrategy, batch: Any, sizes: Sequence[floa
                 hook = last_layer.register_forward_hook(record)
             try:
                 result = probe.train_step(
-                    [batch], loss_fn, inputs=lambda micro: pipeline_inputs(module, micro),
-                    forward_context=strategy.precision_plugin.train_step_context, measure=True, key="avgpipe-tune",
+                    [batch],
+                    loss_fn,
+                    inputs=lambda micro: pipeline_inputs(module, micro),
+                    forward_context=strategy.precision_plugin.train_step_context,
+                    measure=True,
+                    key="avgpipe-tune",
                 )
             finally:
                 if hook is not None:
@@ -442,9 +475,14 @@ def profile_pipeline(strategy: AvgPipeStrategy, batch: Any, sizes: Sequence[floa
     else:
         latency, bandwidth = 0.0, float("inf")
     mine = StageProfile(
-        forward_s=forward_s, backward_s=backward_s, activation_bytes=activation, send_bytes=sent,
-        param_bytes=float(tensor_bytes(list(reference))), optimizer_state_bytes=float(state_bytes),
-        optimizer_step_s=step_s, elastic_s=elastic_s,
+        forward_s=forward_s,
+        backward_s=backward_s,
+        activation_bytes=activation,
+        send_bytes=sent,
+        param_bytes=float(tensor_bytes(list(reference))),
+        optimizer_state_bytes=float(state_bytes),
+        optimizer_step_s=step_s,
+        elastic_s=elastic_s,
     )
     stages = _gather_stages(strategy, mine)
     reduce_s = 0.0
@@ -452,8 +490,13 @@ def profile_pipeline(strategy: AvgPipeStrategy, batch: Any, sizes: Sequence[floa
         nbytes = float(sum(t.numel() * 4 for t in reference))  # the flat float32 buffer ElasticAveraging reduces
         reduce_s = _max_list(strategy, [time_allreduce(nbytes, device, top.stage_group)])[0]
     profile = PipelineProfile(
-        stages=stages, batch_size=size, latency_s=latency, bandwidth=bandwidth, num_groups=strategy.num_groups,
-        schedule=strategy.config.schedule, reference_allreduce_s=reduce_s,
+        stages=stages,
+        batch_size=size,
+        latency_s=latency,
+        bandwidth=bandwidth,
+        num_groups=strategy.num_groups,
+        schedule=strategy.config.schedule,
+        reference_allreduce_s=reduce_s,
         sync_reference=bool(strategy.config.sync_reference),
     )
     # What the spans miss (posting, copies, waits the model does not see): measured step - the pipeline part of

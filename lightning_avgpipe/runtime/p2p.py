@@ -25,8 +25,18 @@ from torch import Tensor
 
 META_LEN = 256
 _DTYPES: tuple[torch.dtype, ...] = (
-    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16, torch.int8,
-    torch.uint8, torch.bool, torch.complex64, torch.complex128,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
 )
 
 
@@ -326,7 +336,6 @@ class Link:
             f"{first_failure()}({type(err).__name__}: {str(err).splitlines()[0][:160]})"
         )
 
-
     def reset(self) -> None:
         """Forget cached metadata (both ends must reset together, e.g. after the layout changed)."""
         self._sent_meta.clear()
@@ -346,7 +355,7 @@ def report_failure(description: str) -> None:
 
 
 def first_failure() -> str:
-    """"First failure: ..." if some rank recorded one (see :func:`report_failure`), else ""."""
+    """ "First failure: ..." if some rank recorded one (see :func:`report_failure`), else ""."""
     try:
         store = dist.distributed_c10d._get_default_store()
         if store.check([_FAILURE_KEY]):

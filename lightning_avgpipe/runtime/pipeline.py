@@ -214,7 +214,12 @@ class StagePipeline:
     def _make_replicas(self) -> None:
         cfg, top = self.config, self.topology
         self.elastic = ElasticAveraging(
-            self.layers, cfg.num_pipelines, top.num_groups, cfg.elastic_alpha, top.stage_group, cfg.sync_reference,
+            self.layers,
+            cfg.num_pipelines,
+            top.num_groups,
+            cfg.elastic_alpha,
+            top.stage_group,
+            cfg.sync_reference,
             device=self.device,
         )
         self._params = self.elastic.all_replica_params()
@@ -230,8 +235,10 @@ class StagePipeline:
         elastic = self.elastic
         if elastic.trivial:
             return user
-        clones = [clone_optimizer(user, elastic.replica_params(n), elastic.reference_params)
-                  for n in range(elastic.num_replicas)]
+        clones = [
+            clone_optimizer(user, elastic.replica_params(n), elastic.reference_params)
+            for n in range(elastic.num_replicas)
+        ]
         return ElasticOptimizer(user, clones, elastic)
 
     def variant(self, **changes: Any) -> StagePipeline:
@@ -345,8 +352,9 @@ class StagePipeline:
         """
         replicas = self.num_pipelines
         if len(batches) != replicas:
-            raise ValueError(f"train_step got {len(batches)} batches for num_pipelines={replicas}; give one per "
-                             "parallel pipeline.")
+            raise ValueError(
+                f"train_step got {len(batches)} batches for num_pipelines={replicas}; give one per parallel pipeline."
+            )
         micro: list[Any] = []
         weights: list[float] = []
         owner: list[int] = []
@@ -362,9 +370,11 @@ class StagePipeline:
             meter.reset()
         self.elastic.follow_reference()  # frozen layers, eval-mode BatchNorm: as the user's module has them
         if self.batched is not None:
-            results = self._run_batched(key, micro, weights, owner, loss_fn, inputs, accumulate, forward_context,
-                                        trace, meter)
+            results = self._run_batched(
+                key, micro, weights, owner, loss_fn, inputs, accumulate, forward_context, trace, meter
+            )
         else:
+
             def head(u: int, output: Any) -> Tensor:
                 loss = loss_of(loss_fn(output, micro[u], weights[u] / replicas), "training_step")
                 return loss * (weights[u] / accumulate)
@@ -390,8 +400,16 @@ class StagePipeline:
         return StepResult(results, loss, samples, trace, spread)
 
     def _run_batched(
-        self, key: str, micro: list[Any], weights: list[float], owner: list[int], loss_fn: LossFn,
-        inputs: Callable[[Any], Any], accumulate: int, forward_context: Context, trace: StepTrace,
+        self,
+        key: str,
+        micro: list[Any],
+        weights: list[float],
+        owner: list[int],
+        loss_fn: LossFn,
+        inputs: Callable[[Any], Any],
+        accumulate: int,
+        forward_context: Context,
+        trace: StepTrace,
         meter: ActivationMeter | None,
     ) -> dict[int, Any]:
         """``replica_execution="batched"``: unit m carries micro-batch m of every replica, stacked (one vmap)."""
@@ -406,8 +424,11 @@ class StagePipeline:
         units = [[per[r][m] for r in range(n)] for m in range(len(per[0]))]  # unit m -> its N micro-batches
 
         def head(m: int, output: Any) -> Tensor:
-            terms = [loss_of(loss_fn(select(output, r), micro[u], weights[u] / n), "training_step")
-                     * (weights[u] / accumulate) for r, u in enumerate(units[m])]
+            terms = [
+                loss_of(loss_fn(select(output, r), micro[u], weights[u] / n), "training_step")
+                * (weights[u] / accumulate)
+                for r, u in enumerate(units[m])
+            ]
             return torch.stack(terms).sum()
 
         batched = self.batched
@@ -548,8 +569,13 @@ class StagePipeline:
         grads = [p.grad for p in self._params]
         inner = [o for opt in optimizers for o in getattr(opt, "replicas", [opt])]
         states = [v for opt in inner for st in opt.state.values() for v in st.values()]
-        return float(count(self._params) + count(elastic.reference_params) + count(grads) + count(states)
-                     + count(elastic.buffers()))
+        return float(
+            count(self._params)
+            + count(elastic.reference_params)
+            + count(grads)
+            + count(states)
+            + count(elastic.buffers())
+        )
 
     # -- advance forward: k ----------------------------------------------------------------------------------------
     def observe_k(self, table: Tensor) -> str | None:
@@ -577,8 +603,10 @@ class StagePipeline:
     def measuring_k(self) -> bool:
         """Whether ``advance_forwards="auto"`` still needs every step's figures."""
         cfg = self.config
-        return cfg.schedule == "advance" and cfg.advance_forwards == "auto" and not (
-            self._search is not None and self._search.settled
+        return (
+            cfg.schedule == "advance"
+            and cfg.advance_forwards == "auto"
+            and not (self._search is not None and self._search.settled)
         )
 
     def write_trace(self, trace: StepTrace, path: Path, title: str) -> tuple[Path, Path | None] | None:
@@ -591,11 +619,13 @@ class StagePipeline:
 
     def describe(self) -> str:
         cfg = self.config
-        return (f"{cfg.schedule}" + (f" k={self._k}" if cfg.schedule == "advance" else "")
-                + f", S={self.num_stages}, M={self.num_microbatches}, N={self.num_pipelines}")
+        return (
+            f"{cfg.schedule}"
+            + (f" k={self._k}" if cfg.schedule == "advance" else "")
+            + f", S={self.num_stages}, M={self.num_microbatches}, N={self.num_pipelines}"
+        )
 
 
 def reconfigured(config: PipelineConfig, **changes: Any) -> PipelineConfig:
     """``config`` with the given fields changed (``None`` values are left as they are)."""
     return replace(config, **{k: v for k, v in changes.items() if v is not None})
-

@@ -125,16 +125,29 @@ def chrome_trace(timelines: Sequence[Sequence[Span]], names: Sequence[str] | Non
         events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": s, "args": {"name": name}})
         for span in spans:
             label = f"{span.kind}{span.unit}" if span.kind in ("F", "B") else span.kind
-            events.append({
-                "name": label, "cat": span.kind, "ph": "X", "pid": 0, "tid": s,
-                "ts": span.start * 1e6, "dur": max(0.0, span.end - span.start) * 1e6,
-                "cname": colours.get(span.kind, "generic_work"), "args": {"unit": span.unit},
-            })
+            events.append(
+                {
+                    "name": label,
+                    "cat": span.kind,
+                    "ph": "X",
+                    "pid": 0,
+                    "tid": s,
+                    "ts": span.start * 1e6,
+                    "dur": max(0.0, span.end - span.start) * 1e6,
+                    "cname": colours.get(span.kind, "generic_work"),
+                    "args": {"unit": span.unit},
+                }
+            )
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-def write_trace(path: Path, timelines: Sequence[Sequence[Span]], title: str,
-                names: Sequence[str] | None = None, time_unit: str | None = None) -> tuple[Path, Path | None]:
+def write_trace(
+    path: Path,
+    timelines: Sequence[Sequence[Span]],
+    title: str,
+    names: Sequence[str] | None = None,
+    time_unit: str | None = None,
+) -> tuple[Path, Path | None]:
     """Write ``path`` (.json, Chrome trace) and a PNG Gantt chart beside it (if matplotlib is installed)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -143,8 +156,13 @@ def write_trace(path: Path, timelines: Sequence[Sequence[Span]], title: str,
     return path, gantt_png(path.with_suffix(".png"), timelines, title, names, time_unit)
 
 
-def gantt_png(path: Path, timelines: Sequence[Sequence[Span]], title: str,
-              names: Sequence[str] | None = None, time_unit: str | None = None) -> Path | None:
+def gantt_png(
+    path: Path,
+    timelines: Sequence[Sequence[Span]],
+    title: str,
+    names: Sequence[str] | None = None,
+    time_unit: str | None = None,
+) -> Path | None:
     """A Gantt chart in the style of the paper's figures: forwards light, backwards dark, waits hatched."""
     try:
         # a Figure with its own Agg canvas: no pyplot, so the user's backend and open figures are left alone
@@ -167,18 +185,39 @@ def gantt_png(path: Path, timelines: Sequence[Sequence[Span]], title: str,
         for span in spans:
             colour, hatch = style.get(span.kind, ("#cccccc", None))
             width = (span.end - span.start) * scale
-            ax.barh(y, width, left=span.start * scale, height=0.8, color=colour, hatch=hatch, edgecolor="white",
-                    linewidth=0.3)
+            ax.barh(
+                y,
+                width,
+                left=span.start * scale,
+                height=0.8,
+                color=colour,
+                hatch=hatch,
+                edgecolor="white",
+                linewidth=0.3,
+            )
             if span.kind in ("F", "B") and width > end * scale / 60:
-                ax.text((span.start + span.end) / 2 * scale, y, f"{span.kind}{span.unit}", ha="center",
-                        va="center", fontsize=7, color="black" if span.kind == "F" else "white")
+                ax.text(
+                    (span.start + span.end) / 2 * scale,
+                    y,
+                    f"{span.kind}{span.unit}",
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="black" if span.kind == "F" else "white",
+                )
     ax.set_yticks(range(S))
     ax.set_yticklabels(list(reversed(names if names else [f"stage {s}" for s in range(S)])))
     ax.set_xlabel(f"time ({unit_label})")
     ax.set_title(title, fontsize=10)
     handles = [Rectangle((0, 0), 1, 1, color=c, hatch=h) for c, h in style.values()]
-    fig.legend(handles, ["forward", "backward", "waiting on a neighbour", "send"], loc="lower center", fontsize=7,
-               ncols=4, frameon=False)
+    fig.legend(
+        handles,
+        ["forward", "backward", "waiting on a neighbour", "send"],
+        loc="lower center",
+        fontsize=7,
+        ncols=4,
+        frameon=False,
+    )
     fig.tight_layout(rect=(0, 0.1, 1, 1))
     fig.savefig(path, dpi=120)
     return path

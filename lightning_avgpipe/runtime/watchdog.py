@@ -33,8 +33,14 @@ class Watchdog:
         exit: called with the exit code instead of ``os._exit`` (tests).
     """
 
-    def __init__(self, name: str, grace: float, store: object | None = None, poll: float = 1.0,
-                 exit: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        grace: float,
+        store: object | None = None,
+        poll: float = 1.0,
+        exit: Callable[[int], None] | None = None,
+    ) -> None:
         self.name = name
         self.grace = float(grace)
         self.poll = float(poll)

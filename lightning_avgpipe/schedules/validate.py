@@ -51,8 +51,14 @@ def plan_errors(plan: Plan, nccl: bool = False) -> list[str]:
                 elif not present and kind in wanted:
                     errors.append(f"stage {s}: missing {s}{kind.value}{u}")
         for u in range(U):
-            order = [(Kind.RECV_F, Kind.FORWARD), (Kind.FORWARD, Kind.SEND_F), (Kind.FORWARD, Kind.BACKWARD),
-                     (Kind.FORWARD, Kind.RECV_B), (Kind.RECV_B, Kind.BACKWARD), (Kind.BACKWARD, Kind.SEND_B)]
+            order = [
+                (Kind.RECV_F, Kind.FORWARD),
+                (Kind.FORWARD, Kind.SEND_F),
+                (Kind.FORWARD, Kind.BACKWARD),
+                (Kind.FORWARD, Kind.RECV_B),
+                (Kind.RECV_B, Kind.BACKWARD),
+                (Kind.BACKWARD, Kind.SEND_B),
+            ]
             for first, then in order:
                 if (first, u) in seen and (then, u) in seen and seen[(first, u)] > seen[(then, u)]:
                     errors.append(f"stage {s}: {s}{then.value}{u} comes before {s}{first.value}{u}")

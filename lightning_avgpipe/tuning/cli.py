@@ -37,26 +37,60 @@ def _parser() -> argparse.ArgumentParser:
         description="Project a measured profile to more stages and data-parallel groups, then predict every "
         "(M, N) and choose the highest samples/s that fits the memory limit.",
     )
-    p.add_argument("--profile", required=True, metavar="JSON",
-                   help="a tuning report (written by the tuner) whose 'profile' entry is used")
+    p.add_argument(
+        "--profile",
+        required=True,
+        metavar="JSON",
+        help="a tuning report (written by the tuner) whose 'profile' entry is used",
+    )
     p.add_argument("--stages", type=int, required=True, help="pipeline stages S' of the layout to predict")
     p.add_argument("--groups", type=int, default=1, help="data-parallel groups D (default 1)")
-    p.add_argument("--latency-ms", type=float, default=None,
-                   help="link latency per message in milliseconds (default: the profiled one)")
-    p.add_argument("--bandwidth-gbs", type=float, default=None,
-                   help="link bandwidth in GB/s, 1 GB = 1e9 bytes (default: the profiled one)")
-    p.add_argument("--memory-limit-mb", type=float, default=None,
-                   help="memory per stage in MiB (2**20 bytes); default: no limit")
-    p.add_argument("--num-microbatches", type=int_list, nargs="+", default=None, metavar="M",
-                   help="candidate micro-batch counts, each dividing the batch size (default: all divisors)")
-    p.add_argument("--num-pipelines", type=int_list, nargs="+", default=None, metavar="N",
-                   help="one value: consider 1..N pipelines; several: exactly those (default: 1..8)")
-    p.add_argument("--schedule", default=None, choices=[*SCHEDULES, "gpipe"],
-                   help="schedule to predict (default: the profiled one)")
-    p.add_argument("--advance-forwards", default="auto", metavar="K|auto",
-                   help="early forwards k for --schedule advance: an int >= 0 or 'auto' (default)")
-    p.add_argument("--report", metavar="DIR", default=None,
-                   help="also write whatif.json and whatif.png (the heat map) into DIR")
+    p.add_argument(
+        "--latency-ms",
+        type=float,
+        default=None,
+        help="link latency per message in milliseconds (default: the profiled one)",
+    )
+    p.add_argument(
+        "--bandwidth-gbs",
+        type=float,
+        default=None,
+        help="link bandwidth in GB/s, 1 GB = 1e9 bytes (default: the profiled one)",
+    )
+    p.add_argument(
+        "--memory-limit-mb", type=float, default=None, help="memory per stage in MiB (2**20 bytes); default: no limit"
+    )
+    p.add_argument(
+        "--num-microbatches",
+        type=int_list,
+        nargs="+",
+        default=None,
+        metavar="M",
+        help="candidate micro-batch counts, each dividing the batch size (default: all divisors)",
+    )
+    p.add_argument(
+        "--num-pipelines",
+        type=int_list,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="one value: consider 1..N pipelines; several: exactly those (default: 1..8)",
+    )
+    p.add_argument(
+        "--schedule",
+        default=None,
+        choices=[*SCHEDULES, "gpipe"],
+        help="schedule to predict (default: the profiled one)",
+    )
+    p.add_argument(
+        "--advance-forwards",
+        default="auto",
+        metavar="K|auto",
+        help="early forwards k for --schedule advance: an int >= 0 or 'auto' (default)",
+    )
+    p.add_argument(
+        "--report", metavar="DIR", default=None, help="also write whatif.json and whatif.png (the heat map) into DIR"
+    )
     return p
 
 
@@ -69,8 +103,10 @@ def _load_profile(p: argparse.ArgumentParser, value: str) -> PipelineProfile:
     except (OSError, ValueError) as e:
         p.error(f"--profile {value}: not readable JSON ({e}); pass the JSON a tuning run wrote.")
     if not isinstance(data, dict) or not isinstance(data.get("profile"), dict):
-        p.error(f"--profile {value}: has no 'profile' object; pass a tuning report written with its profile "
-                "(TuningTable.write_json of a table searched from a profile).")
+        p.error(
+            f"--profile {value}: has no 'profile' object; pass a tuning report written with its profile "
+            "(TuningTable.write_json of a table searched from a profile)."
+        )
     try:
         return PipelineProfile.from_dict(data["profile"])
     except (KeyError, TypeError, ValueError) as e:
@@ -90,8 +126,10 @@ def whatif_command(argv: list[str]) -> int:
     if args.bandwidth_gbs is not None and not args.bandwidth_gbs > 0:
         p.error(f"--bandwidth-gbs {args.bandwidth_gbs}: must be > 0; give the link bandwidth in GB/s (e.g. 10).")
     if args.memory_limit_mb is not None and not args.memory_limit_mb > 0:
-        p.error(f"--memory-limit-mb {args.memory_limit_mb}: must be > 0; give the memory per stage in MiB "
-                "or leave it out for no limit.")
+        p.error(
+            f"--memory-limit-mb {args.memory_limit_mb}: must be > 0; give the memory per stage in MiB "
+            "or leave it out for no limit."
+        )
     k: int | str = args.advance_forwards
     if k != "auto":
         try:
@@ -108,16 +146,19 @@ def whatif_command(argv: list[str]) -> int:
         latency_s=None if args.latency_ms is None else args.latency_ms * 1e-3,
         bandwidth=None if args.bandwidth_gbs is None else args.bandwidth_gbs * 1e9,
     )
-    flat = [[v for part in parts for v in part] if parts is not None else None
-            for parts in (args.num_microbatches, args.num_pipelines)]
+    flat = [
+        [v for part in parts for v in part] if parts is not None else None
+        for parts in (args.num_microbatches, args.num_pipelines)
+    ]
     args.num_microbatches, args.num_pipelines = flat
     pipelines = args.num_pipelines
     if pipelines is not None and len(pipelines) == 1:
         pipelines = pipelines[0]
     limit = None if args.memory_limit_mb is None else args.memory_limit_mb * 2**20
     try:
-        table = search(projected, args.num_microbatches, pipelines, memory_limit=limit, schedule=args.schedule,
-                       advance_forwards=k)
+        table = search(
+            projected, args.num_microbatches, pipelines, memory_limit=limit, schedule=args.schedule, advance_forwards=k
+        )
     except NoFeasibleSettingError as e:
         print(f"whatif: {e}", file=sys.stderr)
         return 1
@@ -129,9 +170,12 @@ def whatif_command(argv: list[str]) -> int:
         f"what-if: {profile.num_stages} profiled stage(s) -> S={projected.num_stages}, D={projected.num_groups}, "
         f"B={projected.batch_size}, latency {projected.latency_s * 1e3:g} ms, bandwidth {bw}, "
         f"overhead {projected.iteration_overhead_s * 1e3:.3f} ms/iteration"
-        + (f", reference all-reduce {projected.reference_allreduce_s * 1e3:.3f} ms"
-           + (" (waited for)" if projected.sync_reference else " (overlapped with the next pipeline)")
-           if projected.num_groups > 1 else "")
+        + (
+            f", reference all-reduce {projected.reference_allreduce_s * 1e3:.3f} ms"
+            + (" (waited for)" if projected.sync_reference else " (overlapped with the next pipeline)")
+            if projected.num_groups > 1
+            else ""
+        )
     )
     print(table.format())
     c = table.choice

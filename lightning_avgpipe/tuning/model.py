@@ -189,14 +189,21 @@ def predict(
     k = advance_forwards if schedule == "advance" else 0
     plan = build_plan(schedule, S, N * M, k)
     sim = simulate(plan, fwd, bwd, latency=latency if S > 1 else 0.0, transfer_cost=xfer, backward_transfer_cost=xfer_b)
-    update = max(N * (st.optimizer_step_s + st.elastic_s) if N * profile.num_groups > 1 else st.optimizer_step_s
-                 for st in profile.stages)
+    update = max(
+        N * (st.optimizer_step_s + st.elastic_s) if N * profile.num_groups > 1 else st.optimizer_step_s
+        for st in profile.stages
+    )
     if profile.num_groups > 1:  # the reference update's all-reduce; overlapped, it hides behind the next pipeline
         reduce = profile.reference_allreduce_s
         update += reduce if profile.sync_reference else max(0.0, reduce - sim.step_time)
     update /= max(1, profile.accumulate)  # per iteration: one update every K iterations
-    step = (sim.step_time + update + profile.iteration_overhead_s + profile.unit_overhead_s * N * M
-            + profile.batch_fetch_s * N)
+    step = (
+        sim.step_time
+        + update
+        + profile.iteration_overhead_s
+        + profile.unit_overhead_s * N * M
+        + profile.batch_fetch_s * N
+    )
     peaks = tuple(
         st.static_bytes(N, profile.num_groups) + sim.peak_stash[s] * st.activations(b)
         for s, st in enumerate(profile.stages)

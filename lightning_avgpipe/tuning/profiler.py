@@ -84,8 +84,9 @@ class CopyOptimizer:
     are untouched.
     """
 
-    def __init__(self, make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-                 params: Sequence[Tensor]) -> None:
+    def __init__(
+        self, make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer], params: Sequence[Tensor]
+    ) -> None:
         self.device = params[0].device if params else torch.device("cpu")
         self.copies = [nn.Parameter(p.detach().clone()) for p in params]
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
@@ -189,8 +190,13 @@ class Snapshot:
     their ``_defaults``).
     """
 
-    def __init__(self, params: Sequence[Tensor], modules: Sequence[nn.Module], metrics: Sequence[Any] = (),
-                 generators: Sequence[torch.Generator] = ()) -> None:
+    def __init__(
+        self,
+        params: Sequence[Tensor],
+        modules: Sequence[nn.Module],
+        metrics: Sequence[Any] = (),
+        generators: Sequence[torch.Generator] = (),
+    ) -> None:
         self.python = random.getstate()
         self.generators = [(g, g.get_state()) for g in generators]  # e.g. a DataLoader's own generator
         try:
@@ -333,6 +339,4 @@ def _time_layer(layer: nn.Module, x: Any, repeats: int, device: torch.device) ->
             fwd_times.append(t1 - t0)
             bwd_times.append(t2 - t1)
         saved, out_bytes = meter.peak, tensor_bytes(out)
-    return LayerCost(
-        statistics.median(fwd_times), statistics.median(bwd_times), param_bytes(layer), saved, out_bytes
-    )
+    return LayerCost(statistics.median(fwd_times), statistics.median(bwd_times), param_bytes(layer), saved, out_bytes)

@@ -78,15 +78,27 @@ def write_heatmap(table: TuningTable, path: str | Path) -> Path | None:
                 ax.text(x, y, "-", ha="center", va="center", fontsize=8, color="#999999")
                 continue
             if not r.feasible:
-                ax.add_patch(Rectangle((x - 0.5, y - 0.5), 1, 1, facecolor="#bdbdbd", edgecolor="#777777",
-                                       hatch="xx", linewidth=0.5))
-                ax.text(x, y, _label(r, advance), ha="center", va="center", fontsize=7, color="black",
-                        bbox={"facecolor": "#bdbdbd", "edgecolor": "none", "pad": 1})
+                ax.add_patch(
+                    Rectangle(
+                        (x - 0.5, y - 0.5), 1, 1, facecolor="#bdbdbd", edgecolor="#777777", hatch="xx", linewidth=0.5
+                    )
+                )
+                ax.text(
+                    x,
+                    y,
+                    _label(r, advance),
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="black",
+                    bbox={"facecolor": "#bdbdbd", "edgecolor": "none", "pad": 1},
+                )
                 continue
             v = (min(r.samples_per_sec, hi) - lo) / (hi - lo)
             ax.add_patch(Rectangle((x - 0.5, y - 0.5), 1, 1, facecolor=cmap(v), edgecolor="white", linewidth=0.5))
-            ax.text(x, y, _label(r, advance), ha="center", va="center", fontsize=7,
-                    color="black" if v > 0.6 else "white")
+            ax.text(
+                x, y, _label(r, advance), ha="center", va="center", fontsize=7, color="black" if v > 0.6 else "white"
+            )
     if table.choice is not None and (table.choice.num_microbatches, table.choice.num_pipelines) in cells:
         x = ms.index(table.choice.num_microbatches)
         y = ns.index(table.choice.num_pipelines)

@@ -83,8 +83,13 @@ class TuningTable:
         chosen = next((i for i, r in enumerate(self.rows) if r is self.choice), None)
         self.raw_rows = list(base)
         self.rows = [
-            replace(r, step_time=r.step_time * factor, pipeline_time=r.pipeline_time * factor,
-                    update_time=r.update_time * factor, samples_per_sec=r.samples_per_sec / factor)
+            replace(
+                r,
+                step_time=r.step_time * factor,
+                pipeline_time=r.pipeline_time * factor,
+                update_time=r.update_time * factor,
+                samples_per_sec=r.samples_per_sec / factor,
+            )
             for r in base
         ]
         if chosen is not None:

@@ -24,8 +24,9 @@ class Fault(pl.Callback):
     def __init__(self, rank: int, step: int, kind: str) -> None:
         self.rank, self.step, self.kind = rank, step, kind
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if trainer.global_rank != self.rank or trainer.global_step != self.step:
             return
 
@@ -49,8 +50,9 @@ class Recorder(pl.Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self.losses.append(float(outputs["loss"]) * trainer.accumulate_grad_batches)
 
 
@@ -77,10 +79,18 @@ def main(cfg: dict[str, Any]) -> None:
         model.example_input_array = torch.zeros(2, 8)
     rec = Recorder()
     trainer_kwargs = dict(
-        accelerator="cpu", devices=cfg["devices"], strategy=AvgPipeStrategy(**cfg["strategy"]),
-        max_steps=cfg["steps"], logger=False, enable_progress_bar=False, enable_model_summary=False,
-        enable_checkpointing=False, callbacks=[rec], num_sanity_val_steps=cfg.get("sanity", 0),
-        limit_val_batches=cfg.get("limit_val_batches", 0), default_root_dir=str(out),
+        accelerator="cpu",
+        devices=cfg["devices"],
+        strategy=AvgPipeStrategy(**cfg["strategy"]),
+        max_steps=cfg["steps"],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=[rec],
+        num_sanity_val_steps=cfg.get("sanity", 0),
+        limit_val_batches=cfg.get("limit_val_batches", 0),
+        default_root_dir=str(out),
     )
     if cfg.get("monitor"):
         trainer_kwargs["enable_checkpointing"] = True
@@ -90,8 +100,9 @@ def main(cfg: dict[str, Any]) -> None:
     if cfg.get("every_n_train_steps"):
         trainer_kwargs["enable_checkpointing"] = True
         trainer_kwargs["callbacks"].append(
-            pl.callbacks.ModelCheckpoint(dirpath=out / "every", every_n_train_steps=cfg["every_n_train_steps"],
-                                         save_top_k=-1)
+            pl.callbacks.ModelCheckpoint(
+                dirpath=out / "every", every_n_train_steps=cfg["every_n_train_steps"], save_top_k=-1
+            )
         )
     tuner = None
     if cfg.get("tuner") is not None:
@@ -109,13 +120,18 @@ def main(cfg: dict[str, Any]) -> None:
         trainer_kwargs["use_distributed_sampler"] = False
         train_loader = DataLoader(dataset(), batch_size=bs, shuffle=True)
     trainer = pl.Trainer(**trainer_kwargs)
-    trainer.fit(model, train_loader, loader(bs) if cfg.get("limit_val_batches") else None,
-                ckpt_path=cfg.get("ckpt_path"))
+    trainer.fit(
+        model, train_loader, loader(bs) if cfg.get("limit_val_batches") else None, ckpt_path=cfg.get("ckpt_path")
+    )
     trainer.save_checkpoint(out / "final.ckpt")
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     preds = trainer.predict(model, loader(bs)) if cfg.get("predict") else None
-    result = {"losses": rec.losses, "metrics": metrics, "rank": trainer.global_rank,
-              "preds": torch.cat(preds).tolist() if preds else None}
+    result = {
+        "losses": rec.losses,
+        "metrics": metrics,
+        "rank": trainer.global_rank,
+        "preds": torch.cat(preds).tolist() if preds else None,
+    }
     strategy = trainer.strategy
     assert isinstance(strategy, AvgPipeStrategy)
     result["setting"] = [strategy.num_microbatches, strategy.num_pipelines]

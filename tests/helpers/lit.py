@@ -25,9 +25,16 @@ def loader(batch_size: int = 12, n: int = 48) -> DataLoader:
 
 
 class PipeNet(L.LightningModule):
-    def __init__(self, lr: float = 0.1, optimizer: str = "sgd", scheduler: bool = False,
-                 epoch_metric: bool = False, noisy: bool = False, sleep: list[float] | None = None,
-                 stepping: bool = False) -> None:
+    def __init__(
+        self,
+        lr: float = 0.1,
+        optimizer: str = "sgd",
+        scheduler: bool = False,
+        epoch_metric: bool = False,
+        noisy: bool = False,
+        sleep: list[float] | None = None,
+        stepping: bool = False,
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         layers = make_layers()
@@ -89,8 +96,15 @@ def build_optimizer(params: Any, lr: float, name: str, scheduler: bool) -> Any:
 
 
 def reference(
-    steps: int, m: int, lr: float = 0.1, optimizer: str = "sgd", scheduler: bool = False, clip: float | None = None,
-    accumulate: int = 1, batch_size: int = 12, bf16: bool = False,
+    steps: int,
+    m: int,
+    lr: float = 0.1,
+    optimizer: str = "sgd",
+    scheduler: bool = False,
+    clip: float | None = None,
+    accumulate: int = 1,
+    batch_size: int = 12,
+    bf16: bool = False,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Plain training of PipeNet's layers with gradient accumulation over the same micro-batches."""
     layers = nn.Sequential(*make_layers())
@@ -145,12 +159,19 @@ def epoch_batches(epoch: int, batch_size: int = 12) -> list[tuple[torch.Tensor, 
     """One epoch of training batches in the order Lightning's DistributedSampler(seed=0, num_replicas=1) gives."""
     data = dataset()
     order = torch.randperm(len(data), generator=torch.Generator().manual_seed(epoch)).tolist()
-    return [(data.tensors[0][order[i : i + batch_size]], data.tensors[1][order[i : i + batch_size]])
-            for i in range(0, len(order), batch_size)]
+    return [
+        (data.tensors[0][order[i : i + batch_size]], data.tensors[1][order[i : i + batch_size]])
+        for i in range(0, len(order), batch_size)
+    ]
 
 
 def reference_elastic(
-    steps: int, m: int, pipelines: int, lr: float = 0.1, optimizer: str = "sgd", batch_size: int = 12,
+    steps: int,
+    m: int,
+    pipelines: int,
+    lr: float = 0.1,
+    optimizer: str = "sgd",
+    batch_size: int = 12,
 ) -> tuple[list[float], dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
     """AvgPipe on one process: N replicas, each on its own consecutive batch, their own optimizer, then the rule.
 
