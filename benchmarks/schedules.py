@@ -5,24 +5,18 @@ and on an emulated slow link: step time, communication wait, bubble fraction and
     PYTHONPATH=. python benchmarks/schedules.py --quick               # smoke run, about 30 s
     PYTHONPATH=. python benchmarks/schedules.py --ranks 2 --json runs/schedules.json
 
-For each world size S in ``--ranks`` one invocation spawns S gloo ranks (1 thread each) that drive this project's
-``StageExecutor`` directly (as ``benchmarks/throughput.py`` does) on the character GPT of ``examples/char_gpt.py``,
-split into S stages. Every row starts from the same weights, sees the same batches in the same micro-batches and
-does real AdamW steps. Rows, on each link:
+For each world size S in ``--ranks`` one invocation spawns S gloo ranks (1 thread each) that run this project's
+step, ``StagePipeline.train_step`` (as ``benchmarks/throughput.py`` and the strategy do), on the character GPT of
+``examples/char_gpt.py``, split into S stages. Every row starts from the same weights, sees the same batches in the
+same micro-batches and does real AdamW steps. Rows, on each link:
 
 - ``afab``          ``build_plan("afab", S, M)``: all forwards, then all backwards (GPipe); stashes all M units
 - ``1f1b``          ``build_plan("1f1b", S, M)``: stashes S - s units on stage s
-- ``advance-auto``  ``build_plan("advance", S, M, k)`` with k chosen online by ``lightning_avgpipe.autotune.
-                    AdvanceSearch`` exactly as ``strategy="avgpipe"`` does with ``advance_forwards="auto"``: every
-                    iteration all stages' (step time, peak activation bytes) are gathered, rank 0 calls
-                    ``observe(max step time, per-stage peaks, per-stage bytes per unit)`` and broadcasts (k, settled),
-                    and every rank rebuilds its plan when k changes. The k it settled on and its reason are reported.
+- ``advance-auto``  ``build_plan("advance", S, M, k)`` with k chosen online by the pipeline's own search
+                    (``StagePipeline.observe_k``, what ``strategy="avgpipe"`` runs with ``advance_forwards="auto"``):
+                    every iteration all stages' figures are gathered, rank 0 decides and broadcasts (k, settled), and
+                    every rank's next step runs the new plan. The k it settled on and its reason are reported.
 - ``advance-k<k>``  ``build_plan("advance", S, M, k)`` with a fixed k (``--fixed-k``), for context
-- ``proposed-auto`` NOT THE PACKAGE'S SCHEDULE: a benchmark-only variant of ``advance`` in which the last stage runs
-                    no advance forwards (k on stages 0..S-2 only; its backward needs only its own forward, so extra
-                    forwards there only delay the gradients everyone upstream waits for), with k chosen by the same
-                    ``AdvanceSearch``. It shows what a one-line change to ``warmup_forwards`` would do
-                    (``--no-proposal`` leaves it out).
 
 Links:
 
@@ -38,8 +32,8 @@ an order that rotates from round to round, each after a barrier, so background l
 continue (untimed) until every ``advance-auto`` row has settled (at most ``--search-rounds``), then ``--steps``
 timed rounds follow.
 
-What is measured, per row and iteration, with the executor's own ``StepTrace`` and ``ActivationMeter`` (passed to
-``StageExecutor.run`` as the strategy passes them):
+What is measured, per row and iteration, with the step's own ``StepTrace`` and ``ActivationMeter``
+(``train_step(..., measure=True)``, as the strategy measures its log steps):
 
 - step time: the pipeline's step (plan start to the last send acknowledged) on the slowest stage, as the strategy
   logs and ``AdvanceSearch`` sees it; the optimizer step is not timed (it is the same for every row);
@@ -48,7 +42,8 @@ What is measured, per row and iteration, with the executor's own ``StepTrace`` a
 - bubble fraction: share of the step a stage was not computing; mean over stages (``avgpipe/bubble_fraction``);
 - peak stash: the most activation bytes autograd held for backward at once on each stage, also in units: divided
   by the bytes one unit's forward saves on that stage (measured once per stage, alone). The schedule decides it:
-  AFAB M units, 1F1B S - s on stage s, advance S - s + k (docs/how-it-works.md#peak-stash).
+  AFAB M units, 1F1B S - s on stage s, advance S - s + k on stages before the last and 1 on the last
+  (docs/how-it-works.md#peak-stash).
 
 Tables report medians over the timed rounds, ratios against AFAB and 1F1B of the same link (of medians, and
 "paired": the median over rounds of the ratio within one round), and a simulated step time: the project's
@@ -123,13 +118,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="most untimed rounds spent waiting for advance-auto to settle (it may stay unsettled)",
     )
     p.add_argument("--fixed-k", default="1", help="advance rows with these fixed k, comma-separated ('' for none)")
-    p.add_argument(
-        "--no-proposal",
-        dest="proposal",
-        action="store_false",
-        help="leave out the proposed-auto row (a benchmark-only variant of advance: no advance forwards "
-        "on the last stage, k chosen by the same search)",
-    )
     p.add_argument("--latency-ms", type=float, default=5.0, help="emulated slow link: one-way latency per message")
     p.add_argument(
         "--bandwidth-mbs",
@@ -180,35 +168,15 @@ def row_names(args: argparse.Namespace) -> list[str]:
         "1f1b",
         "advance-auto",
         *(f"advance-k{k}" for k in args.fixed_k),
-        *(["proposed-auto"] if args.proposal else []),
-    ]
-
-
-def warmups(name: str, stages: int, units: int, k: int) -> list[int]:
-    """Forwards each stage runs before its first backward: the package's rule, or the proposal's (last stage k=0)."""
-    from lightning_avgpipe.schedules.generate import warmup_forwards
-
-    schedule = "advance" if name.startswith(("advance", "proposed")) else name
-    return [
-        warmup_forwards(schedule, stages, units, s, 0 if name.startswith("proposed") and s == stages - 1 else k)
-        for s in range(stages)
     ]
 
 
 def make_plan(name: str, stages: int, units: int, k: int) -> Any:
-    """The package's plan for a row; for ``proposed-*`` rows a benchmark-only variant of ``advance`` in which the last
-    stage runs no advance forwards (its backward needs only its own forward, so extra forwards there only delay it)."""
-    from lightning_avgpipe.schedules import Plan, build_plan, compute_order, validate_plan
-    from lightning_avgpipe.schedules.generate import lower
+    """The package's plan for a row (what its StagePipeline runs at that k)."""
+    from lightning_avgpipe.schedules import build_plan, validate_plan
 
-    if not name.startswith("proposed"):
-        schedule = "advance" if name.startswith("advance") else name
-        return validate_plan(build_plan(schedule, stages, units, k))
-    per_stage = [k if s < stages - 1 else 0 for s in range(stages)]
-    lowered = tuple(
-        tuple(lower(compute_order("advance", stages, units, s, per_stage[s]), stages)) for s in range(stages)
-    )
-    return validate_plan(Plan("advance", stages, units, k, True, lowered))
+    schedule = "advance" if name.startswith("advance") else name
+    return validate_plan(build_plan(schedule, stages, units, k))
 
 
 def partition(n_layers: int, stages: int) -> list[int]:
@@ -223,7 +191,8 @@ def partition(n_layers: int, stages: int) -> list[int]:
 
 
 class Row:
-    """One (link, schedule) row on this rank: its own copy of the stage, optimizer, process group and link."""
+    """One (link, schedule) row on this rank: its own :class:`StagePipeline` (the strategy's step and k search) over
+    its own copy of the stage, optimizer, process group and link."""
 
     def __init__(
         self,
@@ -237,16 +206,14 @@ class Row:
         group: Any,
         control: Any,
     ) -> None:
-        from lightning_avgpipe import microbatch
-        from lightning_avgpipe.autotune import AdvanceSearch
-        from lightning_avgpipe.runtime import Link, StageExecutor
+        from lightning_avgpipe.config import PipelineConfig
+        from lightning_avgpipe.runtime import Link
+        from lightning_avgpipe.runtime.pipeline import StagePipeline
+        from lightning_avgpipe.runtime.topology import Topology
 
         self.link_name, self.schedule, self.rank, self.world = link_name, schedule, rank, world
-        self.own, self.batches, self.m = own, batches, args.microbatches
-        self.split, self.signature = microbatch.split, microbatch.signature
-        self.params = [p for layer in own for p in layer.parameters()]
-        self.opt = torch.optim.AdamW(self.params, lr=args.lr)
-        self.control = control  # the pipeline's ranks: barriers and the search's gather + broadcast
+        self.batches = batches
+        self.control = control  # the pipeline's ranks: barriers, the figures' gather and the search's broadcast
         prev, nxt = (rank - 1 if rank > 0 else None), (rank + 1 if rank < world - 1 else None)
         if link_name == "slow":
             from benchmarks.slow_link import DelayedLink
@@ -262,46 +229,50 @@ class Row:
             )
         else:
             self.link = Link(prev, nxt, torch.device("cpu"), group=group, stage=rank)
-        self.executor = StageExecutor(rank, world, lambda x: _apply(own, x), self.link)
-        if schedule.endswith("-auto"):
-            self.search: Any = AdvanceSearch(max_k=max(0, self.m - 1))  # the strategy's defaults, no memory limit
-            self.k = 0
-        else:
-            self.search = None
-            self.k = int(schedule.removeprefix("advance-k")) if schedule.startswith("advance-k") else 0
-        self._plans: dict[int, Any] = {}
+        k: int | str = 0
+        if schedule == "advance-auto":
+            k = "auto"  # the strategy's defaults, no memory limit
+        elif schedule.startswith("advance-k"):
+            k = int(schedule.removeprefix("advance-k"))
+        cfg = PipelineConfig(
+            num_stages=world,
+            num_microbatches=args.microbatches,
+            schedule="advance" if schedule.startswith("advance") else schedule,
+            advance_forwards=k,
+            p2p="eager",
+        )
+        topology = Topology(rank, world, world, pipeline_group=control, job_group=control)
+        self.pipe = StagePipeline(own, topology, cfg, link=self.link)
+        self.opt = self.pipe.optimizer(torch.optim.AdamW(self.pipe.reference_params, lr=args.lr))
+        self.search = self.pipe.k_search if k == "auto" else None
         self.frozen = False  # the timed rounds run at whatever k the search reached
         self.history: list[dict[str, Any]] = []  # advance-auto: (k, step time) per iteration while searching
         self.records: list[dict[str, Any]] = []
 
-    def actions(self) -> Any:
-        if self.k not in self._plans:
-            self._plans[self.k] = make_plan(self.schedule, self.world, self.m, self.k)
-        return self._plans[self.k].stages[self.rank]
+    @property
+    def k(self) -> int:
+        return self.pipe.advance_forwards
+
+    @property
+    def auto(self) -> bool:
+        return self.schedule == "advance-auto"
+
+    @property
+    def settled(self) -> bool:
+        search = self.pipe.k_search
+        return search is not None and search.settled
 
     def step(self, i: int) -> None:
-        from lightning_avgpipe.runtime.trace import ActivationMeter, StepTrace
-
-        x, y = self.batches[i % len(self.batches)]
-        mbs = self.split((x, y), self.m)
-        keys = [self.signature(mb) for mb in mbs]
-
-        def head(u: int, out: Tensor) -> Tensor:
-            return _ce(out, mbs[u][1]) * (len(mbs[u][1]) / len(y))
-
-        actions = self.actions()
         self.opt.zero_grad(set_to_none=True)
-        meter = ActivationMeter(self.params)
-        trace = StepTrace(self.rank)  # starts now
-        results = self.executor.run(
-            actions, keys, training=True, inputs=lambda u: mbs[u][0], head=head, trace=trace, meter=meter
-        )
+        k = self.k
+        result = self.pipe.train_step([self.batches[i % len(self.batches)]], _lm_loss, measure=True)
         self.opt.step()
+        trace = result.trace
         fwd = [s.end - s.start for s in trace.spans if s.kind == "F"]
         bwd = [s.end - s.start for s in trace.spans if s.kind == "B"]
         self.records.append(
             {
-                "k": self.k,
+                "k": k,
                 "step_s": trace.step_time,
                 "compute_s": trace.compute_time,
                 "wait_s": trace.wait_time,
@@ -309,33 +280,23 @@ class Row:
                 "peak_bytes": trace.peak_activation_bytes,
                 "fwd_s": statistics.median(fwd),
                 "bwd_s": statistics.median(bwd),
-                "loss": float(sum(r.item() for r in results.values())) if results else None,
+                "loss": float(result.loss) if result.loss is not None else None,
             }
         )
-        if self.search is not None and not self.search.settled and not self.frozen:
-            self._observe(trace)
-
-    def _observe(self, trace: Any) -> None:
-        """One observation of AdvanceSearch, as ``AvgPipeStrategy._search_k`` makes it (decided on rank 0)."""
-        mine = torch.tensor(trace.summary(), dtype=torch.float64)
-        rows = [torch.zeros_like(mine) for _ in range(self.world)]
-        dist.all_gather(rows, mine, group=self.control)
-        table = torch.stack(rows)  # (S, 5): step, compute, wait, bubble, peak bytes
-        search, S, k = self.search, self.world, self.k
-        stash = [w + 1 if w < self.m else w for w in warmups(self.schedule, S, self.m, k)]  # = min(U, S - s + k)
-        unit_bytes = [float(table[s, 4]) / max(1, stash[s]) for s in range(S)]
-        step = float(table[:, 0].max())
-        if self.rank == 0:
-            search.observe(step, [float(v) for v in table[:, 4]], unit_bytes)
-        decision = torch.tensor([search.k, int(search.settled)], dtype=torch.int64)
-        dist.broadcast(decision, src=0, group=self.control)
-        search.k, search.settled = int(decision[0]), bool(decision[1])
-        self.history.append({"k": k, "step_s": step})
-        self.k = search.k
+        if self.auto and not self.settled and not self.frozen:
+            # the strategy's observation: every stage's figures gathered, rank 0 decides, every rank follows
+            table = self.pipe.figures(trace, 0.0)
+            self.pipe.observe_k(table)
+            self.history.append({"k": k, "step_s": float(table[:, 0].max())})
+        self.search = self.pipe.k_search
 
     def close(self) -> None:
         if hasattr(self.link, "close"):
             self.link.close()  # type: ignore[attr-defined]
+
+
+def _lm_loss(out: Tensor, batch: tuple[Tensor, Tensor], share: float) -> Tensor:
+    return _ce(out, batch[1])
 
 
 def unit_bytes(base: list[nn.Module], start: int, count: int, last: bool, batch: tuple[Tensor, Tensor], m: int) -> int:
@@ -391,13 +352,13 @@ def run_pipeline(rank: int, world: int, args: argparse.Namespace, data: Tensor, 
     setup_s = time.perf_counter() - t_setup
     t_loop = time.perf_counter()
     order = list(rows)
-    autos = [row for row in rows.values() if row.search is not None]
+    autos = [row for row in rows.values() if row.auto]
     i, searched, timed = 0, 0, 0
     first_timed = None
     while True:  # every rank takes the same branch: `settled` comes from rank 0's broadcast
         if i < args.warmup:
             pass
-        elif any(not row.search.settled for row in autos) and searched < args.search_rounds:
+        elif any(not row.settled for row in autos) and searched < args.search_rounds:
             searched += 1
         else:
             if first_timed is None:
@@ -427,8 +388,8 @@ def run_pipeline(rank: int, world: int, args: argparse.Namespace, data: Tensor, 
             f"{link}/{name}": {
                 "records": row.records,
                 "history": row.history,
-                "settled": None if row.search is None else row.search.settled,
-                "reason": None if row.search is None else row.search.reason,
+                "settled": row.settled if row.auto else None,
+                "reason": row.pipe.k_search.reason if row.auto and row.pipe.k_search is not None else None,
                 "final_k": row.k,
             }
             for (link, name), row in rows.items()
@@ -528,11 +489,9 @@ def summarise_world(world: int, args: argparse.Namespace, per_rank: list[dict[st
         ) -> Any:
             return simulate(make_plan(name, S, m, k), f, b, latency=lat, transfer_cost=xf)
 
-        # the simulated step time of every k, for the package's advance plans and the proposal's: where the search
-        # can climb and where it meets a plateau
+        # the simulated step time of every k of the advance plans: where the search can climb and where it meets a
+        # plateau
         sim_by_k = {"afab": sim_of("afab", 0).step_time, "advance": [sim_of("advance", k).step_time for k in range(m)]}
-        if args.proposal:
-            sim_by_k["proposed"] = [sim_of("proposed", k).step_time for k in range(m)]
         for r in rows:
             k = r["k"] if isinstance(r["k"], int) else r["k"][-1]
             sim = sim_of(r["name"], k)
@@ -610,7 +569,7 @@ def format_world(w: dict[str, Any]) -> str:
             f"simulated ms by k with this run's costs (afab {sims['afab'] * 1e3:.0f}): "
             + "; ".join(
                 f"{plan} " + " ".join(f"k{k}:{v * 1e3:.0f}" for k, v in enumerate(sims[plan]))
-                for plan in ("advance", "proposed")
+                for plan in ("advance",)
                 if plan in sims
             )
         )
@@ -646,7 +605,6 @@ def main(argv: list[str] | None = None) -> int:
             "warmup": args.warmup,
             "search_rounds_max": args.search_rounds,
             "fixed_k": args.fixed_k,
-            "proposal_row": args.proposal,
             "n_layer": args.n_layer,
             "n_embd": args.n_embd,
             "n_head": args.n_head,

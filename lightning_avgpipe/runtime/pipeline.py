@@ -593,8 +593,8 @@ class StagePipeline:
         peaks = [float(v) for v in table[:, 4]]  # what k + 1 would add follows the peak stash's closed form
         search.observe(float(table[:, 0].max()), peaks, added_bytes(peaks, self.num_stages, units, self._k))
         decision = torch.tensor([search.k, int(search.settled)], dtype=torch.int64, device=self.device)
-        if self.topology.world_size > 1:
-            dist.broadcast(decision, src=0)
+        if self.topology.world_size > 1:  # global rank 0 decides for the whole job
+            dist.broadcast(decision, src=0, group=self.topology.job_group)
         search.k, search.settled = int(decision[0]), bool(decision[1])
         self._k = search.k
         return (search.reason or f"settled on {search.k} (rank 0)") if search.settled else None

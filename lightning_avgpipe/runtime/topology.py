@@ -24,6 +24,8 @@ class Topology:
     # None: the default process group (a job of one pipeline), or no group at all in a single process
     pipeline_group: Any = field(default=None, compare=False)
     stage_group: Any = field(default=None, compare=False)  # None when there is one group
+    # the ranks of the whole job, for decisions every rank must share (None: the default process group)
+    job_group: Any = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.num_stages < 1 or self.world_size % self.num_stages:
