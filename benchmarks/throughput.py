@@ -206,31 +206,6 @@ def _lm_loss(out: Tensor, batch: tuple[Tensor, Tensor], share: float) -> Tensor:
     return _ce(out, batch[1])
 
 
-class OursRow(Row):
-    """One pipeline (N = 1) through :meth:`StagePipeline.train_step`, then the user's optimizer."""
-
-    def __init__(
-        self,
-        schedule: str,
-        own: list[nn.Module],
-        rank: int,
-        args: argparse.Namespace,
-        batches: list[tuple[Tensor, Tensor]],
-    ) -> None:
-        self.own, self.batches, self.rank = own, batches, rank
-        self.pipe = _pipeline(schedule, own, rank, args)
-        self.opt = self.pipe.optimizer(_adamw(self.pipe.reference_params, args))
-        self._loss: Tensor | None = None
-
-    def step(self, i: int) -> None:
-        self.opt.zero_grad(set_to_none=True)
-        self._loss = self.pipe.train_step([self.batches[i]], _lm_loss).loss
-        self.opt.step()
-
-    def loss(self) -> float | None:
-        return float(self._loss) if self._loss is not None else None
-
-
 class TorchRow(Row):
     def __init__(
         self,
@@ -296,19 +271,25 @@ class SingleRow(Row):
         return self._loss
 
 
-class AvgPipeRow(Row):
-    """AvgPipe with N parallel pipelines: :meth:`StagePipeline.train_step` over N*M units (1F1B), then the
-    optimizer the pipeline wraps (N replica optimizers and the elastic update), as the strategy runs them.
+class PipeRow(Row):
+    """This project's step: :meth:`StagePipeline.train_step` over N*M units, then the optimizer the pipeline wraps
+    (the user's AdamW; with N > 1 one per replica and the elastic update), as the strategy runs them.
 
     Step ``i`` consumes batches ``i*N .. i*N + N-1`` (replica n takes batch ``i*N + n``, as ``GroupedBatches`` and
-    ``reference_elastic`` do), so avgpipe-N1 sees exactly the other rows' batches.
+    ``reference_elastic`` do), so N = 1 sees exactly the other rows' batches. The ``ours-*`` rows are N = 1.
     """
 
     def __init__(
-        self, n: int, own: list[nn.Module], rank: int, args: argparse.Namespace, batches: list[tuple[Tensor, Tensor]]
+        self,
+        schedule: str,
+        n: int,
+        own: list[nn.Module],
+        rank: int,
+        args: argparse.Namespace,
+        batches: list[tuple[Tensor, Tensor]],
     ) -> None:
         self.n, self.batches, self.rank = n, batches, rank
-        self.pipe = _pipeline("1f1b", own, rank, args, n)
+        self.pipe = _pipeline(schedule, own, rank, args, n)
         self.opt = self.pipe.optimizer(_adamw(self.pipe.reference_params, args))
         self._loss: Tensor | None = None
         self.parts: dict[str, list[float]] = {part: [] for part in AVG_PARTS}
@@ -504,14 +485,14 @@ def rank_main(rank: int, args: argparse.Namespace, data: Tensor, vocab_size: int
         return copy.deepcopy(base)[start : start + count]
 
     rows: dict[str, Row] = {
-        "ours-1f1b": OursRow("1f1b", own_copy(), rank, args, batches),
-        "ours-afab": OursRow("afab", own_copy(), rank, args, batches),
+        "ours-1f1b": PipeRow("1f1b", 1, own_copy(), rank, args, batches),
+        "ours-afab": PipeRow("afab", 1, own_copy(), rank, args, batches),
         "torch-1f1b": TorchRow("1f1b", own_copy(), rank, args, batches),
         "torch-gpipe": TorchRow("gpipe", own_copy(), rank, args, batches),
         "single": SingleRow(copy.deepcopy(base), rank, args, batches),
     }
     for n in args.pipelines:
-        rows[f"{AVG_PREFIX}{n}"] = AvgPipeRow(n, own_copy(), rank, args, batches)
+        rows[f"{AVG_PREFIX}{n}"] = PipeRow("1f1b", n, own_copy(), rank, args, batches)
     probe = Probe(base, start, count, rank, args, batches[0])
     elastic_probes = {n: ElasticProbe(base[start : start + count], n) for n in args.pipelines if n > 1}
 
@@ -550,7 +531,7 @@ def rank_main(rank: int, args: argparse.Namespace, data: Tensor, vocab_size: int
         with tempfile.TemporaryDirectory() as logdir:
             for _ in range(args.fit_rounds):
                 dist.barrier()
-                runtime_times.append(runtime_round(OursRow("1f1b", own_copy(), rank, args, batches), args))
+                runtime_times.append(runtime_round(PipeRow("1f1b", 1, own_copy(), rank, args, batches), args))
                 dist.barrier()
                 fit_times.append(fit_round(base, rank, args, batches, Path(logdir)))
     dist.barrier()
@@ -563,7 +544,7 @@ def rank_main(rank: int, args: argparse.Namespace, data: Tensor, vocab_size: int
     # single-process AvgPipe over the first steps, for the avgpipe rows' loss check (rank 0; the other rank waits)
     check_steps = min(args.check_steps, total)
     reference = {n: elastic_reference(base, n, check_steps, args, batches) for n in args.pipelines} if rank == 0 else {}
-    parts = {name: row.parts for name, row in rows.items() if isinstance(row, AvgPipeRow)}
+    parts = {name: row.parts for name, row in rows.items() if name.startswith(AVG_PREFIX)}  # type: ignore[attr-defined]
     dist.barrier()
     return {
         "rank": rank,
