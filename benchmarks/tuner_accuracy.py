@@ -176,7 +176,8 @@ def rank_main(cfg: dict[str, Any]) -> None:
     dm = CharDataModule(block_size=cfg["block_size"], batch_size=B, max_chars=cfg["corpus_chars"])
 
     class Timer(pl.Callback):
-        """Start time of every iteration; the logged per-stage peak memory after the last (untimed) iteration.
+        """Start time of every iteration; the logged per-stage peak memory after the last (untimed) iteration, the
+        one log step (``log_every_n_steps=max_steps``: the strategy measures its figures on log steps only).
 
         ``trainer.callback_metrics`` assembles every logged value (several ms per call on this machine), so it is
         read only once the timed iterations are over: the peaks are the same every iteration of one setting (the
@@ -213,6 +214,7 @@ def rank_main(cfg: dict[str, Any]) -> None:
             strategy=strategy,
             callbacks=callbacks,
             max_steps=max_steps,
+            log_every_n_steps=max_steps,  # the step figures (the peaks read above) are measured on the last step
             logger=False,
             enable_checkpointing=False,
             enable_progress_bar=False,
