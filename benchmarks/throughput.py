@@ -425,20 +425,41 @@ def _fit_module(layers: list[nn.Module], args: argparse.Namespace) -> Any:
 
 
 def fit_round(
-    base: list[nn.Module], rank: int, args: argparse.Namespace, batches: list[tuple[Tensor, Tensor]], logdir: Path
-) -> list[float]:
-    """One ``Trainer.fit`` under ``strategy="avgpipe"`` (1F1B, the rows' partition, a CSV logger every 50 steps):
-    the seconds between consecutive training-batch starts after the warm-up (a whole iteration: data, hooks, step,
-    optimizer, logging)."""
+    base: list[nn.Module],
+    rank: int,
+    args: argparse.Namespace,
+    batches: list[tuple[Tensor, Tensor]],
+    logdir: Path,
+    row: Row,
+) -> tuple[list[float], list[float]]:
+    """One ``Trainer.fit`` under ``strategy="avgpipe"`` (1F1B, the rows' partition, a CSV logger every 50 steps), with
+    one step of the runtime ``row`` run between every two of its iterations (from ``on_train_batch_start``).
+
+    Returns, per iteration after the warm-up, the seconds of Lightning's whole iteration (hooks, the step, the
+    optimizer, logging, fetching the next batch) and of the runtime step before it, each from a barrier to a barrier:
+    the pair ran at the same moment, so load on a shared machine hits both alike.
+    """
     import lightning.pytorch as pl
 
     from lightning_avgpipe import AvgPipeStrategy
 
-    starts: list[float] = []
+    fit_starts: list[float] = []  # after the runtime step: Lightning's iteration begins
+    fit_ends: list[float] = []  # at the next training-batch start: the iteration (and the next batch's fetch) is over
+    runtime: list[float] = []
 
-    class Clock(pl.Callback):
+    class Interleave(pl.Callback):
+        """At every training-batch start: a barrier (the previous iteration is over on both ranks), one runtime step,
+        a barrier (it is over on both ranks). Each segment then costs what its slowest rank took."""
+
         def on_train_batch_start(self, *_: Any) -> None:
-            starts.append(time.perf_counter())
+            dist.barrier()
+            t0 = time.perf_counter()
+            fit_ends.append(t0)
+            row.step(len(runtime))
+            dist.barrier()
+            t1 = time.perf_counter()
+            runtime.append(t1 - t0)
+            fit_starts.append(t1)
 
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(WORLD))  # ranks made by this benchmark
     total = args.warmup + args.steps + 1
@@ -449,7 +470,7 @@ def fit_round(
         logger=pl.loggers.CSVLogger(logdir),
         log_every_n_steps=50,
         strategy=AvgPipeStrategy(num_microbatches=args.microbatches, partition=list(args.partition), schedule="1f1b"),
-        callbacks=[Clock()],
+        callbacks=[Interleave()],
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=False,
@@ -458,16 +479,9 @@ def fit_round(
     )
     loader = torch.utils.data.DataLoader(batches[:total], batch_size=None)
     trainer.fit(_fit_module(copy.deepcopy(base), args), loader)
-    return [b - a for a, b in zip(starts[args.warmup :], starts[args.warmup + 1 :])]
-
-
-def runtime_round(row: Row, args: argparse.Namespace) -> list[float]:
-    """The runtime row's steps back to back, timed as ``fit_round`` times Lightning's (start to start)."""
-    starts = []
-    for i in range(args.warmup + args.steps + 1):
-        starts.append(time.perf_counter())
-        row.step(i)
-    return [b - a for a, b in zip(starts[args.warmup :], starts[args.warmup + 1 :])]
+    w = args.warmup
+    fit = [end - start for start, end in zip(fit_starts[w:], fit_ends[w + 1 :])]
+    return fit, runtime[w : w + len(fit)]
 
 
 def rank_main(rank: int, args: argparse.Namespace, data: Tensor, vocab_size: int) -> dict[str, Any]:
@@ -478,7 +492,9 @@ def rank_main(rank: int, args: argparse.Namespace, data: Tensor, vocab_size: int
     base = list(gpt_layers(cfg))  # identical on every rank: same seed, same construction order
     total = args.warmup + args.steps
     # batch i is the other rows' step i; avgpipe-N's step i takes batches i*N .. i*N + N-1 (the same first `total`)
-    batches = make_batches(data, args.block_size, args.batch_size, total * max([1, *args.pipelines]), args.seed + 1)
+    batches = make_batches(
+        data, args.block_size, args.batch_size, (total + 1) * max([1, *args.pipelines]), args.seed + 1
+    )
     start, count = sum(args.partition[:rank]), args.partition[rank]
 
     def own_copy() -> list[nn.Module]:
@@ -522,7 +538,7 @@ def rank_main(rank: int, args: argparse.Namespace, data: Tensor, vocab_size: int
             times[name].append(time.perf_counter() - t0)
             losses[name].append(rows[name].loss())
     dist.barrier()
-    # Trainer.fit against the runtime it calls, paired by round: runtime steps, then a fit of as many steps
+    # Trainer.fit against the runtime it calls, paired step by step: one runtime step between two fit iterations
     fit_times: list[list[float]] = []
     runtime_times: list[list[float]] = []
     if args.fit_rounds:
@@ -531,9 +547,10 @@ def rank_main(rank: int, args: argparse.Namespace, data: Tensor, vocab_size: int
         with tempfile.TemporaryDirectory() as logdir:
             for _ in range(args.fit_rounds):
                 dist.barrier()
-                runtime_times.append(runtime_round(PipeRow("1f1b", 1, own_copy(), rank, args, batches), args))
-                dist.barrier()
-                fit_times.append(fit_round(base, rank, args, batches, Path(logdir)))
+                row = PipeRow("1f1b", 1, own_copy(), rank, args, batches)
+                fit_s, runtime_s = fit_round(base, rank, args, batches, Path(logdir), row)
+                fit_times.append(fit_s)
+                runtime_times.append(runtime_s)
     dist.barrier()
 
     # ours-1f1b vs torch-1f1b: the same stage, trained by two runtimes from the same weights on the same data
@@ -724,12 +741,16 @@ def summarise(args: argparse.Namespace, per_rank: list[dict[str, Any]], vocab_si
     m, s = args.microbatches, WORLD
     fit: dict[str, Any] | None = None
     if args.fit_rounds:
-        # per round, the slowest rank's median step; the ratio fit / runtime per round, then its median
-        def medians_of(key: str) -> list[float]:
-            return [max(statistics.median(r[key][i]) for r in per_rank) for i in range(args.fit_rounds)]
+        # per step, the slowest rank's time of each; per round, the median of the per-step ratios fit / runtime
+        def per_step(key: str, i: int) -> list[float]:
+            return [max(values) for values in zip(*(r[key][i] for r in per_rank))]
 
-        fit_s, runtime_s = medians_of("fit_rounds"), medians_of("runtime_rounds")
-        ratios = [f / r for f, r in zip(fit_s, runtime_s, strict=True)]
+        ratios, fit_s, runtime_s = [], [], []
+        for i in range(args.fit_rounds):
+            f, r = per_step("fit_rounds", i), per_step("runtime_rounds", i)
+            ratios.append(statistics.median(a / b for a, b in zip(f, r, strict=True)))
+            fit_s.append(statistics.median(f))
+            runtime_s.append(statistics.median(r))
         fit = {
             "rounds": args.fit_rounds,
             "fit_step_s": fit_s,
@@ -859,8 +880,8 @@ def format_table(summary: dict[str, Any]) -> str:
             []
             if summary.get("fit_vs_runtime") is None
             else [
-                "Trainer.fit (strategy='avgpipe', 1F1B, CSV logger) vs the same StagePipeline step alone, paired by "
-                "round, step time fit/runtime: "
+                "Trainer.fit (strategy='avgpipe', 1F1B, CSV logger) vs the same StagePipeline step alone, paired "
+                "step by step (one runtime step between two fit iterations), median of fit/runtime per round: "
                 + ", ".join(f"{x:.3f}" for x in summary["fit_vs_runtime"]["fit_over_runtime"])
                 + f" (median {summary['fit_vs_runtime']['fit_over_runtime_median']:.3f}; runtime "
                 + ", ".join(f"{x * 1e3:.1f}" for x in summary["fit_vs_runtime"]["runtime_step_s"])

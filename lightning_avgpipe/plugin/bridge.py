@@ -88,12 +88,20 @@ class StepBridge:
         self._records: dict[str, _Record] = {}
         # torchmetrics submodule -> its update count when this step's first hook call began (None: no call yet)
         self._step_counts: dict[str, int] | None = None
+        self._metrics: list[tuple[str, Metric]] | None = None  # walked once per step (see metrics())
+
+    def metrics(self) -> list[tuple[str, Metric]]:
+        """The module's torchmetrics submodules with their qualified names (walked once per step's first call, not
+        per micro-batch: a module's tree has hundreds of submodules)."""
+        if self._metrics is None:
+            self._metrics = [(q, m) for q, m in self.module.named_modules() if isinstance(m, Metric)]
+        return self._metrics
 
     def call_step(self, hook: str, output: Any, micro: Any, weight: float, *args: Any) -> Any:
         """Run ``module.<hook>(micro, *args)`` where ``self(x)`` returns ``output``; record what it logs."""
         module = self.module
         if self._step_counts is None:  # a metric reset between steps and updated again keeps its old count
-            self._step_counts = {q: m._update_count for q, m in module.named_modules() if isinstance(m, Metric)}
+            self._step_counts = {q: m._update_count for q, m in self.metrics()}
         expected = pipeline_inputs(module, micro)
         calls = 0
 
@@ -141,7 +149,7 @@ class StepBridge:
     def take_logs(self) -> list[tuple[str, str, Any, dict[str, Any]]]:
         """The step's logs, reduced over micro-batches, as picklable records; clears the recorder."""
         out: list[tuple[str, str, Any, dict[str, Any]]] = []
-        names = {id(m): n for n, m in self.module.named_modules()}
+        names = {id(m): q for q, m in self.metrics()}
         for rec in self._records.values():
             last = rec.values[-1]
             if isinstance(last, Metric):
@@ -167,24 +175,24 @@ class StepBridge:
         logged = {payload[0] for _, kind, payload, _ in out if kind == "metric"}
         before = self._step_counts or {}
         self._step_counts = None
-        for qualname, m in self.module.named_modules():
-            if not isinstance(m, Metric):
-                continue
+        for qualname, m in self.metrics():
             if qualname not in logged and m._update_count != before.get(qualname, m._update_count):
                 state = {k: to_cpu(getattr(m, k)) for k in m._defaults}
                 extra = {"count": m._update_count, "cache": to_cpu(m._forward_cache)}
                 out.append((qualname, "state", (qualname, state, extra), {}))
+        self._metrics = None  # the next step walks the module again (a metric may have been added)
         return out
 
 
 def replay_logs(module: nn.Module, logs: Sequence[tuple[str, str, Any, dict[str, Any]]], device: torch.device) -> None:
     """Log ``logs`` (from :meth:`StepBridge.take_logs` on the last stage) through ``module.log`` on this rank."""
-    modules = dict(module.named_modules())
+    modules: dict[str, nn.Module] | None = None  # only metrics need the walk
     for name, kind, payload, kwargs in logs:
         if kind == "value":
             module.log(name, payload.to(device), **kwargs)  # type: ignore[operator]
             continue
         qualname, state, extra = payload
+        modules = modules if modules is not None else dict(module.named_modules())
         metric = modules.get(qualname) if qualname is not None else None
         if kind == "state" and isinstance(metric, Metric):
             _load_metric(metric, state, extra, device)
@@ -230,3 +238,57 @@ def _to_device(v: Any, device: torch.device) -> Any:
 def guard_layers(layers: Mapping[str, nn.Module], guard: Guard) -> list[Any]:
     """Make the given (owned) layers refuse direct calls while ``guard`` is active; returns the hook handles."""
     return [layer.register_forward_pre_hook(lambda _m, _a, n=name: guard.check(n)) for name, layer in layers.items()]
+
+
+class StepResults:
+    """The step's loss and logs, from the pipeline's last stage to every stage, every step.
+
+    While the step logs the same plain values under the same names as the previous step (the common case), one
+    broadcast of a small float64 tensor carries the loss and the values; when the names change, or a torchmetrics
+    state travels, the whole ``(loss, logs)`` goes as a pickled object (two broadcasts and the pickling: about a
+    millisecond a step on CPU), and every stage remembers the new names.
+    """
+
+    CAPACITY = 64  # float64 slots: a flag, the loss, up to 62 logged values
+
+    def __init__(self, pipeline: Any) -> None:
+        self.pipeline = pipeline
+        self._spec: list[tuple[str, dict[str, Any], torch.dtype]] | None = None
+
+    def exchange(self, loss: Tensor | None, logs: list[Any] | None) -> tuple[Tensor, list[Any]]:
+        """Every stage calls it; the last stage passes its ``loss`` and ``logs`` (the others ``None``)."""
+        pipe = self.pipeline
+        if pipe.num_stages == 1:
+            assert loss is not None and logs is not None
+            return loss, logs
+        buf = torch.zeros(self.CAPACITY, dtype=torch.float64, device=pipe.device)
+        if pipe.is_last:
+            assert loss is not None and logs is not None
+            spec = _spec_of(logs)
+            fast = spec is not None and spec == self._spec and len(spec) + 2 <= self.CAPACITY
+            buf[1] = float(loss)
+            if fast:
+                buf[0] = 1.0
+                if logs:
+                    buf[2 : 2 + len(logs)] = torch.stack([record[2].double() for record in logs]).to(buf.device)
+        pipe.share_tensor(buf)
+        if bool(buf[0] == 1.0):
+            if pipe.is_last:
+                assert loss is not None and logs is not None
+                return loss, logs
+            assert self._spec is not None
+            values = buf[2 : 2 + len(self._spec)].cpu()
+            mirrored = [
+                (name, "value", values[i].to(dtype), kwargs) for i, (name, kwargs, dtype) in enumerate(self._spec)
+            ]
+            return buf[1].float().cpu(), mirrored
+        shared_loss, shared_logs = pipe.share((loss, logs) if pipe.is_last else None)
+        self._spec = _spec_of(shared_logs)
+        return shared_loss, shared_logs
+
+
+def _spec_of(logs: Sequence[Any]) -> list[tuple[str, dict[str, Any], torch.dtype]] | None:
+    """Names, options and dtypes of a step's logs when all are plain values (``None`` when a metric travels)."""
+    if any(kind != "value" for _, kind, _, _ in logs):
+        return None
+    return [(name, kwargs, value.dtype) for name, _, value, kwargs in logs]

@@ -31,7 +31,7 @@ from lightning_avgpipe import microbatch
 from lightning_avgpipe.config import PipelineConfig
 from lightning_avgpipe.plugin import checkpoint as ckpt
 from lightning_avgpipe.plugin import compat
-from lightning_avgpipe.plugin.bridge import Guard, StepBridge, replay_logs
+from lightning_avgpipe.plugin.bridge import Guard, StepBridge, StepResults, replay_logs
 from lightning_avgpipe.plugin.compat import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
@@ -187,6 +187,8 @@ class AvgPipeStrategy(ParallelStrategy):
         self._bridge: StepBridge | None = None
         self._guard = Guard()
         self._grad_stash: list[Tensor | None] | None = None
+        self._results: StepResults | None = None  # the step's loss and logs to every stage
+        self._param_names: dict[int, str] = {}  # id(parameter) -> its name in the module, for error messages
         self._telemetry = Telemetry()
         self._watchdog: Watchdog | None = None
 
@@ -413,6 +415,8 @@ class AvgPipeStrategy(ParallelStrategy):
             self._process_group_backend,
             self.num_processes,
         )
+        self._param_names = {id(p): n for n, p in self._lightning().named_parameters()}
+        self._results = StepResults(self._pipeline)
         elastic = self._pipeline.elastic
         if not elastic.trivial:
             cfg = self.config
@@ -493,8 +497,9 @@ class AvgPipeStrategy(ParallelStrategy):
         module, pipeline, bridge = self._lightning(), self.pipeline, self.bridge
         trainer = module.trainer
         batches = batch if self.num_pipelines > 1 else [batch]
-        self._telemetry.step_started(module, sum(microbatch.batch_size(b) for b in batches) * self.num_groups)
         figures = self._telemetry.wants_figures(trainer, pipeline)
+        samples = sum(microbatch.batch_size(b) for b in batches) * self.num_groups
+        self._telemetry.step_started(module, samples, log=figures)
         params = pipeline.params
         saved = [p.grad for p in params]
         for p in params:
@@ -508,15 +513,18 @@ class AvgPipeStrategy(ParallelStrategy):
                 forward_context=self.precision_plugin.train_step_context,
                 measure=figures,
                 divergence=not pipeline.elastic.trivial and compat.writes_logs(trainer),
-                param_names={id(p): n for n, p in module.named_parameters()},
+                param_names=self._param_names,
             )
         finally:
             # Lightning zeroes gradients after training_step; keep this step's apart until backward() adds them.
             self._grad_stash = [p.grad for p in params]
             for p, g in zip(params, saved):
                 p.grad = g
-        payload = (result.loss.cpu(), bridge.take_logs()) if result.loss is not None else None
-        loss, logs = pipeline.share(payload)
+        assert self._results is not None
+        if result.loss is not None:  # the last stage
+            loss, logs = self._results.exchange(result.loss.cpu(), bridge.take_logs())
+        else:
+            loss, logs = self._results.exchange(None, None)
         if figures:
             self._telemetry.step_finished(module, pipeline, result, self.optimizers)
         replay_logs(module, logs, self.root_device)

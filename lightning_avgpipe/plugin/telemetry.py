@@ -36,10 +36,10 @@ class Telemetry:
         traced = cfg.trace_dir is not None and trainer.global_step in cfg.trace_steps
         return traced or pipeline.measuring_k or compat.writes_logs(trainer)
 
-    def step_started(self, module: pl.LightningModule, samples: int) -> None:
-        """Log samples/s over the last iteration (validation in between not counted)."""
+    def step_started(self, module: pl.LightningModule, samples: int, log: bool) -> None:
+        """Time the last iteration (validation in between not counted); with ``log``, log its samples/s."""
         now = time.perf_counter()
-        if self._step_started is not None and now > self._step_started:
+        if log and self._step_started is not None and now > self._step_started:
             module.log("avgpipe/samples_per_sec", samples / (now - self._step_started), on_step=True, on_epoch=False)
         self._step_started = now
 

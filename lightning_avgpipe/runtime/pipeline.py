@@ -525,6 +525,20 @@ class StagePipeline:
             ) from err
         return box[0]
 
+    def share_tensor(self, tensor: Tensor) -> Tensor:
+        """``tensor`` of this pipeline's last stage, in place on every stage (collective over the pipeline)."""
+        if self.num_stages > 1:
+            src = self.topology.pipeline_ranks[-1]
+            try:
+                dist.broadcast(tensor, src=src, group=self.topology.pipeline_group)
+            except RuntimeError as err:
+                raise PeerFailureError(
+                    f"stage {self.stage} (rank {self.topology.rank}): the step's results from rank {src} (stage "
+                    f"{self.num_stages - 1}, the last) did not arrive: a rank of this pipeline failed, was killed or "
+                    f"is stuck. {first_failure()}({str(err).splitlines()[0][:160]})"
+                ) from err
+        return tensor
+
     def gather(self, obj: Any) -> list[Any] | None:
         """``obj`` of every stage of this pipeline, on its first stage (``None`` elsewhere; collective)."""
         if self.num_stages == 1:
