@@ -102,11 +102,14 @@ class CharGPT(L.LightningModule):
         dropout: float = 0.0,
         lr: float = 3e-3,
         weight_decay: float = 0.01,
+        tie_weights: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.cfg = GPTConfig(vocab_size, block_size, n_layer, n_head, n_embd, dropout)
         self.layers = gpt_layers(self.cfg)
+        if tie_weights:  # the output head reads logits off the token embedding (one (V, C) matrix, two layers)
+            self.layers[-1].out.weight = self.layers[0].tok.weight
         self.example_input_array = torch.zeros(8, block_size, dtype=torch.long)  # profiles partition="balanced"
 
     def configure_pipeline(self) -> nn.Sequential:
@@ -176,13 +179,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tune", action="store_true", help="choose micro-batches and pipelines with AvgPipeTuner first")
     p.add_argument("--memory-limit-mb", type=float, default=None, help="the tuner's per-stage memory limit")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--tie-weights",
+        action="store_true",
+        help="share the token embedding's weight with the output head (on the first and last stages)",
+    )
     args = p.parse_args(argv)
     check_model_args(p, args)
     if args.accelerator == "cpu":
         lightning_avgpipe.share_cpu_threads(args.devices)  # before the model starts torch's thread pool
     L.seed_everything(args.seed, verbose=False)
     dm = CharDataModule(block_size=args.block_size, batch_size=args.batch_size)
-    model = CharGPT(vocab_size=dm.vocab_size, **model_sizes(args))
+    model = CharGPT(vocab_size=dm.vocab_size, tie_weights=args.tie_weights, **model_sizes(args))
     k = args.advance_forwards if args.advance_forwards == "auto" else int(args.advance_forwards)
     strategy = lightning_avgpipe.AvgPipeStrategy(
         num_microbatches=args.microbatches,

@@ -29,6 +29,18 @@ from torch import Tensor, nn
 from lightning_avgpipe.checks import is_int, is_number
 
 
+def unique_params(layers: Sequence[nn.Module]) -> list[nn.Parameter]:
+    """The parameters of ``layers`` in order, each once (a weight two layers share is one parameter)."""
+    seen: set[int] = set()
+    out = []
+    for layer in layers:
+        for p in layer.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
 def default_alpha(num_replicas: int, num_groups: int = 1) -> float:
     """One over the number of replicas averaged: 1 / (N·D)."""
     return 1.0 / (num_replicas * num_groups)
@@ -81,9 +93,10 @@ class ElasticAveraging:
         self.replicas: list[list[nn.Module]] = (
             [self.reference]
             if self.trivial
-            else [[copy.deepcopy(m) for m in self.reference] for _ in range(num_replicas)]
+            # the layers copied together, so a weight shared by two of them stays one weight in every replica
+            else [list(copy.deepcopy(self.reference)) for _ in range(num_replicas)]
         )
-        self._ref_params = [p for m in self.reference for p in m.parameters()]
+        self._ref_params = unique_params(self.reference)
         self._offsets: list[list[Tensor]] | None = None
         self._total: list[Tensor] = []
         self._flat: Tensor | None = None
@@ -92,7 +105,8 @@ class ElasticAveraging:
 
     # -- parameters --------------------------------------------------------------------------------------------
     def replica_params(self, n: int) -> list[nn.Parameter]:
-        return [p for m in self.replicas[n] for p in m.parameters()]
+        """Replica ``n``'s parameters of this stage, each once, in the order of :attr:`reference_params`."""
+        return unique_params(self.replicas[n])
 
     def all_replica_params(self) -> list[nn.Parameter]:
         return [p for n in range(self.num_replicas) for p in self.replica_params(n)]

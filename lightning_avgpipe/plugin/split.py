@@ -154,3 +154,27 @@ def forward_sample(module: nn.Module) -> Any:
     if device is not None:
         sample = microbatch.map_tensors(sample, lambda t: t.to(device))
     return microbatch.split(sample, max(1, size // 2))[0] if size > 2 else sample
+
+
+def shared_across_stages(
+    module: nn.Module, layers: list[nn.Module], sizes: list[int]
+) -> dict[tuple[int, ...], list[tuple[str, nn.Parameter]]]:
+    """The parameters that layers on more than one stage use (a tied embedding and output head), by the stages
+    that hold a copy: ``{(0, 3): [("embed.weight = head.weight", p)]}``. The same on every rank (called before the
+    split, on the whole model)."""
+    bounds = [sum(sizes[: s + 1]) for s in range(len(sizes))]
+    stages_of: dict[int, set[int]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for index, layer in enumerate(layers):
+        stage = next(s for s, end in enumerate(bounds) if index < end)
+        for p in layer.parameters():
+            stages_of.setdefault(id(p), set()).add(stage)
+            params[id(p)] = p
+    names: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    ties: dict[tuple[int, ...], list[tuple[str, nn.Parameter]]] = {}
+    for key, stages in stages_of.items():
+        if len(stages) > 1:
+            ties.setdefault(tuple(sorted(stages)), []).append((" = ".join(names.get(key, ["?"])), params[key]))
+    return dict(sorted(ties.items()))

@@ -48,12 +48,13 @@ from lightning_avgpipe.plugin.split import (
     check_layer_count,
     choose_partition,
     forward_sample,
+    shared_across_stages,
     split_module,
 )
 from lightning_avgpipe.plugin.telemetry import Telemetry
 from lightning_avgpipe.runtime.clipping import clip_grad_norm_across
 from lightning_avgpipe.runtime.p2p import report_failure
-from lightning_avgpipe.runtime.pipeline import StagePipeline, memory_limit_bytes
+from lightning_avgpipe.runtime.pipeline import StagePipeline, TiedWeights, memory_limit_bytes
 from lightning_avgpipe.runtime.topology import Topology
 from lightning_avgpipe.runtime.watchdog import Watchdog
 
@@ -187,6 +188,7 @@ class AvgPipeStrategy(ParallelStrategy):
         self._bridge: StepBridge | None = None
         self._guard = Guard()
         self._grad_stash: list[Tensor | None] | None = None
+        self._ties: list[TiedWeights] = []  # weights this stage shares with others (tied embedding and head)
         self._results: StepResults | None = None  # the step's loss and logs to every stage
         self._param_names: dict[int, str] = {}  # id(parameter) -> its name in the module, for error messages
         self._telemetry = Telemetry()
@@ -394,6 +396,7 @@ class AvgPipeStrategy(ParallelStrategy):
         sizes = choose_partition(module, layers, self.config.partition, stages) if self.global_rank == 0 else None
         sizes = self.broadcast(sizes, src=0)
         assert sizes is not None
+        self._ties = self._tie_groups(shared_across_stages(module, layers, list(sizes)))
         self._split = split_module(module, layers, list(sizes), self.stage, self._guard)
         rank_zero_info(
             f"AvgPipe: {self.num_stages} stages, layers per stage {list(sizes)}, schedule={self.config.schedule}, "
@@ -403,6 +406,23 @@ class AvgPipeStrategy(ParallelStrategy):
         for metric in module.modules():
             if isinstance(metric, Metric):  # mirrored on every stage: sync each pipeline group's state once
                 metric.process_group = self.topology.stage_group
+
+    def _tie_groups(self, shared: dict[tuple[int, ...], list[tuple[str, nn.Parameter]]]) -> list[TiedWeights]:
+        """A process group per set of stages that share weights, in every pipeline group (collective: every rank
+        makes every group in the same order); this stage's part of them."""
+        top, mine = self.topology, []
+        for stages, named in shared.items():
+            for d in range(top.num_groups):
+                ranks = [d * top.num_stages + s for s in stages]
+                group = dist.new_group(ranks, timeout=timedelta(seconds=self.config.timeout))
+                if d == top.group_index and top.stage in stages:
+                    names = tuple(name for name, _ in named)
+                    mine.append(TiedWeights(stages, names, tuple(p for _, p in named), group))
+            rank_zero_info(
+                f"AvgPipe: {', '.join(name for name, _ in named)} shared by the layers of stages {list(stages)}: each "
+                "keeps a copy, and their gradients are summed over those stages every step (the copies stay equal)."
+            )
+        return mine
 
     def _make_pipeline(self) -> None:
         """Stage ``s`` of the N replicas (copies of the module's own layers) and the step that trains them."""
@@ -414,6 +434,7 @@ class AvgPipeStrategy(ParallelStrategy):
             self.root_device,
             self._process_group_backend,
             self.num_processes,
+            ties=self._ties,
         )
         self._param_names = {id(p): n for n, p in self._lightning().named_parameters()}
         self._results = StepResults(self._pipeline)
@@ -436,7 +457,8 @@ class AvgPipeStrategy(ParallelStrategy):
         def clip_grad_by_norm(optimizer: Optimizer, clip_val: int | float) -> None:
             elastic = self.elastic
             sets = [elastic.replica_params(n) for n in range(elastic.num_replicas)]
-            clip_grad_norm_across(sets, float(clip_val), group, device=self.root_device)
+            uncounted = self.pipeline.uncounted_params
+            clip_grad_norm_across(sets, float(clip_val), group, device=self.root_device, uncounted=uncounted)
 
         def clip_grad_by_value(optimizer: Optimizer, clip_val: int | float) -> None:
             params = [p for p in self.pipeline.params if p.grad is not None]  # the replicas hold the gradients

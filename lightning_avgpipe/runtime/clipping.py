@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from typing import Any
 
 import torch
@@ -11,20 +11,26 @@ from torch import Tensor
 
 
 def clip_grad_norm_across(
-    param_sets: Sequence[Sequence[Tensor]], max_norm: float, group: Any = None, device: torch.device | None = None
+    param_sets: Sequence[Sequence[Tensor]],
+    max_norm: float,
+    group: Any = None,
+    device: torch.device | None = None,
+    uncounted: Set[int] = frozenset(),
 ) -> Tensor:
     """Clip each set's gradients to a 2-norm of at most ``max_norm`` over all stages; returns the norms.
 
     Each set is one replica's parameters on this stage. The arithmetic is ``torch.nn.utils.clip_grad_norm_`` on
     the unsplit model: the squared norms of every stage are summed (one all-reduce over the pipeline group for
-    all sets at once) before each set's clip coefficient is applied.
+    all sets at once) before each set's clip coefficient is applied. Parameters whose ``id`` is in ``uncounted``
+    (a weight shared with another stage, counted there) are scaled but left out of the norm.
     """
     grads = [[p.grad for p in params if p.grad is not None] for params in param_sets]
     device = next((g[0].device for g in grads if g), device or torch.device("cpu"))
     local = torch.zeros(len(grads), dtype=torch.float32, device=device)
-    for i, gs in enumerate(grads):
-        for g in gs:
-            local[i] += g.detach().float().pow(2).sum()
+    for i, params in enumerate(param_sets):
+        for p in params:
+            if p.grad is not None and id(p) not in uncounted:
+                local[i] += p.grad.detach().float().pow(2).sum()
     if dist.is_available() and dist.is_initialized() and (group is None or dist.get_world_size(group) > 1):
         dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
     total = local.sqrt()

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, Subset
 
 from lightning_avgpipe import AvgPipeStrategy, AvgPipeTuner
 from tests.helpers.lit import PipeNet, dataset, loader
+from tests.helpers.tied import TiedLM, token_loader
 
 
 class Fault(pl.Callback):
@@ -74,7 +75,7 @@ def group_loader(cfg: dict[str, Any], batch_size: int = 12) -> DataLoader:
 def main(cfg: dict[str, Any]) -> None:
     torch.set_num_threads(1)
     out = Path(cfg["out"])
-    model = PipeNet(**cfg.get("model", {}))
+    model = TiedLM(**cfg.get("model", {})) if cfg.get("tied") else PipeNet(**cfg.get("model", {}))
     if cfg.get("example_input"):  # lets partition="balanced" profile the layers
         model.example_input_array = torch.zeros(2, 8)
     rec = Recorder()
@@ -115,6 +116,8 @@ def main(cfg: dict[str, Any]) -> None:
     if cfg.get("group_data"):
         trainer_kwargs["use_distributed_sampler"] = False
     train_loader = group_loader(cfg, bs) if cfg.get("group_data") else loader(bs)
+    if cfg.get("tied"):
+        train_loader = token_loader(bs)
     if cfg.get("shuffle"):  # the order comes from torch's global RNG (the same seed on every rank)
         pl.seed_everything(cfg.get("seed", 0), verbose=False)
         trainer_kwargs["use_distributed_sampler"] = False
