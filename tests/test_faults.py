@@ -17,6 +17,32 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize(
+    ("world", "failing", "cfg"),
+    [
+        (2, 0, {"strategy": {"num_microbatches": 2, "partition": [2, 5]}}),  # rank 0 decides the partition
+        (2, 1, {"setup_fault": {"rank": 1}}),
+        (4, 2, {"setup_fault": {"rank": 2}}),
+        (4, 0, {"setup_fault": {"rank": 0}}),  # the rendezvous store's host
+    ],
+    ids=["S2-partition-rank0", "S2-setup-rank1", "S4-setup-rank2", "S4-setup-rank0"],
+)
+def test_a_rank_failing_in_setup_is_named_by_every_rank(world: int, failing: int, cfg: dict) -> None:
+    """The others were waiting in a collective (a barrier, the partition's broadcast): their errors name the rank
+    that failed first and its error, not only gloo's "Connection closed by peer"."""
+    config = {"out": tempfile.mkdtemp(), "devices": world, "steps": 2, "strategy": {"num_microbatches": 2}, **cfg}
+    start = time.monotonic()
+    results = launch_ranks(["-m", "tests.helpers.lightning_worker", json.dumps(config)], world, timeout=120)
+    assert time.monotonic() - start < 90
+    codes = [code for code, _ in results]
+    assert all(code != 0 for code in codes), codes
+    error = "sums to 7 layers" if "partition" in config["strategy"] else f"injected setup failure on rank {failing}"
+    for r, (_, out) in enumerate(results):
+        assert error in out, f"rank {r}:\n{out[-3000:]}"
+        if r != failing:
+            assert f"First failure: rank {failing} (setup): ValueError" in out, f"rank {r}:\n{out[-3000:]}"
+
+
+@pytest.mark.parametrize(
     ("world", "rank", "kind"),
     [(2, 1, "raise"), (2, 0, "kill"), (4, 2, "raise"), (4, 1, "kill")],
     ids=["S2-raise-last", "S2-kill-first", "S4-raise-middle", "S4-kill-middle"],

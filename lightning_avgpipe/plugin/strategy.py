@@ -53,7 +53,7 @@ from lightning_avgpipe.plugin.split import (
 )
 from lightning_avgpipe.plugin.telemetry import Telemetry
 from lightning_avgpipe.runtime.clipping import clip_grad_norm_across
-from lightning_avgpipe.runtime.p2p import report_failure
+from lightning_avgpipe.runtime.p2p import name_first_failure, recorded_failure, report_failure, wait_until_seen
 from lightning_avgpipe.runtime.pipeline import StagePipeline, TiedWeights, memory_limit_bytes
 from lightning_avgpipe.runtime.topology import Topology
 from lightning_avgpipe.runtime.watchdog import Watchdog
@@ -717,9 +717,22 @@ class AvgPipeStrategy(ParallelStrategy):
         # The rank where a failure starts records it, so the others' messages name it (not just their neighbour).
         # A neighbour's timeout is recorded too (unless something was first): then a rank stuck while alive, which
         # raises nothing, is ended by its watchdog.
-        if _distributed_is_initialized():
-            stage = f"stage {self.stage}" if self._topology is not None else "setup"
-            report_failure(f"rank {self.global_rank} ({stage}): {type(exception).__name__}: {str(exception)[:200]}")
+        if not _distributed_is_initialized():
+            return
+        stage = f"stage {self.stage}" if self._pipeline is not None else "setup"
+        mine = f"rank {self.global_rank} ({stage}): {type(exception).__name__}: {str(exception)[:200]}"
+        report_failure(mine)
+        first = recorded_failure()
+        if first and first != mine:  # a consequence (a neighbour gone mid-collective): say what came first
+            name_first_failure(
+                exception,
+                f"lightning_avgpipe: rank {self.global_rank} stopped because another rank "
+                f"failed first. First failure: {first}.",
+            )
+        if self.global_rank == 0 and self.world_size > 1 and first:
+            # The store lives on this rank: give the others' watchdogs (they poll every second) time to read the
+            # failure, so that their messages name it instead of a raw "Connection closed by peer".
+            wait_until_seen(self.world_size - 1, timeout=3.0)
 
     @override
     def teardown(self) -> None:

@@ -13,6 +13,7 @@ follow from its input shapes gets a clear error instead of a corrupt transfer.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -354,15 +355,60 @@ def report_failure(description: str) -> None:
         pass
 
 
-def first_failure() -> str:
-    """ "First failure: ..." if some rank recorded one (see :func:`report_failure`), else ""."""
+_SEEN_KEY = "lightning_avgpipe/first_failure_seen"
+_seen: dict[str, Any] = {"text": "", "acknowledged": False}  # this process's copy: the store may go with rank 0
+
+
+def recorded_failure() -> str:
+    """The first failure some rank recorded (see :func:`report_failure`), or ""; read from the store, or this
+    process's copy of it when the store is gone (it lives on rank 0). Reading it acknowledges it, once."""
     try:
         store = dist.distributed_c10d._get_default_store()
         if store.check([_FAILURE_KEY]):
-            return f"First failure: {store.get(_FAILURE_KEY).decode()}. "
-    except Exception:  # noqa: BLE001
+            text = store.get(_FAILURE_KEY).decode()
+            if text:
+                _seen["text"] = text
+                if not _seen["acknowledged"]:
+                    store.add(_SEEN_KEY, 1)  # rank 0 waits for every rank's before taking the store down
+                    _seen["acknowledged"] = True
+    except Exception:  # noqa: BLE001 - the store is gone: what was seen is kept
         pass
-    return ""
+    return str(_seen["text"])
+
+
+def first_failure() -> str:
+    """ "First failure: ..." if some rank recorded one (see :func:`report_failure`), else ""."""
+    text = recorded_failure()
+    return f"First failure: {text}. " if text else ""
+
+
+def name_first_failure(exception: BaseException, note: str) -> None:
+    """Add ``note`` to ``exception`` (a note on Python 3.11+, its message before), once."""
+    if getattr(exception, "_avgpipe_named", False):
+        return
+    try:
+        exception._avgpipe_named = True  # type: ignore[attr-defined]
+    except AttributeError:  # a built-in exception that takes no attributes: a note is still fine
+        pass
+    if hasattr(exception, "add_note"):
+        exception.add_note(note)
+    elif exception.args and isinstance(exception.args[0], str):
+        exception.args = (f"{exception.args[0]}\n{note}", *exception.args[1:])
+
+
+def wait_until_seen(ranks: int, timeout: float) -> bool:
+    """On the store's host (rank 0): wait up to ``timeout`` seconds until ``ranks`` other ranks have read the first
+    failure (their watchdogs poll every second), so that the store does not go down before they can name it."""
+    deadline = time.monotonic() + timeout
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        while time.monotonic() < deadline:
+            if store.add(_SEEN_KEY, 0) >= ranks:
+                return True
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001 - best effort
+        pass
+    return False
 
 
 def _completed(work: Any) -> bool:

@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from lightning_avgpipe.runtime.p2p import _FAILURE_KEY
+from lightning_avgpipe.runtime.p2p import _FAILURE_KEY, recorded_failure
 
 EXIT_CODE = 1
 
@@ -68,20 +68,31 @@ class Watchdog:
         self._thread = None
 
     def _failure(self) -> str | None:
-        try:
-            store = self._store
-            if store is None:
+        if self._store is None:  # the job's store: read through p2p, which keeps a copy and acknowledges it
+            value = recorded_failure()
+            if value:
+                self._last = value
+                return value
+            try:
                 import torch.distributed as dist
 
-                store = dist.distributed_c10d._get_default_store()
+                dist.distributed_c10d._get_default_store().check([_FAILURE_KEY])  # still answering?
+            except Exception:  # noqa: BLE001 - the store lives on rank 0: gone when rank 0 is gone
+                return self._gone()
+            return None
+        try:
+            store = self._store
             if store.check([_FAILURE_KEY]):  # type: ignore[attr-defined]
                 value = store.get(_FAILURE_KEY).decode()  # type: ignore[attr-defined]
                 self._last = value or self._last
                 return value or None
         except Exception:  # noqa: BLE001 - the store lives on rank 0: gone when rank 0 is gone
-            gone = "the rendezvous store on rank 0 stopped answering (rank 0 exited or was killed)"
-            return f"{self._last}; then {gone}" if self._last else gone
+            return self._gone()
         return None
+
+    def _gone(self) -> str:
+        gone = "the rendezvous store on rank 0 stopped answering (rank 0 exited or was killed)"
+        return f"{self._last}; then {gone}" if self._last else gone
 
     def _run(self) -> None:
         seen: float | None = None

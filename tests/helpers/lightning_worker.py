@@ -47,6 +47,17 @@ class Fault(pl.Callback):
             layer.register_forward_pre_hook(nan if self.kind == "nan" else fail)
 
 
+class SetupFault(pl.Callback):
+    """Make one rank fail during setup, after the process group is up (its neighbours wait in a collective)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if trainer.global_rank == self.rank:
+            raise ValueError(f"injected setup failure on rank {self.rank}")
+
+
 class Recorder(pl.Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
@@ -111,6 +122,8 @@ def main(cfg: dict[str, Any]) -> None:
         trainer_kwargs["callbacks"].append(tuner)
     if cfg.get("fault"):
         trainer_kwargs["callbacks"].append(Fault(**cfg["fault"]))
+    if cfg.get("setup_fault"):
+        trainer_kwargs["callbacks"].append(SetupFault(**cfg["setup_fault"]))
     trainer_kwargs.update(cfg.get("trainer", {}))
     bs = cfg.get("batch_size", 12)
     if cfg.get("group_data"):
