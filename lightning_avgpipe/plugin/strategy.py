@@ -727,7 +727,7 @@ class AvgPipeStrategy(ParallelStrategy):
             name_first_failure(
                 exception,
                 f"lightning_avgpipe: rank {self.global_rank} stopped because another rank "
-                f"failed first. First failure: {first}.",
+                f"failed first. First failure: {first.rstrip('.')}.",
             )
         if self.global_rank == 0 and self.world_size > 1 and first:
             # The store lives on this rank: give the others' watchdogs (they poll every second) time to read the
