@@ -53,8 +53,9 @@ from lightning_avgpipe.plugin.split import (
 )
 from lightning_avgpipe.plugin.telemetry import Telemetry
 from lightning_avgpipe.runtime.clipping import clip_grad_norm_across
-from lightning_avgpipe.runtime.p2p import name_first_failure, recorded_failure, report_failure, wait_until_seen
-from lightning_avgpipe.runtime.pipeline import StagePipeline, TiedWeights, memory_limit_bytes
+from lightning_avgpipe.runtime.p2p import handle_failure
+from lightning_avgpipe.runtime.pipeline import StagePipeline, memory_limit_bytes
+from lightning_avgpipe.runtime.ties import TiedWeights, tie_groups
 from lightning_avgpipe.runtime.topology import Topology
 from lightning_avgpipe.runtime.watchdog import Watchdog
 
@@ -396,7 +397,13 @@ class AvgPipeStrategy(ParallelStrategy):
         sizes = choose_partition(module, layers, self.config.partition, stages) if self.global_rank == 0 else None
         sizes = self.broadcast(sizes, src=0)
         assert sizes is not None
-        self._ties = self._tie_groups(shared_across_stages(module, layers, list(sizes)))
+        shared = shared_across_stages(module, layers, list(sizes))
+        self._ties = tie_groups(shared, self.topology, self.config.timeout)
+        for holders, named in shared.items():
+            rank_zero_info(
+                f"AvgPipe: {', '.join(name for name, _ in named)} shared by the layers of stages {list(holders)}: each "
+                "keeps a copy, and their gradients are summed over those stages every step (the copies stay equal)."
+            )
         self._split = split_module(module, layers, list(sizes), self.stage, self._guard)
         rank_zero_info(
             f"AvgPipe: {self.num_stages} stages, layers per stage {list(sizes)}, schedule={self.config.schedule}, "
@@ -406,23 +413,6 @@ class AvgPipeStrategy(ParallelStrategy):
         for metric in module.modules():
             if isinstance(metric, Metric):  # mirrored on every stage: sync each pipeline group's state once
                 metric.process_group = self.topology.stage_group
-
-    def _tie_groups(self, shared: dict[tuple[int, ...], list[tuple[str, nn.Parameter]]]) -> list[TiedWeights]:
-        """A process group per set of stages that share weights, in every pipeline group (collective: every rank
-        makes every group in the same order); this stage's part of them."""
-        top, mine = self.topology, []
-        for stages, named in shared.items():
-            for d in range(top.num_groups):
-                ranks = [d * top.num_stages + s for s in stages]
-                group = dist.new_group(ranks, timeout=timedelta(seconds=self.config.timeout))
-                if d == top.group_index and top.stage in stages:
-                    names = tuple(name for name, _ in named)
-                    mine.append(TiedWeights(stages, names, tuple(p for _, p in named), group))
-            rank_zero_info(
-                f"AvgPipe: {', '.join(name for name, _ in named)} shared by the layers of stages {list(stages)}: each "
-                "keeps a copy, and their gradients are summed over those stages every step (the copies stay equal)."
-            )
-        return mine
 
     def _make_pipeline(self) -> None:
         """Stage ``s`` of the N replicas (copies of the module's own layers) and the step that trains them."""
@@ -714,25 +704,9 @@ class AvgPipeStrategy(ParallelStrategy):
     # -- the end -------------------------------------------------------------------------------------------------
     @override
     def on_exception(self, exception: BaseException) -> None:
-        # The rank where a failure starts records it, so the others' messages name it (not just their neighbour).
-        # A neighbour's timeout is recorded too (unless something was first): then a rank stuck while alive, which
-        # raises nothing, is ended by its watchdog.
-        if not _distributed_is_initialized():
-            return
-        stage = f"stage {self.stage}" if self._pipeline is not None else "setup"
-        mine = f"rank {self.global_rank} ({stage}): {type(exception).__name__}: {str(exception)[:200]}"
-        report_failure(mine)
-        first = recorded_failure()
-        if first and first != mine:  # a consequence (a neighbour gone mid-collective): say what came first
-            name_first_failure(
-                exception,
-                f"lightning_avgpipe: rank {self.global_rank} stopped because another rank "
-                f"failed first. First failure: {first.rstrip('.')}.",
-            )
-        if self.global_rank == 0 and self.world_size > 1 and first:
-            # The store lives on this rank: give the others' watchdogs (they poll every second) time to read the
-            # failure, so that their messages name it instead of a raw "Connection closed by peer".
-            wait_until_seen(self.world_size - 1, timeout=3.0)
+        if _distributed_is_initialized():
+            stage = f"stage {self.stage}" if self._pipeline is not None else "setup"
+            handle_failure(exception, f"rank {self.global_rank} ({stage})", self.global_rank, self.world_size)
 
     @override
     def teardown(self) -> None:

@@ -382,6 +382,28 @@ def first_failure() -> str:
     return f"First failure: {text}. " if text else ""
 
 
+def handle_failure(exception: BaseException, where: str, rank: int, world_size: int) -> None:
+    """What every rank does with an exception that ends its job (``where``: "rank 1 (stage 1)").
+
+    The rank where a failure starts records it, so the others' messages name it (not just their neighbour); a
+    neighbour's timeout is recorded too (unless something was first): then a rank stuck while alive, which raises
+    nothing, is ended by its watchdog. An error that is a consequence (a neighbour gone mid-collective) gets a note
+    naming the first failure. Rank 0 hosts the store, so it gives the others' watchdogs (they poll every second) a
+    few seconds to read the failure before it exits and takes the store with it.
+    """
+    mine = f"{where}: {type(exception).__name__}: {str(exception)[:200]}"
+    report_failure(mine)
+    first = recorded_failure()
+    if first and first != mine:
+        name_first_failure(
+            exception,
+            f"lightning_avgpipe: rank {rank} stopped because another rank failed first. "
+            f"First failure: {first.rstrip('.')}.",
+        )
+    if rank == 0 and world_size > 1 and first:
+        wait_until_seen(world_size - 1, timeout=3.0)
+
+
 def name_first_failure(exception: BaseException, note: str) -> None:
     """Add ``note`` to ``exception`` (a note on Python 3.11+, its message before), once."""
     if getattr(exception, "_avgpipe_named", False):

@@ -38,6 +38,7 @@ from lightning_avgpipe.optim import ElasticOptimizer, clone_optimizer
 from lightning_avgpipe.replicas import BatchedReplicas, select, stack
 from lightning_avgpipe.runtime.executor import StageExecutor
 from lightning_avgpipe.runtime.p2p import Link, PeerFailureError, first_failure
+from lightning_avgpipe.runtime.ties import TiedGradients, TiedWeights
 from lightning_avgpipe.runtime.topology import Topology
 from lightning_avgpipe.runtime.trace import ActivationMeter, StepTrace, write_trace
 from lightning_avgpipe.schedules import Plan, build_plan, max_advance_forwards, validate_plan
@@ -75,21 +76,6 @@ def memory_limit_bytes(limit: float | None, device: torch.device, processes: int
     else:
         total = host_memory_bytes() // max(1, processes)
     return float(limit) * total
-
-
-@dataclass(frozen=True)
-class TiedWeights:
-    """Weights this stage shares with other stages of its pipeline (a tied embedding and output head).
-
-    Each stage that uses them keeps a copy; their gradients are summed over ``group`` (the ranks of this pipeline
-    that hold a copy, Megatron's embedding group) before the optimizer step, so every copy takes the same step and
-    stays bit-identical to the others: one parameter of the model, as in single-process training.
-    """
-
-    stages: tuple[int, ...]  # the stages that hold a copy
-    names: tuple[str, ...]  # their names in the module (a tied pair: "embed.weight = head.weight")
-    params: tuple[nn.Parameter, ...]  # this stage's copies (the reference's)
-    group: Any = None  # the process group of the stages' ranks in this pipeline
 
 
 @dataclass
@@ -241,8 +227,7 @@ class StagePipeline:
             device=self.device,
         )
         self._params = self.elastic.all_replica_params()
-        position = {id(p): i for i, p in enumerate(self.elastic.reference_params)}
-        self._tie_index = [[position[id(p)] for p in tie.params] for tie in self.ties]
+        self._tied = TiedGradients(self.ties, self.elastic, self.stage)
         self._replica_fns = [sequential(layers) for layers in self.elastic.replicas]
         self.batched: BatchedReplicas | None = None
         if cfg.replica_execution == "batched" and not self.elastic.trivial:
@@ -389,7 +374,7 @@ class StagePipeline:
         if meter is not None:
             meter.reset()
         self.elastic.follow_reference()  # frozen layers, eval-mode BatchNorm: as the user's module has them
-        before = self._tied_grads() if self.ties else None
+        before = self._tied.before(replicas) if self.ties else None
         if self.batched is not None:
             results = self._run_batched(
                 key, micro, weights, owner, loss_fn, inputs, accumulate, forward_context, trace, meter
@@ -412,7 +397,7 @@ class StagePipeline:
                 meter=meter,
             )
         if self.ties:
-            self._sum_tied(before)
+            self._tied.sum(replicas, before, self.device)
         spread = self.divergence() if divergence else None
         self.check_finite(results, param_names)
         if self.link is not None and self._bounds_link_timeout:
@@ -470,42 +455,10 @@ class StagePipeline:
         batched.finish()
         return results
 
-    def tied_copies(self, tie: int) -> list[nn.Parameter]:
-        """Every replica's copy of the weights of ``self.ties[tie]`` on this stage."""
-        return [self.elastic.replica_params(n)[j] for n in range(self.num_pipelines) for j in self._tie_index[tie]]
-
-    def _tied_grads(self) -> list[list[Tensor | None]]:
-        """The tied weights' gradients before this step (accumulated ones are not summed over the stages again)."""
-        return [
-            [None if p.grad is None else p.grad.detach().clone() for p in self.tied_copies(t)]
-            for t in range(len(self.ties))
-        ]
-
-    def _sum_tied(self, before: list[list[Tensor | None]] | None) -> None:
-        """Sum this step's gradients of the shared weights over the stages that hold them (one all-reduce per set
-        of stages, in the same order on every rank)."""
-        for t, tie in enumerate(self.ties):
-            copies = self.tied_copies(t)
-            parts = []
-            for i, p in enumerate(copies):
-                g = p.grad.detach() if p.grad is not None else torch.zeros_like(p)
-                prior = before[t][i] if before is not None else None
-                parts.append((g - prior if prior is not None else g).reshape(-1))
-            flat = torch.cat(parts) if parts else torch.zeros(0, device=self.device)
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=tie.group)
-            offset = 0
-            for i, p in enumerate(copies):
-                step = flat[offset : offset + p.numel()].view_as(p)
-                offset += p.numel()
-                prior = before[t][i] if before is not None else None
-                summed = step if prior is None else prior + step
-                p.grad = summed.to(p.dtype) if p.grad is None else p.grad.copy_(summed)
-
     @property
     def uncounted_params(self) -> set[int]:
-        """Ids of the tied copies a global gradient norm must not count here: each shared weight is counted once,
-        on the first stage that holds it (as single-process training counts one parameter)."""
-        return {id(p) for t, tie in enumerate(self.ties) if tie.stages[0] != self.stage for p in self.tied_copies(t)}
+        """Ids of the shared weights' copies a global gradient norm must not count on this stage."""
+        return self._tied.uncounted()
 
     def check_finite(self, results: Mapping[int, Any], param_names: Mapping[int, str] | None = None) -> None:
         """Fail, naming stage, replica and where, on a non-finite loss (last stage) or gradient (every stage)."""
