@@ -31,6 +31,7 @@ def assert_matches(tmp_path: Path, results: list[dict[str, Any]], m: int, steps:
     ref_losses, ref_state = reference(steps, m, **ref)
     for r in results:  # every rank reports the same, broadcast loss
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses))
+        assert r["threads"] == [], r["threads"]  # after fit no thread of ours (the watchdog) is left running
     state = final_state(tmp_path)
     layer_keys = [k for k in state if k.startswith("layers.")]
     assert sorted(layer_keys) == sorted(ref_state)

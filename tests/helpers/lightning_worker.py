@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -142,7 +143,10 @@ def main(cfg: dict[str, Any]) -> None:
     trainer.save_checkpoint(out / "final.ckpt")
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     preds = trainer.predict(model, loader(bs)) if cfg.get("predict") else None
+    # what could still run at interpreter exit (a daemon thread inside a C++ call there aborts the process)
+    threads = sorted(t.name for t in threading.enumerate() if t is not threading.main_thread())
     result = {
+        "threads": threads,
         "losses": rec.losses,
         "metrics": metrics,
         "rank": trainer.global_rank,
