@@ -8,20 +8,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import replace
-from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from torchmetrics import Metric
@@ -34,15 +30,13 @@ from lightning_avgpipe.plugin import compat
 from lightning_avgpipe.plugin.bridge import Guard, StepBridge, StepResults, replay_logs
 from lightning_avgpipe.plugin.compat import (
     _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
     _optimizers_to_device,
     _StrategyRegistry,
-    _SubprocessScriptLauncher,
     _sync_ddp_if_available,
 )
 from lightning_avgpipe.plugin.contract import PipelineContractError, check_forward, pipeline_inputs, pipeline_layers
 from lightning_avgpipe.plugin.data import GroupedBatches
+from lightning_avgpipe.plugin.process import ProcessStrategy
 from lightning_avgpipe.plugin.split import (
     SplitModule,
     check_layer_count,
@@ -60,7 +54,7 @@ from lightning_avgpipe.runtime.topology import Topology
 from lightning_avgpipe.runtime.watchdog import Watchdog
 
 
-class AvgPipeStrategy(ParallelStrategy):
+class AvgPipeStrategy(ProcessStrategy):
     """Pipeline-parallel training: the model's layers split over ``num_stages`` processes, micro-batches in flight.
 
     The result equals plain training with gradient accumulation over the same micro-batches: the schedule and
@@ -153,6 +147,8 @@ class AvgPipeStrategy(ParallelStrategy):
         precision_plugin: Precision | None = None,
     ) -> None:
         super().__init__(
+            process_group_backend=process_group_backend,
+            timeout=timeout,
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
@@ -178,10 +174,8 @@ class AvgPipeStrategy(ParallelStrategy):
         )
         # The k the user asked for, kept across fits (a tuner's reconfigure replaces "auto" with a number).
         self.user_advance_forwards: int | str = advance_forwards
-        self._process_group_backend = process_group_backend
         self.check_forward = bool(check_forward)
         self.trusted_checkpoints = bool(trusted_checkpoints)
-        self._num_nodes = 1
         self._topology: Topology | None = None
         self._topology_of: Any = None  # the default process group the topology's groups were made in
         self._pipeline: StagePipeline | None = None
@@ -196,28 +190,6 @@ class AvgPipeStrategy(ParallelStrategy):
         self._watchdog: Watchdog | None = None
 
     # -- topology ------------------------------------------------------------------------------------------------
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def is_distributed(self) -> bool:
-        # Read by Lightning's accelerator connector (hasattr): samplers and sync_dist logging need it.
-        return True
 
     @property
     def topology(self) -> Topology:
@@ -304,10 +276,6 @@ class AvgPipeStrategy(ParallelStrategy):
         return {"num_replicas": self.num_groups, "rank": self.group_index}
 
     @property
-    def process_group_backend(self) -> str | None:
-        return self._process_group_backend
-
-    @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
         return True
@@ -319,20 +287,9 @@ class AvgPipeStrategy(ParallelStrategy):
         return memory_limit_bytes(limit, self.root_device, self.num_processes)
 
     @override
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-
-    @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        reset_seed()
-        self.set_world_ranks()
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
-        self._process_group_backend = backend
-        assert self.cluster_environment is not None
-        _init_dist_connection(self.cluster_environment, backend, timeout=timedelta(seconds=self.config.timeout))
+        self.init_processes()
         default = dist.group.WORLD if self.world_size > 1 else None
         # setup_environment runs on every fit/validate/test/predict: make the groups once per process group
         if self._topology is None or default is None or self._topology_of is not default:
@@ -343,12 +300,6 @@ class AvgPipeStrategy(ParallelStrategy):
             self._watchdog = Watchdog(
                 f"rank {self.global_rank} (stage {self.stage})", grace=self.config.p2p_timeout
             ).start()
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
     # -- setup ---------------------------------------------------------------------------------------------------
     @override
@@ -457,11 +408,6 @@ class AvgPipeStrategy(ParallelStrategy):
 
         self.precision_plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
         self.precision_plugin.clip_grad_by_value = clip_grad_by_value  # type: ignore[method-assign]
-
-    @override
-    def model_to_device(self) -> None:
-        assert self.model is not None
-        self.model.to(self.root_device)
 
     def reconfigure(
         self,
@@ -606,22 +552,6 @@ class AvgPipeStrategy(ParallelStrategy):
         return module
 
     # -- collectives ---------------------------------------------------------------------------------------------
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        if not _distributed_is_initialized():
-            return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
 
     @override
     def reduce(
@@ -633,12 +563,6 @@ class AvgPipeStrategy(ParallelStrategy):
             group = group if group is not None else self.topology.stage_group
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
-
-    @override
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        flag = torch.tensor(int(decision), device=self.root_device)
-        flag = _sync_ddp_if_available(flag, None, reduce_op="sum")
-        return bool(flag == self.world_size) if all else bool(flag)
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
     @property

@@ -1,0 +1,141 @@
+"""ProcessStrategy: the one-process-per-device plumbing every Lightning parallel strategy repeats (ranks, the
+launcher, the process group, plain collectives), kept apart from what is AvgPipe's (``strategy.py``).
+
+It follows Lightning 2.6's ``DDPStrategy`` and ``ModelParallelStrategy`` for these hooks; ``AvgPipeStrategy``
+subclasses it and adds only the pipeline's hooks.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from typing_extensions import override
+
+from lightning_avgpipe.plugin.compat import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _SubprocessScriptLauncher,
+    _sync_ddp_if_available,
+)
+
+
+class ProcessStrategy(ParallelStrategy):
+    """One process per device, joined by a ``torch.distributed`` process group (gloo on CPU, NCCL on CUDA).
+
+    Args:
+        process_group_backend: ``"gloo"`` or ``"nccl"``; ``None`` picks by device.
+        timeout: seconds a collective may block before it fails.
+        accelerator: Lightning's own, as for any strategy (the Trainer sets it, as the next four).
+        parallel_devices: the devices of this node.
+        cluster_environment: where the ranks come from (Lightning's, torchrun, SLURM).
+        checkpoint_io: how checkpoints are written and read.
+        precision_plugin: the precision the Trainer was given.
+    """
+
+    def __init__(
+        self,
+        process_group_backend: str | None = None,
+        timeout: float = 1800.0,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self._process_group_backend = process_group_backend
+        self._process_group_timeout = timeout
+        self._num_nodes = 1
+
+    def init_processes(self) -> None:
+        """Ranks, seeds and the default process group (what ``setup_environment`` does for every such strategy)."""
+        reset_seed()
+        self.set_world_ranks()
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        assert self.cluster_environment is not None
+        _init_dist_connection(self.cluster_environment, backend, timeout=timedelta(seconds=self._process_group_timeout))
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        # Read by Lightning's accelerator connector (hasattr): samplers and sync_dist logging need it.
+        return True
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        flag = torch.tensor(int(decision), device=self.root_device)
+        flag = _sync_ddp_if_available(flag, None, reduce_op="sum")
+        return bool(flag == self.world_size) if all else bool(flag)
