@@ -265,7 +265,7 @@ class StepResults:
         if pipe.is_last:
             assert loss is not None and logs is not None
             spec = _spec_of(logs)
-            fast = spec is not None and spec == self._spec and len(spec) + 2 <= self.CAPACITY
+            fast = spec is not None and _same(spec, self._spec) and len(spec) + 2 <= self.CAPACITY
             buf[1] = float(loss)
             if fast:
                 buf[0] = 1.0
@@ -285,6 +285,14 @@ class StepResults:
         shared_loss, shared_logs = pipe.share((loss, logs) if pipe.is_last else None)
         self._spec = _spec_of(shared_logs)
         return shared_loss, shared_logs
+
+
+def _same(a: Any, b: Any) -> bool:
+    """``a == b`` for log specs, ``False`` when an option cannot be compared (a tensor passed as an option)."""
+    try:
+        return bool(a == b)
+    except (RuntimeError, TypeError, ValueError):
+        return False
 
 
 def _spec_of(logs: Sequence[Any]) -> list[tuple[str, dict[str, Any], torch.dtype]] | None:
