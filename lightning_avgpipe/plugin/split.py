@@ -12,11 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_avgpipe import microbatch
+from lightning_avgpipe.errors import PipelineContractError
 from lightning_avgpipe.partition import partition_layers
 from lightning_avgpipe.plugin import compat
 from lightning_avgpipe.plugin.bridge import Anchor, Elsewhere, Guard, guard_layers
@@ -178,3 +180,18 @@ def shared_across_stages(
         if len(stages) > 1:
             ties.setdefault(tuple(sorted(stages)), []).append((" = ".join(names.get(key, ["?"])), params[key]))
     return dict(sorted(ties.items()))
+
+
+def check_supported(module: Any, precision_plugin: Any) -> None:
+    """Refuse what the strategy cannot train: manual optimization, and ``16-mixed``'s loss scaling."""
+    if not module.automatic_optimization:
+        raise PipelineContractError(
+            f"{type(module).__name__} uses manual optimization (automatic_optimization=False), which "
+            "strategy='avgpipe' does not support: the strategy runs backward itself. Use automatic optimization."
+        )
+    plugin = precision_plugin
+    if isinstance(plugin, MixedPrecision) and (plugin.precision == "16-mixed" or plugin.scaler is not None):
+        raise ValueError(
+            "precision='16-mixed' is not supported by strategy='avgpipe': its loss scaler sees only the last "
+            "stage's loss. Use precision='bf16-mixed' (no loss scaling needed) or '32-true'."
+        )

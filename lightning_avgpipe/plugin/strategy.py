@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.types import ReduceOp
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
@@ -34,12 +34,14 @@ from lightning_avgpipe.plugin.compat import (
     _StrategyRegistry,
     _sync_ddp_if_available,
 )
-from lightning_avgpipe.plugin.contract import PipelineContractError, check_forward, pipeline_inputs, pipeline_layers
+from lightning_avgpipe.plugin.contract import check_forward, pipeline_inputs, pipeline_layers
 from lightning_avgpipe.plugin.data import GroupedBatches
+from lightning_avgpipe.plugin.gradients import GradStash
 from lightning_avgpipe.plugin.process import ProcessStrategy
 from lightning_avgpipe.plugin.split import (
     SplitModule,
     check_layer_count,
+    check_supported,
     choose_partition,
     forward_sample,
     shared_across_stages,
@@ -182,7 +184,7 @@ class AvgPipeStrategy(ProcessStrategy):
         self._split: SplitModule | None = None
         self._bridge: StepBridge | None = None
         self._guard = Guard()
-        self._grad_stash: list[Tensor | None] | None = None
+        self._stash = GradStash()
         self._ties: list[TiedWeights] = []  # weights this stage shares with others (tied embedding and head)
         self._results: StepResults | None = None  # the step's loss and logs to every stage
         self._param_names: dict[int, str] = {}  # id(parameter) -> its name in the module, for error messages
@@ -308,7 +310,7 @@ class AvgPipeStrategy(ProcessStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         assert module is not None and self.model is not None
-        self._check_support(module)
+        check_supported(module, self.precision_plugin)
         if self._split is None:
             self._split_module(module)
         else:  # a second fit/validate with this strategy
@@ -323,19 +325,6 @@ class AvgPipeStrategy(ProcessStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
         self._install_global_clipping()
-
-    def _check_support(self, module: pl.LightningModule) -> None:
-        if not module.automatic_optimization:
-            raise PipelineContractError(
-                f"{type(module).__name__} uses manual optimization (automatic_optimization=False), which "
-                "strategy='avgpipe' does not support: the strategy runs backward itself. Use automatic optimization."
-            )
-        plugin = self.precision_plugin
-        if isinstance(plugin, MixedPrecision) and (plugin.precision == "16-mixed" or plugin.scaler is not None):
-            raise ValueError(
-                "precision='16-mixed' is not supported by strategy='avgpipe': its loss scaler sees only the last "
-                "stage's loss. Use precision='bf16-mixed' (no loss scaling needed) or '32-true'."
-            )
 
     def _split_module(self, module: pl.LightningModule) -> None:
         layers, stages = pipeline_layers(module), self.num_stages
@@ -458,11 +447,7 @@ class AvgPipeStrategy(ProcessStrategy):
         figures = self._telemetry.wants_figures(trainer, pipeline)
         samples = sum(microbatch.batch_size(b) for b in batches) * self.num_groups
         self._telemetry.step_started(module, samples, log=figures)
-        params = pipeline.params
-        saved = [p.grad for p in params]
-        for p in params:
-            p.grad = None
-        try:
+        with self._stash.apart(pipeline.params):  # Lightning zeroes gradients between training_step and backward
             result = pipeline.train_step(
                 batches,
                 lambda output, micro, share: bridge.call_step("training_step", output, micro, share, *rest),
@@ -473,11 +458,6 @@ class AvgPipeStrategy(ProcessStrategy):
                 divergence=not pipeline.elastic.trivial and compat.writes_logs(trainer),
                 param_names=self._param_names,
             )
-        finally:
-            # Lightning zeroes gradients after training_step; keep this step's apart until backward() adds them.
-            self._grad_stash = [p.grad for p in params]
-            for p, g in zip(params, saved):
-                p.grad = g
         assert self._results is not None
         if result.loss is not None:  # the last stage
             loss, logs = self._results.exchange(result.loss.cpu(), bridge.take_logs())
@@ -497,15 +477,7 @@ class AvgPipeStrategy(ProcessStrategy):
         module = self._lightning()
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        stash, self._grad_stash = self._grad_stash, None
-        if stash is not None:
-            for p, g in zip(self.pipeline.params, stash):
-                if g is None:
-                    continue
-                if p.grad is None:
-                    p.grad = g
-                else:
-                    p.grad.add_(g)
+        self._stash.land(self.pipeline.params)
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
