@@ -155,9 +155,12 @@ def evaluate(state: dict[str, torch.Tensor], batch_size: int = 12) -> tuple[floa
     return F.cross_entropy(logits, y).item(), (logits.argmax(-1) == y).float().mean().item(), logits
 
 
-def epoch_batches(epoch: int, batch_size: int = 12) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One epoch of training batches in the order Lightning's DistributedSampler(seed=0, num_replicas=1) gives."""
-    data = dataset()
+def epoch_batches(
+    epoch: int, batch_size: int = 12, data: TensorDataset | None = None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One epoch of training batches (of ``data``, default :func:`dataset`) in the order Lightning's
+    DistributedSampler(seed=0, num_replicas=1) gives."""
+    data = data if data is not None else dataset()
     order = torch.randperm(len(data), generator=torch.Generator().manual_seed(epoch)).tolist()
     return [
         (data.tensors[0][order[i : i + batch_size]], data.tensors[1][order[i : i + batch_size]])

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_avgpipe import microbatch
 from lightning_avgpipe.elastic import ElasticAveraging
+from tests.helpers.lit import epoch_batches
 
 VOCAB, WIDTH, LENGTH = 13, 16, 6
 
@@ -110,11 +111,7 @@ def reference_tied(
     losses: list[float] = []
     epoch = 0
     while len(losses) < steps:
-        order = torch.randperm(len(data), generator=torch.Generator().manual_seed(epoch)).tolist()
-        batches = [
-            (data.tensors[0][order[i : i + batch_size]], data.tensors[1][order[i : i + batch_size]])
-            for i in range(0, len(order), batch_size)
-        ]
+        batches = epoch_batches(epoch, batch_size, data)
         for t in range(len(batches) // pipelines):
             if len(losses) == steps:
                 break
