@@ -180,15 +180,43 @@ def reference_elastic(
 
     Returns the per-iteration loss (mean over replicas), the reference's state and every replica's state.
     """
+    layers = list(make_layers())
+    losses, elastic = train_elastic(
+        layers,
+        lambda ps: build_optimizer(ps, lr, optimizer, False),
+        dataset(),
+        F.cross_entropy,
+        steps,
+        m,
+        pipelines,
+        batch_size,
+    )
+    ref = {f"layers.{k}": v for k, v in nn.Sequential(*layers).state_dict().items()}
+    reps = [{f"layers.{k}": v for k, v in nn.Sequential(*r).state_dict().items()} for r in elastic.replicas]
+    return losses, ref, reps
+
+
+def train_elastic(
+    layers: list[nn.Module],
+    make_optimizer: Any,
+    data: TensorDataset,
+    loss_fn: Any,
+    steps: int,
+    m: int,
+    pipelines: int,
+    batch_size: int = 12,
+) -> tuple[list[float], Any]:
+    """AvgPipe on one process, as Lightning feeds the strategy: DistributedSampler(seed=0) order, replica n of N
+    taking batch t*N + n, each replica's loss the mean over its micro-batches, its own optimizer, then the elastic
+    rule (N = 1: plain training). Returns the per-iteration loss (mean over replicas) and the ``ElasticAveraging``."""
     from lightning_avgpipe.elastic import ElasticAveraging
 
-    layers = list(make_layers())
     elastic = ElasticAveraging(layers, num_replicas=pipelines)
-    opts = [build_optimizer(elastic.replica_params(n), lr, optimizer, False) for n in range(pipelines)]
+    opts = [make_optimizer(elastic.replica_params(n)) for n in range(pipelines)]
     losses: list[float] = []
     epoch = 0
     while len(losses) < steps:
-        batches = epoch_batches(epoch, batch_size)
+        batches = epoch_batches(epoch, batch_size, data)
         for t in range(len(batches) // pipelines):
             if len(losses) == steps:
                 break
@@ -198,7 +226,7 @@ def reference_elastic(
                 opts[n].zero_grad()
                 net = nn.Sequential(*elastic.replicas[n])
                 for mx, my in zip(microbatch.split(x, m), microbatch.split(y, m)):
-                    loss = F.cross_entropy(net(mx), my) * (len(mx) / len(x))
+                    loss = loss_fn(net(mx), my) * (len(mx) / len(x))
                     loss.backward()
                     total += loss.item() / pipelines
             elastic.begin_step()
@@ -207,6 +235,4 @@ def reference_elastic(
             elastic.finish_step()
             losses.append(total)
         epoch += 1
-    ref = {f"layers.{k}": v for k, v in nn.Sequential(*layers).state_dict().items()}
-    reps = [{f"layers.{k}": v for k, v in nn.Sequential(*r).state_dict().items()} for r in elastic.replicas]
-    return losses, ref, reps
+    return losses, elastic

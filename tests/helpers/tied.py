@@ -14,9 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_avgpipe import microbatch
-from lightning_avgpipe.elastic import ElasticAveraging
-from tests.helpers.lit import epoch_batches
+from tests.helpers.lit import train_elastic
 
 VOCAB, WIDTH, LENGTH = 13, 16, 6
 
@@ -105,30 +103,8 @@ def reference_tied(
     of N taking batch t*N + n, each replica's loss the mean over its micro-batches, then (N > 1) the elastic rule.
     Returns the per-iteration loss (mean over replicas) and the reference's state dict under the module's names."""
     layers = tied_layers()
-    elastic = ElasticAveraging(layers, num_replicas=pipelines)
-    opts = [_optimizer(elastic.replica_params(n), lr, optimizer) for n in range(pipelines)]
-    data = token_dataset()
-    losses: list[float] = []
-    epoch = 0
-    while len(losses) < steps:
-        batches = epoch_batches(epoch, batch_size, data)
-        for t in range(len(batches) // pipelines):
-            if len(losses) == steps:
-                break
-            total = 0.0
-            for n in range(pipelines):
-                x, y = batches[t * pipelines + n]
-                opts[n].zero_grad()
-                net = nn.Sequential(*elastic.replicas[n])
-                for mx, my in zip(microbatch.split(x, m), microbatch.split(y, m)):
-                    loss = lm_loss(net(mx), my) * (len(mx) / len(x))
-                    loss.backward()
-                    total += loss.item() / pipelines
-            elastic.begin_step()
-            for opt in opts:
-                opt.step()
-            elastic.finish_step()
-            losses.append(total)
-        epoch += 1
+    losses, _ = train_elastic(
+        layers, lambda ps: _optimizer(ps, lr, optimizer), token_dataset(), lm_loss, steps, m, pipelines, batch_size
+    )
     state = nn.Sequential(*layers).state_dict(keep_vars=False)
     return losses, {f"layers.{k}": v for k, v in state.items()}
