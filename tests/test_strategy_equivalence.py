@@ -12,6 +12,8 @@ import torch
 from tests.helpers.launch import launch_ranks
 from tests.helpers.lit import PipeNet, reference
 
+GLOO_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop")  # gloo's collective workers and its transport loop
+
 
 def run_lightning(
     tmp_path: Path, devices: int, strategy: dict[str, Any], steps: int = 4, **extra: Any
@@ -20,6 +22,9 @@ def run_lightning(
     results = launch_ranks(["-m", "tests.helpers.lightning_worker", json.dumps(cfg)], devices, timeout=300)
     failed = [f"rank {r} exited {code}:\n{out[-3000:]}" for r, (code, out) in enumerate(results) if code != 0]
     assert not failed, "\n".join(failed)
+    for r in range(devices):  # a gloo thread alive when the interpreter finalizes can abort it (tests/test_exit.py)
+        threads = json.loads((tmp_path / f"rank{r}.exit.json").read_text())["threads"]
+        assert not [t for t in threads if t in GLOO_THREADS], f"rank {r}: gloo threads alive at finalization: {threads}"
     return [dict(json.loads((tmp_path / f"rank{r}.json").read_text()), output=results[r][1]) for r in range(devices)]
 
 

@@ -28,6 +28,7 @@ from lightning_avgpipe.plugin.compat import (
     _SubprocessScriptLauncher,
     _sync_ddp_if_available,
 )
+from lightning_avgpipe.runtime.shutdown import close_at_exit
 
 
 class ProcessStrategy(ParallelStrategy):
@@ -72,6 +73,12 @@ class ProcessStrategy(ParallelStrategy):
         self._process_group_backend = backend
         assert self.cluster_environment is not None
         _init_dist_connection(self.cluster_environment, backend, timeout=timedelta(seconds=self._process_group_timeout))
+        if self.world_size > 1:  # a gloo group still alive when the interpreter finalizes can abort it (SIGABRT)
+            close_at_exit(self)
+
+    def close(self) -> None:
+        """Called once at interpreter exit, before the process groups are destroyed: drop every reference to a
+        group, so destroying them frees them and joins their threads (``runtime/shutdown.py``)."""
 
     @property
     @override

@@ -48,6 +48,7 @@ from lightning_avgpipe.plugin.split import (
     split_module,
 )
 from lightning_avgpipe.plugin.telemetry import Telemetry
+from lightning_avgpipe.runtime import shutdown
 from lightning_avgpipe.runtime.clipping import clip_grad_norm_across
 from lightning_avgpipe.runtime.p2p import handle_failure
 from lightning_avgpipe.runtime.pipeline import StagePipeline, memory_limit_bytes
@@ -382,10 +383,8 @@ class AvgPipeStrategy(ProcessStrategy):
         self.optimizers = [self.pipeline.optimizer(self.optimizers[0])]
 
     def _install_global_clipping(self) -> None:
-        group = self.topology.pipeline_group
-
         def clip_grad_by_norm(optimizer: Optimizer, clip_val: int | float) -> None:
-            elastic = self.elastic
+            elastic, group = self.elastic, self.topology.pipeline_group  # no group kept in the closure (close())
             sets = [elastic.replica_params(n) for n in range(elastic.num_replicas)]
             uncounted = self.pipeline.uncounted_params
             clip_grad_norm_across(sets, float(clip_val), group, device=self.root_device, uncounted=uncounted)
@@ -603,6 +602,7 @@ class AvgPipeStrategy(ProcessStrategy):
         if _distributed_is_initialized():
             stage = f"stage {self.stage}" if self._pipeline is not None else "setup"
             handle_failure(exception, f"rank {self.global_rank} ({stage})", self.global_rank, self.world_size)
+        shutdown.mark_failed()  # at exit, leave the groups be: destroying one could wait on a rank that is gone
 
     @override
     def teardown(self) -> None:
@@ -614,6 +614,20 @@ class AvgPipeStrategy(ProcessStrategy):
         if self._split is not None:
             self._split.release()
         super().teardown()
+
+    @override
+    def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
+        group = self._topology.stage_group if self._topology is not None else None
+        module = self.lightning_module
+        for metric in module.modules() if module is not None and group is not None else ():
+            if isinstance(metric, Metric) and metric.process_group is group:  # set in setup: release it too
+                metric.process_group = None
+        self.optimizers = []  # they hold the elastic averaging, and it holds its group
+        self._pipeline = self._results = self._topology = self._topology_of = None
+        self._ties = []
 
     @classmethod
     @override
