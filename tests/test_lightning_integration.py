@@ -129,6 +129,48 @@ def test_divergence_is_measured_on_the_steps_lightning_writes_logs(
     assert all(float(r["avgpipe/divergence"]) > 0 for r in rows)
 
 
+@pytest.mark.parametrize(("m", "n"), [(4, 1), (2, 2)], ids=["one-pipeline-halves", "two-pipelines"])
+def test_noise_scale_is_measured_and_logged_on_the_steps_lightning_writes_logs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, m: int, n: int
+) -> None:
+    """The gradient noise scale is measured only where a log is written, and logged as avgpipe/noise_scale."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_avgpipe.runtime.gradnoise import GradientProbe
+
+    trainer = _trainer(
+        strategy=AvgPipeStrategy(num_microbatches=m, num_pipelines=n, partition=[6]),
+        max_steps=6,
+        log_every_n_steps=2,
+        logger=CSVLogger(tmp_path, name="", version=""),
+    )
+    measured: list[int] = []
+    original = GradientProbe.finish
+
+    def spy(self: GradientProbe, *args: object, **kwargs: object) -> object:
+        measured.append(trainer.global_step)
+        return original(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(GradientProbe, "finish", spy)
+    trainer.fit(PipeNet(), loader())
+    assert measured == [1, 3, 5]
+    strategy = trainer.strategy
+    assert isinstance(strategy, AvgPipeStrategy)
+    noise = strategy.pipeline.noise_scale
+    assert noise.measurements == 3
+    with open(tmp_path / "metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("avgpipe/noise_scale")]
+    assert {int(r["step"]) for r in rows} <= {1, 3, 5}
+    assert all(float(r["avgpipe/noise_scale"]) > 0 for r in rows)
+    if m == 4:  # with these seeds the estimate turns positive by the 2nd measurement, and is logged from then on
+        assert [int(r["step"]) for r in rows] == [3, 5]
+        assert float(rows[-1]["avgpipe/noise_scale"]) == pytest.approx(noise.value, rel=1e-5)
+    else:  # this tiny model is noise-dominated: |G|² averages below 0 over 3 steps, so nothing is logged yet
+        assert noise.value is None and not rows
+
+
 def test_step_figures_are_measured_only_on_the_steps_lightning_writes_logs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -455,6 +455,7 @@ class AvgPipeStrategy(ProcessStrategy):
                 forward_context=self.precision_plugin.train_step_context,
                 measure=figures,
                 divergence=not pipeline.elastic.trivial and compat.writes_logs(trainer),
+                noise=compat.writes_logs(trainer),
                 param_names=self._param_names,
             )
         assert self._results is not None

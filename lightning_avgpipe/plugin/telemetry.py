@@ -1,5 +1,5 @@
-"""What the strategy logs about its steps: samples/s every step; bubble, waits, memory and divergence on the steps
-whose logs Lightning writes; timelines of the traced steps (docs/strategy.md#what-is-logged).
+"""What the strategy logs about its steps: samples/s every step; bubble, waits, memory, divergence and noise scale on
+the steps whose logs Lightning writes; timelines of the traced steps (docs/strategy.md#what-is-logged).
 
 Measuring costs a collective over the pipeline (and saved-tensor hooks for the activation peak), so it happens only
 where a figure is written: every ``log_every_n_steps``, on traced steps, and while ``advance_forwards="auto"`` still
@@ -50,6 +50,9 @@ class Telemetry:
         if result.divergence is not None:
             module.log("avgpipe/divergence", result.divergence.mean(), on_step=True, on_epoch=False)
             module.log("avgpipe/divergence_max", result.divergence.max(), on_step=True, on_epoch=False)
+        noise_scale = pipeline.noise_scale.value
+        if result.noise is not None and noise_scale is not None:  # smoothed over the steps that measured it
+            module.log("avgpipe/noise_scale", noise_scale, on_step=True, on_epoch=False)
         table = pipeline.figures(result.trace, pipeline.static_bytes(optimizers))  # (S, 6)
         module.log("avgpipe/bubble_fraction", float(table[:, 3].mean()), on_step=True, on_epoch=False)
         module.log("avgpipe/comm_wait_s", float(table[:, 2].max()), on_step=True, on_epoch=False)

@@ -57,6 +57,7 @@ class StageExecutor:
         stage_fn_for: Callable[[int], StageFn] | None = None,
         trace: StepTrace | None = None,
         meter: ActivationMeter | None = None,
+        after_backward: Callable[[int], None] | None = None,
     ) -> dict[int, Any]:
         """Run ``actions`` for units ``0..len(keys)-1``.
 
@@ -71,6 +72,7 @@ class StageExecutor:
             stage_fn_for: unit -> the layers that run it (a replica's), instead of the executor's ``stage_fn``.
             trace: filled with this step's timeline (compute, waits on neighbours, sends).
             meter: counts the activation bytes each unit saves for backward (training).
+            after_backward: called with the unit after each backward on this stage (the noise probe).
 
         Returns:
             On the last stage, unit -> the head's value (detached in training); elsewhere an empty dict.
@@ -156,6 +158,8 @@ class StageExecutor:
                     note("B", u, t1, clock())
                     if meter is not None:
                         meter.release(u)
+                    if after_backward is not None:
+                        after_backward(u)
                 elif kind is Kind.SEND_B:
                     assert link is not None
                     t0 = clock()

@@ -34,9 +34,11 @@ from lightning_avgpipe.config import PipelineConfig
 from lightning_avgpipe.cpu import host_memory_bytes
 from lightning_avgpipe.elastic import ElasticAveraging
 from lightning_avgpipe.errors import loss_of
+from lightning_avgpipe.noise import GradientNorms, NoiseScale
 from lightning_avgpipe.optim import ElasticOptimizer, clone_optimizer
 from lightning_avgpipe.replicas import BatchedReplicas, select, stack
 from lightning_avgpipe.runtime.executor import StageExecutor
+from lightning_avgpipe.runtime.gradnoise import GradientProbe
 from lightning_avgpipe.runtime.p2p import Link, PeerFailureError, first_failure
 from lightning_avgpipe.runtime.ties import TiedGradients, TiedWeights
 from lightning_avgpipe.runtime.topology import Topology
@@ -88,6 +90,8 @@ class StepResult:
         samples: samples in the iteration on this pipeline (the N batches).
         trace: this stage's timeline of the step (compute, waits, sends; activation peak when measured).
         divergence: ``(N,)`` relative distances ‖w_n − w_ref‖/‖w_ref‖ over the whole pipeline, when asked for.
+        noise: the step's squared gradient norms at two batch sizes over the whole job, when asked for and the
+            step has two sizes (``runtime/gradnoise.py``); :attr:`StagePipeline.noise_scale` is then updated.
     """
 
     losses: dict[int, Tensor]
@@ -95,6 +99,7 @@ class StepResult:
     samples: int
     trace: StepTrace
     divergence: Tensor | None = None
+    noise: GradientNorms | None = None
 
 
 class StagePipeline:
@@ -149,6 +154,7 @@ class StagePipeline:
         self._full_batch: int | None = None
         self._bounds_link_timeout = True
         self.ties = tuple(ties)
+        self.noise_scale = NoiseScale()  # B_simple, smoothed over the steps that measure it (train_step(noise=True))
         self._make_replicas()
 
     # -- what it holds -------------------------------------------------------------------------------------------
@@ -330,6 +336,7 @@ class StagePipeline:
         forward_context: Context = contextlib.nullcontext,
         measure: bool = False,
         divergence: bool = False,
+        noise: bool = False,
         param_names: Mapping[int, str] | None = None,
         key: str = "training_step",
     ) -> StepResult:
@@ -348,6 +355,7 @@ class StagePipeline:
             measure: count the activation bytes every unit saves (saved-tensor hooks: costs time; the trace's
                 ``peak_activation_bytes``); the step's timeline is always kept.
             divergence: also measure the replicas' distance to the reference over the pipeline (collective).
+            noise: also measure the gradient noise (collective over the job; with ``accumulate`` 1 only).
             param_names: ``id(reference parameter) -> name`` for errors about non-finite gradients.
             key: a name that keeps this step's transfer metadata apart from other kinds of step.
 
@@ -375,6 +383,11 @@ class StagePipeline:
             meter.reset()
         self.elastic.follow_reference()  # frozen layers, eval-mode BatchNorm: as the user's module has them
         before = self._tied.before(replicas) if self.ties else None
+        probe = None
+        if noise and accumulate == 1 and GradientProbe.usable(replicas, len(micro)):
+            params = [self.elastic.replica_params(n) for n in range(replicas)] if replicas > 1 else [self.params]
+            sizes = [microbatch.batch_size(mb) for mb in micro]
+            probe = GradientProbe(params, sizes, owner, skip=self.uncounted_params)
         if self.batched is not None:
             results = self._run_batched(
                 key, micro, weights, owner, loss_fn, inputs, accumulate, forward_context, trace, meter
@@ -395,17 +408,22 @@ class StagePipeline:
                 stage_fn_for=lambda u: self._replica_fns[owner[u]],
                 trace=trace,
                 meter=meter,
+                after_backward=probe.after_backward if probe is not None else None,
             )
         if self.ties:
             self._tied.sum(replicas, before, self.device)
         spread = self.divergence() if divergence else None
+        norms = None
+        if probe is not None:
+            norms = probe.finish(self.topology.job_group, self.topology.num_groups, self.device)
+            self.noise_scale.update(norms)
         self.check_finite(results, param_names)
         if self.link is not None and self._bounds_link_timeout:
             self.link.timeout = self.config.p2p_timeout  # the first step may be slow; later ones are bounded
         loss = None
         if self.is_last and results:
             loss = torch.stack([r.float() for r in results.values()]).sum() * accumulate / replicas
-        return StepResult(results, loss, samples, trace, spread)
+        return StepResult(results, loss, samples, trace, spread, norms)
 
     def _run_batched(
         self,
