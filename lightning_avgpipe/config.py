@@ -10,6 +10,8 @@ from lightning_avgpipe.elastic import check_alpha
 from lightning_avgpipe.partition import check_partition
 from lightning_avgpipe.schedules import check_schedule_name
 
+AVERAGING = ("elastic", "exact")  # how the N batches of a step combine (PipelineConfig.averaging)
+
 
 @dataclass(frozen=True)
 class PipelineConfig:
@@ -30,6 +32,10 @@ class PipelineConfig:
     partition: str | Sequence[int] = "balanced"
     # N parallel pipelines (replicas per stage) tied by elastic averaging; 1 is plain pipeline training.
     num_pipelines: int = 1
+    # How the N batches of a step (and the D groups) are combined: "elastic" (the paper's rule: N replicas, each with
+    # its own optimizer step, pulled toward a reference) or "exact" (one model: the N x D batches train as one batch
+    # of N x D x B, their gradients averaged; the control every averaging option is measured against).
+    averaging: str = "elastic"
     # Share of the distance to the reference each replica moves per step; None: 1 / (N x groups).
     elastic_alpha: float | None = None
     # Finish the reference update (an all-reduce across groups) inside the step instead of overlapping it.
@@ -79,6 +85,11 @@ class PipelineConfig:
         n = self.num_pipelines
         if not is_int(n, 1):
             raise ValueError(f"num_pipelines={n!r} must be an int >= 1 (1 = plain pipeline training).")
+        if self.averaging not in AVERAGING:
+            raise ValueError(
+                f"averaging={self.averaging!r} is not one of {list(AVERAGING)}; 'exact' trains the N batches of a step "
+                "as one batch of N x B, 'elastic' is the paper's rule."
+            )
         if self.elastic_alpha is not None:
             check_alpha(self.elastic_alpha)
         t = self.p2p_timeout
@@ -90,6 +101,11 @@ class PipelineConfig:
         object.__setattr__(self, "trace_steps", tuple(steps))
         if not is_number(self.timeout) or not self.timeout > 0:
             raise ValueError(f"timeout={self.timeout!r} must be a positive number of seconds.")
+
+    @property
+    def exact(self) -> bool:
+        """Whether the N batches of a step train one model as one batch (``averaging="exact"``)."""
+        return self.averaging == "exact"
 
     def microbatches_for(self, num_stages: int) -> int:
         return self.num_microbatches if self.num_microbatches is not None else 2 * num_stages

@@ -254,3 +254,22 @@ def _sum_sq(tensors: Sequence[Tensor], device: torch.device) -> Tensor:
         return torch.zeros((), dtype=torch.float32, device=device)
     norms = torch._foreach_norm(list(tensors))
     return torch.stack(norms).float().square().sum()
+
+
+def average_gradients(
+    params: Sequence[nn.Parameter], group: Any, num_groups: int, device: torch.device | None = None
+) -> None:
+    """``averaging="exact"`` with D groups: every group's gradient becomes the mean over the D groups (one
+    all-reduce of one flat buffer over ``group``, the D ranks that hold this stage), as data parallelism does."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if num_groups <= 1 or not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    if device is not None:
+        flat = flat.to(device)
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    flat /= num_groups
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()

@@ -63,6 +63,7 @@ def test_is_frozen() -> None:
         (dict(timeout=0), ["timeout=0", "positive"]),
         (dict(timeout=-1.5), ["timeout=-1.5"]),
         (dict(timeout=float("nan")), ["timeout=nan"]),
+        (dict(averaging="mean"), ["averaging='mean'", "'elastic'", "'exact'"]),
     ],
 )
 def test_rejects_bad_values_naming_argument_and_value(kwargs: dict, fragments: list[str]) -> None:

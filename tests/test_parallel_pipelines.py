@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.helpers.lit import reference_elastic
+from tests.helpers.lit import reference, reference_elastic
 from tests.test_strategy_equivalence import final_state, run_lightning
 
 pytestmark = pytest.mark.slow
@@ -149,3 +149,32 @@ def test_grouped_batches_take_n_consecutive_batches_and_seed_the_loaders_workers
     _auto_add_worker_init_fn(grouped, rank=1)
     assert loader.worker_init_fn is not None and loader.worker_init_fn.keywords == {"rank": 1}
     assert "worker_init_fn" not in vars(grouped)  # on the DataLoader, whose workers call it
+
+
+def test_exact_averaging_equals_plain_training_at_batch_n_b(tmp_path: Path) -> None:
+    """averaging="exact", N = 2 on 2 stages: the 2 batches of B = 12 train as one batch of 24 (pipe-NB)."""
+    strategy = {"num_microbatches": 2, "partition": [2, 4], "num_pipelines": 2, "averaging": "exact"}
+    results = run_lightning(tmp_path, 2, strategy, steps=4, model={"optimizer": "adam", "lr": 0.01})
+    ref_losses, ref_state = reference(4, 4, lr=0.01, optimizer="adam", batch_size=24)
+    for r in results:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses))
+    state = final_state(tmp_path)
+    for key, value in ref_state.items():
+        torch.testing.assert_close(state[key], value, msg=lambda m, key=key: f"{key}: {m}")
+    saved = torch.load(tmp_path / "final.ckpt", weights_only=True)["optimizer_states"][0]
+    assert "avgpipe_ranks" not in saved or all(not e.get("replicas") for e in saved["avgpipe_ranks"])
+
+
+def test_exact_averaging_over_two_groups_equals_one_group_of_two_batches(tmp_path: Path) -> None:
+    """D = 2 groups of one pipeline (4 processes, gradients averaged over the groups) == D = 1 with N = 2."""
+    model = {"optimizer": "sgd", "lr": 0.1}
+    one, two = tmp_path / "one_group", tmp_path / "two_groups"
+    strategy = {"num_microbatches": 2, "partition": [3, 3], "averaging": "exact"}
+    a = run_lightning(one, 2, {**strategy, "num_pipelines": 2}, steps=4, model=model, group_data=True)
+    b = run_lightning(two, 4, {**strategy, "num_stages": 2}, steps=4, model=model, group_data=True)
+    # each group reports its own batch's loss (rank d * 2 is group d's first stage); their mean is one group's
+    mean = (torch.tensor(b[0]["losses"]) + torch.tensor(b[2]["losses"])) / 2
+    torch.testing.assert_close(mean, torch.tensor(a[0]["losses"]))
+    sa, sb = final_state(one), final_state(two)
+    for key in sa:
+        torch.testing.assert_close(sb[key], sa[key], msg=lambda m, key=key: f"{key}: {m}")

@@ -86,6 +86,10 @@ class AvgPipeStrategy(ProcessStrategy):
             its own batch of the DataLoader's size B, tied to a reference model by elastic averaging. One
             iteration then carries N x M micro-batches (bubble (S-1)/(N·M+S-1)) without a bigger batch for any
             replica, at the cost of N weight copies and optimizer states per stage. 1 is plain pipeline training.
+        averaging: how the N batches of a step (and the D pipeline groups) combine. ``"elastic"``: the paper's
+            rule above. ``"exact"``: one model; the N x D batches train as one batch of N x D x B (gradients
+            averaged, one optimizer step, no replicas): plain large-batch training without changing your
+            DataLoader, and the control each averaging option is measured against (docs/strategy.md#averaging).
         elastic_alpha: how far each replica moves toward the reference per step; ``None`` is 1/(N x groups).
             Lower it if replicas should explore more, raise it (at most 1) to keep them closer.
         sync_reference: finish the reference update across pipeline groups inside the step; by default the
@@ -132,6 +136,7 @@ class AvgPipeStrategy(ProcessStrategy):
         memory_limit: float | None = None,
         partition: str | list[int] = "balanced",
         num_pipelines: int = 1,
+        averaging: str = "elastic",
         elastic_alpha: float | None = None,
         sync_reference: bool = False,
         replica_execution: str = "sequential",
@@ -166,6 +171,7 @@ class AvgPipeStrategy(ProcessStrategy):
             memory_limit=memory_limit,
             partition=partition,
             num_pipelines=num_pipelines,
+            averaging=averaging,
             elastic_alpha=elastic_alpha,
             sync_reference=sync_reference,
             replica_execution=replica_execution,
@@ -370,6 +376,11 @@ class AvgPipeStrategy(ProcessStrategy):
         self._param_names = {id(p): n for n, p in self._lightning().named_parameters()}
         self._results = StepResults(self._pipeline)
         elastic = self._pipeline.elastic
+        if self.config.exact and self.num_pipelines * self.num_groups > 1:
+            rank_zero_info(
+                f"AvgPipe: averaging='exact': each step trains {self.num_pipelines} batches x {self.num_groups} groups "
+                "as one batch (gradients averaged, one optimizer step)."
+            )
         if not elastic.trivial:
             cfg = self.config
             rank_zero_info(

@@ -32,7 +32,7 @@ from lightning_avgpipe import microbatch
 from lightning_avgpipe.autotune import AdvanceSearch, added_bytes
 from lightning_avgpipe.config import PipelineConfig
 from lightning_avgpipe.cpu import host_memory_bytes
-from lightning_avgpipe.elastic import ElasticAveraging
+from lightning_avgpipe.elastic import ElasticAveraging, average_gradients
 from lightning_avgpipe.errors import loss_of
 from lightning_avgpipe.noise import GradientNorms, NoiseScale
 from lightning_avgpipe.optim import ElasticOptimizer, clone_optimizer
@@ -223,10 +223,10 @@ class StagePipeline:
 
     def _make_replicas(self) -> None:
         cfg, top = self.config, self.topology
-        self.elastic = ElasticAveraging(
+        self.elastic = ElasticAveraging(  # exact averaging trains one model: the reference itself
             self.layers,
-            cfg.num_pipelines,
-            top.num_groups,
+            1 if cfg.exact else cfg.num_pipelines,
+            1 if cfg.exact else top.num_groups,
             cfg.elastic_alpha,
             top.stage_group,
             cfg.sync_reference,
@@ -281,7 +281,7 @@ class StagePipeline:
         if config.advance_forwards != old.advance_forwards:
             self._search = None
             self._k = 0 if config.advance_forwards == "auto" else int(config.advance_forwards)
-        if config.num_pipelines == old.num_pipelines:
+        if config.num_pipelines == old.num_pipelines and config.averaging == old.averaging:
             return False
         self.elastic.wait()
         self._make_replicas()
@@ -371,12 +371,16 @@ class StagePipeline:
         micro: list[Any] = []
         weights: list[float] = []
         owner: list[int] = []
+        samples = sum(microbatch.batch_size(b) for b in batches)
+        exact = self.config.exact
         for n, b in enumerate(batches):
             parts, shares = self.microbatches(b, training=True)
             micro += parts
-            weights += shares
-            owner += [n] * len(parts)
-        samples = sum(microbatch.batch_size(b) for b in batches)
+            # exact: one model, one batch of all N; a unit's share is of all N batches' samples
+            weights += [s * microbatch.batch_size(b) / samples for s in shares] if exact else shares
+            owner += [0 if exact else n] * len(parts)
+        if exact:
+            replicas = 1  # one replica trains on every unit; what follows counts replicas, not batches
         trace = StepTrace(self.stage)
         meter = self.meter if measure else None
         if meter is not None:
@@ -417,6 +421,8 @@ class StagePipeline:
         if probe is not None:
             norms = probe.finish(self.topology.job_group, self.topology.num_groups, self.device)
             self.noise_scale.update(norms)
+        if exact and self.topology.num_groups > 1:  # the D groups' gradients: one batch of D x N x B
+            average_gradients(self.params, self.topology.stage_group, self.topology.num_groups, self.device)
         self.check_finite(results, param_names)
         if self.link is not None and self._bounds_link_timeout:
             self.link.timeout = self.config.p2p_timeout  # the first step may be slow; later ones are bounded
