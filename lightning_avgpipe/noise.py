@@ -110,6 +110,27 @@ class NoiseScale:
         self.measurements = int(state["measurements"])
 
 
+# λ: elastic averaging of N replicas of batch B learns per sample like plain training at batch λ·N·B. Derived from
+# benchmarks/README.md, "Convergence" (N = 4, lr tuned per method): it needed 1.13-1.14x the samples of plain N·B
+# and 1.39x (digits) / 1.90x (char GPT) those of plain B. Under McCandlish's model those ratios give B_noise ≈ 12.3·B
+# and λ ≈ 1.55 (digits), B_noise ≈ 3.4·B and λ ≈ 1.25 (char GPT): λ = 1.4 ± 0.15 (docs/how-it-works.md#goodput).
+ELASTIC_BATCH_FACTOR = 1.4
+
+
+def effective_batch(
+    averaging: str, num_pipelines: int, batch_size: float, num_groups: int = 1, factor: float = ELASTIC_BATCH_FACTOR
+) -> float:
+    """The plain-training batch a step of N pipelines x D groups of batch B learns like, per sample.
+
+    ``"exact"`` is plain training at N·D·B. ``"elastic"`` (the paper's rule) learns like λ·N·D·B (λ =
+    :data:`ELASTIC_BATCH_FACTOR`, fitted on the convergence benchmark); with N·D = 1 it is plain training at B.
+    """
+    total = float(num_pipelines * num_groups * batch_size)
+    if averaging == "exact" or num_pipelines * num_groups == 1:
+        return total
+    return factor * total
+
+
 def efficiency(noise_scale: float | None, batch: float, effective_batch: float) -> float:
     """Progress per sample at ``effective_batch`` relative to ``batch``: ``(B_noise + B) / (B_noise + B_eff)``.
 

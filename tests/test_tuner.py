@@ -187,7 +187,13 @@ def test_tuner_applies_its_choice_and_reports_the_table(tmp_path: Path) -> None:
         assert r["setting"] == [choice["num_microbatches"], choice["num_pipelines"]]
         assert r["tuner"]["choice"] == choice
         assert len(r["losses"]) == 5
+        if choice["num_pipelines"] > 1:
+            assert r["averaging"] == choice["averaging"]
     table = json.loads((out / "tuning.json").read_text())
+    # the default objective: goodput, from the noise scale the profile measured on its untimed steps
+    assert table["notes"]["objective"] == "goodput" and table["notes"]["reason"]
+    assert table["profile"]["noise_measurements"] > 0
+    assert {row["averaging"] for row in table["rows"] if row["num_pipelines"] == 2} == {"exact", "elastic"}
     factor = table["notes"]["calibration_factor"]  # iterations 2-3 of the chosen setting were timed
     assert factor > 0 and table["notes"]["calibration_measured_step_s"] > 0
     for raw, row in zip(table["raw_rows"], table["rows"]):
@@ -195,8 +201,8 @@ def test_tuner_applies_its_choice_and_reports_the_table(tmp_path: Path) -> None:
         assert row["peak_bytes"] == raw["peak_bytes"]
     cells = {(row["num_microbatches"], row["num_pipelines"]) for row in table["rows"]}
     assert cells == {(m, n) for m in divisors(12) for n in (1, 2)}
-    best = max(table["rows"], key=lambda row: row["samples_per_sec"])
-    assert table["choice"]["samples_per_sec"] >= 0.995 * best["samples_per_sec"]
+    best = max(table["rows"], key=lambda row: row["goodput"])
+    assert table["choice"]["goodput"] >= 0.995 * best["goodput"]
     assert (out / "tuning.png").stat().st_size > 0
     profile = table["profile"]
     assert len(profile["stages"]) == 2 and profile["batch_size"] == 12

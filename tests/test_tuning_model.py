@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from lightning_avgpipe.__main__ import main
+from lightning_avgpipe.noise import ELASTIC_BATCH_FACTOR
 from lightning_avgpipe.schedules import build_plan, simulate
 from lightning_avgpipe.tuning import (
     NoFeasibleSettingError,
@@ -389,7 +390,7 @@ def test_whatif_command_prints_a_table(tmp_path: Path, capsys: pytest.CaptureFix
     assert main(args) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("what-if: 4 profiled stage(s) -> S=8, D=4, B=8, latency 0.05 ms, bandwidth 10 GB/s")
-    assert lines[1].split()[:4] == ["M", "N", "k", "iter"]
+    assert lines[1].split()[:5] == ["M", "N", "avg", "k", "iter"]
     body = lines[2 : 2 + 4 * 3]
     assert [tuple(int(x) for x in line.split()[:2]) for line in body] == [
         (m, n) for n in (1, 2, 3) for m in (1, 2, 4, 8)
@@ -481,3 +482,74 @@ def test_whatif_takes_comma_lists_like_tune(tmp_path: Path, capsys: pytest.Captu
         main([*base, "--num-microbatches", "3"])
     assert exc.value.code == 2
     assert "leave the option out for all of them" in capsys.readouterr().err
+
+
+# -- goodput --------------------------------------------------------------------------------------------------------
+def test_goodput_is_samples_per_second_times_the_efficiency_at_the_noise_scale() -> None:
+    p = profile()
+    p.noise_scale = 40.0
+    exact = predict(p, 4, 3, averaging="exact")
+    elastic = predict(p, 4, 3, averaging="elastic")
+    assert exact.efficiency == pytest.approx((40 + 8) / (40 + 24))
+    assert elastic.efficiency == pytest.approx((40 + 8) / (40 + ELASTIC_BATCH_FACTOR * 24))
+    for r in (exact, elastic):
+        assert r.goodput == pytest.approx(r.samples_per_sec * r.efficiency)
+    # one model: one optimizer step and no replicas, so it is never slower nor bigger than N replicas
+    assert exact.update_time < elastic.update_time and max(exact.peak_bytes) < max(elastic.peak_bytes)
+    assert predict(p, 4, 1).efficiency == 1.0
+
+
+def test_goodput_picks_n_1_when_the_noise_scale_is_small_and_says_so() -> None:
+    p = profile()
+    p.noise_scale = 2.0  # far below B = 8: a bigger batch mostly repeats what B already teaches
+    table = search(p, num_pipelines=4, objective="goodput", averaging=("exact", "elastic"))
+    assert table.choice is not None and table.choice.num_pipelines == 1
+    best_more = max((r for r in table.rows if r.num_pipelines > 1), key=lambda r: r.goodput)
+    assert best_more.samples_per_sec > table.choice.samples_per_sec  # N > 1 is faster per sample, and still loses
+    reason = table.notes["reason"]
+    assert reason.startswith("N = 1 is the right answer: no N > 1 pays at the measured noise scale B_noise = 2")
+    assert reason in table.format()
+    # the throughput objective, on the same predictions, takes the N > 1 that goodput turned down
+    fast = search(p, num_pipelines=4, objective="throughput", averaging=("exact", "elastic"))
+    assert fast.choice is not None and fast.choice.num_pipelines > 1
+
+
+def test_goodput_takes_the_larger_batch_when_the_noise_scale_is_large() -> None:
+    p = profile()
+    p.noise_scale = 1e6  # far above every batch: per-sample progress barely drops with N
+    table = search(p, num_pipelines=4, objective="goodput", averaging=("exact", "elastic"))
+    c = table.choice
+    assert c is not None and c.num_pipelines > 1 and c.averaging == "exact"
+    assert c.efficiency > 0.99
+    assert "with averaging='exact'" in table.notes["reason"] and "x the goodput of N = 1" in table.notes["reason"]
+
+
+def test_report_json_and_console_carry_the_same_numbers(tmp_path: Path) -> None:
+    p = profile()
+    p.noise_scale = 30.0
+    table = search(p, num_pipelines=3, objective="goodput", averaging=("exact", "elastic"))
+    out = write_report(table, tmp_path)
+    data = json.loads(out["json"].read_text())
+    assert data["notes"]["objective"] == "goodput" and data["notes"]["reason"] == table.notes["reason"]
+    assert data["profile"]["noise_scale"] == 30.0
+    text = table.format()
+    for row in data["rows"]:
+        assert row["goodput"] == pytest.approx(row["samples_per_sec"] * row["efficiency"])
+        line = f"{row['samples_per_sec']:>10.1f} {row['efficiency']:>6.3f} {row['goodput']:>9.1f}"
+        assert line in text, line
+    assert data["choice"]["averaging"] in ("exact", "elastic")
+
+
+def test_no_noise_estimate_counts_every_batch_as_efficient_and_says_so() -> None:
+    p = profile()
+    assert p.noise_scale is None
+    table = search(p, num_pipelines=2, objective="goodput", averaging=("exact",))
+    assert all(r.efficiency == 1.0 for r in table.rows)
+    assert "no noise-scale estimate" in table.notes["reason"]
+
+
+def test_bad_objective_and_averaging_name_the_value() -> None:
+    with pytest.raises(ValueError, match="objective='speed'"):
+        search(profile(), objective="speed")
+    with pytest.raises(ValueError, match="averaging=\\['mean'\\]"):
+        search(profile(), averaging=["mean"])

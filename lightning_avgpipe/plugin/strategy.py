@@ -413,16 +413,18 @@ class AvgPipeStrategy(ProcessStrategy):
         num_microbatches: int | None = None,
         num_pipelines: int | None = None,
         advance_forwards: int | str | None = None,
+        averaging: str | None = None,
     ) -> None:
-        """Change M, N or k before training starts (the tuner calls it in ``on_fit_start``).
+        """Change M, N, k or the averaging before training starts (the tuner calls it in ``on_fit_start``).
 
-        A new N re-makes the replicas from the reference and the optimizers (``configure_optimizers`` runs again);
-        every rank must call it with the same values.
+        A new N or averaging re-makes the replicas from the reference and the optimizers (``configure_optimizers``
+        runs again); every rank must call it with the same values.
         """
         changes: dict[str, Any] = {
             "num_microbatches": num_microbatches,
             "num_pipelines": num_pipelines,
             "advance_forwards": advance_forwards,
+            "averaging": averaging,
         }
         self.config = replace(self.config, **{k: v for k, v in changes.items() if v is not None})
         if self._pipeline is not None and self._pipeline.reconfigure(self.config):
@@ -435,6 +437,7 @@ class AvgPipeStrategy(ProcessStrategy):
                 _optimizers_to_device(self.optimizers, self.root_device)
         rank_zero_info(
             f"AvgPipe: reconfigured to num_microbatches={self.num_microbatches}, num_pipelines={self.num_pipelines}"
+            + (f", averaging='{self.config.averaging}'" if self.num_pipelines * self.num_groups > 1 else "")
             + (f", advance_forwards={self.config.advance_forwards}" if self.config.schedule == "advance" else "")
             + "."
         )

@@ -23,6 +23,7 @@ from torchmetrics import Metric
 
 from lightning_avgpipe import microbatch
 from lightning_avgpipe.checks import is_int, is_number
+from lightning_avgpipe.noise import GradientNorms
 from lightning_avgpipe.optim import clone_optimizer
 from lightning_avgpipe.plugin import compat
 from lightning_avgpipe.plugin.contract import pipeline_inputs
@@ -40,7 +41,14 @@ from lightning_avgpipe.tuning.profiler import (
     time_elastic_update,
     unit_times,
 )
-from lightning_avgpipe.tuning.search import TuningTable, candidate_microbatches, candidate_pipelines, search
+from lightning_avgpipe.tuning.search import (
+    OBJECTIVES,
+    TuningTable,
+    candidate_microbatches,
+    candidate_pipelines,
+    check_averaging,
+    search,
+)
 
 if TYPE_CHECKING:
     from lightning_avgpipe.plugin.strategy import AvgPipeStrategy
@@ -67,6 +75,13 @@ class AvgPipeTuner(Callback):
             own numbers stay in the JSON as ``raw_rows``; the choice does not change); 0 turns it off. With
             ``accumulate_grad_batches=K`` it times whole cycles of K (rounded up) and takes the mean; a validation
             in between starts the window again.
+        objective: ``"goodput"`` (default) chooses the most samples/s x statistical efficiency: the efficiency
+            follows from the gradient noise scale measured on the profiled steps (docs/tuning.md#goodput), so a
+            larger N must teach enough per sample to pay. ``"throughput"`` chooses the most samples/s (N's effect
+            on the samples training needs is not weighed).
+        averaging: the ways to combine the N batches of a step that the search considers: ``"exact"`` (one
+            batch of N x B) and ``"elastic"`` (the paper's rule); ``None``: both with ``"goodput"``, the strategy's
+            own with ``"throughput"``.
 
     After ``fit`` starts, :attr:`table` holds every prediction and :attr:`choice` the chosen one.
     """
@@ -80,6 +95,8 @@ class AvgPipeTuner(Callback):
         output_dir: str | None = None,
         apply: bool = True,
         calibrate_steps: int = 4,
+        objective: str = "goodput",
+        averaging: str | Sequence[str] | None = None,
     ) -> None:
         if not is_int(profile_steps, 1):
             raise ValueError(f"profile_steps={profile_steps!r} must be an int >= 1 (timed steps per size).")
@@ -90,6 +107,15 @@ class AvgPipeTuner(Callback):
         if not is_int(calibrate_steps, 0):
             raise ValueError(f"calibrate_steps={calibrate_steps!r} must be an int >= 0 (0: no calibration).")
         candidate_pipelines(num_pipelines)  # validates
+        if objective not in OBJECTIVES:
+            raise ValueError(
+                f"objective={objective!r} is not one of {list(OBJECTIVES)}; 'goodput' (the default) weighs samples/s "
+                "by how much each sample teaches, 'throughput' counts samples/s alone."
+            )
+        if averaging is not None:
+            check_averaging(averaging)
+        self.objective = objective
+        self.averaging = averaging
         self.memory_limit = memory_limit
         self.num_pipelines = num_pipelines
         self.num_microbatches = num_microbatches
@@ -128,8 +154,19 @@ class AvgPipeTuner(Callback):
             )
             return
         started = time.perf_counter()
+        if self.averaging is not None:
+            averaging = check_averaging(self.averaging)
+        else:
+            averaging = ["exact", "elastic"] if self.objective == "goodput" else [strategy.config.averaging]
         table = tune(
-            strategy, trainer, self.memory_limit, self.num_pipelines, self.num_microbatches, self.profile_steps
+            strategy,
+            trainer,
+            self.memory_limit,
+            self.num_pipelines,
+            self.num_microbatches,
+            self.profile_steps,
+            objective=self.objective,
+            averaging=averaging,
         )
         self.table, self.profile = table, table.profile
         choice = table.choice
@@ -137,7 +174,10 @@ class AvgPipeTuner(Callback):
         if self.apply:
             k = choice.advance_forwards if strategy.config.schedule == "advance" else None
             strategy.reconfigure(
-                num_microbatches=choice.num_microbatches, num_pipelines=choice.num_pipelines, advance_forwards=k
+                num_microbatches=choice.num_microbatches,
+                num_pipelines=choice.num_pipelines,
+                advance_forwards=k,
+                averaging=choice.averaging if choice.num_pipelines * strategy.num_groups > 1 else None,
             )
         self.seconds = time.perf_counter() - started
         table.notes["tuner_seconds"] = self.seconds
@@ -152,8 +192,14 @@ class AvgPipeTuner(Callback):
                 f"AvgPipeTuner ({self.seconds:.1f} s): predicted iteration time and peak memory per setting\n"
                 f"{table.format()}\nchosen: num_microbatches={choice.num_microbatches}, num_pipelines="
                 f"{choice.num_pipelines}"
+                + (f", averaging='{choice.averaging}'" if choice.num_pipelines * strategy.num_groups > 1 else "")
                 + (f", advance_forwards={choice.advance_forwards}" if strategy.config.schedule == "advance" else "")
                 + f", {choice.samples_per_sec:.1f} samples/s predicted"
+                + (
+                    f", efficiency {choice.efficiency:.3f}, goodput {choice.goodput:.1f}"
+                    if table.objective == "goodput"
+                    else ""
+                )
                 + ("" if self.apply else " (not applied: apply=False)")
                 + (f"; written to {where}" if where else "")
             )
@@ -163,6 +209,9 @@ class AvgPipeTuner(Callback):
                     "tuner/num_microbatches": float(choice.num_microbatches),
                     "tuner/num_pipelines": float(choice.num_pipelines),
                     "tuner/predicted_samples_per_sec": choice.samples_per_sec,
+                    "tuner/predicted_efficiency": choice.efficiency,
+                    "tuner/predicted_goodput": choice.goodput,
+                    "tuner/exact_averaging": float(choice.averaging == "exact"),
                     "tuner/predicted_step_time_s": choice.step_time,
                     "tuner/seconds": self.seconds,
                 },
@@ -276,8 +325,10 @@ def tune(
     num_pipelines: int | Sequence[int] | None = None,
     num_microbatches: int | Sequence[int] | None = None,
     profile_steps: int = 3,
+    objective: str = "throughput",
+    averaging: Sequence[str] = ("elastic",),
 ) -> TuningTable:
-    """Profile ``strategy``'s pipeline on one batch and search (M, N); collective over every rank."""
+    """Profile ``strategy``'s pipeline on one batch and search (M, N, averaging); collective over every rank."""
     batch, fetch_s, batches, last = first_batch(trainer)
     # every stage of every group profiles the same batch
     batch, fetch_s, batches, last = strategy.broadcast((batch, fetch_s, batches, last), src=0)
@@ -313,7 +364,17 @@ def tune(
     # the user's k, not one a previous fit's tuner applied (reconfigure replaces "auto" with a number)
     k: int | str = strategy.user_advance_forwards if strategy.config.schedule == "advance" else 0
     # every rank searches the same broadcast profile: a setting that fits nowhere raises on every rank alike
-    return search(profile, ms, num_pipelines, limit, strategy.config.schedule, k, max_pipelines=cap)
+    return search(
+        profile,
+        ms,
+        num_pipelines,
+        limit,
+        strategy.config.schedule,
+        k,
+        max_pipelines=cap,
+        objective=objective,
+        averaging=averaging,
+    )
 
 
 def batch_norm_candidates(
@@ -395,6 +456,7 @@ def profile_pipeline(strategy: AvgPipeStrategy, batch: Any, sizes: Sequence[floa
     sent: dict[float, float] = {}
     units_seen: list[int] = []
     residuals: list[float] = []
+    noise: list[GradientNorms] = []
 
     def loss_fn(output: Any, micro: Any, share: float) -> Any:
         return bridge.call_step("training_step", output, micro, share, 0)  # batch_idx 0
@@ -436,12 +498,15 @@ def profile_pipeline(strategy: AvgPipeStrategy, batch: Any, sizes: Sequence[floa
                     inputs=lambda micro: pipeline_inputs(module, micro),
                     forward_context=strategy.precision_plugin.train_step_context,
                     measure=True,
+                    noise=not timed,  # the gradient noise on the untimed turns: it costs the timed ones nothing
                     key="avgpipe-tune",
                 )
             finally:
                 if hook is not None:
                     hook.remove()
             bridge.take_logs()
+            if result.noise is not None:
+                noise.append(result.noise)
             copy_opt.step()
             if timed:
                 spans[b].append(result.trace.spans)
@@ -499,6 +564,7 @@ def profile_pipeline(strategy: AvgPipeStrategy, batch: Any, sizes: Sequence[floa
         reference_allreduce_s=reduce_s,
         sync_reference=bool(strategy.config.sync_reference),
     )
+    profile.noise_scale, profile.noise_measurements = pooled_noise_scale(noise), len(noise)
     # What the spans miss (posting, copies, waits the model does not see): measured step - the pipeline part of
     # the prediction itself (the simulator with the same latency and transfer costs), per unit
     measured = _max_list(strategy, residuals)
@@ -506,6 +572,15 @@ def profile_pipeline(strategy: AvgPipeStrategy, batch: Any, sizes: Sequence[floa
     a, c = fit_overhead(units_seen, [t - s for t, s in zip(measured, sims)])
     profile.iteration_overhead_s, profile.unit_overhead_s = a + _max_list(strategy, [per_iteration])[0], c
     return strategy.broadcast(profile, src=0)
+
+
+def pooled_noise_scale(measurements: Sequence[GradientNorms]) -> float | None:
+    """B_simple from the profile's measurements, all weighted alike (the same weights: no drift to follow)."""
+    if not measurements:
+        return None
+    grad_sq = statistics.fmean(m.estimates()[0] for m in measurements)
+    trace = statistics.fmean(m.estimates()[1] for m in measurements)
+    return trace / grad_sq if grad_sq > 0 and trace > 0 else None
 
 
 def _gather_stages(strategy: AvgPipeStrategy, mine: StageProfile) -> list[StageProfile]:

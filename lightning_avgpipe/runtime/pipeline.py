@@ -270,6 +270,7 @@ class StagePipeline:
         other._replica_fns = self._replica_fns[:1]
         other.batched = None
         other.meter = ActivationMeter(self._params)
+        other.noise_scale = NoiseScale()  # its measurements are the caller's, not training's
         return other
 
     def reconfigure(self, config: PipelineConfig) -> bool:

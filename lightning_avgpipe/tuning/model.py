@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from lightning_avgpipe.noise import effective_batch, efficiency
 from lightning_avgpipe.schedules import build_plan, simulate
 
 
@@ -95,6 +96,8 @@ class PipelineProfile:
     reference_allreduce_s: float = 0.0  # D > 1: one all-reduce of a stage's reference update over the D groups
     sync_reference: bool = False  # that all-reduce waited for (True) or overlapped with the next step's pipeline
     accumulate: int = 1  # K = accumulate_grad_batches: one optimizer step and elastic update every K iterations
+    noise_scale: float | None = None  # B_simple measured on the profiled steps (None: not measured, or not positive)
+    noise_measurements: int = 0  # profiled steps that measured it
 
     @property
     def num_stages(self) -> int:
@@ -139,12 +142,20 @@ class Prediction:
     feasible: bool = True
     why_not: str = ""
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
+    averaging: str = "elastic"  # how the N batches combine: "elastic" (the paper's rule) or "exact" (one batch)
+    efficiency: float = 1.0  # progress per sample relative to plain training at the user's batch B (noise.py)
+    goodput: float = math.nan  # samples_per_sec x efficiency
+
+    def __post_init__(self) -> None:
+        if math.isnan(self.goodput):
+            object.__setattr__(self, "goodput", self.samples_per_sec * self.efficiency)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["peak_bytes"] = list(self.peak_bytes)
-        if not math.isfinite(out["samples_per_sec"]):
-            out["samples_per_sec"] = None
+        for key in ("samples_per_sec", "goodput"):
+            if not math.isfinite(out[key]):
+                out[key] = None
         return out
 
 
@@ -157,11 +168,14 @@ def predict(
     memory_limit: float | None = None,
     latency_s: float | None = None,
     bandwidth: float | None = None,
+    averaging: str = "elastic",
 ) -> Prediction:
     """Iteration time and per-stage peak memory of (M, N) from ``profile``.
 
     ``latency_s``/``bandwidth`` override the profiled link (what-if); ``memory_limit`` (bytes) marks the
-    setting infeasible when a stage's predicted peak exceeds it.
+    setting infeasible when a stage's predicted peak exceeds it. ``averaging="exact"`` runs the same N·M units
+    through one model: one optimizer step, no replicas, and with D > 1 an all-reduce of the gradients that the
+    step waits for. The efficiency is that of :func:`noise.efficiency` at the profile's noise scale.
     """
     M, N = int(num_microbatches), int(num_pipelines)
     if M < 1 or N < 1:
@@ -189,13 +203,14 @@ def predict(
     k = advance_forwards if schedule == "advance" else 0
     plan = build_plan(schedule, S, N * M, k)
     sim = simulate(plan, fwd, bwd, latency=latency if S > 1 else 0.0, transfer_cost=xfer, backward_transfer_cost=xfer_b)
+    exact = averaging == "exact"
+    replicated = N * profile.num_groups > 1 and not exact
     update = max(
-        N * (st.optimizer_step_s + st.elastic_s) if N * profile.num_groups > 1 else st.optimizer_step_s
-        for st in profile.stages
+        N * (st.optimizer_step_s + st.elastic_s) if replicated else st.optimizer_step_s for st in profile.stages
     )
     if profile.num_groups > 1:  # the reference update's all-reduce; overlapped, it hides behind the next pipeline
-        reduce = profile.reference_allreduce_s
-        update += reduce if profile.sync_reference else max(0.0, reduce - sim.step_time)
+        reduce = profile.reference_allreduce_s  # exact: the gradients' all-reduce, the same bytes, always waited for
+        update += reduce if profile.sync_reference or exact else max(0.0, reduce - sim.step_time)
     update /= max(1, profile.accumulate)  # per iteration: one update every K iterations
     step = (
         sim.step_time
@@ -205,7 +220,8 @@ def predict(
         + profile.batch_fetch_s * N
     )
     peaks = tuple(
-        st.static_bytes(N, profile.num_groups) + sim.peak_stash[s] * st.activations(b)
+        (st.static_bytes(1, 1) if exact else st.static_bytes(N, profile.num_groups))
+        + sim.peak_stash[s] * st.activations(b)
         for s, st in enumerate(profile.stages)
     )
     feasible, why = True, ""
@@ -215,6 +231,8 @@ def predict(
             feasible = False
             why = f"stage {worst} needs {peaks[worst] / 2**20:.1f} MiB > limit {memory_limit / 2**20:.1f} MiB"
     samples = N * profile.batch_size * profile.num_groups
+    user_batch = profile.batch_size * max(1, profile.accumulate)  # what one optimizer step of N = 1 takes
+    eff = efficiency(profile.noise_scale, user_batch, effective_batch(averaging, N, user_batch, profile.num_groups))
     return Prediction(
         num_microbatches=M,
         num_pipelines=N,
@@ -227,6 +245,8 @@ def predict(
         bubble_fraction=sim.bubble_fraction,
         feasible=feasible,
         why_not=why,
+        averaging="exact" if exact else "elastic",
+        efficiency=eff,
     )
 
 

@@ -1,8 +1,9 @@
-"""Reporting a tuning table: the JSON of every prediction and a heat map of samples/s over (M, N).
+"""Reporting a tuning table: the JSON of every prediction and a heat map of the objective over (M, N).
 (Design: docs/how-it-works.md#choosing-m-and-n.)
 
 The heat map has the candidate micro-batch counts M across and the pipeline counts N down; each cell holds the
-predicted samples/s (and the early forwards k under ``advance``). Settings that do not fit the memory limit are
+predicted value of the objective, goodput or samples/s, of the best averaging at that (M, N) (which one is written
+under it when there are two), and the early forwards k under ``advance``. Settings that do not fit the memory limit are
 grey, hatched and labelled ``OOM``; settings the search did not predict (it stops raising N once no M fits) are
 left blank; the chosen setting is outlined. matplotlib is optional: without it no PNG is written.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from lightning_avgpipe.tuning.model import Prediction
@@ -19,23 +21,41 @@ from lightning_avgpipe.tuning.search import TuningTable
 
 def _title(table: TuningTable) -> str:
     limit = "none" if table.memory_limit is None else f"{table.memory_limit / 2**20:.1f} MiB"
-    title = f"predicted samples/s, schedule={table.schedule}, memory limit={limit}"
+    what = "goodput (samples/s x efficiency)" if table.objective == "goodput" else "samples/s"
+    title = f"predicted {what}, schedule={table.schedule}, memory limit={limit}"
     if table.profile is not None:
         title += f"\nS={table.profile.num_stages}, D={table.profile.num_groups}, B={table.profile.batch_size}"
     if table.choice is not None:
         c = table.choice
         title += f"; chosen M={c.num_microbatches}, N={c.num_pipelines}"
+        if table.objective == "goodput" and c.num_pipelines > 1:
+            title += f" ({c.averaging})"
         if table.schedule == "advance":
             title += f", k={c.advance_forwards}"
     return title
 
 
-def _label(r: Prediction, advance: bool) -> str:
+def _label(r: Prediction, advance: bool, value_of: Callable[[Prediction], float], averaging: bool) -> str:
     if not r.feasible:
         return f"OOM\n{max(r.peak_bytes) / 2**20:.0f} MiB"
-    v = r.samples_per_sec
+    v = value_of(r)
     value = "inf" if not math.isfinite(v) else f"{v:.1f}" if v < 1000 else f"{v:.0f}"
+    if averaging and r.num_pipelines > 1:
+        value += f"\n{r.averaging}"
     return f"{value}\nk={r.advance_forwards}" if advance else value
+
+
+def cells(table: TuningTable) -> dict[tuple[int, int], Prediction]:
+    """(M, N) -> the row the heat map shows: the feasible one with the best objective (else the first)."""
+    out: dict[tuple[int, int], Prediction] = {}
+    for r in table.rows:
+        key = (r.num_microbatches, r.num_pipelines)
+        old = out.get(key)
+        if old is None or (r.feasible and (not old.feasible or table.value(r) > table.value(old))):
+            out[key] = r
+    if table.choice is not None:  # the chosen row is the one its cell shows
+        out[(table.choice.num_microbatches, table.choice.num_pipelines)] = table.choice
+    return out
 
 
 def write_heatmap(table: TuningTable, path: str | Path) -> Path | None:
@@ -59,8 +79,10 @@ def write_heatmap(table: TuningTable, path: str | Path) -> Path | None:
     path.parent.mkdir(parents=True, exist_ok=True)
     ms = sorted({r.num_microbatches for r in table.rows})
     ns = sorted({r.num_pipelines for r in table.rows})
-    cells = {(r.num_microbatches, r.num_pipelines): r for r in table.rows}
-    good = [r.samples_per_sec for r in table.rows if r.feasible and math.isfinite(r.samples_per_sec)]
+    shown = cells(table)
+    value_of = table.value
+    two = len({r.averaging for r in table.rows}) > 1
+    good = [value_of(r) for r in shown.values() if r.feasible and math.isfinite(value_of(r))]
     lo, hi = (min(good), max(good)) if good else (0.0, 1.0)
     if hi <= lo:
         hi = lo + 1.0
@@ -72,7 +94,7 @@ def write_heatmap(table: TuningTable, path: str | Path) -> Path | None:
     ax = fig.add_subplot()
     for x, m in enumerate(ms):
         for y, n in enumerate(ns):
-            r = cells.get((m, n))
+            r = shown.get((m, n))
             if r is None:  # not predicted (the search stopped raising N): blank
                 ax.add_patch(Rectangle((x - 0.5, y - 0.5), 1, 1, facecolor="white", edgecolor="#dddddd"))
                 ax.text(x, y, "-", ha="center", va="center", fontsize=8, color="#999999")
@@ -86,7 +108,7 @@ def write_heatmap(table: TuningTable, path: str | Path) -> Path | None:
                 ax.text(
                     x,
                     y,
-                    _label(r, advance),
+                    _label(r, advance, value_of, two),
                     ha="center",
                     va="center",
                     fontsize=7,
@@ -94,12 +116,18 @@ def write_heatmap(table: TuningTable, path: str | Path) -> Path | None:
                     bbox={"facecolor": "#bdbdbd", "edgecolor": "none", "pad": 1},
                 )
                 continue
-            v = (min(r.samples_per_sec, hi) - lo) / (hi - lo)
+            v = (min(value_of(r), hi) - lo) / (hi - lo)
             ax.add_patch(Rectangle((x - 0.5, y - 0.5), 1, 1, facecolor=cmap(v), edgecolor="white", linewidth=0.5))
             ax.text(
-                x, y, _label(r, advance), ha="center", va="center", fontsize=7, color="black" if v > 0.6 else "white"
+                x,
+                y,
+                _label(r, advance, value_of, two),
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="black" if v > 0.6 else "white",
             )
-    if table.choice is not None and (table.choice.num_microbatches, table.choice.num_pipelines) in cells:
+    if table.choice is not None and (table.choice.num_microbatches, table.choice.num_pipelines) in shown:
         x = ms.index(table.choice.num_microbatches)
         y = ns.index(table.choice.num_pipelines)
         ax.add_patch(Rectangle((x - 0.5, y - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=3, zorder=5))
@@ -113,7 +141,8 @@ def write_heatmap(table: TuningTable, path: str | Path) -> Path | None:
     ax.set_ylabel("pipelines N")
     ax.set_title(_title(table), fontsize=9)
     mappable = ScalarMappable(cmap=cmap, norm=Normalize(lo, hi))
-    fig.colorbar(mappable, ax=ax, label="samples/s (feasible settings)")
+    what = "goodput" if table.objective == "goodput" else "samples/s"
+    fig.colorbar(mappable, ax=ax, label=f"{what} (feasible settings)")
     fig.tight_layout()
     tmp = path.with_name(path.name + ".tmp")
     fig.savefig(tmp, dpi=120, format="png")

@@ -1,4 +1,5 @@
-"""Choosing (M, N) from predictions: the highest predicted samples/s whose every stage fits the memory limit."""
+"""Choosing (M, N, averaging) from predictions: the highest predicted goodput (samples/s x statistical efficiency,
+docs/how-it-works.md#goodput), or samples/s, among the settings whose every stage fits the memory limit."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from lightning_avgpipe.schedules import max_advance_forwards
 from lightning_avgpipe.tuning.model import PipelineProfile, Prediction, divisors, predict
 
 DEFAULT_MAX_PIPELINES = 8
+OBJECTIVES = ("goodput", "throughput")
 
 
 class NoFeasibleSettingError(ValueError):
@@ -89,6 +91,7 @@ class TuningTable:
                 pipeline_time=r.pipeline_time * factor,
                 update_time=r.update_time * factor,
                 samples_per_sec=r.samples_per_sec / factor,
+                goodput=r.goodput / factor,
             )
             for r in base
         ]
@@ -96,11 +99,21 @@ class TuningTable:
             self.choice = self.rows[chosen]
         self.notes["calibration_factor"] = factor
 
-    def row(self, num_microbatches: int, num_pipelines: int) -> Prediction:
+    def row(self, num_microbatches: int, num_pipelines: int, averaging: str | None = None) -> Prediction:
         for r in self.rows:
-            if (r.num_microbatches, r.num_pipelines) == (num_microbatches, num_pipelines):
+            if (r.num_microbatches, r.num_pipelines) == (num_microbatches, num_pipelines) and (
+                averaging is None or r.averaging == averaging
+            ):
                 return r
-        raise KeyError((num_microbatches, num_pipelines))
+        raise KeyError((num_microbatches, num_pipelines, averaging))
+
+    @property
+    def objective(self) -> str:
+        return str(self.notes.get("objective", "throughput"))
+
+    def value(self, r: Prediction) -> float:
+        """What the choice maximises: goodput or samples/s."""
+        return r.goodput if self.objective == "goodput" else r.samples_per_sec
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -122,17 +135,24 @@ class TuningTable:
         return path
 
     def format(self) -> str:
-        """The table as text: one line per (M, N), the choice marked."""
-        head = f"{'M':>4} {'N':>3} {'k':>3} {'iter ms':>9} {'samples/s':>10} {'bubble':>7} {'peak MiB (per stage)':<28}"
+        """The table as text: one line per (M, N, averaging), the choice marked, then the reason for it."""
+        head = (
+            f"{'M':>4} {'N':>3} {'avg':>7} {'k':>3} {'iter ms':>9} {'samples/s':>10} {'eff':>6} {'goodput':>9} "
+            f"{'bubble':>7} {'peak MiB (per stage)':<28}"
+        )
         lines = [head]
-        for r in sorted(self.rows, key=lambda r: (r.num_pipelines, r.num_microbatches)):
+        order = {"exact": 0, "elastic": 1}
+        for r in sorted(self.rows, key=lambda r: (r.num_pipelines, order.get(r.averaging, 2), r.num_microbatches)):
             mark = " <- chosen" if self.choice is not None and r is self.choice else ""
             peaks = "/".join(f"{p / 2**20:.1f}" for p in r.peak_bytes)
             fit = "" if r.feasible else f"  (does not fit: {r.why_not})"
             lines.append(
-                f"{r.num_microbatches:>4} {r.num_pipelines:>3} {r.advance_forwards:>3} {r.step_time * 1e3:>9.2f} "
-                f"{r.samples_per_sec:>10.1f} {r.bubble_fraction:>6.1%} {peaks:<28}{fit}{mark}"
+                f"{r.num_microbatches:>4} {r.num_pipelines:>3} {r.averaging:>7} {r.advance_forwards:>3} "
+                f"{r.step_time * 1e3:>9.2f} {r.samples_per_sec:>10.1f} {r.efficiency:>6.3f} {r.goodput:>9.1f} "
+                f"{r.bubble_fraction:>6.1%} {peaks:<28}{fit}{mark}"
             )
+        if self.notes.get("reason"):
+            lines.append(str(self.notes["reason"]))
         return "\n".join(lines)
 
 
@@ -146,8 +166,14 @@ def search(
     latency_s: float | None = None,
     bandwidth: float | None = None,
     max_pipelines: int | None = None,
+    objective: str = "throughput",
+    averaging: Sequence[str] = ("elastic",),
 ) -> TuningTable:
-    """Predict every candidate (M, N) and choose the highest samples/s that fits ``memory_limit`` (bytes).
+    """Predict every candidate (M, N, averaging) and choose the best that fits ``memory_limit`` (bytes).
+
+    ``objective="goodput"`` maximises samples/s x statistical efficiency (the profile's noise scale, ``noise.py``);
+    ``"throughput"`` maximises samples/s. ``averaging`` lists the ways to combine N batches to consider
+    (``"elastic"``, ``"exact"``); with N x D = 1 they are the same training and one row stands for both.
 
     ``max_pipelines`` drops the candidate N above it (the tuner passes the batches an epoch has per group: an
     iteration takes N of them).
@@ -160,6 +186,12 @@ def search(
     Raises:
         NoFeasibleSettingError: nothing fits; the message names the smallest setting's need.
     """
+    if objective not in OBJECTIVES:
+        raise ValueError(
+            f"objective={objective!r} is not one of {list(OBJECTIVES)}; 'goodput' weighs samples/s by how much each "
+            "sample teaches at that batch size, 'throughput' counts samples/s alone."
+        )
+    averagings = check_averaging(averaging)
     schedule = schedule or profile.schedule
     ms = candidate_microbatches(profile.batch_size, num_microbatches)
     ns = candidate_pipelines(num_pipelines)
@@ -168,19 +200,20 @@ def search(
     rows: list[Prediction] = []
     for n in ns:
         any_fit = False
-        for m in ms:
-            if schedule == "advance" and advance_forwards == "auto":
-                options = [
-                    predict(profile, m, n, schedule, k, memory_limit, latency_s, bandwidth)
-                    for k in _k_candidates(profile.num_stages, m * n)
-                ]
-                fits = [p for p in options if p.feasible] or options[:1]
-                best = min(fits, key=lambda p: (p.step_time, p.advance_forwards))
-            else:
-                k = int(advance_forwards) if schedule == "advance" else 0
-                best = predict(profile, m, n, schedule, k, memory_limit, latency_s, bandwidth)
-            rows.append(best)
-            any_fit |= best.feasible
+        for avg in averagings if n * profile.num_groups > 1 else averagings[:1]:
+            for m in ms:
+                if schedule == "advance" and advance_forwards == "auto":
+                    options = [
+                        predict(profile, m, n, schedule, k, memory_limit, latency_s, bandwidth, averaging=avg)
+                        for k in _k_candidates(profile.num_stages, m * n)
+                    ]
+                    fits = [p for p in options if p.feasible] or options[:1]
+                    best = min(fits, key=lambda p: (p.step_time, p.advance_forwards))
+                else:
+                    k = int(advance_forwards) if schedule == "advance" else 0
+                    best = predict(profile, m, n, schedule, k, memory_limit, latency_s, bandwidth, averaging=avg)
+                rows.append(best)
+                any_fit |= best.feasible
         if num_pipelines is None and not any_fit:
             break
     feasible = [r for r in rows if r.feasible]
@@ -194,7 +227,67 @@ def search(
             f"{smallest.peak_bytes[worst] / 2**20:.1f} MiB on stage {worst}. Raise memory_limit to at least "
             f"{max(smallest.peak_bytes) / 2**20:.1f} MiB, use more stages, or a smaller batch size."
         )
-    top = max(r.samples_per_sec for r in feasible)
-    near = [r for r in feasible if r.samples_per_sec >= top * 0.995]
-    choice = min(near, key=lambda r: (r.num_pipelines, r.num_microbatches))
-    return TuningTable(rows=rows, choice=choice, memory_limit=memory_limit, schedule=schedule, profile=profile)
+    table = TuningTable(rows=rows, choice=None, memory_limit=memory_limit, schedule=schedule, profile=profile)
+    table.notes["objective"] = objective
+    top = max(table.value(r) for r in feasible)
+    near = [r for r in feasible if table.value(r) >= top * 0.995]
+    # ties (within 0.5%): fewer pipelines, then one model ("exact") over replicas, then fewer micro-batches
+    table.choice = min(near, key=lambda r: (r.num_pipelines, r.averaging != "exact", r.num_microbatches))
+    table.notes["reason"] = reason(table)
+    return table
+
+
+def check_averaging(averaging: Sequence[str] | str) -> list[str]:
+    """The averaging options to consider, validated (``"elastic"``, ``"exact"``)."""
+    values = [averaging] if isinstance(averaging, str) else list(averaging)
+    bad = [a for a in values if a not in ("elastic", "exact")]
+    if bad or not values:
+        raise ValueError(
+            f"averaging={averaging!r}: give one or more of ['exact', 'elastic'] ('exact': the N batches as one batch; "
+            "'elastic': the paper's rule)."
+        )
+    return list(dict.fromkeys(values))
+
+
+def reason(table: TuningTable) -> str:
+    """One sentence on why the choice won; with goodput, whether any N > 1 pays and by how much."""
+    c = table.choice
+    assert c is not None
+    feasible = [r for r in table.rows if r.feasible]
+    if table.objective == "throughput":
+        return (
+            f"Chosen for the most samples/s ({c.samples_per_sec:.1f}); objective='throughput' does not weigh what N "
+            "does to the samples training needs."
+        )
+    profile = table.profile
+    noise = profile.noise_scale if profile is not None else None
+    measured = profile.noise_measurements if profile is not None else 0
+    if noise is not None:
+        known = f"at the measured noise scale B_noise = {noise:.0f} samples"
+    elif measured:
+        known = (
+            f"with the gradient noise dominating all {measured} profiled measurements (|G|² not above 0): every "
+            "batch size counts as equally efficient, so check the choice against avgpipe/noise_scale in training"
+        )
+    else:
+        known = "with no noise-scale estimate (one micro-batch of one pipeline has one batch size): efficiency 1"
+    ones = [r for r in feasible if r.num_pipelines == 1]
+    more = [r for r in feasible if r.num_pipelines > 1]
+    if c.num_pipelines == 1:
+        if not more:
+            return f"N = 1: no N > 1 fits or was considered ({known})."
+        best = max(more, key=table.value)
+        return (
+            f"N = 1 is the right answer: no N > 1 pays {known}. The best, N = {best.num_pipelines} "
+            f"({best.averaging}), predicts {best.samples_per_sec / c.samples_per_sec:.2f}x the samples/s but "
+            f"learns {best.efficiency / c.efficiency:.2f}x as much per sample, so "
+            f"{best.goodput / c.goodput:.2f}x the goodput."
+        )
+    base = max(ones, key=table.value) if ones else None
+    versus = (
+        f"{c.goodput / base.goodput:.2f}x the goodput of N = 1 ({c.samples_per_sec / base.samples_per_sec:.2f}x "
+        f"the samples/s, {c.efficiency / base.efficiency:.2f}x the progress per sample)"
+        if base is not None
+        else "N = 1 does not fit"
+    )
+    return f"N = {c.num_pipelines} with averaging='{c.averaging}': {versus}, {known}."

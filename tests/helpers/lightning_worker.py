@@ -165,6 +165,7 @@ def main(cfg: dict[str, Any]) -> None:
     strategy = trainer.strategy
     assert isinstance(strategy, AvgPipeStrategy)
     result["setting"] = [strategy.num_microbatches, strategy.num_pipelines]
+    result["averaging"] = strategy.config.averaging
     if tuner is not None:
         result["tuner"] = {
             "choice": tuner.choice.to_dict() if tuner.choice is not None else None,
