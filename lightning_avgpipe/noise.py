@@ -111,9 +111,10 @@ class NoiseScale:
 
 
 # λ: elastic averaging of N replicas of batch B learns per sample like plain training at batch λ·N·B. Derived from
-# benchmarks/README.md, "Convergence" (N = 4, lr tuned per method): it needed 1.13-1.14x the samples of plain N·B
-# and 1.39x (digits) / 1.90x (char GPT) those of plain B. Under McCandlish's model those ratios give B_noise ≈ 12.3·B
-# and λ ≈ 1.55 (digits), B_noise ≈ 3.4·B and λ ≈ 1.25 (char GPT): λ = 1.4 ± 0.15 (docs/how-it-works.md#goodput).
+# benchmarks/README.md, "Convergence" (N = 4, lr tuned per method): plain N·B needed 1.228x (digits) / 1.667x (char
+# GPT) the samples of plain B, and elastic averaging 1.129x / 1.143x those of plain N·B. Under McCandlish's model
+# that is B_noise ≈ 12.2·B and λ ≈ 1.52 (digits), B_noise ≈ 3.5·B and λ ≈ 1.27 (char GPT): λ = 1.4 ± 0.13
+# (docs/how-it-works.md#goodput).
 ELASTIC_BATCH_FACTOR = 1.4
 
 
