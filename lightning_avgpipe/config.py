@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from lightning_avgpipe.checks import is_int, is_number
-from lightning_avgpipe.elastic import check_alpha
+from lightning_avgpipe.elastic import check_alpha, check_outer
 from lightning_avgpipe.partition import check_partition
 from lightning_avgpipe.schedules import check_schedule_name
 
@@ -36,6 +36,12 @@ class PipelineConfig:
     # its own optimizer step, pulled toward a reference) or "exact" (one model: the N x D batches train as one batch
     # of N x D x B, their gradients averaged; the control every averaging option is measured against).
     averaging: str = "elastic"
+    # The outer optimizer on the reference (elastic averaging): the mean update is a pseudo-gradient stepped with this
+    # lr and momentum (Nesterov); 1.0 and 0.0 are the paper's rule, DiLoCo's preset is 0.7 and 0.9.
+    outer_lr: float = 1.0
+    outer_momentum: float = 0.0
+    # H: local steps of every replica between pulls and reference updates (the D-group all-reduce runs every H steps).
+    averaging_period: int = 1
     # Share of the distance to the reference each replica moves per step; None: 1 / (N x groups).
     elastic_alpha: float | None = None
     # Finish the reference update (an all-reduce across groups) inside the step instead of overlapping it.
@@ -89,6 +95,15 @@ class PipelineConfig:
             raise ValueError(
                 f"averaging={self.averaging!r} is not one of {list(AVERAGING)}; 'exact' trains the N batches of a step "
                 "as one batch of N x B, 'elastic' is the paper's rule."
+            )
+        check_outer(self.outer_lr, self.outer_momentum, self.averaging_period)
+        if self.averaging == "exact" and (
+            self.outer_lr != 1.0 or self.outer_momentum != 0.0 or self.averaging_period != 1
+        ):
+            raise ValueError(
+                f"averaging='exact' trains one model, which has no reference to step: outer_lr={self.outer_lr!r}, "
+                f"outer_momentum={self.outer_momentum!r} and averaging_period={self.averaging_period!r} apply to "
+                "averaging='elastic'. Use averaging='elastic', or leave them at 1.0, 0.0 and 1."
             )
         if self.elastic_alpha is not None:
             check_alpha(self.elastic_alpha)

@@ -14,11 +14,22 @@ buffer per replica is kept: the pre-step offset ``d_n = w_n - w_ref``. After the
 With D pipeline groups the sum of updates is all-reduced over the stage group (the D ranks holding this stage).
 ``synchronous=False`` starts that all-reduce without waiting and finishes it before the next pull, so the
 communication overlaps the next iteration's pipeline (the reference is never more than one iteration stale).
+
+Two generalisations (docs/how-it-works.md#outer-optimizer-and-period), both off by default:
+
+- an *outer optimizer* on the reference: the mean update ``u = (1/(N·D)) Σ Δw_n`` is a pseudo-gradient (SlowMo,
+  DiLoCo), and ``w_ref <- w_ref + lr_out · u`` becomes SGD with momentum ``μ`` (Nesterov by default):
+  ``v <- μ v + u``, ``w_ref <- w_ref + lr_out · (u + μ v)`` (plain momentum: ``lr_out · v``). The paper's rule is
+  ``lr_out = 1, μ = 0``.
+- an *averaging period* H: replicas take H local optimizer steps between pulls and reference updates. ``d_n`` is
+  taken at the start of a period and ``Δw_n`` is then the sum of the period's H updates, so the D-group all-reduce
+  runs once every H steps. H = 1 is the rule above.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,6 +57,20 @@ def default_alpha(num_replicas: int, num_groups: int = 1) -> float:
     return 1.0 / (num_replicas * num_groups)
 
 
+def check_outer(lr: float, momentum: float, period: int) -> None:
+    """Validate the outer optimizer's learning rate and momentum and the averaging period (names the argument)."""
+    if not is_number(lr) or not 0.0 < float(lr) or not math.isfinite(float(lr)):
+        raise ValueError(f"outer_lr={lr!r} must be a positive number (1.0 is the paper's rule; DiLoCo uses 0.7).")
+    if not is_number(momentum) or not 0.0 <= float(momentum) < 1.0:
+        raise ValueError(
+            f"outer_momentum={momentum!r} must be a number in [0, 1) (0 is the paper's rule; DiLoCo uses 0.9)."
+        )
+    if not is_int(period, 1):
+        raise ValueError(
+            f"averaging_period={period!r} must be an int >= 1: the local steps between pulls (1 is the paper's rule)."
+        )
+
+
 def check_alpha(alpha: float) -> float:
     if not is_number(alpha) or not 0.0 < float(alpha) <= 1.0:
         raise ValueError(
@@ -66,6 +91,10 @@ class ElasticAveraging:
         group: the stage process group (the D ranks holding this stage); ``None`` when D = 1.
         synchronous: finish the reference update before returning from :meth:`finish_step`.
         share_first: with N·D = 1 the replica *is* the reference (no copy, bit-identical to plain training).
+        outer_lr: the outer optimizer's learning rate on the mean update (1.0: the paper's rule).
+        outer_momentum: its momentum μ in [0, 1) (0: none).
+        nesterov: Nesterov momentum (with ``outer_momentum > 0``).
+        period: H, local steps between pulls and reference updates (1: every step).
     """
 
     def __init__(
@@ -78,9 +107,18 @@ class ElasticAveraging:
         synchronous: bool = True,
         share_first: bool = True,
         device: torch.device | None = None,
+        outer_lr: float = 1.0,
+        outer_momentum: float = 0.0,
+        nesterov: bool = True,
+        period: int = 1,
     ) -> None:
         if not is_int(num_replicas, 1):
             raise ValueError(f"num_pipelines={num_replicas!r} must be an int >= 1.")
+        check_outer(outer_lr, outer_momentum, period)
+        self.outer_lr, self.outer_momentum, self.nesterov = float(outer_lr), float(outer_momentum), bool(nesterov)
+        self.period = int(period)
+        self.local_steps = 0  # optimizer steps taken since the last pull (the period's position)
+        self._momentum: list[Tensor] | None = None
         self.reference = list(reference)
         self.num_replicas = num_replicas
         self.num_groups = num_groups
@@ -156,22 +194,29 @@ class ElasticAveraging:
             self._total.append(self._flat[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
 
+    @property
+    def paper_rule(self) -> bool:
+        """Whether this is the paper's rule: outer SGD with lr 1, no momentum, a pull every step."""
+        return self.outer_lr == 1.0 and self.outer_momentum == 0.0 and self.period == 1
+
     def begin_step(self) -> None:
-        """Before the optimizers step: remember each replica's offset ``d_n = w_n - w_ref``."""
+        """Before the optimizers step: at the start of a period, keep each replica's offset ``d_n = w_n - w_ref``."""
         if self.trivial:
             return
         self.wait()
         self._buffers()
         assert self._offsets is not None
+        self._begun = True
+        if self.local_steps > 0:  # inside a period: the offsets of its start are kept
+            return
         ref = [p.detach() for p in self._ref_params]
         with torch.no_grad():
             for n, offsets in enumerate(self._offsets):
                 torch._foreach_copy_(offsets, [p.detach() for p in self.replica_params(n)])
                 torch._foreach_sub_(offsets, ref)
-        self._begun = True
 
     def finish_step(self) -> None:
-        """After the optimizers stepped: pull each replica and move the reference by the mean update.
+        """After the optimizers stepped: at the end of a period, pull each replica and move the reference.
 
         ``Σ_n Δw_n = Σ_n w_n' - N·w_ref - Σ_n d_n``, accumulated in place (about 3N + 1 passes over the weights).
         """
@@ -180,6 +225,10 @@ class ElasticAveraging:
         if not self._begun or self._offsets is None:
             raise RuntimeError("ElasticAveraging.finish_step() without begin_step(); call begin_step() first.")
         self._begun = False
+        self.local_steps += 1
+        if self.local_steps < self.period:  # a local step: no pull, no reference update, no communication
+            return
+        self.local_steps = 0
         ref = [p.detach() for p in self._ref_params]
         total = self._total
         with torch.no_grad():
@@ -213,7 +262,21 @@ class ElasticAveraging:
         with torch.no_grad():
             if self._ref_params:
                 scale = 1.0 / (self.num_replicas * self.num_groups)
-                torch._foreach_add_([p.detach() for p in self._ref_params], self._total, alpha=scale)
+                ref = [p.detach() for p in self._ref_params]
+                if self.outer_momentum == 0.0:
+                    torch._foreach_add_(ref, self._total, alpha=scale * self.outer_lr)
+                else:  # the mean update is the pseudo-gradient of an outer SGD with momentum
+                    mu = self.outer_momentum
+                    mean = torch._foreach_mul(self._total, scale)
+                    if self._momentum is None:
+                        self._momentum = [torch.zeros_like(t) for t in mean]
+                    torch._foreach_mul_(self._momentum, mu)
+                    torch._foreach_add_(self._momentum, mean)
+                    if self.nesterov:
+                        torch._foreach_add_(mean, self._momentum, alpha=mu)
+                        torch._foreach_add_(ref, mean, alpha=self.outer_lr)
+                    else:
+                        torch._foreach_add_(ref, self._momentum, alpha=self.outer_lr)
             self._average_buffers()
 
     def _average_buffers(self) -> None:
@@ -231,9 +294,38 @@ class ElasticAveraging:
                 buf.copy_(mean)
 
     def buffers(self) -> list[Tensor]:
-        """The averaging's own tensors (offsets and the summed update), for memory accounting."""
+        """The averaging's own tensors (offsets, the summed update, the outer momentum), for memory accounting."""
         offsets = [t for per_replica in (self._offsets or []) for t in per_replica]
-        return offsets + ([self._flat] if self._flat is not None else [])
+        return offsets + ([self._flat] if self._flat is not None else []) + list(self._momentum or [])
+
+    # -- state a resume needs ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """What is not in the weights: the period's position, its offsets (mid-period) and the outer momentum.
+
+        Call after :meth:`wait` (no reference update in flight)."""
+        if self._pending is not None:
+            raise RuntimeError("ElasticAveraging.state_dict() with a reference update in flight; call wait() first.")
+        mid = self.local_steps > 0 and self._offsets is not None
+        return {
+            "local_steps": self.local_steps,
+            "offsets": [[t.detach().clone() for t in per] for per in self._offsets] if mid and self._offsets else None,
+            "momentum": [t.detach().clone() for t in self._momentum] if self._momentum is not None else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (same N, D and stage layout)."""
+        self.local_steps = int(state.get("local_steps", 0))
+        offsets = state.get("offsets")
+        if offsets is not None:
+            self._buffers()
+            assert self._offsets is not None
+            with torch.no_grad():
+                for mine, saved in zip(self._offsets, offsets):
+                    torch._foreach_copy_(mine, [t.to(m.device) for t, m in zip(saved, mine)])
+        momentum = state.get("momentum")
+        self._momentum = (
+            [t.to(p.device).clone() for t, p in zip(momentum, self._ref_params)] if momentum is not None else None
+        )
 
     # -- what the user sees -------------------------------------------------------------------------------------
     def divergence(self) -> list[Tensor]:

@@ -64,6 +64,10 @@ def test_is_frozen() -> None:
         (dict(timeout=-1.5), ["timeout=-1.5"]),
         (dict(timeout=float("nan")), ["timeout=nan"]),
         (dict(averaging="mean"), ["averaging='mean'", "'elastic'", "'exact'"]),
+        (dict(averaging="exact", outer_momentum=0.9), ["averaging='exact'", "outer_momentum=0.9", "'elastic'"]),
+        (dict(averaging_period=0), ["averaging_period=0", ">= 1"]),
+        (dict(outer_momentum=1.0), ["outer_momentum=1.0", "[0, 1)"]),
+        (dict(outer_lr=-1), ["outer_lr=-1", "positive"]),
     ],
 )
 def test_rejects_bad_values_naming_argument_and_value(kwargs: dict, fragments: list[str]) -> None:

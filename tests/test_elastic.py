@@ -134,3 +134,105 @@ def test_replicas_follow_the_references_flags_and_modes() -> None:
     for replica in elastic.replicas:
         assert not replica[0].weight.requires_grad and replica[0].bias.requires_grad
         assert not replica[1].training and replica[0].training
+
+
+# -- the outer optimizer and the averaging period, written out by hand ---------------------------------------------
+def _by_hand(
+    steps: int, period: int, lr_out: float, mu: float, nesterov: bool, alpha: float = 0.5
+) -> tuple[list[list[torch.Tensor]], list[torch.Tensor]]:
+    """Two replicas of a parameter vector, SGD(lr=1) on gradients g = 0.1 (n + 1) (step + 1) w, the rule by hand."""
+    torch.manual_seed(0)
+    ref = torch.randn(6)
+    w = [ref.clone(), ref.clone()]
+    anchor = [w[0] - ref, w[1] - ref]
+    v = torch.zeros(6)
+    for step in range(steps):
+        if step % period == 0:  # a period starts: the offsets d_n = w_n - w_ref
+            anchor = [w[n] - ref for n in range(2)]
+        w = [w[n] - 0.1 * (n + 1) * (step + 1) * w[n] for n in range(2)]  # each replica's local step
+        if (step + 1) % period == 0:
+            deltas = [w[n] - ref - anchor[n] for n in range(2)]  # the period's whole update
+            w = [w[n] - alpha * anchor[n] for n in range(2)]
+            u = (deltas[0] + deltas[1]) / 2
+            v = mu * v + u
+            ref = ref + lr_out * ((u + mu * v) if (nesterov and mu > 0) else (v if mu > 0 else u))
+    return [[x] for x in w], [ref]
+
+
+def _by_class(
+    steps: int, period: int, lr_out: float, mu: float, nesterov: bool, alpha: float = 0.5
+) -> ElasticAveraging:
+    torch.manual_seed(0)
+    holder = nn.Module()
+    holder.w = nn.Parameter(torch.randn(6))
+    elastic = ElasticAveraging(
+        [holder], 2, alpha=alpha, outer_lr=lr_out, outer_momentum=mu, nesterov=nesterov, period=period
+    )
+    opts = [torch.optim.SGD(elastic.replica_params(n), lr=1.0) for n in range(2)]
+    for step in range(steps):
+        for n in range(2):
+            (p,) = elastic.replica_params(n)
+            p.grad = 0.1 * (n + 1) * (step + 1) * p.detach().clone()
+        elastic.begin_step()
+        for opt in opts:
+            opt.step()
+        elastic.finish_step()
+    return elastic
+
+
+@pytest.mark.parametrize(
+    ("period", "lr_out", "mu", "nesterov"),
+    [(1, 1.0, 0.0, True), (1, 0.7, 0.9, True), (1, 0.7, 0.9, False), (3, 1.0, 0.0, True), (2, 0.7, 0.9, True)],
+    ids=["paper", "diloco-nesterov", "heavy-ball", "period-3", "diloco-period-2"],
+)
+def test_outer_optimizer_and_period_follow_the_formula(period: int, lr_out: float, mu: float, nesterov: bool) -> None:
+    steps = 7  # ends mid-period for H = 2 and 3: the local steps since the last pull are left as they are
+    want_w, want_ref = _by_hand(steps, period, lr_out, mu, nesterov)
+    elastic = _by_class(steps, period, lr_out, mu, nesterov)
+    torch.testing.assert_close(elastic.reference_params[0].detach(), want_ref[0])
+    for n in range(2):
+        torch.testing.assert_close(elastic.replica_params(n)[0].detach(), want_w[n][0])
+    assert elastic.local_steps == steps % period
+    assert elastic.paper_rule == (period == 1 and lr_out == 1.0 and mu == 0.0)
+
+
+def test_state_dict_resumes_mid_period_exactly() -> None:
+    whole = _by_class(7, 3, 0.7, 0.9, True)
+    first = _by_class(4, 3, 0.7, 0.9, True)  # stops one step into the second period, with momentum
+    state = first.state_dict()
+    assert state["local_steps"] == 1 and state["offsets"] is not None and state["momentum"] is not None
+    torch.manual_seed(0)
+    holder = nn.Module()
+    holder.w = nn.Parameter(torch.randn(6))
+    resumed = ElasticAveraging([holder], 2, alpha=0.5, outer_lr=0.7, outer_momentum=0.9, period=3)
+    with torch.no_grad():
+        resumed.reference_params[0].copy_(first.reference_params[0])
+        for n in range(2):
+            resumed.replica_params(n)[0].copy_(first.replica_params(n)[0])
+    resumed.load_state_dict(state)
+    opts = [torch.optim.SGD(resumed.replica_params(n), lr=1.0) for n in range(2)]
+    for step in range(4, 7):
+        for n in range(2):
+            (p,) = resumed.replica_params(n)
+            p.grad = 0.1 * (n + 1) * (step + 1) * p.detach().clone()
+        resumed.begin_step()
+        for opt in opts:
+            opt.step()
+        resumed.finish_step()
+    torch.testing.assert_close(resumed.reference_params[0], whole.reference_params[0], rtol=0, atol=0)
+    for n in range(2):
+        torch.testing.assert_close(resumed.replica_params(n)[0], whole.replica_params(n)[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        ({"period": 0}, "averaging_period=0"),
+        ({"outer_momentum": 1.0}, "outer_momentum=1.0"),
+        ({"outer_momentum": -0.1}, "outer_momentum=-0.1"),
+        ({"outer_lr": 0.0}, "outer_lr=0.0"),
+    ],
+)
+def test_outer_and_period_validation_names_the_argument(kwargs: dict, fragment: str) -> None:
+    with pytest.raises(ValueError, match=fragment):
+        ElasticAveraging(_layers(), 2, **kwargs)

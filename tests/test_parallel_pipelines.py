@@ -178,3 +178,57 @@ def test_exact_averaging_over_two_groups_equals_one_group_of_two_batches(tmp_pat
     sa, sb = final_state(one), final_state(two)
     for key in sa:
         torch.testing.assert_close(sb[key], sa[key], msg=lambda m, key=key: f"{key}: {m}")
+
+
+@pytest.mark.parametrize(
+    ("options", "elastic"),
+    [
+        ({"outer_lr": 0.7, "outer_momentum": 0.9}, {"outer_lr": 0.7, "outer_momentum": 0.9}),
+        ({"averaging_period": 2}, {"period": 2}),
+        (
+            {"outer_lr": 0.7, "outer_momentum": 0.9, "averaging_period": 2},
+            {"outer_lr": 0.7, "outer_momentum": 0.9, "period": 2},
+        ),
+    ],
+    ids=["diloco-outer", "period-2", "diloco-period-2"],
+)
+def test_outer_optimizer_and_period_match_single_process(
+    tmp_path: Path, options: dict[str, Any], elastic: dict[str, Any]
+) -> None:
+    strategy: dict[str, Any] = {"num_microbatches": 2, "partition": [2, 4], "num_pipelines": 2, **options}
+    results = run_lightning(tmp_path, 2, strategy, steps=5, model={"optimizer": "adam", "lr": 0.01})
+    ref_losses, ref_state, ref_replicas = reference_elastic(5, 2, 2, lr=0.01, optimizer="adam", **elastic)
+    torch.testing.assert_close(torch.tensor(results[0]["losses"]), torch.tensor(ref_losses))
+    state = final_state(tmp_path)
+    for key, value in ref_state.items():
+        torch.testing.assert_close(state[key], value, msg=lambda m, key=key: f"{key}: {m}")
+    offsets = {0: 0, 1: 2}  # first layer index of each stage for partition [2, 4]
+    for rank, replicas in replicas_from_checkpoint(tmp_path / "final.ckpt").items():
+        for n, layers in enumerate(replicas):
+            for i, layer_state in enumerate(layers):
+                for name, value in layer_state.items():
+                    torch.testing.assert_close(value, ref_replicas[n][f"layers.{offsets[rank] + i}.{name}"])
+
+
+def test_resume_mid_period_with_outer_momentum_is_exact(tmp_path: Path) -> None:
+    """H = 3 and Nesterov momentum: a checkpoint one step into a period resumes bit-identically (the period's
+    position, its offsets and the outer momentum are in the checkpoint)."""
+    model = {"optimizer": "adam", "lr": 0.01}
+    strategy: dict[str, Any] = {
+        "num_microbatches": 2,
+        "partition": [3, 3],
+        "num_pipelines": 2,
+        "outer_lr": 0.7,
+        "outer_momentum": 0.9,
+        "averaging_period": 3,
+    }
+    straight = tmp_path / "straight"
+    full = run_lightning(straight, 2, strategy, steps=8, model=model, every_n_train_steps=4)
+    (midway,) = (straight / "every").glob("*-step=4.ckpt")  # two iterations per epoch: epoch 1
+    saved = torch.load(midway, weights_only=True)["optimizer_states"][0]["avgpipe_ranks"]
+    assert all(e["elastic"]["local_steps"] == 1 and e["elastic"]["momentum"] is not None for e in saved)
+    resumed = tmp_path / "resumed"
+    rest = run_lightning(resumed, 2, strategy, steps=8, model=model, ckpt_path=str(midway))
+    assert rest[0]["losses"] == full[0]["losses"][4:]
+    a, b = final_state(straight), final_state(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)

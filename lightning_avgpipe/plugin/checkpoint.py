@@ -46,7 +46,10 @@ def gather_optimizer_state(optimizer: Optimizer, pipeline: StagePipeline, layout
     inner = compat.unwrap_optimizer(optimizer)
     elastic = pipeline.elastic
     replicas = [] if elastic.trivial else [[to_cpu(m.state_dict()) for m in layers] for layers in elastic.replicas]
-    entry = {"optim": inner.state_dict(), "replicas": replicas}
+    entry: dict[str, Any] = {"optim": inner.state_dict(), "replicas": replicas}
+    if not elastic.trivial:  # the averaging period's position and offsets, the outer momentum
+        elastic.wait()
+        entry["elastic"] = to_cpu(elastic.state_dict())
     top = pipeline.topology
     if top.world_size == 1:
         parts: list[Any] | None = [entry]
@@ -103,6 +106,8 @@ def load_optimizer_states(
         for layers, saved_layers in zip(pipeline.elastic.replicas, entry["replicas"]):
             for layer, layer_state in zip(layers, saved_layers):
                 layer.load_state_dict(layer_state)
+        if "elastic" in entry and not pipeline.elastic.trivial:
+            pipeline.elastic.load_state_dict(entry["elastic"])
     return note
 
 

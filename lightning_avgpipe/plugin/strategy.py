@@ -90,6 +90,11 @@ class AvgPipeStrategy(ProcessStrategy):
             rule above. ``"exact"``: one model; the N x D batches train as one batch of N x D x B (gradients
             averaged, one optimizer step, no replicas): plain large-batch training without changing your
             DataLoader, and the control each averaging option is measured against (docs/strategy.md#averaging).
+        outer_lr: elastic averaging's outer optimizer: the reference moves by ``outer_lr`` times the mean update
+            (with momentum, of its momentum buffer). 1.0 is the paper's rule; DiLoCo's preset is 0.7.
+        outer_momentum: the outer optimizer's Nesterov momentum in [0, 1); 0.0 is the paper's rule, DiLoCo uses 0.9.
+        averaging_period: H, the local steps every replica takes between elastic pulls and reference updates; the
+            all-reduce between pipeline groups then runs every H steps. 1 is the paper's rule.
         elastic_alpha: how far each replica moves toward the reference per step; ``None`` is 1/(N x groups).
             Lower it if replicas should explore more, raise it (at most 1) to keep them closer.
         sync_reference: finish the reference update across pipeline groups inside the step; by default the
@@ -137,6 +142,9 @@ class AvgPipeStrategy(ProcessStrategy):
         partition: str | list[int] = "balanced",
         num_pipelines: int = 1,
         averaging: str = "elastic",
+        outer_lr: float = 1.0,
+        outer_momentum: float = 0.0,
+        averaging_period: int = 1,
         elastic_alpha: float | None = None,
         sync_reference: bool = False,
         replica_execution: str = "sequential",
@@ -172,6 +180,9 @@ class AvgPipeStrategy(ProcessStrategy):
             partition=partition,
             num_pipelines=num_pipelines,
             averaging=averaging,
+            outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
+            averaging_period=averaging_period,
             elastic_alpha=elastic_alpha,
             sync_reference=sync_reference,
             replica_execution=replica_execution,
@@ -383,9 +394,14 @@ class AvgPipeStrategy(ProcessStrategy):
             )
         if not elastic.trivial:
             cfg = self.config
+            outer = (
+                ""
+                if elastic.paper_rule
+                else f", outer lr {elastic.outer_lr:g} momentum {elastic.outer_momentum:g}, period {elastic.period}"
+            )
             rank_zero_info(
                 f"AvgPipe: {cfg.num_pipelines} parallel pipelines x {self.num_groups} groups, elastic alpha "
-                f"{elastic.alpha:g}, reference update {'synchronous' if cfg.sync_reference else 'overlapped'}."
+                f"{elastic.alpha:g}{outer}, reference update {'synchronous' if cfg.sync_reference else 'overlapped'}."
             )
 
     @override

@@ -231,6 +231,9 @@ class StagePipeline:
             top.stage_group,
             cfg.sync_reference,
             device=self.device,
+            outer_lr=cfg.outer_lr,
+            outer_momentum=cfg.outer_momentum,
+            period=cfg.averaging_period,
         )
         self._params = self.elastic.all_replica_params()
         self._tied = TiedGradients(self.ties, self.elastic, self.stage)

@@ -175,8 +175,10 @@ def reference_elastic(
     lr: float = 0.1,
     optimizer: str = "sgd",
     batch_size: int = 12,
+    **averaging: Any,
 ) -> tuple[list[float], dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
-    """AvgPipe on one process: N replicas, each on its own consecutive batch, their own optimizer, then the rule.
+    """AvgPipe on one process: N replicas, each on its own consecutive batch, their own optimizer, then the rule
+    (``averaging``: ``ElasticAveraging``'s ``outer_lr``, ``outer_momentum``, ``period``).
 
     Returns the per-iteration loss (mean over replicas), the reference's state and every replica's state.
     """
@@ -190,6 +192,7 @@ def reference_elastic(
         m,
         pipelines,
         batch_size,
+        **averaging,
     )
     ref = {f"layers.{k}": v for k, v in nn.Sequential(*layers).state_dict().items()}
     reps = [{f"layers.{k}": v for k, v in nn.Sequential(*r).state_dict().items()} for r in elastic.replicas]
@@ -205,13 +208,14 @@ def train_elastic(
     m: int,
     pipelines: int,
     batch_size: int = 12,
+    **averaging: Any,
 ) -> tuple[list[float], Any]:
     """AvgPipe on one process, as Lightning feeds the strategy: DistributedSampler(seed=0) order, replica n of N
     taking batch t*N + n, each replica's loss the mean over its micro-batches, its own optimizer, then the elastic
     rule (N = 1: plain training). Returns the per-iteration loss (mean over replicas) and the ``ElasticAveraging``."""
     from lightning_avgpipe.elastic import ElasticAveraging
 
-    elastic = ElasticAveraging(layers, num_replicas=pipelines)
+    elastic = ElasticAveraging(layers, num_replicas=pipelines, **averaging)
     opts = [make_optimizer(elastic.replica_params(n)) for n in range(pipelines)]
     losses: list[float] = []
     epoch = 0
