@@ -4,17 +4,25 @@
     PYTHONPATH=. python benchmarks/convergence.py --quick          # a ~30 s smoke run (tiny budgets, not a result)
     PYTHONPATH=. python benchmarks/convergence.py --datasets digits --seeds 5 --json runs/conv.json --png runs/conv.png
 
-Three ways to train the same model on the same stream of samples, side by side:
+Five ways to train the same model on the same stream of samples, side by side:
 
 - ``pipe-B``     plain pipeline training with the user's batch B (one optimizer step per B samples)
-- ``pipe-NB``    plain pipeline training with batch N·B: the same samples per iteration as AvgPipe
-- ``avgpipe-N``  AvgPipe: N replicas, each on its own batch of B with its own optimizer, tied to the reference model
-                 by elastic averaging (``lightning_avgpipe.elastic.ElasticAveraging``, alpha = 1/N); the reference
-                 is what is evaluated
+- ``pipe-NB``    ``averaging="exact"``: the N batches of a step as one batch of N·B (plain training at N·B), the same
+                 samples per iteration as the averaging rows
+- ``avgpipe-N``  the paper's rule: N replicas, each on its own batch of B with its own optimizer, tied to the
+                 reference model by elastic averaging (``ElasticAveraging``, alpha = 1/N); the reference is evaluated
+- ``outer-N``    the same with DiLoCo's outer optimizer on the reference (``outer_lr=0.7, outer_momentum=0.9``)
+- ``period-N``   the same with ``averaging_period=4``: four local steps between pulls
 
-on two data sets: scikit-learn's digits with the MLP of ``examples/digits.py`` (Adam; metric: validation accuracy)
-and the standard library's docstrings with the character GPT of ``examples/char_gpt.py`` (AdamW; metric:
-validation loss in nats per character).
+on three studies: scikit-learn's digits with the MLP of ``examples/digits.py`` (Adam; metric: validation accuracy),
+the standard library's docstrings with the character GPT of ``examples/char_gpt.py`` (AdamW; metric: validation loss
+in nats per character), and the digits as 8x8 images with a small CNN (SGD with momentum; validation accuracy).
+
+Goodput. Per study the noise scale is measured as the tuner measures it (the halves of a batch of B, at the initial
+weights) and the tuner's model predicts each method's efficiency, and with the pipelined step time its goodput.
+The study passes when the rank correlation of predicted goodput with 1 / measured time to target is >= 0.8 and the
+method with the highest predicted goodput is within 15% of the best measured time. The λ (``noise.effective_batch``)
+each elastic method's samples imply is reported with the error of the fitted λ.
 
 How statistical efficiency is measured. ``tests/test_parallel_pipelines.py`` and
 ``tests/test_strategy_equivalence.py`` prove that ``AvgPipeStrategy`` computes, to float tolerance, what a single
@@ -76,8 +84,54 @@ from torch import Tensor, nn  # noqa: E402
 from benchmarks.harness import run_distributed  # noqa: E402
 from examples.gpt_args import add_model_args, check_model_args, model_sizes  # noqa: E402
 
-METHODS = ("pipe-B", "pipe-NB", "avgpipe-N")
-COLORS = {"pipe-B": "tab:blue", "pipe-NB": "tab:orange", "avgpipe-N": "tab:green"}
+
+@dataclass(frozen=True)
+class Method:
+    """One way to train on the stream: plain at B, plain at N·B (``averaging="exact"``), or elastic averaging."""
+
+    name: str
+    kind: str  # "plain-B", "exact" or "elastic"
+    about: str
+    outer_lr: float = 1.0
+    outer_momentum: float = 0.0
+    period: int = 1
+
+    def strategy_options(self) -> dict[str, Any]:
+        """The ``AvgPipeStrategy`` arguments that train this way (besides ``num_pipelines``)."""
+        if self.kind == "exact":
+            return {"averaging": "exact"}
+        if self.kind == "elastic":
+            return {"outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum, "averaging_period": self.period}
+        return {}
+
+
+SPECS = {
+    m.name: m
+    for m in (
+        Method("pipe-B", "plain-B", "plain training at the user's batch B (N = 1)"),
+        Method("pipe-NB", "exact", "averaging='exact': the N batches of a step as one batch of N·B"),
+        Method("avgpipe-N", "elastic", "the paper's rule: elastic averaging, the reference moves by the mean update"),
+        Method(
+            "outer-N",
+            "elastic",
+            "elastic averaging with DiLoCo's outer Nesterov optimizer (outer_lr 0.7, outer_momentum 0.9)",
+            outer_lr=0.7,
+            outer_momentum=0.9,
+        ),
+        Method(
+            "period-N", "elastic", "elastic averaging with averaging_period H = 4 (the paper's outer step)", period=4
+        ),
+    )
+}
+METHODS = tuple(SPECS)
+ELASTIC = tuple(m for m in METHODS if SPECS[m].kind == "elastic")
+COLORS = {
+    "pipe-B": "tab:blue",
+    "pipe-NB": "tab:orange",
+    "avgpipe-N": "tab:green",
+    "outer-N": "tab:red",
+    "period-N": "tab:purple",
+}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -152,7 +206,40 @@ def make_studies(args: argparse.Namespace) -> dict[str, Study]:
         f"validation loss on {args.text_val_windows} fixed validation windows",
         extra={**model_sizes(args), "corpus_chars": args.corpus_chars, "val_windows": args.text_val_windows},
     )
+    b = args.digits_batch
+    per_iter = n * b
+    epochs = 2 if quick else args.digits_epochs
+    studies["digits-cnn"] = Study(
+        name="digits-cnn",
+        metric="val_acc",
+        target=args.digits_target,
+        batch=b,
+        budget_samples=_round_up(epochs * 1200, 2 * per_iter),
+        eval_every=2 * per_iter,
+        lr_center=args.cnn_lr,
+        lr_ratio=args.lr_ratio,
+        grid_points=args.grid,
+        final_window=0 if quick else 1200,
+        description="scikit-learn digits as 1x8x8 images, a small CNN (conv 16, conv 32, max-pool, linear 64, "
+        "linear 10), SGD with momentum 0.9",
+    )
     return {name: studies[name] for name in args.datasets}
+
+
+def digits_cnn() -> nn.Sequential:
+    """A convolutional model of the digits: another model family than the MLP and the GPT, and another optimizer."""
+    return nn.Sequential(
+        nn.Unflatten(1, (1, 8, 8)),
+        nn.Conv2d(1, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(32 * 4 * 4, 64),
+        nn.ReLU(),
+        nn.Linear(64, 10),
+    )
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -164,7 +251,7 @@ class Data:
 
     def __init__(self, study: Study) -> None:
         self.study = study
-        if study.name == "digits":
+        if study.name in ("digits", "digits-cnn"):
             from examples.digits import DigitsDataModule
 
             digits = DigitsDataModule()
@@ -195,6 +282,8 @@ class Data:
             from examples.digits import DigitsMLP
 
             return DigitsMLP().layers  # its pipeline layers: 4 x (Linear 256 + ReLU), Linear 10
+        if self.study.name == "digits-cnn":
+            return digits_cnn()
         from examples.char_gpt import GPTConfig, gpt_layers
 
         e = self.study.extra
@@ -203,6 +292,8 @@ class Data:
     def optimizer(self, params: Any, lr: float) -> torch.optim.Optimizer:
         if self.study.name == "digits":
             return torch.optim.Adam(params, lr=lr)  # DigitsMLP.configure_optimizers
+        if self.study.name == "digits-cnn":
+            return torch.optim.SGD(params, lr=lr, momentum=0.9)
         return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)  # CharGPT.configure_optimizers
 
     @staticmethod
@@ -236,13 +327,17 @@ def train_run(data: Data, method: str, lr: float, seed: int, n: int) -> dict[str
     from lightning_avgpipe.optim import clone_optimizer
 
     study = data.study
+    spec = SPECS[method]
+    elastic_kind = spec.kind == "elastic"
     b = study.batch
-    per_iter = b if method == "pipe-B" else n * b
+    per_iter = b if spec.kind == "plain-B" else n * b
     iterations = study.budget_samples // per_iter
     order = sample_stream(len(data.x), study.budget_samples, seed)
     model = data.model(seed)  # the same initial weights for every method and learning rate of this seed
-    if method == "avgpipe-N":
-        elastic = ElasticAveraging(list(model), num_replicas=n)  # replicas start as copies of the reference
+    if elastic_kind:
+        elastic = ElasticAveraging(  # replicas start as copies of the reference
+            list(model), num_replicas=n, outer_lr=spec.outer_lr, outer_momentum=spec.outer_momentum, period=spec.period
+        )
         template = data.optimizer(list(model.parameters()), lr)
         opts = [clone_optimizer(template, elastic.replica_params(r), elastic.reference_params) for r in range(n)]
         nets = [nn.Sequential(*layers) for layers in elastic.replicas]
@@ -269,7 +364,7 @@ def train_run(data: Data, method: str, lr: float, seed: int, n: int) -> dict[str
     for it in range(1, iterations + 1):
         idx = order[(it - 1) * per_iter : it * per_iter]
         t0 = time.perf_counter()
-        if method == "avgpipe-N":
+        if elastic_kind:
             losses = []
             for r in range(n):
                 part = idx[r * b : (r + 1) * b]
@@ -313,10 +408,38 @@ def train_run(data: Data, method: str, lr: float, seed: int, n: int) -> dict[str
     out["final_evaluations"] = len(tail)
     hit = next((p for p in curve if study.reached(p[study.metric])), None)
     out["to_target"] = None if hit is None else {k: hit[k] for k in ("iteration", "samples", "train_s")}
-    if method == "avgpipe-N":
+    if elastic_kind:
         ratios = [math.sqrt(float(d[0]) / max(float(d[1]), 1e-30)) for d in elastic.divergence()]
         out["replica_divergence"] = sum(ratios) / len(ratios)  # mean over replicas of ‖w_n - w_ref‖ / ‖w_ref‖
+    if spec.kind == "plain-B" and not diverged:  # the noise scale where training ended (it grows as training goes)
+        out["noise_final"] = noise_scale(data, model, b, torch.Generator().manual_seed(20_000 + seed))
     return out
+
+
+def noise_scale(data: Data, model: nn.Module, batch: int, g: torch.Generator, draws: int = 16) -> dict[str, Any]:
+    """B_simple at ``model``'s weights as the tuner measures it: per batch of B, the gradients of its two halves
+    and of the whole (``GradientNorms``), averaged over ``draws`` batches; ``value`` is None when not positive."""
+    from lightning_avgpipe.noise import GradientNorms
+
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def grad(idx: Tensor) -> list[Tensor]:
+        return list(torch.autograd.grad(data.loss(model(data.x[idx]), data.y[idx]), params))
+
+    def sq(gs: Sequence[Tensor]) -> float:
+        return float(sum(x.double().square().sum() for x in gs))
+
+    grad_sq, trace = [], []
+    half = batch // 2
+    for _ in range(draws):
+        idx = torch.randint(0, len(data.x), (batch,), generator=g)
+        g1, g2 = grad(idx[:half]), grad(idx[half:])
+        whole = [(a * half + c * (batch - half)) / batch for a, c in zip(g1, g2)]
+        est = GradientNorms((sq(g1) + sq(g2)) / 2, 2 / (1 / half + 1 / (batch - half)), sq(whole), batch).estimates()
+        grad_sq.append(est[0])
+        trace.append(est[1])
+    mg, mt = statistics.fmean(grad_sq), statistics.fmean(trace)
+    return {"value": mt / mg if mg > 0 and mt > 0 else None, "grad_sq": mg, "trace": mt, "draws": draws}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -395,7 +518,7 @@ def tune(studies: dict[str, Study], args: argparse.Namespace, log: Callable[[str
             # the slowest runs first, so the pool's workers finish together
             jobs = sorted(
                 ((s, m, lr, seed) for s, m, lr in pending for seed in seeds),
-                key=lambda j: (j[0] != "text", j[1] == "pipe-NB"),
+                key=lambda j: (j[0] != "text", SPECS[j[1]].kind != "elastic"),
             )
             futures = {pool.submit(_job, s, m, lr, seed, args.pipelines): (s, m, lr) for s, m, lr, seed in jobs}
             done = 0
@@ -458,21 +581,21 @@ def _pipe_rank(rank: int, study: Study, n: int, m: int, steps: int, warmup: int)
         """One method's StagePipeline step (what the strategy runs), 1F1B, then the optimizer it wraps."""
 
         def __init__(self, method: str) -> None:
+            spec = SPECS[method]
             self.method = method
-            self.replicas = n if method == "avgpipe-N" else 1
-            self.per_replica = n * b if method == "pipe-NB" else b
-            units = n * m if method == "pipe-NB" else m  # micro-batches per replica's batch
+            self.replicas = 1 if spec.kind == "plain-B" else n  # batches per step (exact: one model, N batches)
             cfg = PipelineConfig(
-                num_microbatches=units,
+                num_microbatches=m,
                 num_pipelines=self.replicas,
                 sync_reference=True,
                 partition=[cut, len(layers) - cut],
+                **spec.strategy_options(),
             )
             self.pipe = StagePipeline(copy.deepcopy(own), Topology(rank, PIPE_WORLD, PIPE_WORLD), cfg)
             self.opt = self.pipe.optimizer(data.optimizer(self.pipe.reference_params, study.lr_center))
 
         def step(self) -> None:
-            batches = [batch(self.per_replica) for _ in range(self.replicas)]
+            batches = [batch(b) for _ in range(self.replicas)]
             self.opt.zero_grad(set_to_none=True)
             self.pipe.train_step(batches, loss)
             self.opt.step()
@@ -512,7 +635,11 @@ def measure_pipeline(study: Study, n: int, m: int, steps: int, warmup: int, time
     out = {}
     for name in METHODS:
         per_step = [max(got[r][name][i] for r in range(PIPE_WORLD)) for i in range(steps)]  # the slowest rank's
+        period = SPECS[name].period
+        whole = per_step[: len(per_step) // period * period] or per_step
         out[name] = {
+            # with a period H the averaging runs every H steps: the mean over whole periods counts it once per H
+            "step_s": statistics.median(per_step) if period == 1 else statistics.fmean(whole),
             "step_s_median": statistics.median(per_step),
             "step_s_min": min(per_step),
             "step_s_max": max(per_step),
@@ -537,8 +664,13 @@ def _stats(values: Sequence[float]) -> dict[str, float] | None:
 
 
 def summarise(
-    studies: dict[str, Study], tuned: dict[str, Any], pipe: dict[str, Any], args: argparse.Namespace
+    studies: dict[str, Study],
+    tuned: dict[str, Any],
+    pipe: dict[str, Any],
+    args: argparse.Namespace,
+    noise: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    noise = noise or {}
     out: dict[str, Any] = {}
     for s, study in studies.items():
         methods = {}
@@ -547,7 +679,7 @@ def summarise(
             best, edge = pick(by_lr, study.higher_is_better)
             runs = sorted(by_lr[best], key=lambda r: r["seed"])
             reached = [r for r in runs if r["to_target"] is not None]
-            step_s = pipe[s][m]["step_s_median"] if pipe.get(s) else None
+            step_s = pipe[s][m]["step_s"] if pipe.get(s) else None
             grid = [
                 {
                     "lr": lr,
@@ -575,12 +707,117 @@ def summarise(
                 "final_metric": _stats([r["final"] if r["final"] is not None else math.nan for r in runs]),
                 "single_process_s_total": _stats([r["train_s"] for r in runs]),
                 "replica_divergence_final": _stats([r["replica_divergence"] for r in runs])
-                if m == "avgpipe-N"
+                if SPECS[m].kind == "elastic"
+                else None,
+                "noise_final": _stats(
+                    [r["noise_final"]["value"] for r in runs if (r.get("noise_final") or {}).get("value")]
+                )
+                if m == "pipe-B"
                 else None,
                 "runs": runs,
             }
         out[s] = {"study": asdict(study), "methods": methods, "pipeline_step_s": pipe.get(s)}
+        out[s]["goodput"] = goodput_check(study, methods, pipe.get(s), noise.get(s), args.pipelines)
     return out
+
+
+def goodput_check(
+    study: Study, methods: dict[str, Any], pipe: dict[str, Any] | None, noise: dict[str, Any] | None, n: int
+) -> dict[str, Any]:
+    """The tuner's model against what the study measured.
+
+    Per method: the efficiency the tuner predicts (``noise.efficiency`` at the noise scale measured at the initial
+    weights, each method's effective batch by ``noise.effective_batch``), samples/s from the pipelined step time,
+    their product (predicted goodput) and the measured projected time to target. Pass marks: the Spearman rank
+    correlation of predicted goodput with 1 / measured time >= 0.8, and the method with the highest predicted
+    goodput within 15% of the best measured time. Also the λ each elastic method's samples imply.
+    """
+    from lightning_avgpipe.noise import ELASTIC_BATCH_FACTOR, effective_batch, efficiency
+
+    b = study.batch
+    b_noise = (noise or {}).get("value")
+    rows: dict[str, dict[str, Any]] = {}
+    for m, r in methods.items():
+        spec = SPECS[m]
+        batches = 1 if spec.kind == "plain-B" else n
+        averaging = "exact" if spec.kind != "elastic" else "elastic"
+        eff = efficiency(b_noise, b, effective_batch(averaging, batches, b))
+        step = pipe[m]["step_s"] if pipe else None
+        sps = batches * b / step if step else None
+        t = r["pipeline_s_to_target_projected"]
+        all_reached = r["seeds_reaching_target"] == r["seeds"]
+        rows[m] = {
+            "effective_batch": effective_batch(averaging, batches, b),
+            "efficiency_predicted": eff,
+            "samples_per_sec": sps,
+            "goodput_predicted": sps * eff if sps is not None else None,
+            "time_to_target_s": t["mean"] if t is not None and all_reached else None,  # None: some seed never got there
+        }
+    out: dict[str, Any] = {"noise_scale_initial": b_noise, "elastic_batch_factor": ELASTIC_BATCH_FACTOR, "rows": rows}
+    usable = [m for m, r in rows.items() if r["goodput_predicted"] is not None]
+    if len(usable) >= 3:
+        pred = [rows[m]["goodput_predicted"] for m in usable]
+        speed = [1.0 / rows[m]["time_to_target_s"] if rows[m]["time_to_target_s"] else 0.0 for m in usable]
+        rho = spearman(pred, speed)
+        pick_m = max(usable, key=lambda m: rows[m]["goodput_predicted"])
+        times = {m: rows[m]["time_to_target_s"] for m in usable if rows[m]["time_to_target_s"]}
+        best = min(times, key=lambda m: times[m]) if times else None
+        ratio = times[pick_m] / times[best] if best is not None and pick_m in times else None
+        out.update(
+            spearman=rho,
+            spearman_pass=rho is not None and rho >= 0.8,
+            pick=pick_m,
+            best_measured=best,
+            pick_time_ratio=ratio,
+            pick_pass=ratio is not None and ratio <= 1.15,
+        )
+    # λ implied by the samples to target: pipe-NB / pipe-B gives B_noise, each elastic method / pipe-NB its λ
+    sb, snb = methods["pipe-B"]["samples_to_target"], methods["pipe-NB"]["samples_to_target"]
+    fits: dict[str, Any] = {}
+    if sb and snb:
+        r_e = snb["mean"] / sb["mean"]
+        implied = b * (n - r_e) / (r_e - 1) if 1 < r_e < n else None
+        out["noise_scale_implied"] = implied
+        for m in ELASTIC:
+            sm = methods[m]["samples_to_target"]
+            if sm is None:
+                fits[m] = None
+                continue
+            ratio_m = sm["mean"] / snb["mean"]
+            fit = {"samples_vs_exact": ratio_m}
+            for label, bn in (("implied", implied), ("measured", b_noise)):
+                fit[f"lambda_{label}"] = (ratio_m * (bn + n * b) - bn) / (n * b) if bn is not None else None
+            if b_noise is not None:  # how well λ = ELASTIC_BATCH_FACTOR predicts this method's samples vs pipe-B
+                predicted = (b_noise + ELASTIC_BATCH_FACTOR * n * b) / (b_noise + b)
+                fit["samples_vs_plain_b_predicted"] = predicted
+                fit["samples_vs_plain_b_measured"] = sm["mean"] / sb["mean"]
+            fits[m] = fit
+    out["lambda_fits"] = fits
+    return out
+
+
+def spearman(x: Sequence[float], y: Sequence[float]) -> float | None:
+    """Spearman's rank correlation (ties share their mean rank); None when either side is constant."""
+
+    def ranks(v: Sequence[float]) -> list[float]:
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2 + 1
+            i = j + 1
+        return r
+
+    rx, ry = ranks(x), ranks(y)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    sxy = sum((a - mx) * (c - my) for a, c in zip(rx, ry))
+    sxx = sum((a - mx) ** 2 for a in rx)
+    syy = sum((c - my) ** 2 for c in ry)
+    return sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else None
 
 
 def _mean_or_none(values: Sequence[float | None]) -> float | None:
@@ -632,16 +869,75 @@ def format_table(summary: dict[str, Any], args: argparse.Namespace) -> str:
         pipe = entry["pipeline_step_s"]
         if pipe:
             lines.append(
-                "   pipelined step time (StagePipeline 1F1B, 2 gloo ranks x 1 thread, median): "
+                "   pipelined step time (StagePipeline 1F1B, 2 gloo ranks x 1 thread; median, period-N: mean over "
+                "whole periods): "
                 + ", ".join(
-                    f"{m} {p['step_s_median'] * 1e3:.1f} ms ({p['microbatches']} x {p['microbatch_size']})"
+                    f"{m} {p['step_s'] * 1e3:.1f} ms ({p['microbatches']} x {p['microbatch_size']})"
                     for m, p in pipe.items()
                 )
             )
-        div = entry["methods"]["avgpipe-N"]["replica_divergence_final"]
-        if div:
-            lines.append(f"   avgpipe-N replica divergence at the end, |w_n - w_ref| / |w_ref|: {div['mean']:.4f}")
+        for m in ELASTIC:
+            div = entry["methods"][m]["replica_divergence_final"]
+            if div:
+                lines.append(f"   {m} replica divergence at the end, |w_n - w_ref| / |w_ref|: {div['mean']:.4f}")
+        lines += format_goodput(entry)
     return "\n".join(lines)
+
+
+def format_goodput(entry: dict[str, Any]) -> list[str]:
+    """The tuner's predicted goodput per method against the measured time to target, and the λ fits."""
+    g = entry["goodput"]
+    final = entry["methods"]["pipe-B"]["noise_final"]
+    implied = g.get("noise_scale_implied")
+    lines = [
+        f"   goodput, the tuner's model: B_noise = {_num0(g['noise_scale_initial'])} at the initial weights (the "
+        f"probe, as the tuner measures it); {_num0(final['mean'] if final else None)} where pipe-B ended; "
+        f"{_num0(implied)} implied by pipe-NB / pipe-B samples; lambda = {g['elastic_batch_factor']}",
+        f"   {'method':<10} {'B_eff':>7} {'eff (pred)':>10} {'samples/s':>10} {'goodput (pred)':>15} "
+        f"{'time to target (proj)':>22}",
+    ]
+    for m, r in g["rows"].items():
+        sps, gp, t = r["samples_per_sec"], r["goodput_predicted"], r["time_to_target_s"]
+        lines.append(
+            f"   {m:<10} {r['effective_batch']:>7.0f} {r['efficiency_predicted']:>10.3f} "
+            f"{(f'{sps:.0f}' if sps else '-'):>10} {(f'{gp:.0f}' if gp else '-'):>15} "
+            f"{(f'{t:.2f} s' if t else 'not all seeds'):>22}"
+        )
+    if "spearman" in g:
+        rho = g["spearman"]
+        lines.append(
+            f"   Spearman(predicted goodput, 1 / measured time) = {_rho(rho)} "
+            f"({'pass' if g['spearman_pass'] else 'FAIL'}, >= 0.8); the tuner's pick {g['pick']} took "
+            + (
+                f"{g['pick_time_ratio']:.2f}x the best measured time ({g['best_measured']}) "
+                f"({'pass' if g['pick_pass'] else 'FAIL'}, <= 1.15)"
+                if g["pick_time_ratio"] is not None
+                else "no measured time (not all seeds reached the target) (FAIL)"
+            )
+        )
+    for m, fit in g["lambda_fits"].items():
+        if fit is None:
+            lines.append(f"   {m}: did not reach the target: no lambda")
+            continue
+        lines.append(
+            f"   {m}: {fit['samples_vs_exact']:.3f}x the samples of pipe-NB -> lambda {_num(fit['lambda_implied'])} "
+            f"(implied B_noise), {_num(fit['lambda_measured'])} (measured B_noise)"
+            + (
+                f"; samples vs pipe-B predicted {fit['samples_vs_plain_b_predicted']:.2f}x, measured "
+                f"{fit['samples_vs_plain_b_measured']:.2f}x"
+                if "samples_vs_plain_b_predicted" in fit
+                else ""
+            )
+        )
+    return lines
+
+
+def _rho(v: float | None) -> str:
+    return "undefined (no method reached the target in every seed)" if v is None else f"{v:.2f}"
+
+
+def _num0(v: float | None) -> str:
+    return "none" if v is None else f"{v:.0f}"
 
 
 def _num(v: float | None) -> str:
@@ -653,70 +949,75 @@ def _overlap(x: dict[str, float], y: dict[str, float]) -> bool:
 
 
 def verdict(summary: dict[str, Any], args: argparse.Namespace) -> str:
-    """An honest paragraph per data set, computed from the numbers (nothing in it is fixed text about the outcome)."""
+    """An honest paragraph per study, computed from the numbers (nothing in it is fixed text about the outcome)."""
     n = args.pipelines
     parts = []
     for s, entry in summary.items():
         st = entry["study"]
         ms = entry["methods"]
-        a, nb, b = ms["avgpipe-N"], ms["pipe-NB"], ms["pipe-B"]
         hib = st["metric"] == "val_acc"
         target = f"{st['metric']} {'>=' if hib else '<='} {st['target']:g}"
         text = [f"{s} ({target}, N={n}):"]
         edges = [m for m, r in ms.items() if not r["best_lr_inside_grid"]]
         if edges:
             text.append(f"caution, the best lr of {', '.join(edges)} is still at an edge of its grid.")
-        if a["samples_to_target"] is None:
-            text.append("AvgPipe did not reach the target within the budget in any seed: it did not pay here.")
-            parts.append(" ".join(text))
-            continue
-        if a["seeds_reaching_target"] < a["seeds"]:
-            text.append(f"AvgPipe reached the target in only {a['seeds_reaching_target']} of {a['seeds']} seeds.")
-        sa = a["samples_to_target"]
-        # 1. statistical efficiency against the plain pipeline with the same samples per iteration
-        if nb["samples_to_target"] is None:
-            text.append(f"pipe-NB never reached the target; AvgPipe did, after {sa['mean']:.0f} samples.")
-        else:
-            snb = nb["samples_to_target"]
-            text.append(
-                f"AvgPipe needed {100 * sa['mean'] / snb['mean']:.0f}% of the samples (= iterations) of pipe-NB "
-                f"({sa['mean']:.0f} vs {snb['mean']:.0f}; seed ranges "
-                + ("overlap, so within noise)." if _overlap(sa, snb) else "do not overlap).")
+        nb, b = ms["pipe-NB"], ms["pipe-B"]
+        # 1. every averaging option against exact averaging (pipe-NB), per sample
+        snb = nb["samples_to_target"]
+        for m in ELASTIC:
+            r = ms[m]
+            if r["samples_to_target"] is None:
+                text.append(f"{m} did not reach the target in any seed.")
+                continue
+            sm = r["samples_to_target"]
+            partial = (
+                f" (in {r['seeds_reaching_target']} of {r['seeds']} seeds)"
+                if r["seeds_reaching_target"] < r["seeds"]
+                else ""
             )
-        fa, fnb, fb = a["final_metric"], nb["final_metric"], b["final_metric"]
-        sign = 1 if hib else -1
-        rel = "better" if sign * (fa["mean"] - fnb["mean"]) > 0 else "worse"
-        text.append(
-            f"Its final {st['metric']} was {fa['mean']:.3f} against {fnb['mean']:.3f} for pipe-NB ({rel}"
-            + (", within the seed spread" if _overlap(fa, fnb) else "")
-            + f") and {fb['mean']:.3f} for pipe-B."
-        )
-        # 2. against the small batch, per sample
-        if b["samples_to_target"] is None:
-            text.append("pipe-B never reached the target.")
-        else:
-            sb = b["samples_to_target"]["mean"]
-            text.append(f"pipe-B, batch B, needed {sb:.0f} samples: AvgPipe needed {sa['mean'] / sb:.2f}x as many.")
-        # 3. time, projected for the real pipeline
-        proj = {m: r["pipeline_s_to_target_projected"] for m, r in ms.items() if r["pipeline_s_to_target_projected"]}
-        pipe = entry["pipeline_step_s"]
-        if "avgpipe-N" in proj and len(proj) > 1 and pipe:
-            fastest = min(proj, key=lambda m: proj[m]["mean"])
-            others = ", ".join(f"{m} {proj[m]['mean']:.2f} s" for m in proj if m != "avgpipe-N")
-            step = {m: p["step_s_median"] for m, p in pipe.items()}
-            per_sample_b = step["pipe-B"] / st["batch"]
-            per_sample_a = step["avgpipe-N"] / (n * st["batch"])
-            text.append(
-                f"Projected pipelined time to target: AvgPipe {proj['avgpipe-N']['mean']:.2f} s, {others}; "
-                + (
-                    "AvgPipe was the fastest."
-                    if fastest == "avgpipe-N"
-                    else f"{fastest} was the fastest, so AvgPipe did not pay in time here."
+            if snb is None:
+                text.append(f"{m} reached the target after {sm['mean']:.0f} samples{partial}; pipe-NB never did.")
+            else:
+                text.append(
+                    f"{m} needed {100 * sm['mean'] / snb['mean']:.0f}% of pipe-NB's samples{partial} "
+                    + ("(seed ranges overlap)." if _overlap(sm, snb) else "(seed ranges do not overlap).")
                 )
-                + f" Per iteration its pipelined step took {step['avgpipe-N'] / step['pipe-NB']:.2f}x pipe-NB's "
-                f"(N optimizer steps and the averaging), and per sample {per_sample_a / per_sample_b:.2f}x pipe-B's "
-                f"(fewer bubbles {'outweighed' if per_sample_a < per_sample_b else 'did not outweigh'} that "
-                "overhead on this machine)."
+        if b["samples_to_target"] is not None and snb is not None:
+            text.append(
+                f"pipe-NB (exact averaging) needed {snb['mean'] / b['samples_to_target']['mean']:.2f}x the samples of "
+                "pipe-B (batch B)."
+            )
+        # 2. time to target, projected for the pipeline: which option pays, if any
+        times = {m: r["time_to_target_s"] for m, r in entry["goodput"]["rows"].items() if r["time_to_target_s"]}
+        if times:
+            fastest = min(times, key=lambda m: times[m])
+            ranked = ", ".join(f"{m} {times[m]:.2f} s" for m in sorted(times, key=lambda m: times[m]))
+            if fastest == "pipe-B":
+                pays = "no N > 1 paid: N = 1 (pipe-B) was the fastest to the target."
+            elif fastest == "pipe-NB":
+                pays = (
+                    f"exact averaging (pipe-NB, N = {n}) paid: {times['pipe-B'] / times[fastest]:.2f}x faster than "
+                    "pipe-B; no elastic option beat it."
+                    if "pipe-B" in times
+                    else "exact averaging (pipe-NB) was the fastest."
+                )
+            else:
+                versus = min((times[m] for m in ("pipe-B", "pipe-NB") if m in times), default=None)
+                pays = f"{fastest} paid" + (
+                    f": {versus / times[fastest]:.2f}x faster than the better plain row." if versus else "."
+                )
+            text.append(f"Projected pipelined time to target (all seeds): {ranked}; {pays}")
+        # 3. the tuner's model
+        g = entry["goodput"]
+        if "spearman" in g:
+            text.append(
+                f"The tuner's predicted goodput ranks the methods with Spearman {_rho(g['spearman'])} against 1 / "
+                f"measured time ({'pass' if g['spearman_pass'] else 'FAIL'}); its pick, {g['pick']}, "
+                + (
+                    f"took {g['pick_time_ratio']:.2f}x the best time ({'pass' if g['pick_pass'] else 'FAIL'})."
+                    if g["pick_time_ratio"] is not None
+                    else "has no measured time (FAIL)."
+                )
             )
         parts.append(" ".join(text))
     return "\n".join(parts)
@@ -780,7 +1081,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    p.add_argument("--datasets", default="digits,text", help="comma-separated: digits, text")
+    p.add_argument("--datasets", default="digits,text,digits-cnn", help="comma-separated: digits, text, digits-cnn")
     p.add_argument("--pipelines", type=int, default=4, help="N: AvgPipe's replicas, and pipe-NB's batch multiplier")
     p.add_argument("--seeds", type=int, default=3, help="seeds per (method, lr): 0, 1, ..., seeds-1")
     p.add_argument("--grid", type=int, default=5, help="learning rates per method before any extension")
@@ -791,6 +1092,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--digits-epochs", type=int, default=10, help="budget for digits, in epochs of 1,200 samples")
     p.add_argument("--digits-target", type=float, default=0.95, help="target validation accuracy")
     p.add_argument("--digits-lr", type=float, default=4e-3, help="centre of the digits lr grid")
+    p.add_argument("--cnn-lr", type=float, default=0.05, help="centre of the digits-cnn lr grid (SGD, momentum 0.9)")
     p.add_argument("--text-batch", type=int, default=16, help="B for the character GPT (windows)")
     p.add_argument("--text-iters", type=int, default=128, help="budget for text in iterations of N·B windows")
     p.add_argument("--text-target", type=float, default=2.55, help="target validation loss (nats per character)")
@@ -811,9 +1113,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     check_model_args(p, args)
     args.datasets = [d.strip() for d in args.datasets.split(",") if d.strip()]
-    unknown = set(args.datasets) - {"digits", "text"}
+    unknown = set(args.datasets) - {"digits", "text", "digits-cnn"}
     if unknown or not args.datasets:
-        p.error(f"--datasets takes digits and/or text, got {args.datasets}")
+        p.error(f"--datasets takes digits, text and/or digits-cnn, got {args.datasets}")
     if args.quick:
         args.seeds = min(args.seeds, 2)
         args.grid = 3
@@ -850,6 +1152,11 @@ def main(argv: list[str] | None = None) -> int:
     for study in studies.values():
         data_for(study)  # loaded once here; the forked processes below inherit it
     log(f"data loaded ({time.perf_counter() - started:.0f} s)")
+    noise = {}
+    for s, study in studies.items():  # what the tuner measures: the probe at the initial weights (seed 0)
+        data = data_for(study)
+        noise[s] = noise_scale(data, data.model(0), study.batch, torch.Generator().manual_seed(30_000), draws=32)
+        log(f"noise scale of {s} at the initial weights: {_num0(noise[s]['value'])} samples")
     pipe: dict[str, Any] = {}
     if not args.no_pipe_timing:
         for s, study in studies.items():
@@ -857,7 +1164,7 @@ def main(argv: list[str] | None = None) -> int:
             pipe[s] = measure_pipeline(study, args.pipelines, args.microbatches, args.pipe_steps, 3, timeout=300)
     log(f"training ... ({time.perf_counter() - started:.0f} s)")
     tuned = tune(studies, args, log)
-    summary = summarise(studies, tuned, pipe, args)
+    summary = summarise(studies, tuned, pipe, args, noise)
     table = format_table(summary, args)
     text = verdict(summary, args)
     log(table)
