@@ -1,4 +1,4 @@
-"""The step's gradients, set apart between Lightning's ``training_step`` and ``backward``.
+"""The step's gradients, set apart between Lightning's ``training_step`` and ``backward``, and their clipping.
 
 Lightning's automatic optimization runs ``training_step``, then ``zero_grad`` (at the start of an accumulation
 window), then ``backward``. Under the pipeline every backward already ran inside ``training_step``, so its gradients
@@ -9,9 +9,13 @@ are kept apart from the ones already accumulated, and added in ``backward``, whe
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
+import torch
 from torch import Tensor, nn
+
+from lightning_avgpipe.runtime.clipping import clip_grad_norm_across
 
 
 class GradStash:
@@ -45,3 +49,25 @@ class GradStash:
                 p.grad = g
             else:
                 p.grad.add_(g)
+
+
+def install_clipping(precision: Any, pipeline: Callable[[], Any], device: torch.device) -> None:
+    """Make Lightning's gradient clipping act on the replicas, which hold the gradients: by the norm over the
+    whole pipeline (every stage and replica, shared weights counted once), or by value.
+
+    ``pipeline`` is read when clipping runs, so no process group is kept in these closures (``close()`` at exit).
+    """
+
+    def clip_grad_by_norm(optimizer: Any, clip_val: int | float) -> None:
+        pipe = pipeline()
+        elastic, group = pipe.elastic, pipe.topology.pipeline_group
+        sets = [elastic.replica_params(n) for n in range(elastic.num_replicas)]
+        clip_grad_norm_across(sets, float(clip_val), group, device=device, uncounted=pipe.uncounted_params)
+
+    def clip_grad_by_value(optimizer: Any, clip_val: int | float) -> None:
+        params = [p for p in pipeline().params if p.grad is not None]
+        if params:
+            torch.nn.utils.clip_grad_value_(params, float(clip_val))
+
+    precision.clip_grad_by_norm = clip_grad_by_norm
+    precision.clip_grad_by_value = clip_grad_by_value

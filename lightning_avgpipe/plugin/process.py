@@ -28,7 +28,9 @@ from lightning_avgpipe.plugin.compat import (
     _SubprocessScriptLauncher,
     _sync_ddp_if_available,
 )
-from lightning_avgpipe.runtime.shutdown import close_at_exit
+from lightning_avgpipe.runtime.p2p import handle_failure
+from lightning_avgpipe.runtime.shutdown import close_at_exit, mark_failed
+from lightning_avgpipe.runtime.watchdog import Watchdog
 
 
 class ProcessStrategy(ParallelStrategy):
@@ -64,6 +66,7 @@ class ProcessStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._process_group_timeout = timeout
         self._num_nodes = 1
+        self._watchdog: Watchdog | None = None
 
     def init_processes(self) -> None:
         """Ranks, seeds and the default process group (what ``setup_environment`` does for every such strategy)."""
@@ -79,6 +82,34 @@ class ProcessStrategy(ParallelStrategy):
     def close(self) -> None:
         """Called once at interpreter exit, before the process groups are destroyed: drop every reference to a
         group, so destroying them frees them and joins their threads (``runtime/shutdown.py``)."""
+        self.stop_watchdog()
+
+    # -- failures ------------------------------------------------------------------------------------------------
+    def start_watchdog(self, name: str, grace: float) -> None:
+        """With more than one process: a thread that ends this one ``grace`` s after any rank recorded a failure
+        while this one is still running (``runtime/watchdog.py``)."""
+        if self.world_size > 1 and self._watchdog is None:
+            self._watchdog = Watchdog(name, grace=grace).start()
+
+    def stop_watchdog(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
+
+    def failure_site(self) -> str:
+        """This rank, as the failure messages name it (``"rank 1 (stage 1)"``)."""
+        return f"rank {self.global_rank}"
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        if _distributed_is_initialized():  # recorded for every rank to name; see docs/how-it-works.md#failure-handling
+            handle_failure(exception, self.failure_site(), self.global_rank, self.world_size)
+        mark_failed()  # at exit, leave the groups be: destroying one could wait on a rank that is gone
+
+    @override
+    def teardown(self) -> None:
+        self.stop_watchdog()
+        super().teardown()
 
     @property
     @override

@@ -29,14 +29,13 @@ from lightning_avgpipe.plugin import checkpoint as ckpt
 from lightning_avgpipe.plugin import compat
 from lightning_avgpipe.plugin.bridge import Guard, StepBridge, StepResults, replay_logs
 from lightning_avgpipe.plugin.compat import (
-    _distributed_is_initialized,
     _optimizers_to_device,
     _StrategyRegistry,
     _sync_ddp_if_available,
 )
 from lightning_avgpipe.plugin.contract import check_forward, pipeline_inputs, pipeline_layers
 from lightning_avgpipe.plugin.data import GroupedBatches
-from lightning_avgpipe.plugin.gradients import GradStash
+from lightning_avgpipe.plugin.gradients import GradStash, install_clipping
 from lightning_avgpipe.plugin.process import ProcessStrategy
 from lightning_avgpipe.plugin.split import (
     SplitModule,
@@ -48,13 +47,9 @@ from lightning_avgpipe.plugin.split import (
     split_module,
 )
 from lightning_avgpipe.plugin.telemetry import Telemetry
-from lightning_avgpipe.runtime import shutdown
-from lightning_avgpipe.runtime.clipping import clip_grad_norm_across
-from lightning_avgpipe.runtime.p2p import handle_failure
 from lightning_avgpipe.runtime.pipeline import StagePipeline, memory_limit_bytes
 from lightning_avgpipe.runtime.ties import TiedWeights, tie_groups
 from lightning_avgpipe.runtime.topology import Topology
-from lightning_avgpipe.runtime.watchdog import Watchdog
 
 
 class AvgPipeStrategy(ProcessStrategy):
@@ -207,7 +202,6 @@ class AvgPipeStrategy(ProcessStrategy):
         self._results: StepResults | None = None  # the step's loss and logs to every stage
         self._param_names: dict[int, str] = {}  # id(parameter) -> its name in the module, for error messages
         self._telemetry = Telemetry()
-        self._watchdog: Watchdog | None = None
 
     # -- topology ------------------------------------------------------------------------------------------------
 
@@ -316,10 +310,7 @@ class AvgPipeStrategy(ProcessStrategy):
             self._topology_of = default
             stages = self.config.num_stages or self.world_size
             self._topology = Topology.build(self.global_rank, self.world_size, stages, self.config.timeout)
-        if self.world_size > 1 and self._watchdog is None:
-            self._watchdog = Watchdog(
-                f"rank {self.global_rank} (stage {self.stage})", grace=self.config.p2p_timeout
-            ).start()
+        self.start_watchdog(f"rank {self.global_rank} (stage {self.stage})", grace=self.config.p2p_timeout)
 
     # -- setup ---------------------------------------------------------------------------------------------------
     @override
@@ -342,7 +333,7 @@ class AvgPipeStrategy(ProcessStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
-        self._install_global_clipping()
+        install_clipping(self.precision_plugin, lambda: self.pipeline, self.root_device)
 
     def _split_module(self, module: pl.LightningModule) -> None:
         layers, stages = pipeline_layers(module), self.num_stages
@@ -408,21 +399,6 @@ class AvgPipeStrategy(ProcessStrategy):
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
         self.optimizers = [self.pipeline.optimizer(self.optimizers[0])]
-
-    def _install_global_clipping(self) -> None:
-        def clip_grad_by_norm(optimizer: Optimizer, clip_val: int | float) -> None:
-            elastic, group = self.elastic, self.topology.pipeline_group  # no group kept in the closure (close())
-            sets = [elastic.replica_params(n) for n in range(elastic.num_replicas)]
-            uncounted = self.pipeline.uncounted_params
-            clip_grad_norm_across(sets, float(clip_val), group, device=self.root_device, uncounted=uncounted)
-
-        def clip_grad_by_value(optimizer: Optimizer, clip_val: int | float) -> None:
-            params = [p for p in self.pipeline.params if p.grad is not None]  # the replicas hold the gradients
-            if params:
-                torch.nn.utils.clip_grad_value_(params, float(clip_val))
-
-        self.precision_plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
-        self.precision_plugin.clip_grad_by_value = clip_grad_by_value  # type: ignore[method-assign]
 
     def reconfigure(
         self,
@@ -629,17 +605,11 @@ class AvgPipeStrategy(ProcessStrategy):
 
     # -- the end -------------------------------------------------------------------------------------------------
     @override
-    def on_exception(self, exception: BaseException) -> None:
-        if _distributed_is_initialized():
-            stage = f"stage {self.stage}" if self._pipeline is not None else "setup"
-            handle_failure(exception, f"rank {self.global_rank} ({stage})", self.global_rank, self.world_size)
-        shutdown.mark_failed()  # at exit, leave the groups be: destroying one could wait on a rank that is gone
+    def failure_site(self) -> str:
+        return f"rank {self.global_rank} ({f'stage {self.stage}' if self._pipeline is not None else 'setup'})"
 
     @override
     def teardown(self) -> None:
-        if self._watchdog is not None:
-            self._watchdog.stop()
-            self._watchdog = None
         if self._pipeline is not None:
             self._pipeline.elastic.wait()  # the model the user keeps is the up-to-date reference
         if self._split is not None:
@@ -648,9 +618,7 @@ class AvgPipeStrategy(ProcessStrategy):
 
     @override
     def close(self) -> None:
-        if self._watchdog is not None:
-            self._watchdog.stop()
-            self._watchdog = None
+        super().close()
         group = self._topology.stage_group if self._topology is not None else None
         module = self.lightning_module
         for metric in module.modules() if module is not None and group is not None else ():
