@@ -74,7 +74,12 @@ from benchmarks.harness import launch_ranks  # noqa: E402
 from examples.gpt_args import add_model_args, add_partition_arg, check_model_args, model_sizes, partition_of  # noqa: E402
 
 WORLD = 2
-TARGETS = {"median_time_error": 0.10, "pick_fraction_of_best": 0.95, "tuner_fraction_of_sweep": 0.05}
+TARGETS = {
+    "median_time_error": 0.10,
+    "pick_fraction_of_best": 0.95,
+    "tuner_fraction_of_sweep": 0.05,
+    "repeatability": 0.10,  # two tuners back to back: median over candidates of |t1 - t2| / mean
+}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -240,12 +245,14 @@ def rank_main(cfg: dict[str, Any]) -> None:
     grid = [(m, n) for n in ns for m in ms]
     result["tuners"] = []
     for r in range(cfg["repeats"]):
+        # samples/s is what this benchmark checks against the sweep (which runs the strategy's default averaging)
         tuner = AvgPipeTuner(
             num_microbatches=ms,
             num_pipelines=ns,
             apply=True,
             profile_steps=cfg["profile_steps"],
             output_dir=str(Path(cfg["out_dir"], "tuning", f"repeat{r}")),
+            objective="throughput",
         )
         trainer, wall = fit(ms[0], ns[0], cfg["tuner_steps"], [tuner])
         assert tuner.table is not None and tuner.choice is not None
@@ -266,6 +273,22 @@ def rank_main(cfg: dict[str, Any]) -> None:
             f"repeat {r} tuner: {tuner.seconds:.2f} s in on_fit_start ({wall:.1f} s whole Trainer), chose "
             f"M={choice.num_microbatches} N={choice.num_pipelines}, strategy now M={applied[0]} N={applied[1]}"
         )
+        # a second tuner right after the first, on the same configuration: run-to-run repeatability
+        again = AvgPipeTuner(
+            num_microbatches=ms,
+            num_pipelines=ns,
+            apply=False,
+            calibrate_steps=0,
+            profile_steps=cfg["profile_steps"],
+            output_dir=str(Path(cfg["out_dir"], "tuning", f"repeat{r}-again")),
+            objective="throughput",
+        )
+        trainer, _ = fit(ms[0], ns[0], 1, [again])
+        assert again.table is not None
+        result["tuners"][-1]["again"] = again.table.to_dict()
+        result["tuners"][-1]["again_seconds"] = again.seconds
+        del trainer
+        gc.collect()
         order = list(grid)
         random.Random(seed + r).shuffle(order)
         for m, n in order:
@@ -350,7 +373,11 @@ def analyse(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
 
     def rows(t: dict[str, Any], key: str) -> dict[tuple[int, int], dict[str, Any]]:
         table = t["table"]
-        return {(r["num_microbatches"], r["num_pipelines"]): r for r in (table.get(key) or table["rows"])}
+        return {
+            (r["num_microbatches"], r["num_pipelines"]): r
+            for r in (table.get(key) or table["rows"])
+            if r.get("averaging", "elastic") == "elastic"  # the sweep runs the strategy's default averaging
+        }
 
     predicted = [rows(t, "raw_rows") for t in tuners]  # the model's own numbers
     calibrated = [rows(t, "rows") for t in tuners]  # scaled by each tuner's calibration
@@ -405,6 +432,25 @@ def analyse(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     fractions = [by_key[p]["measured_samples_per_sec"] / best["measured_samples_per_sec"] for p in picks]
     median_pick = sorted(range(len(picks)), key=lambda i: fractions[i])[(len(picks) - 1) // 2]
     pick = by_key[picks[median_pick]]
+    # run-to-run: each round's two tuners back to back, per candidate |t1 - t2| / mean(t1, t2) of the model's own
+    # predicted iteration time; the median over candidates, per round
+    repeat_spread = []
+    for t in tuners:
+        if "again" not in t:
+            continue
+        first_rows = rows(t, "raw_rows")
+        second = {
+            (r["num_microbatches"], r["num_pipelines"]): r
+            for r in t["again"]["rows"]
+            if r.get("averaging", "elastic") == "elastic"
+        }
+        spreads = [
+            abs(first_rows[k]["step_time"] - second[k]["step_time"])
+            / ((first_rows[k]["step_time"] + second[k]["step_time"]) / 2)
+            for k in first_rows
+            if k in second
+        ]
+        repeat_spread.append(statistics.median(spreads))
     sweep_wall = sum(s["wall_s"] for s in raw["settings"]) / args.repeats  # one exhaustive sweep
     sweep_timed = sum(s["timed_s"] for s in raw["settings"]) / args.repeats
     tuner_s = statistics.fmean(t["seconds"] for t in tuners)
@@ -439,6 +485,8 @@ def analyse(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         "tuner_fraction_of_sweep": tuner_s / sweep_wall,
         "tuner_fraction_of_sweep_timed": tuner_s / sweep_timed,
         "drift_by_third": thirds,
+        "repeatability_per_round": repeat_spread,
+        "repeatability_median": statistics.median(repeat_spread) if repeat_spread else None,
     }
     summary["targets"] = {
         "median_time_error": {
@@ -457,6 +505,12 @@ def analyse(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
             "ok": summary["tuner_fraction_of_sweep"] <= TARGETS["tuner_fraction_of_sweep"],
         },
     }
+    if summary["repeatability_median"] is not None:
+        summary["targets"]["repeatability"] = {
+            "target": f"<= {TARGETS['repeatability']:.0%}",
+            "value": summary["repeatability_median"],
+            "ok": summary["repeatability_median"] <= TARGETS["repeatability"],
+        }
     return {"cells": cells, "summary": summary}
 
 
@@ -529,6 +583,12 @@ def format_report(report: dict[str, Any]) -> str:
         f"median tuner's; the worst {s['pick_fraction_of_best_worst']:.1%})",
         f"target tuner <= 5% of the sweep:  {verdict('tuner_fraction_of_sweep')} ({s['tuner_fraction_of_sweep']:.1%})",
     ]
+    if s.get("repeatability_median") is not None:
+        per = ", ".join(f"{v:.1%}" for v in s["repeatability_per_round"])
+        lines.append(
+            f"target repeatability <= 10%:      {verdict('repeatability')} ({s['repeatability_median']:.1%}: two "
+            f"tuners back to back, median over candidates of |t1 - t2| / mean; per round {per})"
+        )
     return "\n".join(lines)
 
 
