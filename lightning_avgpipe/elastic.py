@@ -19,8 +19,9 @@ Two generalisations (docs/how-it-works.md#outer-optimizer-and-period), both off 
 
 - an *outer optimizer* on the reference: the mean update ``u = (1/(N·D)) Σ Δw_n`` is a pseudo-gradient (SlowMo,
   DiLoCo), and ``w_ref <- w_ref + lr_out · u`` becomes SGD with momentum ``μ`` (Nesterov by default):
-  ``v <- μ v + u``, ``w_ref <- w_ref + lr_out · (u + μ v)`` (plain momentum: ``lr_out · v``). The paper's rule is
-  ``lr_out = 1, μ = 0``.
+  ``v <- μ v + u``, ``U = lr_out · (u + μ v)`` (plain momentum: ``lr_out · v``), ``w_ref <- w_ref + U``, and every
+  replica moves by ``U - u`` as well, so the reference stays the replicas' mean. The paper's rule is
+  ``lr_out = 1, μ = 0`` (``U = u``).
 - an *averaging period* H: replicas take H local optimizer steps between pulls and reference updates. ``d_n`` is
   taken at the start of a period and ``Δw_n`` is then the sum of the period's H updates, so the D-group all-reduce
   runs once every H steps. H = 1 is the rule above.
@@ -263,21 +264,34 @@ class ElasticAveraging:
             if self._ref_params:
                 scale = 1.0 / (self.num_replicas * self.num_groups)
                 ref = [p.detach() for p in self._ref_params]
-                if self.outer_momentum == 0.0:
-                    torch._foreach_add_(ref, self._total, alpha=scale * self.outer_lr)
-                else:  # the mean update is the pseudo-gradient of an outer SGD with momentum
-                    mu = self.outer_momentum
-                    mean = torch._foreach_mul(self._total, scale)
-                    if self._momentum is None:
-                        self._momentum = [torch.zeros_like(t) for t in mean]
-                    torch._foreach_mul_(self._momentum, mu)
-                    torch._foreach_add_(self._momentum, mean)
-                    if self.nesterov:
-                        torch._foreach_add_(mean, self._momentum, alpha=mu)
-                        torch._foreach_add_(ref, mean, alpha=self.outer_lr)
-                    else:
-                        torch._foreach_add_(ref, self._momentum, alpha=self.outer_lr)
+                if self.outer_lr == 1.0 and self.outer_momentum == 0.0:  # the paper's rule
+                    torch._foreach_add_(ref, self._total, alpha=scale)
+                else:
+                    self._outer_step(ref, list(torch._foreach_mul(self._total, scale)))
             self._average_buffers()
+
+    def _outer_step(self, ref: list[Tensor], mean: list[Tensor]) -> None:
+        """The reference steps the mean update ``u`` with the outer optimizer: ``U = lr (u + μ v)`` (Nesterov) or
+        ``lr v``. Every replica moves by ``U - u`` too, the part of the step beyond the mean update, so the outer
+        optimizer moves the replicas' centre and the reference stays their mean (as SlowMo and DiLoCo restart
+        their workers from the new global weights; the elastic pull still governs the spread)."""
+        mu = self.outer_momentum
+        if mu > 0.0:
+            if self._momentum is None:
+                self._momentum = [torch.zeros_like(t) for t in mean]
+            torch._foreach_mul_(self._momentum, mu)
+            torch._foreach_add_(self._momentum, mean)
+            if self.nesterov:  # new tensors: the momentum buffer itself is never scaled
+                step = list(torch._foreach_add(mean, self._momentum, alpha=mu))
+                torch._foreach_mul_(step, self.outer_lr)
+            else:
+                step = list(torch._foreach_mul(self._momentum, self.outer_lr))
+        else:
+            step = list(torch._foreach_mul(mean, self.outer_lr))
+        torch._foreach_add_(ref, step)
+        extra = list(torch._foreach_sub(step, mean))
+        for n in range(self.num_replicas):
+            torch._foreach_add_([p.detach() for p in self.replica_params(n)], extra)
 
     def _average_buffers(self) -> None:
         """Floating buffers (BatchNorm statistics) of the reference: the mean over all N·D replicas."""

@@ -155,7 +155,9 @@ def _by_hand(
             w = [w[n] - alpha * anchor[n] for n in range(2)]
             u = (deltas[0] + deltas[1]) / 2
             v = mu * v + u
-            ref = ref + lr_out * ((u + mu * v) if (nesterov and mu > 0) else (v if mu > 0 else u))
+            big_u = lr_out * ((u + mu * v) if (nesterov and mu > 0) else (v if mu > 0 else u))
+            ref = ref + big_u
+            w = [w[n] + big_u - u for n in range(2)]  # the replicas move with the reference's extra step
     return [[x] for x in w], [ref]
 
 
@@ -182,8 +184,15 @@ def _by_class(
 
 @pytest.mark.parametrize(
     ("period", "lr_out", "mu", "nesterov"),
-    [(1, 1.0, 0.0, True), (1, 0.7, 0.9, True), (1, 0.7, 0.9, False), (3, 1.0, 0.0, True), (2, 0.7, 0.9, True)],
-    ids=["paper", "diloco-nesterov", "heavy-ball", "period-3", "diloco-period-2"],
+    [
+        (1, 1.0, 0.0, True),
+        (1, 0.7, 0.9, True),
+        (1, 0.7, 0.9, False),
+        (1, 0.5, 0.0, True),
+        (3, 1.0, 0.0, True),
+        (2, 0.7, 0.9, True),
+    ],
+    ids=["paper", "diloco-nesterov", "heavy-ball", "outer-lr-only", "period-3", "diloco-period-2"],
 )
 def test_outer_optimizer_and_period_follow_the_formula(period: int, lr_out: float, mu: float, nesterov: bool) -> None:
     steps = 7  # ends mid-period for H = 2 and 3: the local steps since the last pull are left as they are
@@ -194,6 +203,9 @@ def test_outer_optimizer_and_period_follow_the_formula(period: int, lr_out: floa
         torch.testing.assert_close(elastic.replica_params(n)[0].detach(), want_w[n][0])
     assert elastic.local_steps == steps % period
     assert elastic.paper_rule == (period == 1 and lr_out == 1.0 and mu == 0.0)
+    if steps % period == 0:  # right after a pull the reference is the replicas' mean, whatever the outer optimizer
+        mean = (elastic.replica_params(0)[0] + elastic.replica_params(1)[0]) / 2
+        torch.testing.assert_close(elastic.reference_params[0].detach(), mean.detach())
 
 
 def test_state_dict_resumes_mid_period_exactly() -> None:
