@@ -64,7 +64,15 @@ def test_tuner_accuracy_benchmark_smoke(tmp_path: Path) -> None:
     assert tuple(summary["pick"]) in cells and tuple(summary["best"]) in cells
     assert [t["applied"] for t in report["tuners"]] == summary["picks"]  # each choice is what its Trainer trained with
     assert 0 < summary["pick_fraction_of_best"] <= 1
-    assert set(summary["targets"]) == {"median_time_error", "pick_fraction_of_best", "tuner_fraction_of_sweep"}
+    assert set(summary["targets"]) == {
+        "median_time_error",
+        "pick_fraction_of_best",
+        "tuner_fraction_of_sweep",
+        "repeatability",
+    }
+    # a second tuner ran back to back in every round: the run-to-run spread of its predicted iteration times
+    assert len(summary["repeatability_per_round"]) == report["config"]["repeats"]
+    assert all(0 <= v < 1 for v in summary["repeatability_per_round"])
     assert len(report["tuners"]) == report["config"]["repeats"] and summary["pick"] in summary["picks"]
     rows = report["tuners"][0]["table"]["rows"]
     assert {(r["num_microbatches"], r["num_pipelines"]) for r in rows} == set(cells)
