@@ -23,11 +23,11 @@ from lightning_avgpipe.noise import GradientNorms
 
 
 def _sq_norm(tensors: Sequence[Tensor]) -> Tensor:
-    """Σ‖t‖² in float64 (0 for no tensors)."""
+    """Σ‖t‖² in float64 (0 for no tensors): one fused norm per tensor, then the squares summed in float64."""
     if not tensors:
         return torch.zeros((), dtype=torch.float64)
     norms = torch._foreach_norm(list(tensors))
-    return torch.stack([n.double() for n in norms]).square().sum().cpu()
+    return torch.stack(norms).double().square().sum().cpu()
 
 
 def _harmonic(sizes: Sequence[float]) -> float:
@@ -89,12 +89,12 @@ class GradientProbe:
         for u, n in enumerate(self.unit_owner):
             sizes[n] += self.unit_samples[u]
         total = sum(sizes)
-        grads = [[self._grad(p) for p in params] for params in self.replicas]
+        grads = [[self._grad(p).detach() for p in params] for params in self.replicas]
         small = torch.stack([_sq_norm(g) for g in grads]).mean()
         # the gradient of all N batches: each replica's is its own batch mean, so weight by batch size
-        mean = [g.detach().double() * (sizes[0] / total) for g in grads[0]]
+        mean = list(torch._foreach_mul(grads[0], sizes[0] / total))
         for n in range(1, len(grads)):
-            torch._foreach_add_(mean, [g.detach().double() for g in grads[n]], alpha=sizes[n] / total)
+            torch._foreach_add_(mean, grads[n], alpha=sizes[n] / total)
         big = _sq_norm(mean)
         return torch.stack([small, big]), _harmonic(sizes), total
 
@@ -105,10 +105,12 @@ class GradientProbe:
         total = sum(self.unit_samples)
         second = total - first
         whole = [self._grad(p).detach() for p in self.replicas[0]]
-        # the accumulated gradient is Σ (share of unit) · (its mean gradient): a half's mean is its part / its share
-        g1 = [h.double() * (total / first) for h in self._half]
-        g2 = [(w.double() - h.double()) * (total / second) for w, h in zip(whole, self._half)]
-        small = (_sq_norm(g1) + _sq_norm(g2)) / 2
+        # the accumulated gradient is Σ (share of unit) · (its mean gradient): a half's mean is its part / its share,
+        # so |g1|² = (total/first)² |part1|² and |g2|² = (total/second)² |whole - part1|² (no scaled copies)
+        part1 = _sq_norm(self._half)
+        torch._foreach_sub_(self._half, whole)  # in place: -(the second half's part)
+        part2 = _sq_norm(self._half)
+        small = (part1 * (total / first) ** 2 + part2 * (total / second) ** 2) / 2
         big = _sq_norm(whole)
         return torch.stack([small, big]), _harmonic([first, second]), float(total)
 
