@@ -21,10 +21,9 @@ pytestmark = pytest.mark.slow
     [
         (2, 0, {"strategy": {"num_microbatches": 2, "partition": [2, 5]}}),  # rank 0 decides the partition
         (2, 1, {"setup_fault": {"rank": 1}}),
-        (4, 2, {"setup_fault": {"rank": 2}}),
         (4, 0, {"setup_fault": {"rank": 0}}),  # the rendezvous store's host
     ],
-    ids=["S2-partition-rank0", "S2-setup-rank1", "S4-setup-rank2", "S4-setup-rank0"],
+    ids=["S2-partition-rank0", "S2-setup-rank1", "S4-setup-rank0"],
 )
 def test_a_rank_failing_in_setup_is_named_by_every_rank(world: int, failing: int, cfg: dict) -> None:
     """The others were waiting in a collective (a barrier, the partition's broadcast): their errors name the rank
@@ -44,8 +43,8 @@ def test_a_rank_failing_in_setup_is_named_by_every_rank(world: int, failing: int
 
 @pytest.mark.parametrize(
     ("world", "rank", "kind"),
-    [(2, 1, "raise"), (2, 0, "kill"), (4, 2, "raise"), (4, 1, "kill")],
-    ids=["S2-raise-last", "S2-kill-first", "S4-raise-middle", "S4-kill-middle"],
+    [(2, 1, "raise"), (2, 0, "kill"), (4, 2, "raise")],
+    ids=["S2-raise-last", "S2-kill-first", "S4-raise-middle"],
 )
 def test_failing_rank_ends_every_rank_with_a_message(world: int, rank: int, kind: str) -> None:
     out_dir = tempfile.mkdtemp()

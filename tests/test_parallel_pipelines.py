@@ -45,7 +45,7 @@ def test_two_pipelines_match_single_process_avgpipe(tmp_path: Path, optimizer: s
         torch.testing.assert_close(state[key], mean)
 
 
-@pytest.mark.parametrize("sync", [True, False], ids=["sync", "overlapped"])
+@pytest.mark.parametrize("sync", [False], ids=["overlapped"])  # sync is the overlapped update waited for at once
 def test_two_groups_equal_two_pipelines_in_one_group(tmp_path: Path, sync: bool) -> None:
     """D = 2, S = 2 with one pipeline per group (4 processes) == D = 1, S = 2, N = 2, fed the same batches.
 
