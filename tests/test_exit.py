@@ -45,9 +45,38 @@ def test_groups_are_left_alone_once_the_job_failed(monkeypatch: pytest.MonkeyPat
             calls.append("close")
 
     monkeypatch.setitem(shutdown._state, "failed", False)
+    monkeypatch.setitem(shutdown._state, "owners", [])
+    monkeypatch.setitem(shutdown._state, "hooked", True)  # no real atexit hook from a test
     owner = Owner()
-    shutdown._at_exit(lambda: owner, "close", id(owner))
+    shutdown.close_at_exit(owner)
+    shutdown.close_at_exit(owner)  # once per owner
+    shutdown._at_exit()
     assert calls == ["close"]
+    shutdown.close_at_exit(owner)
     shutdown.mark_failed()
-    shutdown._at_exit(lambda: owner, "close", id(owner))
+    shutdown._at_exit()
     assert calls == ["close"], "a failed job must not release or destroy (a destroy can wait on a dead rank)"
+
+
+def test_an_owner_that_is_gone_is_forgotten_and_a_new_one_at_its_address_registers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import gc
+
+    monkeypatch.setitem(shutdown._state, "failed", False)
+    monkeypatch.setitem(shutdown._state, "owners", [])
+    monkeypatch.setitem(shutdown._state, "hooked", True)
+    closed: list[int] = []
+
+    class Owner:
+        def close(self) -> None:
+            closed.append(id(self))
+
+    first = Owner()
+    shutdown.close_at_exit(first)
+    del first
+    gc.collect()
+    second = Owner()  # may reuse the first one's id
+    shutdown.close_at_exit(second)
+    shutdown._at_exit()
+    assert closed == [id(second)]

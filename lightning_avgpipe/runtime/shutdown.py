@@ -19,10 +19,9 @@ import atexit
 import gc
 import os
 import weakref
-from collections.abc import Callable
 from typing import Any
 
-_state: dict[str, Any] = {"failed": False, "registered": set()}
+_state: dict[str, Any] = {"failed": False, "owners": [], "hooked": False}
 
 
 def mark_failed() -> None:
@@ -49,19 +48,25 @@ def destroy_process_groups() -> None:
 
 def close_at_exit(owner: object, release: str = "close") -> None:
     """Call ``owner.<release>()`` at interpreter exit, before finalization (once per owner), then
-    :func:`destroy_process_groups`. The owner is held weakly: one that is gone has nothing left to release."""
-    key = id(owner)
-    if key in _state["registered"]:
+    :func:`destroy_process_groups`. Owners are held weakly: one that is gone has nothing left to release."""
+    owners: list[tuple[weakref.ref[Any], str]] = _state["owners"]
+    owners[:] = [(ref, name) for ref, name in owners if ref() is not None]
+    if any(ref() is owner for ref, _ in owners):
         return
-    _state["registered"].add(key)
-    atexit.register(_at_exit, weakref.ref(owner), release, key)
+    owners.append((weakref.ref(owner), release))
+    if not _state["hooked"]:
+        _state["hooked"] = True
+        atexit.register(_at_exit)
 
 
-def _at_exit(ref: Callable[[], object | None], release: str, key: int) -> None:
-    _state["registered"].discard(key)
-    owner = ref()
-    if owner is not None and not failed():
-        getattr(owner, release)()
+def _at_exit() -> None:
+    owners: list[tuple[weakref.ref[Any], str]] = _state["owners"]
+    live = [(ref(), name) for ref, name in owners]
+    owners.clear()
+    if not failed():
+        for owner, name in live:
+            if owner is not None:
+                getattr(owner, name)()
     destroy_process_groups()
 
 
