@@ -1,7 +1,11 @@
-"""Helpers the benchmarks share: GPT training batches from the corpus, applying a stage's layers, the LM loss."""
+"""Helpers the benchmarks share: GPT training batches from the corpus, applying a stage's layers, the LM loss,
+Spearman's rank correlation."""
 
 from __future__ import annotations
 
+import math
+import statistics
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -31,3 +35,30 @@ def apply_layers(layers: list[nn.Module], x: Any) -> Any:
 def lm_loss(logits: Tensor, y: Tensor) -> Tensor:
     """Cross-entropy of ``(B, T, V)`` logits against ``(B, T)`` targets."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def ranks(values: Sequence[float]) -> list[float]:
+    """Ranks 1..n, ties sharing their mean rank."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    out = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            out[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return out
+
+
+def spearman(x: Sequence[float], y: Sequence[float]) -> float:
+    """Spearman's rank correlation (Pearson's on the ranks); nan for fewer than 2 points or a constant side."""
+    if len(x) < 2:
+        return math.nan
+    rx, ry = ranks(x), ranks(y)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    sxy = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    sxx = sum((a - mx) ** 2 for a in rx)
+    syy = sum((b - my) ** 2 for b in ry)
+    return sxy / math.sqrt(sxx * syy) if sxx and syy else math.nan

@@ -81,6 +81,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402, N812
 from torch import Tensor, nn  # noqa: E402
 
+from benchmarks.common import spearman  # noqa: E402
 from benchmarks.harness import run_distributed  # noqa: E402
 from examples.gpt_args import add_model_args, check_model_args, model_sizes  # noqa: E402
 
@@ -758,7 +759,8 @@ def goodput_check(
     if len(usable) >= 3:
         pred = [rows[m]["goodput_predicted"] for m in usable]
         speed = [1.0 / rows[m]["time_to_target_s"] if rows[m]["time_to_target_s"] else 0.0 for m in usable]
-        rho = spearman(pred, speed)
+        rho: float | None = spearman(pred, speed)
+        rho = None if rho is None or math.isnan(rho) else rho  # every method tied on one side
         pick_m = max(usable, key=lambda m: rows[m]["goodput_predicted"])
         times = {m: rows[m]["time_to_target_s"] for m in usable if rows[m]["time_to_target_s"]}
         best = min(times, key=lambda m: times[m]) if times else None
@@ -794,30 +796,6 @@ def goodput_check(
             fits[m] = fit
     out["lambda_fits"] = fits
     return out
-
-
-def spearman(x: Sequence[float], y: Sequence[float]) -> float | None:
-    """Spearman's rank correlation (ties share their mean rank); None when either side is constant."""
-
-    def ranks(v: Sequence[float]) -> list[float]:
-        order = sorted(range(len(v)), key=lambda i: v[i])
-        r = [0.0] * len(v)
-        i = 0
-        while i < len(order):
-            j = i
-            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                r[order[k]] = (i + j) / 2 + 1
-            i = j + 1
-        return r
-
-    rx, ry = ranks(x), ranks(y)
-    mx, my = statistics.fmean(rx), statistics.fmean(ry)
-    sxy = sum((a - mx) * (c - my) for a, c in zip(rx, ry))
-    sxx = sum((a - mx) ** 2 for a in rx)
-    syy = sum((c - my) ** 2 for c in ry)
-    return sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else None
 
 
 def _mean_or_none(values: Sequence[float | None]) -> float | None:

@@ -56,7 +56,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import os
 import random
 import statistics
@@ -70,6 +69,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make `benchmarks` and `examples` importable
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import spearman  # noqa: E402
 from benchmarks.harness import launch_ranks  # noqa: E402
 from examples.gpt_args import add_model_args, add_partition_arg, check_model_args, model_sizes, partition_of  # noqa: E402
 
@@ -340,33 +340,6 @@ def launch(cfg: dict[str, Any], timeout: float, log_dir: Path) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # analysis
 # ---------------------------------------------------------------------------------------------------------------
-def ranks(values: list[float]) -> list[float]:
-    """Ranks 1..n, ties sharing their mean rank."""
-    order = sorted(range(len(values)), key=lambda i: values[i])
-    out = [0.0] * len(values)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-            j += 1
-        for k in range(i, j + 1):
-            out[order[k]] = (i + j) / 2 + 1
-        i = j + 1
-    return out
-
-
-def spearman(x: list[float], y: list[float]) -> float:
-    """Spearman's rank correlation (Pearson's on the ranks); nan for fewer than 2 points or a constant side."""
-    if len(x) < 2:
-        return math.nan
-    rx, ry = ranks(x), ranks(y)
-    mx, my = statistics.fmean(rx), statistics.fmean(ry)
-    sxy = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    sxx = sum((a - mx) ** 2 for a in rx)
-    syy = sum((b - my) ** 2 for b in ry)
-    return sxy / math.sqrt(sxx * syy) if sxx and syy else math.nan
-
-
 def analyse(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """Each repeat's sweep against the tuner that ran just before it (paired), then medians over repeats."""
     tuners = raw["tuners"]

@@ -161,17 +161,18 @@ def _by_hand(
     return [[x] for x in w], [ref]
 
 
-def _by_class(
-    steps: int, period: int, lr_out: float, mu: float, nesterov: bool, alpha: float = 0.5
-) -> ElasticAveraging:
+def _two_replicas(**options: object) -> ElasticAveraging:
+    """Two replicas of the parameter vector ``_by_hand`` starts from (seed 0)."""
     torch.manual_seed(0)
     holder = nn.Module()
     holder.w = nn.Parameter(torch.randn(6))
-    elastic = ElasticAveraging(
-        [holder], 2, alpha=alpha, outer_lr=lr_out, outer_momentum=mu, nesterov=nesterov, period=period
-    )
+    return ElasticAveraging([holder], 2, **options)  # type: ignore[arg-type]
+
+
+def _steps(elastic: ElasticAveraging, first: int, last: int) -> None:
+    """Steps ``first .. last - 1`` of ``_by_hand``'s SGD(lr=1) on gradients 0.1 (n + 1) (step + 1) w."""
     opts = [torch.optim.SGD(elastic.replica_params(n), lr=1.0) for n in range(2)]
-    for step in range(steps):
+    for step in range(first, last):
         for n in range(2):
             (p,) = elastic.replica_params(n)
             p.grad = 0.1 * (n + 1) * (step + 1) * p.detach().clone()
@@ -179,6 +180,13 @@ def _by_class(
         for opt in opts:
             opt.step()
         elastic.finish_step()
+
+
+def _by_class(
+    steps: int, period: int, lr_out: float, mu: float, nesterov: bool, alpha: float = 0.5
+) -> ElasticAveraging:
+    elastic = _two_replicas(alpha=alpha, outer_lr=lr_out, outer_momentum=mu, nesterov=nesterov, period=period)
+    _steps(elastic, 0, steps)
     return elastic
 
 
@@ -213,24 +221,13 @@ def test_state_dict_resumes_mid_period_exactly() -> None:
     first = _by_class(4, 3, 0.7, 0.9, True)  # stops one step into the second period, with momentum
     state = first.state_dict()
     assert state["local_steps"] == 1 and state["offsets"] is not None and state["momentum"] is not None
-    torch.manual_seed(0)
-    holder = nn.Module()
-    holder.w = nn.Parameter(torch.randn(6))
-    resumed = ElasticAveraging([holder], 2, alpha=0.5, outer_lr=0.7, outer_momentum=0.9, period=3)
+    resumed = _two_replicas(alpha=0.5, outer_lr=0.7, outer_momentum=0.9, period=3)
     with torch.no_grad():
         resumed.reference_params[0].copy_(first.reference_params[0])
         for n in range(2):
             resumed.replica_params(n)[0].copy_(first.replica_params(n)[0])
     resumed.load_state_dict(state)
-    opts = [torch.optim.SGD(resumed.replica_params(n), lr=1.0) for n in range(2)]
-    for step in range(4, 7):
-        for n in range(2):
-            (p,) = resumed.replica_params(n)
-            p.grad = 0.1 * (n + 1) * (step + 1) * p.detach().clone()
-        resumed.begin_step()
-        for opt in opts:
-            opt.step()
-        resumed.finish_step()
+    _steps(resumed, 4, 7)
     torch.testing.assert_close(resumed.reference_params[0], whole.reference_params[0], rtol=0, atol=0)
     for n in range(2):
         torch.testing.assert_close(resumed.replica_params(n)[0], whole.replica_params(n)[0], rtol=0, atol=0)

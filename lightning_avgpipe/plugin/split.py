@@ -195,3 +195,13 @@ def check_supported(module: Any, precision_plugin: Any) -> None:
             "precision='16-mixed' is not supported by strategy='avgpipe': its loss scaler sees only the last "
             "stage's loss. Use precision='bf16-mixed' (no loss scaling needed) or '32-true'."
         )
+
+
+def metrics_sync_over(module: nn.Module, group: Any, only: Any = None) -> None:
+    """Point the module's torchmetrics at ``group`` for their sync (every stage mirrors them, so each stage's
+    group of D ranks syncs once); with ``only``, just those that use ``only`` now (``None`` releases them)."""
+    from torchmetrics import Metric
+
+    for metric in module.modules():
+        if isinstance(metric, Metric) and (only is None or metric.process_group is only):
+            metric.process_group = group

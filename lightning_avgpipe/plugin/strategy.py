@@ -20,7 +20,6 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.optim import Optimizer
-from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_avgpipe import microbatch
@@ -43,6 +42,7 @@ from lightning_avgpipe.plugin.split import (
     check_supported,
     choose_partition,
     forward_sample,
+    metrics_sync_over,
     shared_across_stages,
     split_module,
 )
@@ -359,9 +359,7 @@ class AvgPipeStrategy(ProcessStrategy):
             f"num_microbatches={self.num_microbatches}."
         )
         self._bridge = StepBridge(module, self._guard)
-        for metric in module.modules():
-            if isinstance(metric, Metric):  # mirrored on every stage: sync each pipeline group's state once
-                metric.process_group = self.topology.stage_group
+        metrics_sync_over(module, self.topology.stage_group)  # mirrored on every stage: one group per stage syncs
 
     def _make_pipeline(self) -> None:
         """Stage ``s`` of the N replicas (copies of the module's own layers) and the step that trains them."""
@@ -377,23 +375,7 @@ class AvgPipeStrategy(ProcessStrategy):
         )
         self._param_names = {id(p): n for n, p in self._lightning().named_parameters()}
         self._results = StepResults(self._pipeline)
-        elastic = self._pipeline.elastic
-        if self.config.exact and self.num_pipelines * self.num_groups > 1:
-            rank_zero_info(
-                f"AvgPipe: averaging='exact': each step trains {self.num_pipelines} batches x {self.num_groups} groups "
-                "as one batch (gradients averaged, one optimizer step)."
-            )
-        if not elastic.trivial:
-            cfg = self.config
-            outer = (
-                ""
-                if elastic.paper_rule
-                else f", outer lr {elastic.outer_lr:g} momentum {elastic.outer_momentum:g}, period {elastic.period}"
-            )
-            rank_zero_info(
-                f"AvgPipe: {cfg.num_pipelines} parallel pipelines x {self.num_groups} groups, elastic alpha "
-                f"{elastic.alpha:g}{outer}, reference update {'synchronous' if cfg.sync_reference else 'overlapped'}."
-            )
+        self._telemetry.announce_averaging(self._pipeline)
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -619,11 +601,8 @@ class AvgPipeStrategy(ProcessStrategy):
     @override
     def close(self) -> None:
         super().close()
-        group = self._topology.stage_group if self._topology is not None else None
-        module = self.lightning_module
-        for metric in module.modules() if module is not None and group is not None else ():
-            if isinstance(metric, Metric) and metric.process_group is group:  # set in setup: release it too
-                metric.process_group = None
+        if self._topology is not None and self.lightning_module is not None:  # the metrics' group, set in setup
+            metrics_sync_over(self.lightning_module, None, only=self._topology.stage_group)
         self.optimizers = []  # they hold the elastic averaging, and it holds its group
         self._pipeline = self._results = self._topology = self._topology_of = None
         self._ties = []

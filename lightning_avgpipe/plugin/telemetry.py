@@ -74,5 +74,25 @@ class Telemetry:
                 rank_zero_info(f"AvgPipe: advance_forwards='auto' {reason}.")
 
     @staticmethod
+    def announce_averaging(pipeline: StagePipeline) -> None:
+        """Say how the N batches of a step combine, when there is more than one (rank 0)."""
+        cfg, elastic, groups = pipeline.config, pipeline.elastic, pipeline.topology.num_groups
+        if cfg.exact and cfg.num_pipelines * groups > 1:
+            rank_zero_info(
+                f"AvgPipe: averaging='exact': each step trains {cfg.num_pipelines} batches x {groups} groups "
+                "as one batch (gradients averaged, one optimizer step)."
+            )
+        if not elastic.trivial:
+            outer = (
+                ""
+                if elastic.paper_rule
+                else f", outer lr {elastic.outer_lr:g} momentum {elastic.outer_momentum:g}, period {elastic.period}"
+            )
+            rank_zero_info(
+                f"AvgPipe: {cfg.num_pipelines} parallel pipelines x {groups} groups, elastic alpha "
+                f"{elastic.alpha:g}{outer}, reference update {'synchronous' if cfg.sync_reference else 'overlapped'}."
+            )
+
+    @staticmethod
     def log_loss(module: pl.LightningModule, loss: Any) -> None:
         module.log("avgpipe/loss", loss, on_step=True, on_epoch=False)
