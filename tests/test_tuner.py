@@ -320,7 +320,7 @@ except ImportError:  # pragma: no cover
 
 
 def test_batch_norm_drops_micro_batches_of_one_sample() -> None:
-    from lightning_avgpipe.plugin.tuner import batch_norm_candidates
+    from lightning_avgpipe.plugin.profiling import batch_norm_candidates
 
     plain = [nn.Linear(4, 4)]
     norm = [nn.Linear(4, 4), nn.Sequential(nn.BatchNorm1d(4), nn.ReLU())]
@@ -375,7 +375,7 @@ def test_resuming_from_reads_the_path_fit_is_about_to_restore() -> None:
 
 
 def test_batch_norm_looks_at_the_short_last_batch_too() -> None:
-    from lightning_avgpipe.plugin.tuner import batch_norm_candidates
+    from lightning_avgpipe.plugin.profiling import batch_norm_candidates
 
     norm = [nn.BatchNorm1d(4)]
     # B = 8, last batch 5: M = 4 splits it into 2/1/1/1, M = 2 into 3/2
@@ -396,7 +396,7 @@ def _fake_trainer(loader: Any, **attrs: Any) -> Any:
 def test_first_batch_leaves_the_loaders_own_generators_as_they_were() -> None:
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_avgpipe.plugin.tuner import first_batch
+    from lightning_avgpipe.plugin.profiling import first_batch
 
     data = TensorDataset(torch.arange(50.0))
 

@@ -35,6 +35,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
@@ -100,6 +101,22 @@ def reset_train_dataloader(trainer: pl.Trainer) -> None:
     ``trainer.estimated_stepping_batches`` sets it up before training starts); ``None`` makes it start over.
     """
     trainer.fit_loop._combined_loader = None
+
+
+def every(step: int, period: int) -> bool:
+    """Whether ``step`` is one of every ``period`` steps (never when ``period`` is 0)."""
+    return period > 0 and step % period == 0
+
+
+def rebuild_train_dataloader(trainer: pl.Trainer) -> None:
+    """Set the train dataloader up again now, in ``on_train_epoch_start``: the fit loop set it up just before that
+    hook (``_FitLoop.on_advance_start``) and iterates it right after, so a new grouping must be in place already."""
+    loop = trainer.fit_loop
+    loop._combined_loader = None
+    loop.setup_data()
+    if loop._combined_loader is not None:
+        for dl in loop._combined_loader.flattened:
+            _set_sampler_epoch(dl, loop.epoch_progress.current.processed)
 
 
 def attached_trainer(module: Any) -> pl.Trainer | None:

@@ -202,6 +202,7 @@ class AvgPipeStrategy(ProcessStrategy):
         self._results: StepResults | None = None  # the step's loss and logs to every stage
         self._param_names: dict[int, str] = {}  # id(parameter) -> its name in the module, for error messages
         self._telemetry = Telemetry()
+        self.noise_every = 0  # also measure the noise scale every this many steps (AvgPipeTuner's retune sets it)
 
     # -- topology ------------------------------------------------------------------------------------------------
 
@@ -388,11 +389,14 @@ class AvgPipeStrategy(ProcessStrategy):
         num_pipelines: int | None = None,
         advance_forwards: int | str | None = None,
         averaging: str | None = None,
+        keep_optimizers: bool = False,
     ) -> None:
-        """Change M, N, k or the averaging before training starts (the tuner calls it in ``on_fit_start``).
+        """Change M, N, k or the averaging (the tuner calls it in ``on_fit_start``, and between epochs to retune).
 
-        A new N or averaging re-makes the replicas from the reference and the optimizers (``configure_optimizers``
-        runs again); every rank must call it with the same values.
+        A new N or averaging that needs replicas re-makes them from the reference and the optimizers
+        (``configure_optimizers`` runs again), as does any new N unless ``keep_optimizers``; every rank must call it
+        with the same values. ``keep_optimizers=True`` (during training) keeps the optimizers and their state, which
+        only one model per stage allows (exact averaging, or N·D = 1).
         """
         changes: dict[str, Any] = {
             "num_microbatches": num_microbatches,
@@ -400,15 +404,25 @@ class AvgPipeStrategy(ProcessStrategy):
             "advance_forwards": advance_forwards,
             "averaging": averaging,
         }
-        self.config = replace(self.config, **{k: v for k, v in changes.items() if v is not None})
-        if self._pipeline is not None and self._pipeline.reconfigure(self.config):
+        old, self.config = self.config, replace(self.config, **{k: v for k, v in changes.items() if v is not None})
+        if self._pipeline is not None:
+            if keep_optimizers and not (self._pipeline.one_model(old) and self._pipeline.one_model(self.config)):
+                self.config = old
+                raise ValueError(
+                    f"reconfigure(keep_optimizers=True) from num_pipelines={old.num_pipelines} ({old.averaging}) to "
+                    f"num_pipelines={self.num_pipelines} ({self.config.averaging}) would make replicas with fresh "
+                    "optimizers: keep N, or use averaging='exact', whose one model keeps its optimizer."
+                )
+            remade = self._pipeline.reconfigure(self.config)
             trainer = self.lightning_module.trainer if self.lightning_module is not None else None
             if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
-                # A loader already grouped for the old N (trainer.estimated_stepping_batches sets it up early) is
-                # set up again, and configure_optimizers then sees the new number of iterations per epoch.
-                compat.reset_train_dataloader(trainer)
-                self.setup_optimizers(trainer)
-                _optimizers_to_device(self.optimizers, self.root_device)
+                if remade or old.num_pipelines != self.num_pipelines:
+                    # A loader already grouped for the old N (trainer.estimated_stepping_batches sets it up early) is
+                    # set up again, and configure_optimizers then sees the new number of iterations per epoch.
+                    compat.reset_train_dataloader(trainer)
+                if remade or (old.num_pipelines != self.num_pipelines and not keep_optimizers):
+                    self.setup_optimizers(trainer)
+                    _optimizers_to_device(self.optimizers, self.root_device)
         rank_zero_info(
             f"AvgPipe: reconfigured to num_microbatches={self.num_microbatches}, num_pipelines={self.num_pipelines}"
             + (f", averaging='{self.config.averaging}'" if self.num_pipelines * self.num_groups > 1 else "")
@@ -443,7 +457,7 @@ class AvgPipeStrategy(ProcessStrategy):
                 forward_context=self.precision_plugin.train_step_context,
                 measure=figures,
                 divergence=not pipeline.elastic.trivial and compat.writes_logs(trainer),
-                noise=compat.writes_logs(trainer),
+                noise=compat.writes_logs(trainer) or compat.every(trainer.global_step, self.noise_every),
                 param_names=self._param_names,
             )
         assert self._results is not None

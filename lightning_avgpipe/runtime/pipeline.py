@@ -277,8 +277,9 @@ class StagePipeline:
         return other
 
     def reconfigure(self, config: PipelineConfig) -> bool:
-        """Take a new M, N or k before training; returns whether the replicas were made anew (a new N: the caller
-        then makes new optimizers with :meth:`optimizer`)."""
+        """Take a new M, N, k or averaging; returns whether the replicas were made anew (the caller then makes new
+        optimizers with :meth:`optimizer`). Exact averaging under another N trains the same one model: nothing is
+        made anew, and the optimizer and its state carry on."""
         old, self.config = self.config, config
         self._plans.clear()
         self._full_batch = None
@@ -287,9 +288,15 @@ class StagePipeline:
             self._k = 0 if config.advance_forwards == "auto" else int(config.advance_forwards)
         if config.num_pipelines == old.num_pipelines and config.averaging == old.averaging:
             return False
+        if self.one_model(old) and self.one_model(config):  # exact under another N: the same one model and optimizer
+            return False
         self.elastic.wait()
         self._make_replicas()
         return True
+
+    def one_model(self, config: PipelineConfig) -> bool:
+        """Whether ``config`` trains one model per stage (exact averaging, or N·D = 1): no replicas to make."""
+        return config.exact or config.num_pipelines * self.topology.num_groups == 1
 
     # -- the step's parts ----------------------------------------------------------------------------------------
     def plan(self, training: bool, units: int) -> Plan:

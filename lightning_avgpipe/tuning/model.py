@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from lightning_avgpipe.noise import effective_batch, efficiency
@@ -149,6 +149,17 @@ class Prediction:
     def __post_init__(self) -> None:
         if math.isnan(self.goodput):
             object.__setattr__(self, "goodput", self.samples_per_sec * self.efficiency)
+
+    def scaled(self, factor: float) -> Prediction:
+        """This prediction with every time multiplied by ``factor`` (measured / predicted)."""
+        return replace(
+            self,
+            step_time=self.step_time * factor,
+            pipeline_time=self.pipeline_time * factor,
+            update_time=self.update_time * factor,
+            samples_per_sec=self.samples_per_sec / factor,
+            goodput=self.goodput / factor,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -84,20 +84,20 @@ class TuningTable:
         base = self.raw_rows if self.raw_rows is not None else self.rows
         chosen = next((i for i, r in enumerate(self.rows) if r is self.choice), None)
         self.raw_rows = list(base)
-        self.rows = [
-            replace(
-                r,
-                step_time=r.step_time * factor,
-                pipeline_time=r.pipeline_time * factor,
-                update_time=r.update_time * factor,
-                samples_per_sec=r.samples_per_sec / factor,
-                goodput=r.goodput / factor,
-            )
-            for r in base
-        ]
+        self.rows = [r.scaled(factor) for r in base]
         if chosen is not None:
             self.choice = self.rows[chosen]
         self.notes["calibration_factor"] = factor
+
+    def choose(self) -> Prediction:
+        """Set :attr:`choice` to the feasible row with the most :meth:`value` and its reason; ties (within 0.5%) go to
+        fewer pipelines, then one model ("exact") over replicas, then fewer micro-batches."""
+        feasible = [r for r in self.rows if r.feasible]
+        top = max(self.value(r) for r in feasible)
+        near = [r for r in feasible if self.value(r) >= top * 0.995]
+        self.choice = min(near, key=lambda r: (r.num_pipelines, r.averaging != "exact", r.num_microbatches))
+        self.notes["reason"] = reason(self)
+        return self.choice
 
     def row(self, num_microbatches: int, num_pipelines: int, averaging: str | None = None) -> Prediction:
         for r in self.rows:
@@ -229,11 +229,16 @@ def search(
         )
     table = TuningTable(rows=rows, choice=None, memory_limit=memory_limit, schedule=schedule, profile=profile)
     table.notes["objective"] = objective
-    top = max(table.value(r) for r in feasible)
-    near = [r for r in feasible if table.value(r) >= top * 0.995]
-    # ties (within 0.5%): fewer pipelines, then one model ("exact") over replicas, then fewer micro-batches
-    table.choice = min(near, key=lambda r: (r.num_pipelines, r.averaging != "exact", r.num_microbatches))
-    table.notes["reason"] = reason(table)
+    table.notes["search_args"] = {  # what a retune searches again with (tuning/retune.py)
+        "num_microbatches": ms,
+        "num_pipelines": ns if num_pipelines is not None else None,
+        "memory_limit": memory_limit,
+        "schedule": schedule,
+        "advance_forwards": advance_forwards,
+        "max_pipelines": max_pipelines,
+        "averaging": averagings,
+    }
+    table.choose()
     return table
 
 

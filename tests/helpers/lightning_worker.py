@@ -172,6 +172,7 @@ def main(cfg: dict[str, Any]) -> None:
             "profile": tuner.profile.to_dict() if tuner.profile is not None else None,
             "files": {k: str(v) for k, v in tuner.files.items()},
             "seconds": tuner.seconds,
+            "decisions": tuner.decisions,
         }
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
     who["rank"] = trainer.global_rank  # ends as a user's script does: the strategy closes its process groups at exit

@@ -1,0 +1,374 @@
+"""Profiling for ``AvgPipeTuner``: one batch through the real pipeline at a few micro-batch sizes, timed per stage,
+then the search over every (M, N, averaging) (``tune``). Collective over every rank; the callback in
+``plugin/tuner.py`` calls it in ``on_fit_start``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torchmetrics import Metric
+
+from lightning_avgpipe import microbatch
+from lightning_avgpipe.noise import GradientNorms
+from lightning_avgpipe.optim import clone_optimizer
+from lightning_avgpipe.plugin import compat
+from lightning_avgpipe.plugin.contract import pipeline_inputs
+from lightning_avgpipe.plugin.data import loader_generators
+from lightning_avgpipe.schedules import simulate
+from lightning_avgpipe.tuning.model import PipelineProfile, StageProfile, microbatch_sizes, predict
+from lightning_avgpipe.tuning.profiler import (
+    CopyOptimizer,
+    Snapshot,
+    fit_overhead,
+    measure_link,
+    tensor_bytes,
+    time_allreduce,
+    time_elastic_update,
+    unit_times,
+)
+from lightning_avgpipe.tuning.search import (
+    TuningTable,
+    candidate_microbatches,
+    candidate_pipelines,
+    search,
+)
+
+if TYPE_CHECKING:
+    from lightning_avgpipe.plugin.strategy import AvgPipeStrategy
+
+
+def first_batch(trainer: pl.Trainer, fetches: int = 3) -> tuple[Any, float, int | None, int | None]:
+    """One training batch, the median time to draw one, the loader's batches per epoch (``None``: no length) and
+    the size of its short last batch (``None``: none or not known).
+
+    Drawn from a fresh iterator; the global RNG states and the loader's own generators (``DataLoader(generator=)``,
+    a sampler's ``generator``) are put back, so the data order training sees is kept.
+    """
+    loader = compat.request_train_dataloader(trainer)
+    if loader is None:
+        raise ValueError("AvgPipeTuner needs a training DataLoader to profile on; none is attached to fit().")
+    snap = Snapshot([], [], generators=loader_generators(loader))
+    times = []
+    try:
+        it = iter(loader)
+        batch = next(it)
+        for _ in range(fetches):
+            t0 = time.perf_counter()
+            try:
+                next(it)
+            except StopIteration:
+                break
+            times.append(time.perf_counter() - t0)
+    finally:
+        snap.restore()
+    try:
+        batches: int | None = len(loader)
+    except TypeError:  # an iterable dataset without a length
+        batches = None
+    return batch, statistics.median(times) if times else 0.0, batches, _last_batch_size(loader)
+
+
+def _last_batch_size(loader: Any) -> int | None:
+    """The size of an epoch's short last batch (``None``: none, or not known)."""
+    size, drop = getattr(loader, "batch_size", None), getattr(loader, "drop_last", True)
+    try:
+        n = len(loader.dataset)
+    except (TypeError, AttributeError):
+        return None
+    if not isinstance(size, int) or drop or n % size == 0:
+        return None
+    return n % size
+
+
+def tune(
+    strategy: AvgPipeStrategy,
+    trainer: pl.Trainer,
+    memory_limit: float | None = None,
+    num_pipelines: int | Sequence[int] | None = None,
+    num_microbatches: int | Sequence[int] | None = None,
+    profile_steps: int = 3,
+    objective: str = "throughput",
+    averaging: Sequence[str] = ("elastic",),
+) -> TuningTable:
+    """Profile ``strategy``'s pipeline on one batch and search (M, N, averaging); collective over every rank."""
+    batch, fetch_s, batches, last = first_batch(trainer)
+    # every stage of every group profiles the same batch
+    batch, fetch_s, batches, last = strategy.broadcast((batch, fetch_s, batches, last), src=0)
+    batch = strategy.batch_to_device(batch)
+    size = microbatch.batch_size(batch)
+    ms = batch_norm_candidates(
+        candidate_microbatches(size, num_microbatches),
+        size,
+        strategy.stage_layers,
+        strategy.root_device,
+        given=num_microbatches is not None,
+        last_batch=last,
+    )
+    ns = candidate_pipelines(num_pipelines)
+    cap = None
+    if batches is not None:  # an iteration takes N batches: N above an epoch's batches (per group) trains nothing
+        cap = max(1, batches // strategy.num_groups)
+        dropped = [n for n in ns if n > cap]
+        if dropped and num_pipelines is not None:
+            rank_zero_info(
+                f"AvgPipeTuner: leaving out num_pipelines={dropped}: an epoch has {cap} batches per "
+                "pipeline group and an iteration takes one per pipeline."
+            )
+    profile = profile_pipeline(strategy, batch, microbatch_sizes(size, ms), profile_steps)
+    profile.batch_fetch_s = fetch_s
+    profile.accumulate = int(trainer.accumulate_grad_batches)
+    limit = memory_limit if memory_limit is not None else strategy.config.memory_limit
+    limit = strategy.memory_limit_bytes(limit)
+    if limit is not None and strategy.world_size > 1:  # a fraction of memory can differ by rank: the smallest rules
+        t = torch.tensor([float(limit)], dtype=torch.float64, device=strategy.root_device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        limit = float(t[0])
+    # the user's k, not one a previous fit's tuner applied (reconfigure replaces "auto" with a number)
+    k: int | str = strategy.user_advance_forwards if strategy.config.schedule == "advance" else 0
+    # every rank searches the same broadcast profile: a setting that fits nowhere raises on every rank alike
+    return search(
+        profile,
+        ms,
+        num_pipelines,
+        limit,
+        strategy.config.schedule,
+        k,
+        max_pipelines=cap,
+        objective=objective,
+        averaging=averaging,
+    )
+
+
+def batch_norm_candidates(
+    ms: Sequence[int],
+    batch_size: int,
+    layers: Sequence[torch.nn.Module],
+    device: torch.device | None = None,
+    given: bool = False,
+    last_batch: int | None = None,
+) -> list[int]:
+    """Drop the M whose micro-batches hold one sample when a stage has BatchNorm (training BatchNorm needs two).
+
+    ``last_batch``: the size of the epoch's short last batch (``drop_last=False``); it is split into M parts too
+    (into ``last_batch`` parts of one when it has fewer samples than M).
+
+    Every rank decides alike: each checks its own stage's layers and an all-reduce over all ranks combines the
+    answers (collective: every rank calls it). Candidates the user listed raise instead of being dropped silently.
+    """
+    has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for layer in layers for m in layer.modules())
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        flag = torch.tensor([float(has_bn)], device=device)  # on the device: NCCL has no CPU tensors
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        has_bn = bool(flag.item())
+    if not has_bn:
+        return list(ms)
+
+    def smallest(m: int) -> int:
+        sizes = [batch_size] + ([last_batch] if last_batch else [])
+        return min(b // m if b >= m else 1 for b in sizes)
+
+    ones = [m for m in ms if smallest(m) < 2]
+    if ones and given:
+        raise ValueError(
+            f"num_microbatches={list(ms)!r} includes {ones}: with a batch size of {batch_size}"
+            + (f" and a last batch of {last_batch}" if last_batch else "")
+            + " that gives micro-batches of one sample, and the model has BatchNorm layers, which cannot train on "
+            "one sample. "
+            f"Leave out {ones} (or pass num_microbatches=None: the tuner then skips them)."
+        )
+    kept = [m for m in ms if m not in ones]
+    if not kept:
+        raise ValueError(
+            f"AvgPipeTuner: the batch size {batch_size}"
+            + (f" (last batch {last_batch})" if last_batch else "")
+            + " leaves no micro-batch of two or more samples, which the model's BatchNorm layers need in training; "
+            "use a batch size of at least 2 (and DataLoader(drop_last=True) if the last batch is the problem)."
+        )
+    if ones:
+        rank_zero_info(
+            f"AvgPipeTuner: skipping num_microbatches={ones} (micro-batches of one sample; the model has "
+            "BatchNorm layers)."
+        )
+    return kept
+
+
+def profile_pipeline(strategy: AvgPipeStrategy, batch: Any, sizes: Sequence[float], steps: int) -> PipelineProfile:
+    """Run the strategy's step at each micro-batch size and measure; rank 0's profile reaches every rank.
+
+    Each size runs :meth:`StagePipeline.train_step` itself (1F1B, replica 0 of every stage, the user's
+    ``training_step`` as the loss), as training does, then puts back gradients, buffers, torchmetrics states, RNG
+    states and what the step bridge recorded.
+    """
+    module = strategy.lightning_module
+    assert module is not None
+    pipeline, bridge = strategy.pipeline, strategy.bridge
+    top = strategy.topology
+    S, stage = top.num_stages, top.stage
+    device = strategy.root_device
+    elastic = pipeline.elastic
+    params = pipeline.params
+    metrics = [m for m in module.modules() if isinstance(m, Metric)]
+    replica_layers = [m for layers in elastic.replicas for m in layers] if not elastic.trivial else []
+    snap = Snapshot(params, [*pipeline.layers, *replica_layers], metrics)
+    size = microbatch.batch_size(batch)
+    last_layer = elastic.replicas[0][-1]  # what this stage sends: the output of replica 0's last layer
+    forward_s: dict[float, float] = {}
+    backward_s: dict[float, float] = {}
+    activation: dict[float, float] = {}
+    sent: dict[float, float] = {}
+    units_seen: list[int] = []
+    residuals: list[float] = []
+    noise: list[GradientNorms] = []
+
+    def loss_fn(output: Any, micro: Any, share: float) -> Any:
+        return bridge.call_step("training_step", output, micro, share, 0)  # batch_idx 0
+
+    try:
+        settings = []
+        for b in sizes:
+            m = max(1, round(size / b))
+            settings.append((b, m, pipeline.variant(num_microbatches=m, schedule="1f1b", advance_forwards=0)))
+
+        # Rounds in which every size takes a turn: a burst of background load then lands on every size alike
+        # instead of bending the curve at one of them. A turn is two steps, the first untimed: after a change of
+        # shape the first step pays for cold caches (allocator, kernels), which training at one shape does not.
+        spans: dict[float, list[Any]] = {b: [] for b in sizes}
+        step_times: dict[float, list[float]] = {b: [] for b in sizes}
+        peaks: dict[float, list[int]] = {b: [] for b in sizes}
+        out_bytes: dict[float, int] = {}
+        # Between steps the optimizer of a copy of the stage steps, as the real one does between iterations (it
+        # also times one replica's optimizer step): the profiled steps then see caches as training leaves them.
+        user = strategy.optimizers[0]
+        user = getattr(user, "user", user)
+        reference = elastic.reference_params
+        copy_opt = CopyOptimizer(lambda ps: clone_optimizer(user, ps, reference), reference)
+        turns = [(setting, timed) for _ in range(steps) for setting in settings for timed in (False, True)]
+        for (b, _m, probe), timed in turns:
+            for p in params:
+                p.grad = None
+            hook = None
+            if b not in out_bytes:
+
+                def record(_mod: Any, _in: Any, out: Any, _b: float = b) -> None:  # None: the output is kept
+                    out_bytes.setdefault(_b, tensor_bytes(out))
+
+                hook = last_layer.register_forward_hook(record)
+            try:
+                result = probe.train_step(
+                    [batch],
+                    loss_fn,
+                    inputs=lambda micro: pipeline_inputs(module, micro),
+                    forward_context=strategy.precision_plugin.train_step_context,
+                    measure=True,
+                    noise=not timed,  # the gradient noise on the untimed turns: it costs the timed ones nothing
+                    key="avgpipe-tune",
+                )
+            finally:
+                if hook is not None:
+                    hook.remove()
+            bridge.take_logs()
+            if result.noise is not None:
+                noise.append(result.noise)
+            copy_opt.step()
+            if timed:
+                spans[b].append(result.trace.spans)
+                step_times[b].append(result.trace.step_time)
+                peaks[b].append(result.trace.peak_activation_bytes)
+        for b, m, probe in settings:
+            f, bk = unit_times(spans[b])
+            forward_s[b], backward_s[b] = f, bk
+            stash = simulate(probe.plan(True, m)).peak_stash[stage]
+            activation[b] = statistics.median(peaks[b]) / max(1, stash)
+            sent[b] = float(out_bytes.get(b, 0))
+            units_seen.append(m)
+            residuals.append(statistics.median(step_times[b]))  # the step as this stage saw it; fitted below
+        # The strategy's own per-iteration collectives (the loss and logs from the last stage, the step figures)
+        extra = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            pipeline.share((torch.zeros(()), []) if pipeline.is_last else None)
+            extra.append(time.perf_counter() - t0)
+        per_iteration = statistics.median(extra)
+    finally:
+        snap.restore()
+    step_s, state_bytes = copy_opt.median(), copy_opt.state_bytes()
+    del copy_opt
+    elastic_s = time_elastic_update(pipeline.layers, device)
+    link_bytes = int(max(sent.values())) if sent else 4
+    group = top.pipeline_group
+    if S > 1:
+        link_bytes = int(_max_over(strategy, float(link_bytes)))
+        latency, bandwidth = measure_link(stage, top.pipeline_ranks, link_bytes, device, group)
+    else:
+        latency, bandwidth = 0.0, float("inf")
+    mine = StageProfile(
+        forward_s=forward_s,
+        backward_s=backward_s,
+        activation_bytes=activation,
+        send_bytes=sent,
+        param_bytes=float(tensor_bytes(list(reference))),
+        optimizer_state_bytes=float(state_bytes),
+        optimizer_step_s=step_s,
+        elastic_s=elastic_s,
+    )
+    stages = _gather_stages(strategy, mine)
+    reduce_s = 0.0
+    if strategy.num_groups > 1:  # the reference update's all-reduce over the D groups (every rank takes part)
+        nbytes = float(sum(t.numel() * 4 for t in reference))  # the flat float32 buffer ElasticAveraging reduces
+        reduce_s = _max_list(strategy, [time_allreduce(nbytes, device, top.stage_group)])[0]
+    profile = PipelineProfile(
+        stages=stages,
+        batch_size=size,
+        latency_s=latency,
+        bandwidth=bandwidth,
+        num_groups=strategy.num_groups,
+        schedule=strategy.config.schedule,
+        reference_allreduce_s=reduce_s,
+        sync_reference=bool(strategy.config.sync_reference),
+    )
+    profile.noise_scale, profile.noise_measurements = pooled_noise_scale(noise), len(noise)
+    # What the spans miss (posting, copies, waits the model does not see): measured step - the pipeline part of
+    # the prediction itself (the simulator with the same latency and transfer costs), per unit
+    measured = _max_list(strategy, residuals)
+    sims = [predict(profile, m, 1, schedule="1f1b").pipeline_time for m in units_seen]
+    a, c = fit_overhead(units_seen, [t - s for t, s in zip(measured, sims)])
+    profile.iteration_overhead_s, profile.unit_overhead_s = a + _max_list(strategy, [per_iteration])[0], c
+    return strategy.broadcast(profile, src=0)
+
+
+def pooled_noise_scale(measurements: Sequence[GradientNorms]) -> float | None:
+    """B_simple from the profile's measurements, all weighted alike (the same weights: no drift to follow)."""
+    if not measurements:
+        return None
+    grad_sq = statistics.fmean(m.estimates()[0] for m in measurements)
+    trace = statistics.fmean(m.estimates()[1] for m in measurements)
+    return trace / grad_sq if grad_sq > 0 and trace > 0 else None
+
+
+def _gather_stages(strategy: AvgPipeStrategy, mine: StageProfile) -> list[StageProfile]:
+    if strategy.num_stages == 1:
+        return [mine]
+    gathered: list[Any] = [None] * strategy.num_stages
+    dist.all_gather_object(gathered, mine, group=strategy.topology.pipeline_group)
+    return list(gathered)
+
+
+def _max_over(strategy: AvgPipeStrategy, value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=strategy.root_device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=strategy.topology.pipeline_group)
+    return float(t[0])
+
+
+def _max_list(strategy: AvgPipeStrategy, values: Sequence[float]) -> list[float]:
+    t = torch.tensor(list(values), dtype=torch.float64, device=strategy.root_device)
+    if strategy.num_stages > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=strategy.topology.pipeline_group)
+    return [float(v) for v in t]

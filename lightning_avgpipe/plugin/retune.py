@@ -1,0 +1,189 @@
+"""``AvgPipeTuner(retune_every_n_steps=K)``: re-decide (M, N) between epochs from the live noise scale.
+
+The Lightning side of ``tuning/retune.py``: it times the iterations of the running setting, asks the strategy to
+measure the noise scale often enough, and at the first epoch start after every K optimizer steps searches again and
+applies a better setting through ``AvgPipeStrategy.reconfigure(keep_optimizers=True)``, scaling the learning rate
+by the documented rule. Only exact averaging is retuned: its one model keeps its optimizer state under any N
+(docs/tuning.md#retuning).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_avgpipe.plugin import compat
+from lightning_avgpipe.tuning.retune import Key, RetunePlan, lr_exponent, lr_factor, scale_lr, setting_key
+from lightning_avgpipe.tuning.search import TuningTable
+
+if TYPE_CHECKING:
+    from lightning_avgpipe.plugin.strategy import AvgPipeStrategy
+
+
+def check_retunable(trainer: pl.Trainer, strategy: AvgPipeStrategy, lr_scaling: str) -> list[float]:
+    """Refuse what a retune cannot change or measure; returns each optimizer's learning-rate exponent."""
+    if int(trainer.accumulate_grad_batches) != 1:
+        raise ValueError(
+            f"AvgPipeTuner(retune_every_n_steps=...) with accumulate_grad_batches={trainer.accumulate_grad_batches}: "
+            "the noise scale it re-decides from is measured on steps of one iteration; use "
+            "accumulate_grad_batches=1 (a larger N is the retune's way to a larger batch) or drop retune_every_n_steps."
+        )
+    cfg = strategy.config
+    outer = {"outer_lr": (cfg.outer_lr, 1.0), "outer_momentum": (cfg.outer_momentum, 0.0)}
+    outer["averaging_period"] = (cfg.averaging_period, 1)
+    set_ = {k: v for k, (v, default) in outer.items() if v != default}
+    if set_:
+        raise ValueError(
+            f"AvgPipeTuner(retune_every_n_steps=...) retunes exact averaging, where {set_} (options of elastic "
+            "averaging) mean nothing: remove them from AvgPipeStrategy, or drop retune_every_n_steps to keep them."
+        )
+    return [lr_exponent(compat.unwrap_optimizer(o), lr_scaling) for o in strategy.optimizers]
+
+
+class Retuner:
+    """The retune's state and steps; :class:`~lightning_avgpipe.plugin.tuner.AvgPipeTuner` calls it."""
+
+    def __init__(self, every: int, lr_scaling: str) -> None:
+        self.every = every
+        self.lr_scaling = lr_scaling
+        self.plan: RetunePlan | None = None
+        self.last_step = 0
+        self.exponents: list[float] = []
+        self._starts: list[float] = []
+
+    def start(self, trainer: pl.Trainer, strategy: AvgPipeStrategy, table: TuningTable, base: Key) -> None:
+        """After the first tune applied ``table.choice``: scale the lr from the user's setting ``base`` to it."""
+        assert table.profile is not None and table.choice is not None
+        self.exponents = check_retunable(trainer, strategy, self.lr_scaling)
+        self.plan = RetunePlan(table.profile, dict(table.notes["search_args"]), setting_key(table.choice))
+        self.plan.advance_forwards = table.choice.advance_forwards
+        self._scale_lr(trainer, strategy, base, self.plan.current)
+        self._arm(strategy)
+        self._record(trainer, strategy, base, "start", table.choice.goodput)
+
+    def _arm(self, strategy: AvgPipeStrategy) -> None:
+        strategy.noise_every = max(1, self.every // 8)  # about 8 noise measurements per retune window
+        self.last_step = max(self.last_step, 0)
+
+    # -- timing --------------------------------------------------------------------------------------------------
+    def batch_started(self) -> None:
+        if self.plan is not None:
+            self._starts.append(time.perf_counter())
+
+    def flush(self) -> None:
+        """Keep the running setting's iteration times (the first interval of a stretch is a warm-up)."""
+        if self.plan is not None and len(self._starts) >= 3:
+            self.plan.record(self.plan.current, [b - a for a, b in zip(self._starts[1:], self._starts[2:])])
+        self._starts = []
+
+    # -- deciding ------------------------------------------------------------------------------------------------
+    def epoch_started(self, trainer: pl.Trainer, strategy: AvgPipeStrategy) -> None:
+        """At an epoch start: if K steps passed since the last decision, search again and apply a better setting."""
+        self.flush()
+        if self.plan is None or trainer.global_step - self.last_step < self.every:
+            return
+        # every rank decides from rank 0's timings (the noise scale is the same everywhere: it is all-reduced)
+        self.plan = RetunePlan.from_dict(strategy.broadcast(self.plan.to_dict(), src=0))
+        noise = strategy.pipeline.noise_scale.value
+        table = self.plan.search(noise)
+        assert table.choice is not None
+        old, new = self.plan.current, setting_key(table.choice)
+        if new != old:
+            strategy.reconfigure(
+                num_microbatches=new[0],
+                num_pipelines=new[1],
+                advance_forwards=table.choice.advance_forwards if strategy.config.schedule == "advance" else None,
+                averaging=new[2] if new[1] * strategy.num_groups > 1 else None,
+                keep_optimizers=True,
+            )
+            compat.rebuild_train_dataloader(trainer)
+            self._scale_lr(trainer, strategy, old, new)
+            self.plan.current, self.plan.advance_forwards = new, table.choice.advance_forwards
+        self.last_step = trainer.global_step
+        self._record(trainer, strategy, old, str(table.notes.get("reason", "")), table.choice.goodput)
+
+    def _scale_lr(self, trainer: pl.Trainer, strategy: AvgPipeStrategy, old: Key, new: Key) -> None:
+        assert self.plan is not None
+        schedulers = [c.scheduler for c in trainer.lr_scheduler_configs]
+        for optimizer, p in zip(strategy.optimizers, self.exponents):
+            factor = lr_factor(self.plan.profile, old, new, p)
+            if factor != 1.0:
+                scale_lr(compat.unwrap_optimizer(optimizer), factor, schedulers)
+
+    def _record(self, trainer: pl.Trainer, strategy: AvgPipeStrategy, old: Key, why: str, goodput: float) -> None:
+        assert self.plan is not None
+        new = self.plan.current
+        p = self.exponents[0] if self.exponents else 0.0
+        noise = strategy.pipeline.noise_scale
+        entry = {
+            "step": int(trainer.global_step),
+            "epoch": int(trainer.current_epoch),
+            "from": list(old),
+            "to": list(new),
+            "noise_scale": noise.value,
+            "noise_measurements": noise.measurements,
+            "lr_factor": lr_factor(self.plan.profile, old, new, p),
+            "predicted_goodput": goodput,
+            "reason": why,
+        }
+        self.plan.decisions.append(entry)
+        lrs = [g["lr"] for o in strategy.optimizers for g in compat.unwrap_optimizer(o).param_groups][:1]
+        changed = old != new
+        rank_zero_info(
+            f"AvgPipeTuner retune at step {entry['step']}: B_noise = "
+            + (f"{noise.value:.0f}" if noise.value is not None else "not measured yet")
+            + f" ({noise.measurements} measurements); "
+            + (
+                f"num_microbatches {old[0]} -> {new[0]}, num_pipelines {old[1]} -> {new[1]} ({new[2]}), lr x"
+                f"{lr_factor(self.plan.profile, old, new, p):.3g}" + (f" (now {lrs[0]:.3g})" if lrs else "")
+                if changed
+                else f"keeping num_microbatches={new[0]}, num_pipelines={new[1]}"
+            )
+            + (f". {why}" if why and why != "start" else "")
+        )
+        for logger in trainer.loggers:
+            logger.log_metrics(
+                {
+                    "tuner/num_microbatches": float(new[0]),
+                    "tuner/num_pipelines": float(new[1]),
+                    "tuner/lr_factor": lr_factor(self.plan.profile, old, new, p),
+                    "tuner/retune_noise_scale": float(noise.value) if noise.value is not None else float("nan"),
+                    "tuner/predicted_goodput": float(goodput),
+                },
+                step=int(trainer.global_step),
+            )
+
+    # -- checkpoints ---------------------------------------------------------------------------------------------
+    def state_dict(self, strategy: AvgPipeStrategy) -> dict[str, Any]:
+        if self.plan is None:
+            return {}
+        return {
+            "plan": self.plan.to_dict(),
+            "last_step": self.last_step,
+            "noise_scale": strategy.pipeline.noise_scale.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any], trainer: pl.Trainer, strategy: AvgPipeStrategy) -> None:
+        """On resume, before the optimizer states are restored: run the checkpoint's setting, with its noise scale."""
+        if not state:
+            return
+        self.exponents = check_retunable(trainer, strategy, self.lr_scaling)
+        self.plan = RetunePlan.from_dict(state["plan"])
+        self.last_step = int(state["last_step"])
+        strategy.pipeline.noise_scale.load_state_dict(state["noise_scale"])
+        M, N, averaging = self.plan.current
+        strategy.reconfigure(
+            num_microbatches=M,
+            num_pipelines=N,
+            advance_forwards=self.plan.advance_forwards if strategy.config.schedule == "advance" else None,
+            averaging=averaging if N * strategy.num_groups > 1 else None,
+            keep_optimizers=True,
+        )
+        self._arm(strategy)
+        rank_zero_info(
+            f"AvgPipeTuner: resuming the retune at num_microbatches={M}, num_pipelines={N} "
+            f"({len(self.plan.decisions)} decisions so far); the learning rate comes with the optimizer state."
+        )
