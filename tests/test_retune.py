@@ -197,7 +197,7 @@ def test_a_retune_changes_n_scales_the_lr_keeps_the_optimizer_and_resumes_exactl
 
 @pytest.mark.timeout(120)
 def test_retune_refuses_gradient_accumulation_and_elastic_options(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"accumulate_grad_batches=2: the noise scale .* use accumulate_grad_batches=1"):
+    with pytest.raises(ValueError, match=r"accumulate_grad_batches=2: the noise .* use accumulate_grad_batches=1"):
         _fit(tmp_path / "acc", epochs=1, accumulate_grad_batches=2)
     tuner = AvgPipeTuner(retune_every_n_steps=4, num_pipelines=[1, 2], calibrate_steps=0)
     trainer = pl.Trainer(
