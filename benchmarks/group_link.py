@@ -117,10 +117,11 @@ def _rank(rank: int, world: int, study: Any, m: int, steps: int, warmup: int, li
     def loss(out: torch.Tensor, micro: Any, share: float) -> torch.Tensor:
         return Data.loss(out, micro[1])
 
+    topology = Topology.build(rank, world, 1)  # the stage group: the D ranks the updates are averaged over
     pipes = {}
     for name, (options, _) in METHODS.items():
         cfg = PipelineConfig(num_microbatches=m, num_pipelines=REPLICAS, partition=[len(layers)], **options)
-        pipe = StagePipeline(copy.deepcopy(layers), Topology(rank, world, 1), cfg)
+        pipe = StagePipeline(copy.deepcopy(layers), topology, cfg)
         pipes[name] = (pipe, pipe.optimizer(data.optimizer(pipe.reference_params, study.lr_center)))
     params = sum(p.numel() for layer in layers for p in layer.parameters())
     out: dict[str, Any] = {"params": params}

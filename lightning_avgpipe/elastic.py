@@ -124,7 +124,7 @@ class ElasticAveraging:
         self.num_replicas = num_replicas
         self.num_groups = num_groups
         self.alpha = check_alpha(alpha) if alpha is not None else default_alpha(num_replicas, num_groups)
-        self.group = group
+        self.group = check_group(group, num_groups)
         self.synchronous = synchronous
         self.trivial = share_first and num_replicas * num_groups == 1
         # where tensors that take part in collectives live when this stage has no parameters (NCCL needs CUDA ones)
@@ -362,12 +362,24 @@ def _sum_sq(tensors: Sequence[Tensor], device: torch.device) -> Tensor:
     return torch.stack(norms).float().square().sum()
 
 
+def check_group(group: Any, num_groups: int) -> Any:
+    """With D > 1 the updates must be averaged over the stage group; without one they would silently stay apart."""
+    if num_groups > 1 and group is None:
+        raise ValueError(
+            f"num_groups={num_groups} pipeline groups need the stage process group (the D ranks holding this stage) to "
+            "average over, got group=None; build the topology with Topology.build(rank, world_size, num_stages), "
+            "which makes it."
+        )
+    return group
+
+
 def average_gradients(
     params: Sequence[nn.Parameter], group: Any, num_groups: int, device: torch.device | None = None
 ) -> None:
     """``averaging="exact"`` with D groups: every group's gradient becomes the mean over the D groups (one
     all-reduce of one flat buffer over ``group``, the D ranks that hold this stage), as data parallelism does."""
     grads = [p.grad for p in params if p.grad is not None]
+    check_group(group, num_groups)
     if num_groups <= 1 or not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])

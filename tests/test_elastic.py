@@ -245,3 +245,16 @@ def test_state_dict_resumes_mid_period_exactly() -> None:
 def test_outer_and_period_validation_names_the_argument(kwargs: dict, fragment: str) -> None:
     with pytest.raises(ValueError, match=fragment):
         ElasticAveraging(_layers(), 2, **kwargs)
+
+
+def test_groups_without_their_process_group_are_refused() -> None:
+    """D > 1 with group=None would leave the D groups' updates apart without a word (a Topology made directly, not
+    by Topology.build, has no groups)."""
+    from lightning_avgpipe.elastic import average_gradients
+
+    with pytest.raises(ValueError, match=r"num_groups=2 pipeline groups need the stage process group.*Topology.build"):
+        ElasticAveraging(_layers(), num_replicas=2, num_groups=2)
+    w = torch.nn.Parameter(torch.ones(2))
+    w.grad = torch.ones(2)
+    with pytest.raises(ValueError, match=r"num_groups=2 pipeline groups need the stage process group"):
+        average_gradients([w], None, 2)
