@@ -44,7 +44,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.convergence import Data, make_studies, parse_args  # noqa: E402
 from benchmarks.harness import run_distributed  # noqa: E402
 
-METHODS = {  # name -> (strategy options, the convergence benchmark's method with the same arithmetic)
+METHODS: dict[
+    str, tuple[dict[str, Any], str]
+] = {  # name -> (strategy options, the convergence benchmark's method with the same arithmetic)
     "exact": ({"averaging": "exact"}, "pipe-NB"),
     "H=1": ({}, "avgpipe-N"),
     "H=4": ({"averaging_period": 4}, "period-N"),
@@ -82,12 +84,13 @@ def emulate(latency: float, bandwidth: float, world: int) -> Any:
 
     real = dist.all_reduce
 
-    def all_reduce(tensor: torch.Tensor, *args: Any, async_op: bool = False, **kwargs: Any) -> Any:
+    def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        async_op = bool(kwargs.pop("async_op", False))
         if tensor.numel() <= THRESHOLD or bandwidth == float("inf"):
-            return real(tensor, *args, async_op=async_op, **kwargs)
+            return real(tensor, *args, async_op=async_op, **kwargs)  # type: ignore[misc]
         delay = latency + 2 * (world - 1) / world * tensor.numel() * tensor.element_size() / bandwidth
         ready = time.perf_counter() + delay
-        work = real(tensor, *args, async_op=True, **kwargs)
+        work = real(tensor, *args, async_op=True, **kwargs)  # type: ignore[misc]
         handle = _Delayed(work, ready)
         if async_op:
             return handle
@@ -160,16 +163,19 @@ def _entry(rank: int, world: int, *args: Any) -> dict[str, Any]:
     return _rank(rank, world, *args)
 
 
-def steps_to_target(path: Path | None, study: str) -> dict[str, float | None]:
-    """Each method's mean steps to target (samples / (N x B)) in a convergence JSON."""
+def steps_to_target(path: Path | None, study: str) -> dict[str, dict[str, Any]]:
+    """Each method's mean steps to target (samples / (N x B)) in a convergence JSON, and how many seeds got there."""
     if path is None:
         return {}
     methods = json.loads(path.read_text())["studies"][study]["methods"]
-    out: dict[str, float | None] = {}
+    out: dict[str, dict[str, Any]] = {}
     for name, (_, conv) in METHODS.items():
         entry = methods.get(conv, {})
         samples = entry.get("samples_to_target")
-        out[name] = samples["mean"] / entry["samples_per_iteration"] if samples else None
+        out[name] = {
+            "steps": samples["mean"] / entry["samples_per_iteration"] if samples else None,
+            "seeds": f"{entry.get('seeds_reaching_target', 0)}/{entry.get('seeds', 0)}",
+        }
     return out
 
 
@@ -190,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         f"each), M = {args.microbatches}; the link between the groups is EMULATED (a sleep per all-reduce of "
         f"latency + 2(D-1)/D x bytes / bandwidth over loopback), not a network"
     )
-    report: dict[str, Any] = {"config": vars(args) | {"convergence": str(args.convergence)}, "studies": {}}
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    report: dict[str, Any] = {"config": config, "studies": {}}
     for name, study in studies.items():
         got = run_distributed(
             _entry,
@@ -215,17 +222,24 @@ def main(argv: list[str] | None = None) -> int:
                 m: statistics.median(max(got[r][link][m][i] for r in range(GROUPS)) for i in range(args.steps))
                 for m in METHODS
             }
-            target = {m: (step[m] * to_target[m] if to_target.get(m) else None) for m in METHODS}
-            rows[link] = {"step_s": step, "time_to_target_s": target}
+            steps_needed = {m: to_target.get(m, {}).get("steps") for m in METHODS}
+            target = {m: step[m] * steps_needed[m] if steps_needed[m] else None for m in METHODS}
+            reached = {m: t for m, t in target.items() if t is not None}
+            fastest = min(reached, key=lambda m: reached[m]) if reached else None
+            rows[link] = {"step_s": step, "time_to_target_s": target, "fastest_to_target": fastest}
             line = f"  {link:<12}" + "".join(f"{step[m] * 1e3:>16.1f}" for m in METHODS)
             line += f"  {step['H=1'] / step['H=4']:>9.2f}x"
             if to_target:
                 line += "".join(f"{t:>20.2f}" if t is not None else f"{'not reached':>20}" for t in target.values())
+                line += f"  fastest: {fastest}" if fastest else ""
             print(line)
         if to_target:
             print(
                 "  steps to target (convergence JSON, mean over seeds that reached it): "
-                + ", ".join(f"{m} {v:.0f}" if v else f"{m} none" for m, v in to_target.items())
+                + ", ".join(
+                    f"{m} {v['steps']:.0f} ({v['seeds']} seeds)" if v["steps"] else f"{m} none ({v['seeds']} seeds)"
+                    for m, v in to_target.items()
+                )
             )
         report["studies"][name] = {"params": got[0]["params"], "links": rows, "steps_to_target": to_target}
     report["wall_s"] = time.perf_counter() - started

@@ -69,3 +69,32 @@ def test_throughput_benchmark_smoke(tmp_path: Path) -> None:
         assert summary["ideal"]["avgpipe"][f"avgpipe-N{n}"]["step_s"] > 0
         assert summary["checks"]["avgpipe_vs_single_process"][f"avgpipe-N{n}"]["ok"]
     assert rows["avgpipe-N1"]["first_step_loss"] == pytest.approx(rows["single"]["first_step_loss"], rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_group_link_benchmark_smoke(tmp_path: Path) -> None:
+    """benchmarks/group_link.py: D = 2 groups on an emulated slow link, time to target from a convergence JSON."""
+    conv = tmp_path / "convergence.json"
+    methods = {
+        "pipe-NB": {"samples_to_target": {"mean": 640.0}, "samples_per_iteration": 128, "seeds": 3},
+        "avgpipe-N": {"samples_to_target": {"mean": 768.0}, "samples_per_iteration": 128, "seeds": 3},
+        "period-N": {"samples_to_target": None, "samples_per_iteration": 128, "seeds": 3},
+    }
+    for entry in methods.values():
+        entry["seeds_reaching_target"] = 3 if entry["samples_to_target"] else 0
+    conv.write_text(json.dumps({"studies": {"digits": {"methods": methods}}}))
+    out = tmp_path / "group_link.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "group_link.py"), "--studies", "digits", "--links", "loopback"]
+    cmd += ["100 Mbit/s", "--steps", "1", "--warmup", "1", "--convergence", str(conv), "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=140)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "EMULATED" in proc.stdout  # the output says the link is not a network
+    study = json.loads(out.read_text())["studies"]["digits"]
+    assert study["steps_to_target"]["exact"] == {"steps": 5.0, "seeds": "3/3"}
+    assert study["steps_to_target"]["H=4"]["steps"] is None
+    for link, row in study["links"].items():
+        assert set(row["step_s"]) == {"exact", "H=1", "H=4"} and all(v > 0 for v in row["step_s"].values()), link
+        assert row["time_to_target_s"]["exact"] == pytest.approx(row["step_s"]["exact"] * 5.0)
+        assert row["time_to_target_s"]["H=4"] is None and row["fastest_to_target"] in ("exact", "H=1")
