@@ -73,6 +73,15 @@ def _rank(rank: int, world: int, args: argparse.Namespace, data: torch.Tensor, v
 
 
 def main(argv: list[str] | None = None) -> int:
+    args, report = measure(argv)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+def measure(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict[str, Any]]:
+    """Run the paired steps and print the cost per N; ``benchmarks/tuner_accuracy.py`` calls it with its GPT."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20, help="paired steps per N (after the warm-up)")
     parser.add_argument("--warmup", type=int, default=2)
@@ -114,10 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             f"step, {100 * cost / 50:+.2f}% per step at log_every_n_steps=50 (target <= 3%)"
         )
     print(f"{time.perf_counter() - started:.0f} s")
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1))
-    return 0
+    return args, report
 
 
 if __name__ == "__main__":

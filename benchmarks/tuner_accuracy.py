@@ -112,6 +112,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--profile-steps", type=int, default=2, help="AvgPipeTuner(profile_steps=...)")
     p.add_argument(
+        "--noise-steps",
+        type=int,
+        default=10,
+        help="paired steps of benchmarks/noise_cost.py on this GPT (M = 4; N = 1 and 4) after the sweep; 0: skip",
+    )
+    p.add_argument(
         "--again-objective",
         choices=["goodput", "throughput"],
         default="goodput",
@@ -615,6 +621,13 @@ def main(argv: list[str] | None = None) -> int:
     report = analyse(raw, args)
     print()
     print(format_report(report))
+    if args.noise_steps > 0:  # the noise scale's cost per step, on this benchmark's GPT (benchmarks/noise_cost.py)
+        from benchmarks import noise_cost
+
+        print()
+        gpt = ["--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd), "--n-head", str(args.n_head)]
+        gpt += ["--block-size", str(args.block_size), "--batch-size", str(args.batch_size), "--microbatches", "4"]
+        _, report["summary"]["noise_cost"] = noise_cost.measure(["--steps", str(args.noise_steps), *gpt])
     print(f"({time.perf_counter() - started:.0f} s in all; the tuner's files are in {out_dir / 'tuning'})")
     if args.json_path:
         path = Path(args.json_path)

@@ -136,13 +136,18 @@ class ForceNoise(pl.Callback):
 
 
 def _fit(
-    root: Path, epochs: int, ckpt_path: str | None = None, optimizer: str = "adam", **trainer_kwargs: Any
+    root: Path,
+    epochs: int,
+    ckpt_path: str | None = None,
+    optimizer: str = "adam",
+    retune: int | None = 1,
+    **trainer_kwargs: Any,
 ) -> tuple[pl.Trainer, AvgPipeTuner, PipeNet]:
     torch.manual_seed(0)
     tuner = AvgPipeTuner(
         num_pipelines=[1, 4],
         num_microbatches=[2],
-        retune_every_n_steps=1,
+        retune_every_n_steps=retune,
         calibrate_steps=0,
         output_dir=str(root / "tuning"),
     )
@@ -238,3 +243,13 @@ def test_two_stages_take_the_same_decisions(tmp_path: Path) -> None:
     assert any(d["noise_measurements"] > 0 for d in a[1:])  # measured in training (every step here)
     assert results[0]["setting"] == results[1]["setting"] == [2, a[-1]["to"][1]]
     assert len(results[0]["losses"]) == 10
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_without_retune_state_is_said_and_not_retuned(tmp_path: Path) -> None:
+    _fit(tmp_path / "plain", epochs=1, retune=None)
+    with pytest.warns(UserWarning, match=r"the checkpoint holds no retune state .* does not retune"):
+        trainer, tuner, _ = _fit(
+            tmp_path / "resumed", epochs=2, ckpt_path=str(tmp_path / "plain" / "ckpt" / "epoch=0.ckpt")
+        )
+    assert tuner.decisions == [] and trainer.current_epoch == 2

@@ -60,13 +60,16 @@ class Retuner:
         self.exponents = check_retunable(trainer, strategy, self.lr_scaling)
         self.plan = RetunePlan(table.profile, dict(table.notes["search_args"]), setting_key(table.choice))
         self.plan.advance_forwards = table.choice.advance_forwards
+        if base[1] * strategy.num_groups == 1:  # one model either way: only M and N tell settings apart
+            base = (base[0], base[1], "exact")
         self._scale_lr(trainer, strategy, base, self.plan.current)
         self._arm(strategy)
         self._record(trainer, strategy, base, "start", table.choice.goodput)
 
     def _arm(self, strategy: AvgPipeStrategy) -> None:
-        strategy.noise_every = max(1, self.every // 8)  # about 8 noise measurements per retune window
-        self.last_step = max(self.last_step, 0)
+        # about 8 noise measurements per retune window, but never more than one step in 4 (a measured step at N = 1
+        # costs about 4%, benchmarks/noise_cost.py)
+        strategy.noise_every = max(4, self.every // 8)
 
     # -- timing --------------------------------------------------------------------------------------------------
     def batch_started(self) -> None:
@@ -132,9 +135,17 @@ class Retuner:
         self.plan.decisions.append(entry)
         lrs = [g["lr"] for o in strategy.optimizers for g in compat.unwrap_optimizer(o).param_groups][:1]
         changed = old != new
+        if why == "start":
+            rank_zero_info(
+                f"AvgPipeTuner: retuning every {self.every} steps from num_microbatches={new[0]}, num_pipelines="
+                f"{new[1]} (exact averaging), lr x{lr_factor(self.plan.profile, old, new, p):.3g} for its batch"
+                + (f" (now {lrs[0]:.3g})" if lrs else "")
+                + "."
+            )
+            return
         rank_zero_info(
             f"AvgPipeTuner retune at step {entry['step']}: B_noise = "
-            + (f"{noise.value:.0f}" if noise.value is not None else "not measured yet")
+            + (f"{noise.value:.3g}" if noise.value is not None else "not measured yet")
             + f" ({noise.measurements} measurements); "
             + (
                 f"num_microbatches {old[0]} -> {new[0]}, num_pipelines {old[1]} -> {new[1]} ({new[2]}), lr x"
@@ -142,7 +153,7 @@ class Retuner:
                 if changed
                 else f"keeping num_microbatches={new[0]}, num_pipelines={new[1]}"
             )
-            + (f". {why}" if why and why != "start" else "")
+            + (f". {why}" if why else "")
         )
         for logger in trainer.loggers:
             logger.log_metrics(

@@ -105,10 +105,11 @@ class AvgPipeTuner(Callback):
         if averaging is not None:
             check_averaging(averaging)
         check_lr_scaling(lr_scaling)
-        self.retuner: Retuner | None = None
         if retune_every_n_steps is not None:
             check_retune(retune_every_n_steps, objective, averaging, apply)
-            self.retuner = Retuner(retune_every_n_steps, lr_scaling)
+        self.retune_every_n_steps = retune_every_n_steps
+        self.lr_scaling = lr_scaling
+        self.retuner: Retuner | None = None
         self.objective = objective
         self.averaging = averaging
         self.memory_limit = memory_limit
@@ -143,9 +144,10 @@ class AvgPipeTuner(Callback):
             )
         self._calibrating, self._starts = False, []  # nothing of a previous fit carries over
         self._trainer = trainer
-        if self.retuner is not None:
-            self.retuner = Retuner(self.retuner.every, self.retuner.lr_scaling)
-            check_retunable(trainer, strategy, self.retuner.lr_scaling)
+        self.retuner, self.decisions = None, []
+        if self.retune_every_n_steps is not None:
+            self.retuner = Retuner(self.retune_every_n_steps, self.lr_scaling)
+            check_retunable(trainer, strategy, self.lr_scaling)
         if resuming_from(trainer) is not None:
             self.table = self.profile = None
             self.files = {}
@@ -185,6 +187,7 @@ class AvgPipeTuner(Callback):
             )
         if self.retuner is not None:
             self.retuner.start(trainer, strategy, table, base)
+            self.decisions = self.retuner.plan.decisions if self.retuner.plan is not None else []
         self.seconds = time.perf_counter() - started
         table.notes["tuner_seconds"] = self.seconds
         self._calibrating = self.apply and self.calibrate_steps > 0
@@ -225,13 +228,22 @@ class AvgPipeTuner(Callback):
             )
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.retuner is not None and self.retuner.plan is None and resuming_from(trainer) is not None:
+            rank_zero_warn(
+                "AvgPipeTuner(retune_every_n_steps=...): the checkpoint holds no retune state (it was saved without "
+                "retune_every_n_steps), so this fit keeps the strategy's setting and does not retune; start a new fit "
+                "(without ckpt_path) to tune."
+            )
+            self.retuner = None
         if self.retuner is not None:
+            before = len(self.decisions)
             self.retuner.epoch_started(trainer, trainer.strategy)  # type: ignore[arg-type]
             if self.retuner.plan is not None:
                 self.decisions = self.retuner.plan.decisions
-                if trainer.is_global_zero and self.table is not None and self._out is not None:
-                    self.table.notes["retunes"] = self.decisions
-                    self.files = _write(self.table, self._out)
+                written = trainer.is_global_zero and self.table is not None and self._out is not None
+                if written and len(self.decisions) > before:
+                    self.table.notes["retunes"] = self.decisions  # type: ignore[union-attr]
+                    self.files = _write(self.table, self._out)  # type: ignore[arg-type]
 
     def state_dict(self) -> dict[str, Any]:
         if self.retuner is None or self._trainer is None:
