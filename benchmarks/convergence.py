@@ -734,7 +734,7 @@ def goodput_check(
     correlation of predicted goodput with 1 / measured time >= 0.8, and the method with the highest predicted
     goodput within 15% of the best measured time. Also the λ each elastic method's samples imply.
     """
-    from lightning_avgpipe.noise import ELASTIC_BATCH_FACTOR, effective_batch, efficiency
+    from lightning_avgpipe.noise import ELASTIC_BATCH_FACTOR, effective_batch, efficiency, elastic_factor
 
     b = study.batch
     b_noise = (noise or {}).get("value")
@@ -743,13 +743,17 @@ def goodput_check(
         spec = SPECS[m]
         batches = 1 if spec.kind == "plain-B" else n
         averaging = "exact" if spec.kind != "elastic" else "elastic"
-        eff = efficiency(b_noise, b, effective_batch(averaging, batches, b))
+        factor, basis = elastic_factor(spec.period, spec.outer_lr, spec.outer_momentum)  # the tuner's λ for it
+        b_eff = effective_batch(averaging, batches, b, factor=factor)
+        eff = efficiency(b_noise, b, b_eff)
         step = pipe[m]["step_s"] if pipe else None
         sps = batches * b / step if step else None
         t = r["pipeline_s_to_target_projected"]
         all_reached = r["seeds_reaching_target"] == r["seeds"]
         rows[m] = {
-            "effective_batch": effective_batch(averaging, batches, b),
+            "effective_batch": b_eff if math.isfinite(b_eff) else None,  # None: modelled as learning nothing
+            "elastic_factor": (factor if math.isfinite(factor) else None) if spec.kind == "elastic" else None,
+            "elastic_factor_basis": basis if spec.kind == "elastic" else None,
             "efficiency_predicted": eff,
             "samples_per_sec": sps,
             "goodput_predicted": sps * eff if sps is not None else None,
@@ -794,8 +798,9 @@ def goodput_check(
             fit = {"samples_vs_exact": ratio_m}
             for label, bn in (("implied", implied), ("measured", b_noise)):
                 fit[f"lambda_{label}"] = (ratio_m * (bn + n * b) - bn) / (n * b) if bn is not None else None
-            if b_noise is not None:  # how well λ = ELASTIC_BATCH_FACTOR predicts this method's samples vs pipe-B
-                predicted = (b_noise + ELASTIC_BATCH_FACTOR * n * b) / (b_noise + b)
+            lam = rows[m]["elastic_factor"]
+            if b_noise is not None and lam is not None:  # how well the tuner's λ predicts its samples vs pipe-B
+                predicted = (b_noise + lam * n * b) / (b_noise + b)
                 fit["samples_vs_plain_b_predicted"] = predicted
                 fit["samples_vs_plain_b_measured"] = sm["mean"] / sb["mean"]
             fits[m] = fit
@@ -875,14 +880,22 @@ def format_goodput(entry: dict[str, Any]) -> list[str]:
     lines = [
         f"   goodput, the tuner's model: B_noise = {_num0(g['noise_scale_initial'])} at the initial weights (the "
         f"probe, as the tuner measures it); {_num0(final['mean'] if final else None)} where pipe-B ended; "
-        f"{_num0(implied)} implied by pipe-NB / pipe-B samples; lambda = {g['elastic_batch_factor']}",
+        f"{_num0(implied)} implied by pipe-NB / pipe-B samples; lambda = {g['elastic_batch_factor']} "
+        "(the paper's rule; "
+        + ", ".join(
+            f"{m} {r['elastic_factor'] if r['elastic_factor'] is not None else 'inf'}"
+            for m, r in g["rows"].items()
+            if r.get("elastic_factor_basis") and m != "avgpipe-N"
+        )
+        + ")",
         f"   {'method':<10} {'B_eff':>7} {'eff (pred)':>10} {'samples/s':>10} {'goodput (pred)':>15} "
         f"{'time to target (proj)':>22}",
     ]
     for m, r in g["rows"].items():
         sps, gp, t = r["samples_per_sec"], r["goodput_predicted"], r["time_to_target_s"]
+        beff = f"{r['effective_batch']:.0f}" if r["effective_batch"] is not None else "inf"
         lines.append(
-            f"   {m:<10} {r['effective_batch']:>7.0f} {r['efficiency_predicted']:>10.3f} "
+            f"   {m:<10} {beff:>7} {r['efficiency_predicted']:>10.3f} "
             f"{(f'{sps:.0f}' if sps else '-'):>10} {(f'{gp:.0f}' if gp else '-'):>15} "
             f"{(f'{t:.2f} s' if t else 'not all seeds'):>22}"
         )

@@ -499,6 +499,34 @@ def test_goodput_is_samples_per_second_times_the_efficiency_at_the_noise_scale()
     assert predict(p, 4, 1).efficiency == 1.0
 
 
+def test_the_elastic_options_set_their_fitted_factor() -> None:
+    """λ follows the strategy's elastic options: the paper's rule, H = 4's fit, and an outer momentum at H = 1 that
+    reached no target (efficiency 0); each says what it rests on."""
+    from lightning_avgpipe.noise import OUTER_BATCH_FACTOR, PERIOD_BATCH_FACTOR, elastic_factor
+
+    assert elastic_factor() == (ELASTIC_BATCH_FACTOR, "the paper's rule, fitted (±0.35)")
+    assert elastic_factor(period=4)[0] == PERIOD_BATCH_FACTOR and "fitted at averaging_period=4" in elastic_factor(4)[1]
+    assert "not fitted at this period" in elastic_factor(period=8)[1]
+    assert elastic_factor(outer_lr=0.7, outer_momentum=0.9)[0] == OUTER_BATCH_FACTOR
+    assert elastic_factor(period=8, outer_lr=0.7, outer_momentum=0.9) == (
+        PERIOD_BATCH_FACTOR,
+        "not fitted for this outer optimizer: the nearest fitted rule's",
+    )
+    p = profile()
+    p.noise_scale = 40.0
+    p.averaging_period = 4
+    period = predict(p, 4, 3, averaging="elastic")
+    assert period.efficiency == pytest.approx((40 + 8) / (40 + PERIOD_BATCH_FACTOR * 24))
+    assert predict(p, 4, 3, averaging="exact").efficiency == pytest.approx((40 + 8) / (40 + 24))  # exact ignores them
+    p.averaging_period, p.outer_lr, p.outer_momentum = 1, 0.7, 0.9
+    outer = predict(p, 4, 3, averaging="elastic")
+    assert outer.efficiency == 0.0 and outer.goodput == 0.0
+    p.noise_scale = None  # no estimate makes every batch equally efficient, but not a rule that learns nothing
+    assert predict(p, 4, 3, averaging="elastic").efficiency == 0.0
+    again = PipelineProfile.from_dict(json.loads(json.dumps(p.to_dict())))
+    assert (again.averaging_period, again.outer_lr, again.outer_momentum) == (1, 0.7, 0.9)
+
+
 def test_goodput_picks_n_1_when_the_noise_scale_is_small_and_says_so() -> None:
     p = profile()
     p.noise_scale = 2.0  # far below B = 8: a bigger batch mostly repeats what B already teaches

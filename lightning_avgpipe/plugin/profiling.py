@@ -333,6 +333,9 @@ def profile_pipeline(strategy: AvgPipeStrategy, batch: Any, sizes: Sequence[floa
         schedule=strategy.config.schedule,
         reference_allreduce_s=reduce_s,
         sync_reference=bool(strategy.config.sync_reference),
+        averaging_period=int(strategy.config.averaging_period),
+        outer_lr=float(strategy.config.outer_lr),
+        outer_momentum=float(strategy.config.outer_momentum),
     )
     profile.noise_scale, profile.noise_measurements = pooled_noise_scale(noise), len(noise)
     # What the spans miss (posting, copies, waits the model does not see): measured step - the pipeline part of

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from lightning_avgpipe.noise import effective_batch, efficiency
+from lightning_avgpipe.noise import effective_batch, efficiency, elastic_factor
 from lightning_avgpipe.schedules import build_plan, simulate
 
 
@@ -98,6 +98,10 @@ class PipelineProfile:
     accumulate: int = 1  # K = accumulate_grad_batches: one optimizer step and elastic update every K iterations
     noise_scale: float | None = None  # B_simple measured on the profiled steps (None: not measured, or not positive)
     noise_measurements: int = 0  # profiled steps that measured it
+    # the strategy's elastic options, which set elastic averaging's λ (noise.elastic_factor)
+    averaging_period: int = 1
+    outer_lr: float = 1.0
+    outer_momentum: float = 0.0
 
     @property
     def num_stages(self) -> int:
@@ -243,7 +247,9 @@ def predict(
             why = f"stage {worst} needs {peaks[worst] / 2**20:.1f} MiB > limit {memory_limit / 2**20:.1f} MiB"
     samples = N * profile.batch_size * profile.num_groups
     user_batch = profile.batch_size * max(1, profile.accumulate)  # what one optimizer step of N = 1 takes
-    eff = efficiency(profile.noise_scale, user_batch, effective_batch(averaging, N, user_batch, profile.num_groups))
+    factor, _ = elastic_factor(profile.averaging_period, profile.outer_lr, profile.outer_momentum)
+    b_eff = effective_batch(averaging, N, user_batch, profile.num_groups, factor)
+    eff = efficiency(profile.noise_scale, user_batch, b_eff)
     return Prediction(
         num_microbatches=M,
         num_pipelines=N,
