@@ -896,7 +896,7 @@ def format_goodput(entry: dict[str, Any]) -> list[str]:
         beff = f"{r['effective_batch']:.0f}" if r["effective_batch"] is not None else "inf"
         lines.append(
             f"   {m:<10} {beff:>7} {r['efficiency_predicted']:>10.3f} "
-            f"{(f'{sps:.0f}' if sps else '-'):>10} {(f'{gp:.0f}' if gp else '-'):>15} "
+            f"{(f'{sps:.0f}' if sps is not None else '-'):>10} {(f'{gp:.0f}' if gp is not None else '-'):>15} "
             f"{(f'{t:.2f} s' if t else 'not all seeds'):>22}"
         )
     if "spearman" in g:

@@ -83,6 +83,7 @@ def tune_main(argv: list[str]) -> int:
     if ours.output_dir is not None:
         tuner.output_dir = ours.output_dir
     tuner.apply = False
+    tuner.retune_every_n_steps = None  # a retune applies decisions while training; tune only reports the first
     trainer.fit_loop.epoch_loop.max_steps = 0  # on_fit_start (the tuner) runs; no training step does
     trainer.num_sanity_val_steps = 0
     trainer.fit(cli.model, datamodule=cli.datamodule)

@@ -152,8 +152,13 @@ class AvgPipeTuner(Callback):
             self.table = self.profile = None
             self.files = {}
             rank_zero_info(
-                "AvgPipeTuner: resuming from a checkpoint; keeping the strategy's num_microbatches and num_pipelines "
-                "(pass the values the first run chose, recorded in its tuning.json)."
+                "AvgPipeTuner: resuming from a checkpoint; "
+                + (
+                    "its retune state sets num_microbatches and num_pipelines, and the retune goes on."
+                    if self.retuner is not None
+                    else "keeping the strategy's num_microbatches and num_pipelines (pass the values the first run "
+                    "chose, recorded in its tuning.json)."
+                )
             )
             return
         started = time.perf_counter()
