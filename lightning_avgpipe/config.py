@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from lightning_avgpipe.checks import is_int, is_number
 from lightning_avgpipe.elastic import check_alpha, check_outer
@@ -11,6 +12,20 @@ from lightning_avgpipe.partition import check_partition
 from lightning_avgpipe.schedules import check_schedule_name
 
 AVERAGING = ("elastic", "exact")  # how the N batches of a step combine (PipelineConfig.averaging)
+Spec = bool | tuple[str, ...]  # activation_checkpointing, normalised: all, none, or layer class names
+
+
+def check_checkpointing(spec: Any) -> Spec:
+    """``activation_checkpointing``: ``False``, ``True`` (every layer) or layer types (classes or class names)."""
+    if isinstance(spec, bool):
+        return spec
+    values = [spec] if isinstance(spec, (str, type)) else list(spec) if isinstance(spec, (list, tuple)) else None
+    if not values or any(not (isinstance(v, str) and v) and not isinstance(v, type) for v in values):
+        raise ValueError(
+            f"activation_checkpointing={spec!r} must be True (every layer), False, or layer types: classes such as "
+            "[nn.TransformerEncoderLayer] or their names such as ['Block']."
+        )
+    return tuple(v if isinstance(v, str) else v.__name__ for v in values)
 
 
 @dataclass(frozen=True)
@@ -61,6 +76,9 @@ class PipelineConfig:
     p2p_timeout: float = 30.0
     # Seconds a point-to-point wait may block before the job fails with a message (collectives use it too).
     timeout: float = field(default=1800.0)
+    # Activation checkpointing per stage (runtime/recompute.py): False, True (every layer) or layer types (classes
+    # or class names); the listed layers keep only their inputs and run their forward again in the backward.
+    activation_checkpointing: Any = False
 
     def __post_init__(self) -> None:
         if self.num_stages is not None and not is_int(self.num_stages, 1):
@@ -114,6 +132,13 @@ class PipelineConfig:
         if isinstance(steps, (str, bytes)) or not all(is_int(s) for s in steps):
             raise ValueError(f"trace_steps={steps!r} must be a list of training step numbers, e.g. [2, 100].")
         object.__setattr__(self, "trace_steps", tuple(steps))
+        spec = check_checkpointing(self.activation_checkpointing)
+        object.__setattr__(self, "activation_checkpointing", spec)
+        if spec and self.replica_execution == "batched":
+            raise ValueError(
+                "activation_checkpointing with replica_execution='batched' is not supported (torch.func.vmap over "
+                "checkpointed layers); use replica_execution='sequential', or turn activation_checkpointing off."
+            )
         if not is_number(self.timeout) or not self.timeout > 0:
             raise ValueError(f"timeout={self.timeout!r} must be a positive number of seconds.")
 

@@ -7,7 +7,6 @@ maps Lightning's life cycle onto it (docs/how-it-works.md#lightning-integration)
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -36,6 +35,7 @@ from lightning_avgpipe.plugin.contract import check_forward, pipeline_inputs, pi
 from lightning_avgpipe.plugin.data import GroupedBatches
 from lightning_avgpipe.plugin.gradients import GradStash, install_clipping
 from lightning_avgpipe.plugin.process import ProcessStrategy
+from lightning_avgpipe.plugin.reconfigure import reconfigure
 from lightning_avgpipe.plugin.split import (
     SplitModule,
     check_layer_count,
@@ -48,6 +48,7 @@ from lightning_avgpipe.plugin.split import (
 )
 from lightning_avgpipe.plugin.telemetry import Telemetry
 from lightning_avgpipe.runtime.pipeline import StagePipeline, memory_limit_bytes
+from lightning_avgpipe.runtime.recompute import check_matches
 from lightning_avgpipe.runtime.ties import TiedWeights, tie_groups
 from lightning_avgpipe.runtime.topology import Topology
 
@@ -55,8 +56,7 @@ from lightning_avgpipe.runtime.topology import Topology
 class AvgPipeStrategy(ProcessStrategy):
     """Pipeline-parallel training: the model's layers split over ``num_stages`` processes, micro-batches in flight.
 
-    The result equals plain training with gradient accumulation over the same micro-batches: the schedule and
-    the partition change speed and memory, never the arithmetic.
+    The result equals plain training with gradient accumulation over the same micro-batches (docs/strategy.md).
 
     Args:
         num_stages: processes per pipeline. ``None`` uses every device of the job. Raise it when the model does not
@@ -67,57 +67,48 @@ class AvgPipeStrategy(ProcessStrategy):
         schedule: ``"1f1b"`` keeps at most ``S - s`` micro-batches of activations on stage ``s`` (the default);
             ``"afab"`` (GPipe) runs all forwards first, which keeps all ``M`` and communicates less often;
             ``"advance"`` sits between them with ``advance_forwards`` extra early forwards.
-        advance_forwards: early forwards on every stage but the last for ``schedule="advance"``; 0 is 1F1B; from
-            ``units - 2`` on, stages 0..S-2 run AFAB's order (the last stage always runs 1F1B's).
-            ``"auto"`` (the default) starts at 0 and raises k by one every few iterations while iterations get
-            faster beyond noise and ``memory_limit`` holds, then keeps it (the choice and why are logged).
+        advance_forwards: early forwards on every stage but the last for ``schedule="advance"``; 0 is 1F1B.
+            ``"auto"`` (the default) starts at 0 and raises k while iterations get faster beyond noise and
+            ``memory_limit`` holds, then keeps it (the choice and why are logged).
         memory_limit: the peak memory a stage may use when ``advance_forwards="auto"`` raises k: bytes, or a
-            fraction (<= 1) of the device's memory (of RAM on CPU, where activation bytes are what is measured).
-        partition: ``"balanced"`` profiles each layer on ``LightningModule.example_input_array`` and splits to
-            even out forward+backward time (falls back to ``"parameters"`` without an example input);
-            ``"parameters"`` evens out parameter bytes; ``"uniform"`` layer counts; or a list of layer counts per
-            stage, e.g. ``[3, 5]``.
-        num_pipelines: N parallel pipelines: every stage process holds its stage of N replicas, each training on
-            its own batch of the DataLoader's size B, tied to a reference model by elastic averaging. One
-            iteration then carries N x M micro-batches (bubble (S-1)/(N·M+S-1)) without a bigger batch for any
-            replica, at the cost of N weight copies and optimizer states per stage. 1 is plain pipeline training.
+            fraction (<= 1) of the device's memory (of RAM on CPU).
+        partition: ``"balanced"`` evens out profiled forward+backward time (``"parameters"`` without an
+            ``example_input_array``); ``"parameters"`` parameter bytes; ``"uniform"`` layer counts; or a list of
+            layer counts per stage, e.g. ``[3, 5]``.
+        num_pipelines: N parallel pipelines: every stage holds N replicas, each training on its own batch of the
+            DataLoader's size B (an iteration carries N x M micro-batches, a smaller bubble), combined by
+            ``averaging``. 1 is plain pipeline training.
         averaging: how the N batches of a step (and the D pipeline groups) combine. ``"elastic"``: the paper's
             rule above. ``"exact"``: one model; the N x D batches train as one batch of N x D x B (gradients
             averaged, one optimizer step, no replicas): plain large-batch training without changing your
             DataLoader, and the control each averaging option is measured against (docs/strategy.md#averaging).
         outer_lr: elastic averaging's outer optimizer: the reference moves by ``outer_lr`` times the mean update
-            (with momentum, of its momentum buffer). 1.0 is the paper's rule; DiLoCo's preset is 0.7.
+            (or its momentum). 1.0 is the paper's rule; DiLoCo's preset is 0.7.
         outer_momentum: the outer optimizer's Nesterov momentum in [0, 1); 0.0 is the paper's rule, DiLoCo uses 0.9.
         averaging_period: H, the local steps every replica takes between elastic pulls and reference updates; the
             all-reduce between pipeline groups then runs every H steps. 1 is the paper's rule.
-        elastic_alpha: how far each replica moves toward the reference per step; ``None`` is 1/(N x groups).
-            Lower it if replicas should explore more, raise it (at most 1) to keep them closer.
-        sync_reference: finish the reference update across pipeline groups inside the step; by default the
-            all-reduce overlaps the next iteration (the reference is at most one iteration stale).
-        replica_execution: ``"sequential"`` runs N x M units through the schedule, one replica's micro-batch
-            each (the smallest bubble); ``"batched"`` runs M units, each stacking micro-batch m of all N replicas
-            into one ``torch.func.vmap`` call over stacked weights: fewer, larger operations, for micro-batches
-            too small to keep a device busy (layers must have no buffers).
-        p2p: ``"eager"`` posts each receive one compute early as its own operation (overlaps transfers, best on
-            gloo); ``"batched"`` posts receives just in time and issues each run of communication as one
-            ``batch_isend_irecv`` group, which NCCL needs to avoid deadlock; ``"auto"`` picks by backend.
-        trace_dir: a folder for timelines of the steps in ``trace_steps``: ``step<N>.json`` (Chrome trace, opens
-            in Perfetto; a track per rank with compute by unit, waits and sends) and ``step<N>.png`` (a Gantt chart).
+        elastic_alpha: how far each replica moves toward the reference per step (at most 1); ``None``: 1/(N x D).
+        sync_reference: finish the reference update across pipeline groups inside the step (by default it
+            overlaps the next iteration).
+        replica_execution: ``"sequential"`` runs N x M units through the schedule (the smallest bubble);
+            ``"batched"`` runs M units, each the N replicas' micro-batch m in one ``torch.func.vmap`` call (fewer,
+            larger operations for micro-batches too small to keep a device busy; layers without buffers).
+        p2p: ``"eager"`` posts each receive one compute early (best on gloo); ``"batched"`` issues each run of
+            communication as one ``batch_isend_irecv`` group (NCCL needs it); ``"auto"`` picks by backend.
+        trace_dir: a folder for timelines of the steps in ``trace_steps``: ``step<N>.json`` (Chrome trace, for
+            Perfetto) and ``step<N>.png`` (a Gantt chart).
         trace_steps: the training steps (``global_step``) to trace.
-        p2p_timeout: seconds a stage waits, after the first training step, for a neighbour's activations or
-            gradients before the job fails naming that neighbour. Raise it if one step of a stage legitimately
-            takes longer (very large models); lower it to fail faster.
+        p2p_timeout: seconds a stage waits, after the first training step, for a neighbour before the job fails
+            naming it; raise it if one step of a stage legitimately takes longer.
         timeout: seconds a collective (and a point-to-point wait in the first step) may block before failing.
         process_group_backend: ``"gloo"`` or ``"nccl"``; ``None`` picks by device.
-        check_forward: at setup, before the split, run the whole model once in eval mode on two samples
-            (``example_input_array``, or in ``fit`` the first training batch) and fail when ``forward`` is not the
-            ``configure_pipeline()`` layers applied in order (training runs the layers, inference runs
-            ``forward``). Turn it off only for a model too large to run whole on one device.
-        trusted_checkpoints: unpickle checkpoints in full (``torch.load(weights_only=False)``) when resuming or
-            evaluating from one. Off by default: this strategy's checkpoints hold only tensors and plain values, and
-            unpickling anything else can run code from the file on every rank. Turn it on only for a file you trust
-            that holds other objects (the error that refuses it says so). ``trainer.fit(..., weights_only=False)``
-            does the same (Lightning 2.6 does not pass it to a strategy that restores after setup, so use this).
+        check_forward: at setup, run the whole model once in eval mode on two samples and fail when ``forward`` is
+            not the ``configure_pipeline()`` layers applied in order; off only for a model too large for one device.
+        trusted_checkpoints: unpickle checkpoints in full (``torch.load(weights_only=False)``) when loading one; only
+            for a file you trust that holds more than tensors and plain values (the error that refuses it says so).
+        activation_checkpointing: ``True`` checkpoints every layer of every stage, a list of layer types (classes
+            or class names) those layers only: they keep only their inputs and run their forward again in the
+            backward (less activation memory, one more forward of them per step; docs/strategy.md).
         accelerator: Lightning's own, as for any strategy (the Trainer sets it, as the next four).
         parallel_devices: the devices of this node.
         cluster_environment: where the ranks come from (Lightning's, torchrun, SLURM).
@@ -151,6 +142,7 @@ class AvgPipeStrategy(ProcessStrategy):
         process_group_backend: str | None = None,
         check_forward: bool = True,
         trusted_checkpoints: bool = False,
+        activation_checkpointing: bool | list[Any] = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -186,6 +178,7 @@ class AvgPipeStrategy(ProcessStrategy):
             trace_steps=tuple(trace_steps) if trace_steps is not None else (2,),
             p2p_timeout=p2p_timeout,
             timeout=timeout,
+            activation_checkpointing=activation_checkpointing,
         )
         # The k the user asked for, kept across fits (a tuner's reconfigure replaces "auto" with a number).
         self.user_advance_forwards: int | str = advance_forwards
@@ -339,6 +332,7 @@ class AvgPipeStrategy(ProcessStrategy):
     def _split_module(self, module: pl.LightningModule) -> None:
         layers, stages = pipeline_layers(module), self.num_stages
         check_layer_count(len(layers), stages)  # on every rank: none may wait in the broadcast for a failed rank 0
+        check_matches(layers, self.config.activation_checkpointing)
         if self.check_forward:  # every rank checks its own whole copy, so every rank fails alike
             sample = forward_sample(module)
             if sample is not None:
@@ -398,37 +392,13 @@ class AvgPipeStrategy(ProcessStrategy):
         with the same values. ``keep_optimizers=True`` (during training) keeps the optimizers and their state, which
         only one model per stage allows (exact averaging, or N·D = 1).
         """
-        changes: dict[str, Any] = {
+        changes = {
             "num_microbatches": num_microbatches,
             "num_pipelines": num_pipelines,
             "advance_forwards": advance_forwards,
             "averaging": averaging,
         }
-        old, self.config = self.config, replace(self.config, **{k: v for k, v in changes.items() if v is not None})
-        if self._pipeline is not None:
-            if keep_optimizers and not (self._pipeline.one_model(old) and self._pipeline.one_model(self.config)):
-                self.config = old
-                raise ValueError(
-                    f"reconfigure(keep_optimizers=True) from num_pipelines={old.num_pipelines} ({old.averaging}) to "
-                    f"num_pipelines={self.num_pipelines} ({self.config.averaging}) would make replicas with fresh "
-                    "optimizers: keep N, or use averaging='exact', whose one model keeps its optimizer."
-                )
-            remade = self._pipeline.reconfigure(self.config)
-            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-            if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
-                if remade or old.num_pipelines != self.num_pipelines:
-                    # A loader already grouped for the old N (trainer.estimated_stepping_batches sets it up early) is
-                    # set up again, and configure_optimizers then sees the new number of iterations per epoch.
-                    compat.reset_train_dataloader(trainer)
-                if remade or (old.num_pipelines != self.num_pipelines and not keep_optimizers):
-                    self.setup_optimizers(trainer)
-                    _optimizers_to_device(self.optimizers, self.root_device)
-        rank_zero_info(
-            f"AvgPipe: reconfigured to num_microbatches={self.num_microbatches}, num_pipelines={self.num_pipelines}"
-            + (f", averaging='{self.config.averaging}'" if self.num_pipelines * self.num_groups > 1 else "")
-            + (f", advance_forwards={self.config.advance_forwards}" if self.config.schedule == "advance" else "")
-            + "."
-        )
+        reconfigure(self, {k: v for k, v in changes.items() if v is not None}, keep_optimizers)
 
     # -- steps ---------------------------------------------------------------------------------------------------
     @override

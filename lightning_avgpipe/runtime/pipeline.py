@@ -40,6 +40,7 @@ from lightning_avgpipe.replicas import BatchedReplicas, select, stack
 from lightning_avgpipe.runtime.executor import StageExecutor
 from lightning_avgpipe.runtime.gradnoise import GradientProbe
 from lightning_avgpipe.runtime.p2p import Link, PeerFailureError, first_failure
+from lightning_avgpipe.runtime.recompute import layer_mask, stage_function
 from lightning_avgpipe.runtime.ties import TiedGradients, TiedWeights
 from lightning_avgpipe.runtime.topology import Topology
 from lightning_avgpipe.runtime.trace import ActivationMeter, StepTrace, write_trace
@@ -55,17 +56,6 @@ Context = Callable[[], contextlib.AbstractContextManager[Any]]
 def first_input(batch: Any) -> Any:
     """The default first-layer input of a micro-batch: ``batch[0]`` of a tuple or list, else the batch itself."""
     return batch[0] if isinstance(batch, (tuple, list)) else batch
-
-
-def sequential(layers: Sequence[nn.Module]) -> Callable[[Any], Any]:
-    """The layers applied in order (what ``nn.Sequential`` does, without registering them anywhere)."""
-
-    def stage_fn(x: Any) -> Any:
-        for layer in layers:
-            x = layer(x)
-        return x
-
-    return stage_fn
 
 
 def memory_limit_bytes(limit: float | None, device: torch.device, processes: int = 1) -> float | None:
@@ -146,7 +136,9 @@ class StagePipeline:
             if S > 1
             else None
         )
-        self.executor = StageExecutor(stage, S, sequential(self.layers), link, coalesce=self.batched_p2p)
+        self.recompute = layer_mask(self.layers, self.config.activation_checkpointing)  # checkpointed layers
+        stage_fn = stage_function(self.layers, self.recompute)
+        self.executor = StageExecutor(stage, S, stage_fn, link, coalesce=self.batched_p2p)
         k = self.config.advance_forwards
         self._k = 0 if k == "auto" else int(k)
         self._search: AdvanceSearch | None = None
@@ -237,7 +229,7 @@ class StagePipeline:
         )
         self._params = self.elastic.all_replica_params()
         self._tied = TiedGradients(self.ties, self.elastic, self.stage)
-        self._replica_fns = [sequential(layers) for layers in self.elastic.replicas]
+        self._replica_fns = [stage_function(layers, self.recompute) for layers in self.elastic.replicas]
         self.batched: BatchedReplicas | None = None
         if cfg.replica_execution == "batched" and not self.elastic.trivial:
             self.batched = BatchedReplicas(self.elastic.replicas)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,6 +68,19 @@ class StepTrace:
         return [self.step_time, self.compute_time, self.wait_time, self.bubble_fraction, peak]
 
 
+_PACKERS: list[Callable[[Tensor], Tensor]] = []  # the meters' hooks of the units whose forward is running
+
+
+def note_saved(t: Tensor) -> None:
+    """Count ``t`` as saved for backward by the unit whose forward is running (if one is metered).
+
+    Activation checkpointing keeps a checkpointed layer's input outside autograd's saved tensors, where the
+    saved-tensor hooks do not see it (``runtime/recompute.py`` reports it here).
+    """
+    if _PACKERS:
+        _PACKERS[-1](t)
+
+
 class ActivationMeter:
     """Bytes of tensors autograd saves for backward, per unit in flight (saved-tensor hooks; parameters excluded).
 
@@ -98,8 +111,12 @@ class ActivationMeter:
                     self.peak = max(self.peak, self.current)
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            yield
+        _PACKERS.append(pack)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                yield
+        finally:
+            _PACKERS.pop()
 
     def release(self, u: int) -> None:
         """Unit ``u``'s backward ran: its saved tensors are freed."""

@@ -1,0 +1,78 @@
+"""Activation checkpointing per stage (GPipe's re-materialisation; docs/how-it-works.md#activation-checkpointing).
+
+A checkpointed layer keeps only its input during the forward and runs its forward again during its backward, so a
+stage holds one input per checkpointed layer per micro-batch in flight instead of everything the layer's operations
+save. The schedule is unchanged; the stash per unit shrinks and each backward costs one more forward of those layers.
+
+It uses non-reentrant ``torch.utils.checkpoint`` (``use_reentrant=False``). The reentrant form runs the recomputed
+forward inside its own ``autograd.backward`` call and needs an input that requires grad; a stage's first layer on
+stage 0 has none, and the executor's backward of a stage output with given gradients would see none of the
+recomputed graph's parameters. The RNG state is saved and restored around the recomputation
+(``preserve_rng_state``), so dropout draws the same masks and training is unchanged to float tolerance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from lightning_avgpipe.config import Spec, check_checkpointing
+from lightning_avgpipe.runtime.trace import note_saved
+
+__all__ = ["Spec", "check_checkpointing", "check_matches", "layer_mask", "stage_function"]
+
+
+def layer_mask(layers: Sequence[nn.Module], spec: Spec) -> list[bool]:
+    """Which of ``layers`` are checkpointed: all, none, or those whose class (or a base class) has a listed name."""
+    if isinstance(spec, bool):
+        return [spec] * len(layers)
+    names = set(spec)
+    return [any(c.__name__ in names for c in type(layer).__mro__) for layer in layers]
+
+
+def check_matches(layers: Sequence[nn.Module], spec: Spec) -> None:
+    """Every listed type must name a layer of the pipeline (over all stages): a typo would checkpoint nothing."""
+    if isinstance(spec, bool):
+        return
+    found = {c.__name__ for layer in layers for c in type(layer).__mro__}
+    missing = [name for name in spec if name not in found]
+    if missing:
+        kinds = sorted({type(layer).__name__ for layer in layers})
+        raise ValueError(
+            f"activation_checkpointing names {missing}, which no layer of configure_pipeline() is (its layers are "
+            f"{kinds}); name one of those, or pass True to checkpoint every layer."
+        )
+
+
+def stage_function(layers: Sequence[nn.Module], mask: Sequence[bool] | None = None) -> Callable[[Any], Any]:
+    """The layers applied in order; those in ``mask`` checkpointed while autograd records (not under no_grad)."""
+    marks = list(mask) if mask is not None else [False] * len(layers)
+
+    def stage_fn(x: Any) -> Any:
+        for index, (layer, recompute) in enumerate(zip(layers, marks)):
+            if recompute and torch.is_grad_enabled():
+                for t in x if isinstance(x, (tuple, list)) else (x,):
+                    if isinstance(t, Tensor):
+                        note_saved(t)  # kept for the recomputation, where the meter's hooks do not see it
+                x = checkpoint(layer, x, use_reentrant=False)
+                if not _tensors(x):
+                    raise TypeError(
+                        f"activation_checkpointing: layer {index} of this stage ({type(layer).__name__}) returned "
+                        f"{type(x).__name__}, not a tensor or a tuple of tensors; leave it out of "
+                        "activation_checkpointing (list the layer types to checkpoint instead of True)."
+                    )
+            else:
+                x = layer(x)
+        return x
+
+    return stage_fn
+
+
+def _tensors(x: Any) -> bool:
+    if isinstance(x, Tensor):
+        return True
+    return isinstance(x, (tuple, list)) and len(x) > 0 and all(isinstance(t, Tensor) for t in x)

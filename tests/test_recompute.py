@@ -1,0 +1,143 @@
+"""Activation checkpointing per stage: the same training to the bit, less stash, and clear errors."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_avgpipe import microbatch
+from lightning_avgpipe.config import PipelineConfig
+from lightning_avgpipe.runtime import Link, StageExecutor
+from lightning_avgpipe.runtime.pipeline import StagePipeline
+from lightning_avgpipe.runtime.recompute import check_matches, layer_mask, stage_function
+from lightning_avgpipe.runtime.topology import Topology
+from lightning_avgpipe.schedules import build_plan, validate_plan
+from tests.helpers.distributed import run_distributed
+from tests.helpers.models import make_batch, make_layers
+from tests.test_runtime_equivalence import STEPS, reference
+from tests.test_strategy_equivalence import assert_matches, run_lightning
+
+
+def _dropout_layers() -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [
+        nn.Linear(8, 64),
+        nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Dropout(0.1), nn.Linear(64, 64), nn.Tanh()),
+        nn.Sequential(nn.Linear(64, 64), nn.GELU()),
+        nn.Linear(64, 4),
+    ]
+
+
+def _train(spec: Any, steps: int = 3) -> tuple[list[torch.Tensor], int, list[bool]]:
+    torch.manual_seed(1)  # the same dropout masks in every run
+    cfg = PipelineConfig(num_microbatches=4, activation_checkpointing=spec, partition=[4])
+    pipe = StagePipeline(copy.deepcopy(_dropout_layers()), Topology(0, 1, 1), cfg)
+    opt = torch.optim.SGD(pipe.reference_params, lr=0.1, momentum=0.9)
+    x, y = make_batch(0, 16)
+    for _ in range(steps):
+        opt.zero_grad()
+        pipe.train_step([(x, y)], lambda out, micro, share: F.cross_entropy(out, micro[1]), measure=True)
+        opt.step()
+    return [p.detach().clone() for p in pipe.reference_params], pipe.meter.peak, pipe.recompute
+
+
+def test_checkpointing_trains_the_same_to_the_bit_and_keeps_less() -> None:
+    plain, plain_peak, mask = _train(False)
+    assert mask == [False] * 4
+    for spec, expected in ((True, [True] * 4), (["Sequential"], [False, True, True, False]), ([nn.Sequential], None)):
+        weights, peak, mask = _train(spec)
+        if expected is not None:
+            assert mask == expected
+        for a, b in zip(weights, plain):  # dropout included: the recomputation replays the RNG state
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        assert peak < plain_peak, (spec, peak, plain_peak)
+
+
+def test_the_stash_is_the_checkpointed_layers_inputs() -> None:
+    """Every layer checkpointed: a unit keeps each layer's input (the meter counts them) and the loss's saves."""
+    _, peak, _ = _train(True, steps=1)
+    rows = 16 // 4
+    inputs = rows * (8 + 64 + 64 + 64) * 4  # float32 inputs of the four layers, one micro-batch
+    # 1 stage: 1F1B runs each unit's backward right after its forward, so one unit is in flight
+    assert inputs <= peak <= inputs + rows * 4 * 4 * 4  # + the loss's saved logits and targets at most
+
+
+def test_bad_specs_and_layers_are_named() -> None:
+    with pytest.raises(ValueError, match=r"activation_checkpointing=\[1\] must be True"):
+        PipelineConfig(activation_checkpointing=[1])
+    with pytest.raises(ValueError, match=r"replica_execution='batched' is not supported"):
+        PipelineConfig(activation_checkpointing=True, replica_execution="batched", num_pipelines=2)
+    with pytest.raises(ValueError, match=r"names \['Block'\], which no layer of configure_pipeline\(\) is"):
+        check_matches(_dropout_layers(), ("Block", "Linear"))
+    check_matches(_dropout_layers(), ("Module",))  # a base class names every layer
+    assert layer_mask(_dropout_layers(), ("Linear",)) == [True, False, False, True]
+
+    class Named(nn.Module):
+        def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {"x": x}
+
+    fn = stage_function([nn.Linear(2, 2), Named()], [False, True])
+    with pytest.raises(TypeError, match=r"layer 1 of this stage \(Named\) returned dict, not a tensor"):
+        fn(torch.randn(3, 2))
+    with torch.no_grad():  # evaluation does not checkpoint, so nothing to refuse
+        assert isinstance(fn(torch.randn(3, 2)), dict)
+
+
+def _worker(rank: int, world: int, schedule: str, partition: list[int], m: int, spec: Any, k: int = 0) -> dict:
+    layers = make_layers()
+    start = sum(partition[:rank])
+    own = layers[start : start + partition[rank]]
+    params = [p for layer in own for p in layer.parameters()]
+    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9) if params else None
+    link = Link(rank - 1 if rank > 0 else None, rank + 1 if rank < world - 1 else None, torch.device("cpu"))
+    executor = StageExecutor(rank, world, stage_function(own, layer_mask(own, spec)), link)
+    plan = validate_plan(build_plan(schedule, world, m, k))
+    losses = []
+    for step in range(STEPS):
+        x, y = make_batch(step)
+        mbs = microbatch.split((x, y), m)
+        keys = [microbatch.signature(mb) for mb in mbs]
+
+        def head(u: int, out: torch.Tensor, mbs: list = mbs, n: int = len(y)) -> torch.Tensor:
+            return F.cross_entropy(out, mbs[u][1]) * (len(mbs[u][1]) / n)
+
+        if opt:
+            opt.zero_grad()
+        results = executor.run(plan.stages[rank], keys, training=True, inputs=lambda u, mbs=mbs: mbs[u][0], head=head)
+        if opt:
+            opt.step()
+        losses.append(sum(r.item() for r in results.values()))
+    return {"losses": losses, "states": {start + i: layer.state_dict() for i, layer in enumerate(own)}}
+
+
+def _cases(rank: int, world: int, cases: list[tuple]) -> list[dict]:
+    return [_worker(rank, world, *case) for case in cases]
+
+
+@pytest.mark.timeout(120)
+def test_two_stages_with_checkpointing_match_plain_training() -> None:
+    """Every layer (tuples and an int tensor cross the checkpointed Fork and Join), or the Linear layers only, under
+    1F1B, AFAB and advance forwards."""
+    cases = [("1f1b", [3, 3], 4, True), ("afab", [1, 5], 3, ("Linear",)), ("advance", [3, 3], 4, True, 2)]
+    got = run_distributed(_cases, 2, cases, timeout=100)
+    for index, case in enumerate(cases):
+        ref_losses, ref_states = reference(case[2])
+        torch.testing.assert_close(torch.tensor(got[1][index]["losses"]), torch.tensor(ref_losses))
+        states = {**got[0][index]["states"], **got[1][index]["states"]}
+        for i, ref in enumerate(ref_states):
+            for key, value in ref.items():
+                torch.testing.assert_close(states[i][key], value, msg=lambda m, c=case, i=i, k=key: f"{c} {i}.{k}: {m}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_strategy_with_checkpointing_matches_plain_training(tmp_path: Path) -> None:
+    strategy = {"num_microbatches": 2, "partition": [3, 3], "activation_checkpointing": ["Linear"]}
+    results = run_lightning(tmp_path, 2, strategy)
+    assert_matches(tmp_path, results, 2)
