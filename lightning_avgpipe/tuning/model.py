@@ -267,6 +267,23 @@ def predict(
     )
 
 
+def checkpointed_unit_bytes(
+    activation_bytes: Sequence[float], output_bytes: Sequence[float], input_bytes: float, mask: Sequence[bool]
+) -> float:
+    """One unit's saved bytes on a stage whose layers in ``mask`` are checkpointed (``runtime/recompute.py``).
+
+    A checkpointed layer keeps its input (the previous layer's output, or ``input_bytes`` for the first) instead
+    of what its operations save; the others keep what they save. From a per-layer profile
+    (``tuning.profiler.profile_layers``: ``activation_bytes`` and ``output_bytes`` per layer) at one micro-batch
+    size; with ``mask`` all False it is the plain stash of one unit.
+    """
+    total, previous = 0.0, float(input_bytes)
+    for saved, out, checkpointed in zip(activation_bytes, output_bytes, mask):
+        total += previous if checkpointed else float(saved)
+        previous = float(out)
+    return total
+
+
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
