@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import pickle
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_avgpipe.microbatch import to_cpu
+from lightning_avgpipe.optim import ElasticOptimizer
 from lightning_avgpipe.plugin import compat
 from lightning_avgpipe.runtime.pipeline import StagePipeline
 
@@ -37,18 +39,32 @@ def assemble_state_dict(module: nn.Module, pipeline: StagePipeline, full_keys: S
     return ordered
 
 
-def gather_optimizer_state(optimizer: Optimizer, pipeline: StagePipeline, layout: dict[str, Any]) -> dict[str, Any]:
-    """Every rank's optimizer state (and its replicas' weights when N·D > 1), gathered on global rank 0.
+@dataclass(frozen=True)
+class Names:
+    """How a stage's parameters are named in the unsplit model (the strategy's, from ``plugin/split.py``)."""
 
-    Saved as ``{"avgpipe_layout": {...}, "avgpipe_ranks": [per global rank {"optim", "replicas"}]}`` so a resume
-    with the same layout continues exactly.
+    local: Mapping[int, str]  # id(parameter) -> its name in this rank's module
+    aliases: Mapping[str, str]  # a name -> the unsplit model's first name of that parameter (shared weights)
+    order: Sequence[str]  # the unsplit model's parameter names, in order, each once
+
+
+def gather_optimizer_state(
+    optimizer: Optimizer, pipeline: StagePipeline, layout: dict[str, Any], names: Names
+) -> dict[str, Any]:
+    """Every rank's optimizer state, gathered on global rank 0 (collective; ``{}`` elsewhere).
+
+    Saved as a ``torch.optim`` state dict of the unsplit model (``"state"`` and ``"param_groups"``, each group with
+    its ``"param_names"``), which plain Lightning on one device or DDP loads as it is and another layout splits by
+    name, plus ``"avgpipe_layout"`` and ``"avgpipe_ranks"``: per global rank, with N·D > 1 replicas, their own
+    optimizers' states, weights and the averaging's state, so a resume with the same layout continues exactly.
     """
     inner = compat.unwrap_optimizer(optimizer)
     elastic = pipeline.elastic
-    replicas = [] if elastic.trivial else [[to_cpu(m.state_dict()) for m in layers] for layers in elastic.replicas]
-    entry: dict[str, Any] = {"optim": inner.state_dict(), "replicas": replicas}
-    if not elastic.trivial:  # the averaging period's position and offsets, the outer momentum
+    entry: dict[str, Any] = {"named": named_groups(inner, pipeline, names.local, names.aliases), "replicas": []}
+    if not elastic.trivial:  # the replicas' optimizers and weights, the period's position and offsets, the momentum
         elastic.wait()
+        entry["optim"] = inner.state_dict()
+        entry["replicas"] = [[to_cpu(m.state_dict()) for m in layers] for layers in elastic.replicas]
         entry["elastic"] = to_cpu(elastic.state_dict())
     top = pipeline.topology
     if top.world_size == 1:
@@ -58,7 +74,67 @@ def gather_optimizer_state(optimizer: Optimizer, pipeline: StagePipeline, layout
         dist.gather_object(entry, parts, dst=0)
     if parts is None:
         return {}
-    return {"avgpipe_layout": layout, "avgpipe_ranks": parts}
+    unified = unsplit_state([part.pop("named") for part in parts], names.order)
+    return {**unified, "avgpipe_layout": layout, "avgpipe_ranks": parts}
+
+
+def named_groups(
+    optimizer: Optimizer, pipeline: StagePipeline, param_names: Mapping[int, str], aliases: Mapping[str, str]
+) -> list[dict[str, Any]]:
+    """This stage's optimizer state per group of the user's optimizer: its hyperparameters and, for each of the
+    stage's parameters in it, ``(name in the unsplit model, state)``. With replicas, replica 0's state.
+
+    ``param_names``: ``id(parameter) -> name`` in this rank's module; ``aliases``: a name -> the unsplit model's
+    first name of that parameter (a stage's copy of a shared weight is named where it sits)."""
+    own = {id(p) for p in pipeline.elastic.reference_params}
+    names = {i: aliases.get(n, n) for i, n in param_names.items() if i in own}
+    if isinstance(optimizer, ElasticOptimizer):
+        user, clone = optimizer.user, optimizer.replicas[0]
+        to_replica = {id(r): q for r, q in zip(pipeline.elastic.reference_params, pipeline.elastic.replica_params(0))}
+
+        def state_of(p: Any) -> Any:
+            return clone.state.get(to_replica.get(id(p)), {})  # type: ignore[arg-type]
+
+    else:
+        user = optimizer
+
+        def state_of(p: Any) -> Any:
+            return user.state.get(p, {})
+
+    return [
+        {
+            "hyper": {k: v for k, v in group.items() if k not in ("params", "param_names")},
+            "params": [(names[id(p)], to_cpu(dict(state_of(p)))) for p in group["params"] if id(p) in names],
+        }
+        for group in user.param_groups
+    ]
+
+
+def unsplit_state(parts: Sequence[list[dict[str, Any]]], param_names: Sequence[str]) -> dict[str, Any]:
+    """One ``torch.optim`` state dict of the unsplit model from every rank's :func:`named_groups`: per group, the
+    parameters in the model's order, each once (a stage copy of a shared weight and the D groups' copies of a stage
+    have equal states)."""
+    order = {n: i for i, n in enumerate(param_names)}
+    groups: list[dict[str, Any]] = []
+    for g, first in enumerate(parts[0]):
+        found: dict[str, Any] = {}
+        for part in parts:
+            for name, st in part[g]["params"] if g < len(part) else []:
+                found.setdefault(name, st)
+        groups.append({"hyper": first["hyper"], "params": sorted(found.items(), key=lambda kv: order.get(kv[0], 1e9))})
+    state: dict[int, Any] = {}
+    param_groups: list[dict[str, Any]] = []
+    index = 0
+    for group in groups:
+        ids, names = [], []
+        for name, st in group["params"]:
+            if st:
+                state[index] = st
+            ids.append(index)
+            names.append(name)
+            index += 1
+        param_groups.append({**group["hyper"], "params": ids, "param_names": names})
+    return {"state": state, "param_groups": param_groups}
 
 
 def load_stage_state(module: nn.Module, checkpoint: Mapping[str, Any], pipeline: StagePipeline, strict: bool) -> None:
@@ -76,39 +152,117 @@ def load_stage_state(module: nn.Module, checkpoint: Mapping[str, Any], pipeline:
 
 
 def load_optimizer_states(
-    optimizers: Sequence[Optimizer], checkpoint: Mapping[str, Any], pipeline: StagePipeline, layout: dict[str, Any]
+    optimizers: Sequence[Optimizer],
+    checkpoint: Mapping[str, Any],
+    pipeline: StagePipeline,
+    layout: dict[str, Any],
+    names: Names,
 ) -> str | None:
-    """Restore this rank's optimizer state and replicas; returns a note when the checkpoint's layout differs (then
-    only the hyperparameters are restored)."""
+    """Restore this rank's optimizer state (and replicas); returns a note when the checkpoint's layout differs.
+
+    The same layout restores every rank's own entry (the replicas' optimizers, weights and averaging state). Another
+    layout, or a checkpoint of plain Lightning whose optimizer groups carry ``param_names``, takes each parameter's
+    state from the unsplit ``torch.optim`` state dict by name: exact for one model per stage (N·D = 1 or exact
+    averaging); with replicas, each starts from the reference with the saved (replica 0's) state.
+    """
     note = None
     for optimizer, state in zip(optimizers, checkpoint.get("optimizer_states", [])):
-        if "avgpipe_layout" not in state:
+        saved_layout = state.get("avgpipe_layout")
+        groups = state.get("param_groups")
+        named = isinstance(groups, list) and all(isinstance(g, Mapping) and "param_names" in g for g in groups)
+        if saved_layout is None and not named:
             raise ValueError(
-                "This checkpoint's optimizer state was not saved by AvgPipeStrategy and cannot be split by stage; "
-                "load its weights with MyModule.load_from_checkpoint(path) and start a new fit instead."
+                "This checkpoint's optimizer state was not saved by AvgPipeStrategy and names no parameters (its "
+                "param_groups have no 'param_names'), so it cannot be split by stage; load its weights with "
+                "MyModule.load_from_checkpoint(path) and start a new fit, or build the optimizer from "
+                "self.named_parameters() so its state names them."
             )
-        if state["avgpipe_layout"] != layout:
-            note = (
-                f"AvgPipe: the checkpoint's layout {state['avgpipe_layout']} differs from {layout}; the weights and "
-                "the optimizer's hyperparameters (lr, ...) are restored, the replicas start from the reference and "
-                "optimizer states start fresh."
-            )
-            saved = state["avgpipe_ranks"][0]["optim"]
-            groups = saved.get("user_param_groups") or [
-                {k: v for k, v in g.items() if k != "params"} for g in saved.get("param_groups", [])
-            ]
-            if len(groups) == len(optimizer.param_groups):
-                for group, values in zip(optimizer.param_groups, groups):
-                    group.update({k: v for k, v in values.items() if k != "params"})
+        entry = state["avgpipe_ranks"][pipeline.topology.rank] if saved_layout == layout else None
+        if entry is not None and "optim" in entry:  # the same layout with replicas (or a checkpoint from before names)
+            optimizer.load_state_dict(entry["optim"])
+            for layers, saved_layers in zip(pipeline.elastic.replicas, entry["replicas"]):
+                for layer, layer_state in zip(layers, saved_layers):
+                    layer.load_state_dict(layer_state)
+            if "elastic" in entry and not pipeline.elastic.trivial:
+                pipeline.elastic.load_state_dict(entry["elastic"])
             continue
-        entry = state["avgpipe_ranks"][pipeline.topology.rank]
-        optimizer.load_state_dict(entry["optim"])
-        for layers, saved_layers in zip(pipeline.elastic.replicas, entry["replicas"]):
-            for layer, layer_state in zip(layers, saved_layers):
-                layer.load_state_dict(layer_state)
-        if "elastic" in entry and not pipeline.elastic.trivial:
-            pipeline.elastic.load_state_dict(entry["elastic"])
+        if not named:  # an AvgPipe checkpoint from before the unsplit state, under another layout
+            note = (
+                f"AvgPipe: the checkpoint's layout {saved_layout} differs from {layout} and names no parameters (it "
+                "predates that); the weights and the optimizer's hyperparameters (lr, ...) are restored, optimizer "
+                "states start fresh."
+            )
+            restore_hyperparameters(optimizer, state["avgpipe_ranks"][0]["optim"])
+            continue
+        load_by_name(compat.unwrap_optimizer(optimizer), state, pipeline, names.local, names.aliases)
+        if saved_layout != layout:
+            note = (
+                f"AvgPipe: the checkpoint's layout {saved_layout or 'plain Lightning'} differs from {layout}; the "
+                "optimizer state moved to this layout by parameter name"
+                + (
+                    ", and every replica starts from the reference with the saved optimizer state (replica 0's): "
+                    "the replicas' spread and the averaging's state start anew."
+                    if not pipeline.elastic.trivial
+                    else " (exact: one model per stage)."
+                )
+            )
     return note
+
+
+def restore_hyperparameters(optimizer: Optimizer, saved: Mapping[str, Any]) -> None:
+    groups = saved.get("user_param_groups") or [
+        {k: v for k, v in g.items() if k != "params"} for g in saved.get("param_groups", [])
+    ]
+    if len(groups) == len(optimizer.param_groups):
+        for group, values in zip(optimizer.param_groups, groups):
+            group.update({k: v for k, v in values.items() if k != "params"})
+
+
+def load_by_name(
+    optimizer: Optimizer,
+    unified: Mapping[str, Any],
+    pipeline: StagePipeline,
+    param_names: Mapping[int, str],
+    aliases: Mapping[str, str],
+) -> None:
+    """Load the unsplit state dict ``unified`` into this stage's optimizer (the user's, or every replica's clone)."""
+    saved_groups = unified["param_groups"]
+    user = optimizer.user if isinstance(optimizer, ElasticOptimizer) else optimizer
+    if len(saved_groups) != len(user.param_groups):
+        raise ValueError(
+            f"The checkpoint's optimizer has {len(saved_groups)} parameter groups and configure_optimizers() now "
+            f"builds {len(user.param_groups)}; resume with the same optimizer groups."
+        )
+    by_name = [dict(zip(g["param_names"], g["params"])) for g in saved_groups]
+    ref = pipeline.elastic.reference_params
+    name_of = {id(p): aliases.get(param_names[id(p)], param_names[id(p)]) for p in ref if id(p) in param_names}
+
+    def local(groups: Sequence[Mapping[str, Any]], source: Sequence[int], to_ref: Mapping[int, Any]) -> dict[str, Any]:
+        state: dict[int, Any] = {}
+        out_groups = []
+        index = 0
+        for group, g in zip(groups, source):
+            ids = []
+            for p in group["params"]:
+                name = name_of.get(id(to_ref.get(id(p), p)))
+                saved = by_name[g].get(name) if name is not None else None
+                if saved is not None and saved in unified["state"]:
+                    state[index] = unified["state"][saved]
+                ids.append(index)
+                index += 1
+            hyper = {k: v for k, v in saved_groups[g].items() if k not in ("params", "param_names")}
+            out_groups.append({**hyper, "params": ids})
+        return {"state": state, "param_groups": out_groups}
+
+    if isinstance(optimizer, ElasticOptimizer):
+        for group, saved in zip(user.param_groups, saved_groups):
+            group.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
+        for n, clone in enumerate(optimizer.replicas):
+            to_ref = {id(q): r for q, r in zip(pipeline.elastic.replica_params(n), ref)}
+            source = getattr(clone, "_avgpipe_source_groups", list(range(len(clone.param_groups))))
+            clone.load_state_dict(local(clone.param_groups, source, to_ref))
+    else:
+        user.load_state_dict(local(user.param_groups, list(range(len(user.param_groups))), {}))
 
 
 def check_loaded(checkpoint: Mapping[str, Any], path: Any, fitting: bool) -> None:

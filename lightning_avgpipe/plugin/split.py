@@ -38,6 +38,10 @@ class SplitModule:
     guard: Guard
     example_input: Any = None
     handles: list[Any] = field(default_factory=list)
+    # the unsplit model's parameter names in order (a shared weight once, under its first name), and every name a
+    # parameter has there (a weight shared by two layers has two) -> that first name
+    param_names: list[str] = field(default_factory=list)
+    aliases: dict[str, str] = field(default_factory=dict)
 
     def names(self) -> dict[str, nn.Module]:
         qualified = {id(m): n for n, m in self.module.named_modules()}
@@ -71,6 +75,9 @@ def split_module(module: nn.Module, layers: list[nn.Module], sizes: list[int], s
             "MyModule.load_from_checkpoint(path), or reuse the same Trainer."
         )
     full_keys = list(module.state_dict().keys())
+    first: dict[int, str] = {}
+    aliases = {n: first.setdefault(id(p), n) for n, p in module.named_parameters(remove_duplicate=False)}
+    param_names = [n for n, _ in module.named_parameters()]
     start = sum(sizes[:stage])
     owned = layers[start : start + sizes[stage]]
     qualified = {id(m): n for n, m in module.named_modules()}
@@ -85,7 +92,7 @@ def split_module(module: nn.Module, layers: list[nn.Module], sizes: list[int], s
     module.example_input_array = None  # type: ignore[assignment]
     if not any(True for layer in owned for _ in layer.parameters()):
         module._avgpipe_anchor = Anchor()  # a parameter-free stage still builds the user's optimizer
-    split = SplitModule(module, list(owned), list(sizes), full_keys, guard, example)
+    split = SplitModule(module, list(owned), list(sizes), full_keys, guard, example, [], param_names, aliases)
     split.handles = guard_layers(split.names(), guard)
     return split
 

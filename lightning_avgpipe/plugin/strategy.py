@@ -59,19 +59,15 @@ class AvgPipeStrategy(ProcessStrategy):
     The result equals plain training with gradient accumulation over the same micro-batches (docs/strategy.md).
 
     Args:
-        num_stages: processes per pipeline. ``None`` uses every device of the job. Raise it when the model does not
-            fit one device; lower it when stages are too short to hide communication.
-        num_microbatches: micro-batches per batch (``None``: 2 x stages). More micro-batches shrink the idle
-            bubble, ``(S - 1) / (M + S - 1)`` of each step, but each one is smaller and runs less efficiently; the
-            DataLoader's batch size must be at least this.
-        schedule: ``"1f1b"`` keeps at most ``S - s`` micro-batches of activations on stage ``s`` (the default);
-            ``"afab"`` (GPipe) runs all forwards first, which keeps all ``M`` and communicates less often;
-            ``"advance"`` sits between them with ``advance_forwards`` extra early forwards.
+        num_stages: processes per pipeline; ``None`` uses every device of the job.
+        num_microbatches: micro-batches per batch (``None``: 2 x stages): more shrink the bubble,
+            ``(S - 1) / (M + S - 1)`` of a step, but each is smaller and runs less efficiently.
+        schedule: ``"1f1b"`` keeps at most ``S - s`` micro-batches' activations on stage ``s`` (the default);
+            ``"afab"`` (GPipe) keeps all ``M``; ``"advance"`` sits between with ``advance_forwards`` early forwards.
         advance_forwards: early forwards on every stage but the last for ``schedule="advance"``; 0 is 1F1B.
             ``"auto"`` (the default) starts at 0 and raises k while iterations get faster beyond noise and
             ``memory_limit`` holds, then keeps it (the choice and why are logged).
-        memory_limit: the peak memory a stage may use when ``advance_forwards="auto"`` raises k: bytes, or a
-            fraction (<= 1) of the device's memory (of RAM on CPU).
+        memory_limit: a stage's peak for ``advance_forwards="auto"``: bytes, or a fraction (<= 1) of its memory.
         partition: ``"balanced"`` evens out profiled forward+backward time (``"parameters"`` without an
             ``example_input_array``); ``"parameters"`` parameter bytes; ``"uniform"`` layer counts; or a list of
             layer counts per stage, e.g. ``[3, 5]``.
@@ -527,8 +523,12 @@ class AvgPipeStrategy(ProcessStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """Every rank's optimizer state (and its replicas' weights when N·D > 1), gathered on rank 0."""
-        return ckpt.gather_optimizer_state(optimizer, self.pipeline, self.layout)
+        """The unsplit model's optimizer state, and every rank's replicas when N·D > 1, gathered on rank 0."""
+        return ckpt.gather_optimizer_state(optimizer, self.pipeline, self.layout, self._names())
+
+    def _names(self) -> ckpt.Names:
+        assert self._split is not None
+        return ckpt.Names(self._param_names, self._split.aliases, self._split.param_names)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -536,7 +536,7 @@ class AvgPipeStrategy(ProcessStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        note = ckpt.load_optimizer_states(self.optimizers, checkpoint, self.pipeline, self.layout)
+        note = ckpt.load_optimizer_states(self.optimizers, checkpoint, self.pipeline, self.layout, self._names())
         if note is not None:
             rank_zero_info(note)
         _optimizers_to_device(self.optimizers, self.root_device)

@@ -1,0 +1,110 @@
+"""A checkpoint that moves between layouts: the optimizer state is saved as the unsplit model's ``torch.optim`` state
+dict with parameter names, so plain Lightning on one device and AvgPipe under another layout resume it with their
+optimizer state."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_avgpipe import AvgPipeStrategy
+from tests.helpers.lit import PipeNet, loader
+from tests.test_strategy_equivalence import run_lightning
+
+STEPS = 4  # one epoch of 48 samples in batches of 12: a checkpoint at its end resumes exactly
+
+
+def _fit(root: Path, steps: int, ckpt: str | None = None, strategy: Any = None) -> tuple[pl.Trainer, PipeNet]:
+    torch.manual_seed(0)
+    model = PipeNet(optimizer="adam", lr=0.01)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        default_root_dir=str(root),
+        **({"strategy": strategy} if strategy is not None else {}),
+    )
+    trainer.fit(model, loader(), ckpt_path=ckpt)
+    return trainer, model
+
+
+@pytest.fixture(scope="module")
+def two_stage_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """STEPS steps on 2 stages (Adam), saved as one checkpoint."""
+    root = tmp_path_factory.mktemp("two_stages")
+    run_lightning(
+        root, 2, {"num_microbatches": 2, "partition": [3, 3]}, steps=STEPS, model={"optimizer": "adam", "lr": 0.01}
+    )
+    return root / "final.ckpt"
+
+
+def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_stages_resume_on_plain_lightning_and_on_one_stage(two_stage_checkpoint: Path, tmp_path: Path) -> None:
+    saved = torch.load(two_stage_checkpoint, weights_only=True)["optimizer_states"][0]
+    group = saved["param_groups"][0]
+    # the unsplit torch.optim form: every parameter once, in the model's order, named
+    assert group["param_names"] == [n for n, _ in PipeNet().named_parameters()]
+    assert group["params"] == list(range(len(group["param_names"])))
+    assert set(saved["state"]) == set(group["params"]) and "exp_avg" in saved["state"][0]
+    _, plain = _fit(tmp_path / "plain", 2 * STEPS)  # the uninterrupted run, plain Lightning
+
+    # plain Lightning (SingleDeviceStrategy) takes the checkpoint as it is: no KeyError 'param_groups'
+    trainer, resumed = _fit(tmp_path / "resumed", 2 * STEPS, str(two_stage_checkpoint))
+    state = trainer.optimizers[0].state_dict()
+    assert all(int(s["step"]) == 2 * STEPS for s in state["state"].values())  # Adam's count went on from 4
+    _close(resumed.state_dict(), plain.state_dict())
+
+    # AvgPipe on one process (S = 1): another layout, the optimizer state moved by name (exact: one model)
+    trainer, one_stage = _fit(
+        tmp_path / "one_stage", 2 * STEPS, str(two_stage_checkpoint), AvgPipeStrategy(num_microbatches=2)
+    )
+    assert all(int(s["step"]) == 2 * STEPS for s in trainer.optimizers[0].state_dict()["state"].values())
+    _close(one_stage.state_dict(), plain.state_dict())
+
+
+@pytest.mark.timeout(120)
+def test_a_plain_checkpoint_with_names_resumes_under_avgpipe(tmp_path: Path) -> None:
+    """Plain Lightning's checkpoint of an optimizer built from named parameters splits by name; without names the
+    refusal says how to get them."""
+    _, plain = _fit(tmp_path / "plain", 2 * STEPS)
+    torch.manual_seed(0)
+    model = PipeNet(optimizer="adam", lr=0.01)
+    model.configure_optimizers = lambda: torch.optim.Adam(model.named_parameters(), lr=0.01)  # type: ignore[method-assign]
+    first = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=STEPS,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=str(tmp_path / "first"),
+    )
+    first.fit(model, loader())
+    first.save_checkpoint(tmp_path / "named.ckpt")
+    _, resumed = _fit(
+        tmp_path / "resumed", 2 * STEPS, str(tmp_path / "named.ckpt"), AvgPipeStrategy(num_microbatches=2)
+    )
+    _close(resumed.state_dict(), plain.state_dict())
+
+    unnamed = tmp_path / "unnamed.ckpt"
+    trainer, _ = _fit(tmp_path / "unnamed", STEPS)
+    trainer.save_checkpoint(unnamed)
+    with pytest.raises(ValueError, match=r"names no parameters .* build the optimizer from\s+self.named_parameters"):
+        _fit(tmp_path / "refused", 2 * STEPS, str(unnamed), AvgPipeStrategy(num_microbatches=2))
