@@ -200,8 +200,8 @@ def load_optimizer_states(
                 f"AvgPipe: the checkpoint's layout {saved_layout or 'plain Lightning'} differs from {layout}; the "
                 "optimizer state moved to this layout by parameter name"
                 + (
-                    ", and every replica starts from the reference with the saved optimizer state (replica 0's): "
-                    "the replicas' spread and the averaging's state start anew."
+                    "; the replicas start from the reference, each with the saved (replica 0's) optimizer state, "
+                    "and their spread and the averaging's state start anew."
                     if not pipeline.elastic.trivial
                     else " (exact: one model per stage)."
                 )
