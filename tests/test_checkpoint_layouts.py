@@ -15,12 +15,21 @@ from lightning_avgpipe import AvgPipeStrategy
 from tests.helpers.lit import PipeNet, loader
 from tests.test_strategy_equivalence import run_lightning
 
-STEPS = 4  # one epoch of 48 samples in batches of 12: a checkpoint at its end resumes exactly
+STEPS = 4  # one epoch of 48 samples in batches of 12
+# every run reads the batches in the loader's order (a distributed strategy would otherwise shuffle them), and is
+# checkpointed by ModelCheckpoint during training (a save_checkpoint after fit stopped at max_steps does not resume
+# exactly, with or without this strategy)
+PLAIN_ORDER = {"use_distributed_sampler": False}
 
 
-def _fit(root: Path, steps: int, ckpt: str | None = None, strategy: Any = None) -> tuple[pl.Trainer, PipeNet]:
+def _fit(
+    root: Path, steps: int, ckpt: str | None = None, strategy: Any = None, named: bool = False
+) -> tuple[pl.Trainer, PipeNet]:
     torch.manual_seed(0)
     model = PipeNet(optimizer="adam", lr=0.01)
+    if named:  # an optimizer over named parameters: its state dict names them
+        model.configure_optimizers = lambda: torch.optim.Adam(model.named_parameters(), lr=0.01)  # type: ignore[method-assign]
+    every = pl.callbacks.ModelCheckpoint(dirpath=root / "every", every_n_train_steps=STEPS, save_top_k=-1)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
@@ -28,9 +37,10 @@ def _fit(root: Path, steps: int, ckpt: str | None = None, strategy: Any = None) 
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        enable_checkpointing=False,
+        callbacks=[every],
         num_sanity_val_steps=0,
         default_root_dir=str(root),
+        **PLAIN_ORDER,
         **({"strategy": strategy} if strategy is not None else {}),
     )
     trainer.fit(model, loader(), ckpt_path=ckpt)
@@ -41,10 +51,10 @@ def _fit(root: Path, steps: int, ckpt: str | None = None, strategy: Any = None) 
 def two_stage_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """STEPS steps on 2 stages (Adam), saved as one checkpoint."""
     root = tmp_path_factory.mktemp("two_stages")
-    run_lightning(
-        root, 2, {"num_microbatches": 2, "partition": [3, 3]}, steps=STEPS, model={"optimizer": "adam", "lr": 0.01}
-    )
-    return root / "final.ckpt"
+    strategy = {"num_microbatches": 2, "partition": [3, 3]}
+    model = {"optimizer": "adam", "lr": 0.01}
+    run_lightning(root, 2, strategy, steps=STEPS, model=model, every_n_train_steps=STEPS, trainer=PLAIN_ORDER)
+    return root / "every" / f"epoch=0-step={STEPS}.ckpt"
 
 
 def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -83,28 +93,12 @@ def test_a_plain_checkpoint_with_names_resumes_under_avgpipe(tmp_path: Path) -> 
     """Plain Lightning's checkpoint of an optimizer built from named parameters splits by name; without names the
     refusal says how to get them."""
     _, plain = _fit(tmp_path / "plain", 2 * STEPS)
-    torch.manual_seed(0)
-    model = PipeNet(optimizer="adam", lr=0.01)
-    model.configure_optimizers = lambda: torch.optim.Adam(model.named_parameters(), lr=0.01)  # type: ignore[method-assign]
-    first = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=STEPS,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        default_root_dir=str(tmp_path / "first"),
-    )
-    first.fit(model, loader())
-    first.save_checkpoint(tmp_path / "named.ckpt")
-    _, resumed = _fit(
-        tmp_path / "resumed", 2 * STEPS, str(tmp_path / "named.ckpt"), AvgPipeStrategy(num_microbatches=2)
-    )
+    _fit(tmp_path / "named", STEPS, named=True)
+    named = tmp_path / "named" / "every" / f"epoch=0-step={STEPS}.ckpt"
+    _, resumed = _fit(tmp_path / "resumed", 2 * STEPS, str(named), AvgPipeStrategy(num_microbatches=2))
     _close(resumed.state_dict(), plain.state_dict())
 
-    unnamed = tmp_path / "unnamed.ckpt"
-    trainer, _ = _fit(tmp_path / "unnamed", STEPS)
-    trainer.save_checkpoint(unnamed)
+    _fit(tmp_path / "unnamed", STEPS)
+    unnamed = tmp_path / "unnamed" / "every" / f"epoch=0-step={STEPS}.ckpt"
     with pytest.raises(ValueError, match=r"names no parameters .* build the optimizer from\s+self.named_parameters"):
         _fit(tmp_path / "refused", 2 * STEPS, str(unnamed), AvgPipeStrategy(num_microbatches=2))
