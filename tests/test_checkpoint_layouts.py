@@ -102,3 +102,19 @@ def test_a_plain_checkpoint_with_names_resumes_under_avgpipe(tmp_path: Path) -> 
     unnamed = tmp_path / "unnamed" / "every" / f"epoch=0-step={STEPS}.ckpt"
     with pytest.raises(ValueError, match=r"names no parameters .* build the optimizer from\s+self.named_parameters"):
         _fit(tmp_path / "refused", 2 * STEPS, str(unnamed), AvgPipeStrategy(num_microbatches=2))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ddp_resumes_a_two_stage_checkpoint(two_stage_checkpoint: Path, tmp_path: Path) -> None:
+    """strategy="ddp" on 2 processes loads the one-device optimizer state on every rank and trains on from it."""
+    results = run_lightning(
+        tmp_path,
+        2,
+        "ddp",
+        steps=STEPS + 2,
+        model={"optimizer": "adam", "lr": 0.01},
+        ckpt_path=str(two_stage_checkpoint),
+    )
+    for r in results:
+        assert r["optimizer_steps"] == [STEPS + 2] and len(r["losses"]) == 2

@@ -107,12 +107,13 @@ def test_bad_microbatch_count() -> None:
         AvgPipeStrategy(num_microbatches=0)
 
 
-def test_16_mixed_is_refused() -> None:
-    """fp16 with a GradScaler would scale only the last stage's loss (on CPU, Lightning maps "16-mixed" to bf16)."""
+def test_16_mixed_with_replicas_is_refused() -> None:
+    """The scaler unscales one model per stage; elastic replicas would be left scaled (on CPU, Lightning maps
+    precision="16-mixed" to bf16, so the plugin is given explicitly)."""
     from lightning.pytorch.plugins.precision import MixedPrecision
 
-    with pytest.raises(ValueError, match="precision='16-mixed' is not supported.*bf16-mixed"):
-        fit(PipeNet(), plugins=[MixedPrecision("16-mixed", "cpu")])
+    with pytest.raises(ValueError, match="precision='16-mixed' with replicas .* not supported.*averaging='exact'"):
+        fit(PipeNet(), plugins=[MixedPrecision("16-mixed", "cpu")], num_pipelines=2)
 
 
 def test_dict_batch_needs_pipeline_inputs() -> None:

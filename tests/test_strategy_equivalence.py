@@ -16,7 +16,7 @@ GLOO_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop")  # gloo's collective workers
 
 
 def run_lightning(
-    tmp_path: Path, devices: int, strategy: dict[str, Any], steps: int = 4, **extra: Any
+    tmp_path: Path, devices: int, strategy: dict[str, Any] | str, steps: int = 4, **extra: Any
 ) -> list[dict[str, Any]]:
     cfg = {"out": str(tmp_path), "devices": devices, "steps": steps, "strategy": strategy, **extra}
     results = launch_ranks(["-m", "tests.helpers.lightning_worker", json.dumps(cfg)], devices, timeout=300)

@@ -10,6 +10,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_avgpipe.plugin import compat
+from lightning_avgpipe.plugin.precision import PipelineMixedPrecision
 
 if TYPE_CHECKING:
     from lightning_avgpipe.plugin.strategy import AvgPipeStrategy
@@ -20,6 +21,13 @@ def reconfigure(strategy: AvgPipeStrategy, changes: dict[str, Any], keep_optimiz
     old, strategy.config = strategy.config, replace(strategy.config, **changes)
     pipeline = strategy._pipeline
     if pipeline is not None:
+        if isinstance(strategy.precision_plugin, PipelineMixedPrecision) and not pipeline.one_model(strategy.config):
+            strategy.config = old
+            raise ValueError(
+                f"reconfigure to num_pipelines={changes.get('num_pipelines', old.num_pipelines)} with elastic "
+                "averaging under precision='16-mixed': the loss scaler unscales one model per stage; use "
+                "averaging='exact'."
+            )
         if keep_optimizers and not (pipeline.one_model(old) and pipeline.one_model(strategy.config)):
             strategy.config = old
             raise ValueError(

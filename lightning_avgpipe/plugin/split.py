@@ -189,18 +189,20 @@ def shared_across_stages(
     return dict(sorted(ties.items()))
 
 
-def check_supported(module: Any, precision_plugin: Any) -> None:
-    """Refuse what the strategy cannot train: manual optimization, and ``16-mixed``'s loss scaling."""
+def check_supported(module: Any, precision_plugin: Any, one_model: bool = True) -> None:
+    """Refuse what the strategy cannot train: manual optimization, and ``16-mixed`` with replicas."""
     if not module.automatic_optimization:
         raise PipelineContractError(
             f"{type(module).__name__} uses manual optimization (automatic_optimization=False), which "
             "strategy='avgpipe' does not support: the strategy runs backward itself. Use automatic optimization."
         )
     plugin = precision_plugin
-    if isinstance(plugin, MixedPrecision) and (plugin.precision == "16-mixed" or plugin.scaler is not None):
+    scaled = isinstance(plugin, MixedPrecision) and (plugin.precision == "16-mixed" or plugin.scaler is not None)
+    if scaled and not one_model:
         raise ValueError(
-            "precision='16-mixed' is not supported by strategy='avgpipe': its loss scaler sees only the last "
-            "stage's loss. Use precision='bf16-mixed' (no loss scaling needed) or '32-true'."
+            "precision='16-mixed' with replicas (num_pipelines x pipeline groups > 1 and averaging='elastic') is not "
+            "supported by strategy='avgpipe': the loss scaler would unscale the reference, not the replicas. Use "
+            "averaging='exact', precision='bf16-mixed' (no loss scaling needed) or '32-true'."
         )
 
 

@@ -34,6 +34,7 @@ from lightning_avgpipe.plugin.compat import (
 from lightning_avgpipe.plugin.contract import check_forward, pipeline_inputs, pipeline_layers
 from lightning_avgpipe.plugin.data import GroupedBatches
 from lightning_avgpipe.plugin.gradients import GradStash, install_clipping
+from lightning_avgpipe.plugin.precision import for_pipeline, loss_scale_of
 from lightning_avgpipe.plugin.process import ProcessStrategy
 from lightning_avgpipe.plugin.reconfigure import reconfigure
 from lightning_avgpipe.plugin.split import (
@@ -74,13 +75,11 @@ class AvgPipeStrategy(ProcessStrategy):
         num_pipelines: N parallel pipelines: every stage holds N replicas, each training on its own batch of the
             DataLoader's size B (an iteration carries N x M micro-batches, a smaller bubble), combined by
             ``averaging``. 1 is plain pipeline training.
-        averaging: how the N batches of a step (and the D pipeline groups) combine. ``"elastic"``: the paper's
-            rule above. ``"exact"``: one model; the N x D batches train as one batch of N x D x B (gradients
-            averaged, one optimizer step, no replicas): plain large-batch training without changing your
-            DataLoader, and the control each averaging option is measured against (docs/strategy.md#averaging).
+        averaging: how the N batches of a step (and the D pipeline groups) combine: ``"elastic"``, the paper's
+            rule, or ``"exact"``: one model, the N x D batches as one batch of N x D x B (docs/strategy.md#averaging).
         outer_lr: elastic averaging's outer optimizer: the reference moves by ``outer_lr`` times the mean update
-            (or its momentum). 1.0 is the paper's rule; DiLoCo's preset is 0.7.
-        outer_momentum: the outer optimizer's Nesterov momentum in [0, 1); 0.0 is the paper's rule, DiLoCo uses 0.9.
+            (or its momentum). 1.0 and 0.0 are the paper's rule; DiLoCo's preset is 0.7 and 0.9.
+        outer_momentum: the outer optimizer's Nesterov momentum in [0, 1).
         averaging_period: H, the local steps every replica takes between elastic pulls and reference updates; the
             all-reduce between pipeline groups then runs every H steps. 1 is the paper's rule.
         elastic_alpha: how far each replica moves toward the reference per step (at most 1); ``None``: 1/(N x D).
@@ -91,8 +90,7 @@ class AvgPipeStrategy(ProcessStrategy):
             larger operations for micro-batches too small to keep a device busy; layers without buffers).
         p2p: ``"eager"`` posts each receive one compute early (best on gloo); ``"batched"`` issues each run of
             communication as one ``batch_isend_irecv`` group (NCCL needs it); ``"auto"`` picks by backend.
-        trace_dir: a folder for timelines of the steps in ``trace_steps``: ``step<N>.json`` (Chrome trace, for
-            Perfetto) and ``step<N>.png`` (a Gantt chart).
+        trace_dir: a folder for timelines of the steps in ``trace_steps`` (Chrome-trace JSON and a PNG Gantt chart).
         trace_steps: the training steps (``global_step``) to trace.
         p2p_timeout: seconds a stage waits, after the first training step, for a neighbour before the job fails
             naming it; raise it if one step of a stage legitimately takes longer.
@@ -309,7 +307,8 @@ class AvgPipeStrategy(ProcessStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         assert module is not None and self.model is not None
-        check_supported(module, self.precision_plugin)
+        check_supported(module, self.precision_plugin, self.config.exact or self.num_pipelines * self.num_groups == 1)
+        self.precision_plugin = for_pipeline(self.precision_plugin)
         if self._split is None:
             self._split_module(module)
         else:  # a second fit/validate with this strategy
@@ -425,6 +424,7 @@ class AvgPipeStrategy(ProcessStrategy):
                 divergence=not pipeline.elastic.trivial and compat.writes_logs(trainer),
                 noise=compat.writes_logs(trainer) or compat.every(trainer.global_step, self.noise_every),
                 param_names=self._param_names,
+                loss_scale=loss_scale_of(self.precision_plugin),
             )
         assert self._results is not None
         if result.loss is not None:  # the last stage

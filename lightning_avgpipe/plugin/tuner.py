@@ -19,6 +19,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_avgpipe.checks import is_int, is_number
+from lightning_avgpipe.plugin.precision import PipelineMixedPrecision
 from lightning_avgpipe.plugin.profiling import tune
 from lightning_avgpipe.plugin.resume import resuming_from
 from lightning_avgpipe.plugin.retune import Retuner, check_retunable
@@ -163,8 +164,8 @@ class AvgPipeTuner(Callback):
             return
         started = time.perf_counter()
         base = (strategy.num_microbatches, strategy.num_pipelines, strategy.config.averaging)
-        if self.retuner is not None:
-            averaging = ["exact"]
+        if self.retuner is not None or isinstance(strategy.precision_plugin, PipelineMixedPrecision):
+            averaging = ["exact"]  # one model per stage: its optimizer survives a new N, its scaler unscales it
         elif self.averaging is not None:
             averaging = check_averaging(self.averaging)
         else:

@@ -58,6 +58,7 @@ class StageExecutor:
         trace: StepTrace | None = None,
         meter: ActivationMeter | None = None,
         after_backward: Callable[[int], None] | None = None,
+        loss_scale: Any = None,
     ) -> dict[int, Any]:
         """Run ``actions`` for units ``0..len(keys)-1``.
 
@@ -149,8 +150,8 @@ class StageExecutor:
                         grads = link.wait_grads(u)
                         note("wait", u, t0, clock())
                     t1 = clock()
-                    if self.is_last:
-                        torch.autograd.backward(outs)
+                    if self.is_last:  # with loss scaling (16-mixed) every gradient of the pipeline is scaled
+                        torch.autograd.backward(outs if loss_scale is None else [o * loss_scale for o in outs])
                     elif outs:
                         torch.autograd.backward(outs, grads)
                     if not self.is_first:

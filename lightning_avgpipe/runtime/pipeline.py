@@ -147,6 +147,7 @@ class StagePipeline:
         self._bounds_link_timeout = True
         self.ties = tuple(ties)
         self.noise_scale = NoiseScale()  # B_simple, smoothed over the steps that measure it (train_step(noise=True))
+        self._loss_scale: Any = None
         self._make_replicas()
 
     # -- what it holds -------------------------------------------------------------------------------------------
@@ -342,6 +343,7 @@ class StagePipeline:
         noise: bool = False,
         param_names: Mapping[int, str] | None = None,
         key: str = "training_step",
+        loss_scale: Any = None,
     ) -> StepResult:
         """Run one iteration: replica n trains on ``batches[n]``; gradients land in each replica's ``.grad``.
 
@@ -361,6 +363,8 @@ class StagePipeline:
             noise: also measure the gradient noise (collective over the job; with ``accumulate`` 1 only).
             param_names: ``id(reference parameter) -> name`` for errors about non-finite gradients.
             key: a name that keeps this step's transfer metadata apart from other kinds of step.
+            loss_scale: multiply every unit's loss by it before its backward (16-mixed's loss scale), so every
+                stage's gradients are scaled; an overflow is then the scaler's to handle, not an error here.
 
         Raises:
             FloatingPointError: a loss (last stage) or a gradient (any stage) is not finite; names the stage,
@@ -395,6 +399,7 @@ class StagePipeline:
             params = [self.elastic.replica_params(n) for n in range(replicas)] if replicas > 1 else [self.params]
             sizes = [microbatch.batch_size(mb) for mb in micro]
             probe = GradientProbe(params, sizes, owner, skip=self.uncounted_params)
+        self._loss_scale = loss_scale
         if self.batched is not None:
             results = self._run_batched(
                 key, micro, weights, owner, loss_fn, inputs, accumulate, forward_context, trace, meter
@@ -416,6 +421,7 @@ class StagePipeline:
                 trace=trace,
                 meter=meter,
                 after_backward=probe.after_backward if probe is not None else None,
+                loss_scale=loss_scale,
             )
         if self.ties:
             self._tied.sum(replicas, before, self.device)
@@ -426,7 +432,7 @@ class StagePipeline:
             self.noise_scale.update(norms)
         if exact and self.topology.num_groups > 1:  # the D groups' gradients: one batch of D x N x B
             average_gradients(self.params, self.topology.stage_group, self.topology.num_groups, self.device)
-        self.check_finite(results, param_names)
+        self.check_finite(results, param_names, gradients=loss_scale is None)
         if self.link is not None and self._bounds_link_timeout:
             self.link.timeout = self.config.p2p_timeout  # the first step may be slow; later ones are bounded
         loss = None
@@ -478,6 +484,7 @@ class StagePipeline:
             stage_fn_for=lambda m: batched,
             trace=trace,
             meter=meter,
+            loss_scale=self._loss_scale,
         )
         batched.finish()
         return results
@@ -487,8 +494,11 @@ class StagePipeline:
         """Ids of the shared weights' copies a global gradient norm must not count on this stage."""
         return self._tied.uncounted()
 
-    def check_finite(self, results: Mapping[int, Any], param_names: Mapping[int, str] | None = None) -> None:
-        """Fail, naming stage, replica and where, on a non-finite loss (last stage) or gradient (every stage)."""
+    def check_finite(
+        self, results: Mapping[int, Any], param_names: Mapping[int, str] | None = None, gradients: bool = True
+    ) -> None:
+        """Fail, naming stage, replica and where, on a non-finite loss (last stage) or gradient (every stage; not
+        with ``gradients=False``: under loss scaling an overflow skips the step instead)."""
         where = f"stage {self.stage} (rank {self.topology.rank})"
         fix = "lower the learning rate, clip gradients (Trainer(gradient_clip_val=...)) or check the data"
         if results:
@@ -496,7 +506,7 @@ class StagePipeline:
             if not bool(torch.isfinite(losses).all()):
                 units = [u for u, r in results.items() if not bool(torch.isfinite(r))]
                 raise FloatingPointError(f"{where}: the loss of unit(s) {units} is not finite; {fix}.")
-        grads = [p.grad for p in self._params]
+        grads = [p.grad for p in self._params] if gradients else []
         present = [g for g in grads if g is not None]
         if not present or bool(torch.isfinite(torch.stack(torch._foreach_norm(present))).all()):
             return

@@ -45,9 +45,29 @@ class Fault(pl.Callback):
             return (args[0] * float("nan"),) if isinstance(args[0], torch.Tensor) else args
 
         strategy = trainer.strategy
+        if self.kind == "inf_grad":  # an overflow in this stage's first weight's gradient, this step only
+            weight = next(strategy.stage_layers[0].parameters())
+            self.handle = weight.register_hook(lambda g: g * float("inf"))
+            return
         firsts = {id(m): m for m in [strategy.stage_layers[0], *(layers[0] for layers in strategy.elastic.replicas)]}
         for layer in firsts.values():  # the reference and every replica's copy of this rank's first layer
             layer.register_forward_pre_hook(nan if self.kind == "nan" else fail)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        handle = getattr(self, "handle", None)
+        if handle is not None:
+            handle.remove()
+            self.handle = None
+
+
+class ScaleRecorder(pl.Callback):
+    """The loss scale after every optimizer step (``result["scales"]``)."""
+
+    def __init__(self) -> None:
+        self.scales: list[float] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.scales.append(float(trainer.precision_plugin.scaler.get_scale()))  # type: ignore[attr-defined]
 
 
 class SetupFault(pl.Callback):
@@ -104,7 +124,7 @@ def main(cfg: dict[str, Any]) -> None:
     trainer_kwargs = dict(
         accelerator="cpu",
         devices=cfg["devices"],
-        strategy=AvgPipeStrategy(**cfg["strategy"]),
+        strategy="ddp" if cfg["strategy"] == "ddp" else AvgPipeStrategy(**cfg["strategy"]),
         max_steps=cfg["steps"],
         logger=False,
         enable_progress_bar=False,
@@ -136,6 +156,11 @@ def main(cfg: dict[str, Any]) -> None:
     if cfg.get("setup_fault"):
         trainer_kwargs["callbacks"].append(SetupFault(**cfg["setup_fault"]))
     trainer_kwargs.update(cfg.get("trainer", {}))
+    if cfg.get("fp16"):  # float16 autocast with a GradScaler on CPU (precision="16-mixed" maps to bf16 there)
+        from lightning.pytorch.plugins.precision import MixedPrecision
+
+        trainer_kwargs["plugins"] = [MixedPrecision("16-mixed", "cpu")]
+        trainer_kwargs["callbacks"].append(ScaleRecorder())
     bs = cfg.get("batch_size", 12)
     if cfg.get("group_data"):
         trainer_kwargs["use_distributed_sampler"] = False
@@ -162,10 +187,16 @@ def main(cfg: dict[str, Any]) -> None:
         "rank": trainer.global_rank,
         "preds": torch.cat(preds).tolist() if preds else None,
     }
+    scales = [c for c in trainer.callbacks if isinstance(c, ScaleRecorder)]  # type: ignore[attr-defined]
+    if scales:
+        result["scales"] = scales[0].scales
     strategy = trainer.strategy
-    assert isinstance(strategy, AvgPipeStrategy)
-    result["setting"] = [strategy.num_microbatches, strategy.num_pipelines]
-    result["averaging"] = strategy.config.averaging
+    if isinstance(strategy, AvgPipeStrategy):
+        result["setting"] = [strategy.num_microbatches, strategy.num_pipelines]
+        result["averaging"] = strategy.config.averaging
+    else:  # strategy="ddp": Adam's step count on this rank (a resume must carry it on)
+        result["optimizer_steps"] = sorted({int(s["step"]) for s in trainer.optimizers[0].state.values()})
+        torch.distributed.destroy_process_group()  # Lightning leaves gloo's groups to exit; a DDP user ends them
     if tuner is not None:
         result["tuner"] = {
             "choice": tuner.choice.to_dict() if tuner.choice is not None else None,

@@ -1,0 +1,76 @@
+"""precision "16-mixed" (float16 autocast and a GradScaler, here on CPU): one loss scale for the whole pipeline."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_avgpipe import microbatch
+from lightning_avgpipe.plugin.precision import agree_on_overflow
+from tests.helpers.lit import epoch_batches
+from tests.helpers.models import make_layers
+from tests.test_strategy_equivalence import final_state, run_lightning
+
+STEPS, M = 4, 2
+
+
+def fp16_reference(steps: int, m: int, overflow_at: int | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """PipeNet's layers in one process: float16 autocast around forward and loss, the loss scaled per micro-batch,
+    SGD through ``torch.amp.GradScaler("cpu")``; ``overflow_at``: that step's first weight gets an inf gradient."""
+    layers = nn.Sequential(*make_layers())
+    opt = torch.optim.SGD(layers.parameters(), lr=0.1, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu")
+    batches = epoch_batches(0) + epoch_batches(1)
+    scales = []
+    for step in range(steps):
+        x, y = batches[step]
+        handle = layers[0].weight.register_hook(lambda g: g * float("inf")) if step == overflow_at else None
+        for mx, my in zip(microbatch.split(x, m), microbatch.split(y, m)):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.cross_entropy(layers(mx), my) * (len(mx) / len(x))
+            scaler.scale(loss).backward()
+        if handle is not None:
+            handle.remove()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        scales.append(float(scaler.get_scale()))
+    return scales, {f"layers.{k}": v for k, v in layers.state_dict().items()}
+
+
+def test_one_overflow_flag_for_the_job() -> None:
+    """One process: the flag the scaler recorded is kept; a stage without gradients gets a flag to step by."""
+    w = nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    (scaler.scale(w.sum()) * float("inf")).backward()
+    scaler.unscale_(opt)
+    assert agree_on_overflow(scaler, opt) == 1.0
+    empty = torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1)  # no gradient: unscale_ records nothing
+    scaler.unscale_(empty)
+    assert agree_on_overflow(scaler, empty) == 0.0
+    scaler.step(empty)  # would raise "No inf checks were recorded" without the flag
+    scaler.update()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("overflow_rank", [None, 0])
+def test_16_mixed_matches_one_process_and_an_overflow_skips_every_rank(
+    tmp_path: Path, overflow_rank: int | None
+) -> None:
+    """Two stages: the weights equal one process with the same scaler; an inf gradient on stage 0 only at step 1
+    skips that step on both stages and halves the scale on both."""
+    fault = {"fault": {"rank": overflow_rank, "step": 1, "kind": "inf_grad"}} if overflow_rank is not None else {}
+    results = run_lightning(tmp_path, 2, {"num_microbatches": M, "partition": [3, 3]}, steps=STEPS, fp16=True, **fault)
+    scales, ref_state = fp16_reference(STEPS, M, overflow_at=1 if overflow_rank is not None else None)
+    assert results[0]["scales"] == results[1]["scales"] == scales  # one scale on every rank, as in one process
+    if overflow_rank is not None:
+        assert scales[1] == scales[0] / 2  # the skipped step backed off
+    state = final_state(tmp_path)
+    for key, value in ref_state.items():
+        torch.testing.assert_close(state[key], value, msg=lambda msg, key=key: f"{key}: {msg}")
