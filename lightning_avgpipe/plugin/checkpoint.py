@@ -196,6 +196,7 @@ def load_optimizer_states(
             continue
         load_by_name(compat.unwrap_optimizer(optimizer), state, pipeline, names.local, names.aliases)
         if saved_layout != layout:
+            had_replicas = any("optim" in e for e in state.get("avgpipe_ranks", []))
             note = (
                 f"AvgPipe: the checkpoint's layout {saved_layout or 'plain Lightning'} differs from {layout}; the "
                 "optimizer state moved to this layout by parameter name"
@@ -203,6 +204,8 @@ def load_optimizer_states(
                     "; the replicas start from the reference, each with the saved (replica 0's) optimizer state, "
                     "and their spread and the averaging's state start anew."
                     if not pipeline.elastic.trivial
+                    else " from replica 0's state: not exact, the other replicas' states are left behind."
+                    if had_replicas
                     else " (exact: one model per stage)."
                 )
             )
