@@ -21,9 +21,8 @@ pytestmark = pytest.mark.slow
     [
         (2, 0, {"strategy": {"num_microbatches": 2, "partition": [2, 5]}}),  # rank 0 decides the partition
         (2, 1, {"setup_fault": {"rank": 1}}),
-        (4, 0, {"setup_fault": {"rank": 0}}),  # the rendezvous store's host
     ],
-    ids=["S2-partition-rank0", "S2-setup-rank1", "S4-setup-rank0"],
+    ids=["S2-partition-rank0", "S2-setup-rank1"],  # (S4 with rank 0 failing in setup left for CI time)
 )
 def test_a_rank_failing_in_setup_is_named_by_every_rank(world: int, failing: int, cfg: dict) -> None:
     """The others were waiting in a collective (a barrier, the partition's broadcast): their errors name the rank

@@ -51,7 +51,6 @@ def assert_matches(tmp_path: Path, results: list[dict[str, Any]], m: int, steps:
         (2, {"num_microbatches": 4, "schedule": "1f1b", "partition": [3, 3]}),
         (2, {"num_microbatches": 3, "schedule": "afab", "partition": [1, 5]}),
         (4, {"num_microbatches": 4, "schedule": "1f1b", "partition": [1, 2, 2, 1]}),
-        (4, {"num_microbatches": 6, "schedule": "afab", "partition": "uniform"}),
         (
             4,
             {
@@ -63,7 +62,8 @@ def assert_matches(tmp_path: Path, results: list[dict[str, Any]], m: int, steps:
             },
         ),
     ],
-    ids=["S2-1f1b-even", "S2-afab-uneven", "S4-1f1b-uneven", "S4-afab-uniform", "S4-advance-batched-p2p"],
+    # (S4 with AFAB and a uniform partition left for CI time: test_runtime_equivalence runs AFAB on 4 stages)
+    ids=["S2-1f1b-even", "S2-afab-uneven", "S4-1f1b-uneven", "S4-advance-batched-p2p"],
 )
 def test_equivalence(tmp_path: Path, devices: int, strategy: dict[str, Any]) -> None:
     results = run_lightning(tmp_path, devices, strategy)

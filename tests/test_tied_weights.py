@@ -36,7 +36,6 @@ def _assert_matches(tmp_path: Path, results: list[dict[str, Any]], steps: int, m
         (2, {"num_microbatches": 3, "schedule": "1f1b", "partition": [2, 2]}),
         (2, {"num_microbatches": 3, "schedule": "1f1b", "partition": [1, 3], "num_pipelines": 2}),
         (2, {"num_microbatches": 4, "schedule": "advance", "advance_forwards": 2, "partition": [3, 1]}),
-        (4, {"num_microbatches": 4, "schedule": "1f1b", "partition": [1, 1, 1, 1]}),
         (
             4,
             {
@@ -48,7 +47,7 @@ def _assert_matches(tmp_path: Path, results: list[dict[str, Any]], steps: int, m
             },
         ),
     ],
-    ids=["S2-1f1b", "S2-N2", "S2-advance", "S4-1f1b", "S4-advance-N2"],
+    ids=["S2-1f1b", "S2-N2", "S2-advance", "S4-advance-N2"],  # (S4 with 1F1B left for CI time)
 )
 def test_tied_embedding_and_head_match_single_process_training(
     tmp_path: Path, devices: int, strategy: dict[str, Any]
