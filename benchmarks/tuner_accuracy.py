@@ -473,7 +473,7 @@ def analyse(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         "drift_by_third": thirds,
         "repeatability_per_round": repeat_spread,
         "repeatability_median": statistics.median(repeat_spread) if repeat_spread else None,
-        "again_objective": getattr(args, "again_objective", "throughput"),
+        "again_objective": args.again_objective,
     }
     summary["targets"] = {
         "median_time_error": {

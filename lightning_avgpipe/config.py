@@ -147,5 +147,9 @@ class PipelineConfig:
         """Whether the N batches of a step train one model as one batch (``averaging="exact"``)."""
         return self.averaging == "exact"
 
+    def one_model(self, num_groups: int) -> bool:
+        """Whether each stage trains one model (exact averaging, or N·D = 1 with ``num_groups`` = D): no replicas."""
+        return self.exact or self.num_pipelines * num_groups == 1
+
     def microbatches_for(self, num_stages: int) -> int:
         return self.num_microbatches if self.num_microbatches is not None else 2 * num_stages

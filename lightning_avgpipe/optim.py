@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -84,7 +84,7 @@ class ElasticOptimizer(Optimizer):
                 loss = closure()
         user_groups = self.user.param_groups
         for opt in self.replicas:  # by the user's group each clone group came from (groups empty here are left out)
-            for index, dst in zip(_source_groups(opt), opt.param_groups):
+            for index, dst in zip(source_groups(opt), opt.param_groups):
                 dst.update({k: v for k, v in user_groups[index].items() if k != "params"})
         self.elastic.begin_step()
         for opt in self.replicas:
@@ -105,7 +105,7 @@ class ElasticOptimizer(Optimizer):
             mapped = [replica[position[id(p)]] for p in added["params"] if id(p) in position]
             if mapped:
                 opt.add_param_group({**{k: v for k, v in added.items() if k != "params"}, "params": mapped})
-                _source_groups(opt).append(index)
+                source_groups(opt).append(index)
 
     def state_dict(self) -> dict[str, Any]:
         return {"replicas": [opt.state_dict() for opt in self.replicas], "user_param_groups": _groups(self.user)}
@@ -120,7 +120,7 @@ class ElasticOptimizer(Optimizer):
         return f"ElasticOptimizer({type(self.user).__name__} x {len(self.replicas)} replicas)"
 
 
-def _source_groups(clone: Optimizer) -> list[int]:
+def source_groups(clone: Optimizer) -> list[int]:
     """The user's group index of each of ``clone``'s groups (positional for a clone not made here)."""
     source = getattr(clone, "_avgpipe_source_groups", None)
     if source is None:
@@ -130,4 +130,9 @@ def _source_groups(clone: Optimizer) -> list[int]:
 
 
 def _groups(optimizer: Optimizer) -> list[dict[str, Any]]:
-    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    return [hyperparameters(g) for g in optimizer.param_groups]
+
+
+def hyperparameters(group: Mapping[str, Any]) -> dict[str, Any]:
+    """A param group without its parameters (``"params"``, and ``"param_names"`` where torch keeps them)."""
+    return {k: v for k, v in group.items() if k not in ("params", "param_names")}

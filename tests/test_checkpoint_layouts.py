@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lightning_avgpipe import AvgPipeStrategy
-from tests.helpers.lit import PipeNet, loader
+from tests.helpers.lit import PipeNet, loader, quiet_trainer
 from tests.test_strategy_equivalence import run_lightning
 
 STEPS = 4  # one epoch of 48 samples in batches of 12
@@ -30,18 +30,8 @@ def _fit(
     if named:  # an optimizer over named parameters: its state dict names them
         model.configure_optimizers = lambda: torch.optim.Adam(model.named_parameters(), lr=0.01)  # type: ignore[method-assign]
     every = pl.callbacks.ModelCheckpoint(dirpath=root / "every", every_n_train_steps=STEPS, save_top_k=-1)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[every],
-        num_sanity_val_steps=0,
-        default_root_dir=str(root),
-        **PLAIN_ORDER,
-        **({"strategy": strategy} if strategy is not None else {}),
+    trainer = quiet_trainer(
+        root, max_steps=steps, callbacks=[every], **PLAIN_ORDER, **({"strategy": strategy} if strategy else {})
     )
     trainer.fit(model, loader(), ckpt_path=ckpt)
     return trainer, model

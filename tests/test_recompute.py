@@ -11,16 +11,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_avgpipe import microbatch
 from lightning_avgpipe.config import PipelineConfig
-from lightning_avgpipe.runtime import Link, StageExecutor
 from lightning_avgpipe.runtime.pipeline import StagePipeline
 from lightning_avgpipe.runtime.recompute import check_matches, layer_mask, stage_function
 from lightning_avgpipe.runtime.topology import Topology
-from lightning_avgpipe.schedules import build_plan, validate_plan
 from tests.helpers.distributed import run_distributed
-from tests.helpers.models import make_batch, make_layers
-from tests.test_runtime_equivalence import STEPS, reference
+from tests.helpers.models import make_batch
+from tests.test_runtime_equivalence import _cases_worker, reference
 from tests.test_strategy_equivalence import assert_matches, run_lightning
 
 
@@ -50,10 +47,10 @@ def _train(spec: Any, steps: int = 3) -> tuple[list[torch.Tensor], int, list[boo
 def test_checkpointing_trains_the_same_to_the_bit_and_keeps_less() -> None:
     plain, plain_peak, mask = _train(False)
     assert mask == [False] * 4
-    for spec, expected in ((True, [True] * 4), (["Sequential"], [False, True, True, False]), ([nn.Sequential], None)):
+    middle = [False, True, True, False]
+    for spec, expected in ((True, [True] * 4), (["Sequential"], middle), ([nn.Sequential], middle)):
         weights, peak, mask = _train(spec)
-        if expected is not None:
-            assert mask == expected
+        assert mask == expected
         for a, b in zip(weights, plain):  # dropout included: the recomputation replays the RNG state
             torch.testing.assert_close(a, b, rtol=0, atol=0)
         assert peak < plain_peak, (spec, peak, plain_peak)
@@ -89,43 +86,17 @@ def test_bad_specs_and_layers_are_named() -> None:
         assert isinstance(fn(torch.randn(3, 2)), dict)
 
 
-def _worker(rank: int, world: int, schedule: str, partition: list[int], m: int, spec: Any, k: int = 0) -> dict:
-    layers = make_layers()
-    start = sum(partition[:rank])
-    own = layers[start : start + partition[rank]]
-    params = [p for layer in own for p in layer.parameters()]
-    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9) if params else None
-    link = Link(rank - 1 if rank > 0 else None, rank + 1 if rank < world - 1 else None, torch.device("cpu"))
-    executor = StageExecutor(rank, world, stage_function(own, layer_mask(own, spec)), link)
-    plan = validate_plan(build_plan(schedule, world, m, k))
-    losses = []
-    for step in range(STEPS):
-        x, y = make_batch(step)
-        mbs = microbatch.split((x, y), m)
-        keys = [microbatch.signature(mb) for mb in mbs]
-
-        def head(u: int, out: torch.Tensor, mbs: list = mbs, n: int = len(y)) -> torch.Tensor:
-            return F.cross_entropy(out, mbs[u][1]) * (len(mbs[u][1]) / n)
-
-        if opt:
-            opt.zero_grad()
-        results = executor.run(plan.stages[rank], keys, training=True, inputs=lambda u, mbs=mbs: mbs[u][0], head=head)
-        if opt:
-            opt.step()
-        losses.append(sum(r.item() for r in results.values()))
-    return {"losses": losses, "states": {start + i: layer.state_dict() for i, layer in enumerate(own)}}
-
-
-def _cases(rank: int, world: int, cases: list[tuple]) -> list[dict]:
-    return [_worker(rank, world, *case) for case in cases]
-
-
 @pytest.mark.timeout(120)
 def test_two_stages_with_checkpointing_match_plain_training() -> None:
     """Every layer (tuples and an int tensor cross the checkpointed Fork and Join), or the Linear layers only, under
     1F1B, AFAB and advance forwards."""
-    cases = [("1f1b", [3, 3], 4, True), ("afab", [1, 5], 3, ("Linear",)), ("advance", [3, 3], 4, True, 2)]
-    got = run_distributed(_cases, 2, cases, timeout=100)
+    # test_runtime_equivalence's cases: (schedule, partition, M, batch sizes, batched p2p, k, checkpointing)
+    cases = [
+        ("1f1b", [3, 3], 4, None, False, 0, True),
+        ("afab", [1, 5], 3, None, False, 0, ("Linear",)),
+        ("advance", [3, 3], 4, None, False, 2, True),
+    ]
+    got = run_distributed(_cases_worker, 2, cases, timeout=100)
     for index, case in enumerate(cases):
         ref_losses, ref_states = reference(case[2])
         torch.testing.assert_close(torch.tensor(got[1][index]["losses"]), torch.tensor(ref_losses))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from torch import nn
 
 from lightning_avgpipe import microbatch
 from lightning_avgpipe.runtime import Link, StageExecutor
+from lightning_avgpipe.runtime.recompute import layer_mask, stage_function
 from lightning_avgpipe.schedules import build_plan, validate_plan
 from tests.helpers.distributed import run_distributed
 from tests.helpers.models import make_batch, make_layers
@@ -53,6 +55,7 @@ def _worker(
     sizes: list[int] | None = None,
     batched: bool = False,
     k: int = 0,
+    checkpointing: Any = False,
 ) -> dict:
     layers = make_layers()
     start = sum(partition[:rank])
@@ -60,7 +63,8 @@ def _worker(
     params = [p for layer in own for p in layer.parameters()]
     opt = torch.optim.SGD(params, lr=0.1, momentum=0.9) if params else None
     link = Link(rank - 1 if rank > 0 else None, rank + 1 if rank < world - 1 else None, torch.device("cpu"))
-    executor = StageExecutor(rank, world, lambda x: _apply(own, x), link, coalesce=batched)
+    # the stage's layers in order, those ``checkpointing`` names recomputed in the backward (runtime/recompute.py)
+    executor = StageExecutor(rank, world, stage_function(own, layer_mask(own, checkpointing)), link, coalesce=batched)
     plan = validate_plan(build_plan(schedule, world, m, k, recv_lookahead=0 if batched else 1), nccl=batched)
     losses = []
     for step in range(len(sizes) if sizes else STEPS):

@@ -15,7 +15,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_avgpipe.microbatch import to_cpu
-from lightning_avgpipe.optim import ElasticOptimizer
+from lightning_avgpipe.optim import ElasticOptimizer, hyperparameters, source_groups
 from lightning_avgpipe.plugin import compat
 from lightning_avgpipe.runtime.pipeline import StagePipeline
 
@@ -60,7 +60,7 @@ def gather_optimizer_state(
     """
     inner = compat.unwrap_optimizer(optimizer)
     elastic = pipeline.elastic
-    entry: dict[str, Any] = {"named": named_groups(inner, pipeline, names.local, names.aliases), "replicas": []}
+    entry: dict[str, Any] = {"named": named_groups(inner, pipeline, names), "replicas": []}
     if not elastic.trivial:  # the replicas' optimizers and weights, the period's position and offsets, the momentum
         elastic.wait()
         entry["optim"] = inner.state_dict()
@@ -78,16 +78,17 @@ def gather_optimizer_state(
     return {**unified, "avgpipe_layout": layout, "avgpipe_ranks": parts}
 
 
-def named_groups(
-    optimizer: Optimizer, pipeline: StagePipeline, param_names: Mapping[int, str], aliases: Mapping[str, str]
-) -> list[dict[str, Any]]:
-    """This stage's optimizer state per group of the user's optimizer: its hyperparameters and, for each of the
-    stage's parameters in it, ``(name in the unsplit model, state)``. With replicas, replica 0's state.
-
-    ``param_names``: ``id(parameter) -> name`` in this rank's module; ``aliases``: a name -> the unsplit model's
-    first name of that parameter (a stage's copy of a shared weight is named where it sits)."""
+def unsplit_names(pipeline: StagePipeline, names: Names) -> dict[int, str]:
+    """``id(reference parameter) -> its name in the unsplit model`` for this stage's own parameters (a stage's copy
+    of a shared weight under the weight's first name)."""
     own = {id(p) for p in pipeline.elastic.reference_params}
-    names = {i: aliases.get(n, n) for i, n in param_names.items() if i in own}
+    return {i: names.aliases.get(n, n) for i, n in names.local.items() if i in own}
+
+
+def named_groups(optimizer: Optimizer, pipeline: StagePipeline, names: Names) -> list[dict[str, Any]]:
+    """This stage's optimizer state per group of the user's optimizer: its hyperparameters and, for each of the
+    stage's parameters in it, ``(name in the unsplit model, state)``. With replicas, replica 0's state."""
+    named = unsplit_names(pipeline, names)
     if isinstance(optimizer, ElasticOptimizer):
         user, clone = optimizer.user, optimizer.replicas[0]
         to_replica = {id(r): q for r, q in zip(pipeline.elastic.reference_params, pipeline.elastic.replica_params(0))}
@@ -103,8 +104,8 @@ def named_groups(
 
     return [
         {
-            "hyper": {k: v for k, v in group.items() if k not in ("params", "param_names")},
-            "params": [(names[id(p)], to_cpu(dict(state_of(p)))) for p in group["params"] if id(p) in names],
+            "hyper": hyperparameters(group),
+            "params": [(named[id(p)], to_cpu(dict(state_of(p)))) for p in group["params"] if id(p) in named],
         }
         for group in user.param_groups
     ]
@@ -194,7 +195,7 @@ def load_optimizer_states(
             )
             restore_hyperparameters(optimizer, state["avgpipe_ranks"][0]["optim"])
             continue
-        load_by_name(compat.unwrap_optimizer(optimizer), state, pipeline, names.local, names.aliases)
+        load_by_name(compat.unwrap_optimizer(optimizer), state, pipeline, names)
         if saved_layout != layout:
             had_replicas = any("optim" in e for e in state.get("avgpipe_ranks", []))
             note = (
@@ -218,16 +219,10 @@ def restore_hyperparameters(optimizer: Optimizer, saved: Mapping[str, Any]) -> N
     ]
     if len(groups) == len(optimizer.param_groups):
         for group, values in zip(optimizer.param_groups, groups):
-            group.update({k: v for k, v in values.items() if k != "params"})
+            group.update(hyperparameters(values))
 
 
-def load_by_name(
-    optimizer: Optimizer,
-    unified: Mapping[str, Any],
-    pipeline: StagePipeline,
-    param_names: Mapping[int, str],
-    aliases: Mapping[str, str],
-) -> None:
+def load_by_name(optimizer: Optimizer, unified: Mapping[str, Any], pipeline: StagePipeline, names: Names) -> None:
     """Load the unsplit state dict ``unified`` into this stage's optimizer (the user's, or every replica's clone)."""
     saved_groups = unified["param_groups"]
     user = optimizer.user if isinstance(optimizer, ElasticOptimizer) else optimizer
@@ -238,7 +233,7 @@ def load_by_name(
         )
     by_name = [dict(zip(g["param_names"], g["params"])) for g in saved_groups]
     ref = pipeline.elastic.reference_params
-    name_of = {id(p): aliases.get(param_names[id(p)], param_names[id(p)]) for p in ref if id(p) in param_names}
+    name_of = unsplit_names(pipeline, names)
 
     def local(groups: Sequence[Mapping[str, Any]], source: Sequence[int], to_ref: Mapping[int, Any]) -> dict[str, Any]:
         state: dict[int, Any] = {}
@@ -253,17 +248,15 @@ def load_by_name(
                     state[index] = unified["state"][saved]
                 ids.append(index)
                 index += 1
-            hyper = {k: v for k, v in saved_groups[g].items() if k not in ("params", "param_names")}
-            out_groups.append({**hyper, "params": ids})
+            out_groups.append({**hyperparameters(saved_groups[g]), "params": ids})
         return {"state": state, "param_groups": out_groups}
 
     if isinstance(optimizer, ElasticOptimizer):
         for group, saved in zip(user.param_groups, saved_groups):
-            group.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
+            group.update(hyperparameters(saved))
         for n, clone in enumerate(optimizer.replicas):
             to_ref = {id(q): r for q, r in zip(pipeline.elastic.replica_params(n), ref)}
-            source = getattr(clone, "_avgpipe_source_groups", list(range(len(clone.param_groups))))
-            clone.load_state_dict(local(clone.param_groups, source, to_ref))
+            clone.load_state_dict(local(clone.param_groups, source_groups(clone), to_ref))
     else:
         user.load_state_dict(local(user.param_groups, list(range(len(user.param_groups))), {}))
 

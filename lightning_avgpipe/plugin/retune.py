@@ -31,10 +31,8 @@ def check_retunable(trainer: pl.Trainer, strategy: AvgPipeStrategy, lr_scaling: 
             "the noise scale it re-decides from is measured on steps of one iteration; use "
             "accumulate_grad_batches=1 (a larger N is the retune's way to a larger batch) or drop retune_every_n_steps."
         )
-    cfg = strategy.config
-    outer = {"outer_lr": (cfg.outer_lr, 1.0), "outer_momentum": (cfg.outer_momentum, 0.0)}
-    outer["averaging_period"] = (cfg.averaging_period, 1)
-    set_ = {k: v for k, (v, default) in outer.items() if v != default}
+    defaults = {"outer_lr": 1.0, "outer_momentum": 0.0, "averaging_period": 1}  # the paper's rule
+    set_ = {k: getattr(strategy.config, k) for k, v in defaults.items() if getattr(strategy.config, k) != v}
     if set_:
         raise ValueError(
             f"AvgPipeTuner(retune_every_n_steps=...) retunes exact averaging, where {set_} (options of elastic "
@@ -46,18 +44,16 @@ def check_retunable(trainer: pl.Trainer, strategy: AvgPipeStrategy, lr_scaling: 
 class Retuner:
     """The retune's state and steps; :class:`~lightning_avgpipe.plugin.tuner.AvgPipeTuner` calls it."""
 
-    def __init__(self, every: int, lr_scaling: str) -> None:
+    def __init__(self, every: int, exponents: list[float]) -> None:
         self.every = every
-        self.lr_scaling = lr_scaling
+        self.exponents = exponents  # per optimizer, p in lr ∝ B_eff^p (check_retunable)
         self.plan: RetunePlan | None = None
         self.last_step = 0
-        self.exponents: list[float] = []
         self._starts: list[float] = []
 
     def start(self, trainer: pl.Trainer, strategy: AvgPipeStrategy, table: TuningTable, base: Key) -> None:
         """After the first tune applied ``table.choice``: scale the lr from the user's setting ``base`` to it."""
         assert table.profile is not None and table.choice is not None
-        self.exponents = check_retunable(trainer, strategy, self.lr_scaling)
         self.plan = RetunePlan(table.profile, dict(table.notes["search_args"]), setting_key(table.choice))
         self.plan.advance_forwards = table.choice.advance_forwards
         if base[1] * strategy.num_groups == 1:  # one model either way: only M and N tell settings apart
@@ -95,18 +91,24 @@ class Retuner:
         assert table.choice is not None
         old, new = self.plan.current, setting_key(table.choice)
         if new != old:
-            strategy.reconfigure(
-                num_microbatches=new[0],
-                num_pipelines=new[1],
-                advance_forwards=table.choice.advance_forwards if strategy.config.schedule == "advance" else None,
-                averaging=new[2] if new[1] * strategy.num_groups > 1 else None,
-                keep_optimizers=True,
-            )
+            self.plan.current, self.plan.advance_forwards = new, table.choice.advance_forwards
+            self._apply(strategy)
             compat.rebuild_train_dataloader(trainer)
             self._scale_lr(trainer, strategy, old, new)
-            self.plan.current, self.plan.advance_forwards = new, table.choice.advance_forwards
         self.last_step = trainer.global_step
         self._record(trainer, strategy, old, str(table.notes.get("reason", "")), table.choice.goodput)
+
+    def _apply(self, strategy: AvgPipeStrategy) -> None:
+        """Run the plan's current setting; the optimizers and their state stay (one model per stage)."""
+        assert self.plan is not None
+        M, N, averaging = self.plan.current
+        strategy.reconfigure(
+            num_microbatches=M,
+            num_pipelines=N,
+            advance_forwards=self.plan.advance_forwards if strategy.config.schedule == "advance" else None,
+            averaging=averaging if N * strategy.num_groups > 1 else None,
+            keep_optimizers=True,
+        )
 
     def _scale_lr(self, trainer: pl.Trainer, strategy: AvgPipeStrategy, old: Key, new: Key) -> None:
         assert self.plan is not None
@@ -120,6 +122,7 @@ class Retuner:
         assert self.plan is not None
         new = self.plan.current
         p = self.exponents[0] if self.exponents else 0.0
+        factor = lr_factor(self.plan.profile, old, new, p)
         noise = strategy.pipeline.noise_scale
         entry = {
             "step": int(trainer.global_step),
@@ -128,17 +131,16 @@ class Retuner:
             "to": list(new),
             "noise_scale": noise.value,
             "noise_measurements": noise.measurements,
-            "lr_factor": lr_factor(self.plan.profile, old, new, p),
+            "lr_factor": factor,
             "predicted_goodput": goodput,
             "reason": why,
         }
         self.plan.decisions.append(entry)
         lrs = [g["lr"] for o in strategy.optimizers for g in compat.unwrap_optimizer(o).param_groups][:1]
-        changed = old != new
         if why == "start":
             rank_zero_info(
                 f"AvgPipeTuner: retuning every {self.every} steps from num_microbatches={new[0]}, num_pipelines="
-                f"{new[1]} (exact averaging), lr x{lr_factor(self.plan.profile, old, new, p):.3g} for its batch"
+                f"{new[1]} (exact averaging), lr x{factor:.3g} for its batch"
                 + (f" (now {lrs[0]:.3g})" if lrs else "")
                 + "."
             )
@@ -149,8 +151,8 @@ class Retuner:
             + f" ({noise.measurements} measurements); "
             + (
                 f"num_microbatches {old[0]} -> {new[0]}, num_pipelines {old[1]} -> {new[1]} ({new[2]}), lr x"
-                f"{lr_factor(self.plan.profile, old, new, p):.3g}" + (f" (now {lrs[0]:.3g})" if lrs else "")
-                if changed
+                f"{factor:.3g}" + (f" (now {lrs[0]:.3g})" if lrs else "")
+                if old != new
                 else f"keeping num_microbatches={new[0]}, num_pipelines={new[1]}"
             )
             + (f". {why}" if why else "")
@@ -160,7 +162,7 @@ class Retuner:
                 {
                     "tuner/num_microbatches": float(new[0]),
                     "tuner/num_pipelines": float(new[1]),
-                    "tuner/lr_factor": lr_factor(self.plan.profile, old, new, p),
+                    "tuner/lr_factor": factor,
                     "tuner/retune_noise_scale": float(noise.value) if noise.value is not None else float("nan"),
                     "tuner/predicted_goodput": float(goodput),
                 },
@@ -177,23 +179,16 @@ class Retuner:
             "noise_scale": strategy.pipeline.noise_scale.state_dict(),
         }
 
-    def load_state_dict(self, state: dict[str, Any], trainer: pl.Trainer, strategy: AvgPipeStrategy) -> None:
+    def load_state_dict(self, state: dict[str, Any], strategy: AvgPipeStrategy) -> None:
         """On resume, before the optimizer states are restored: run the checkpoint's setting, with its noise scale."""
         if not state:
             return
-        self.exponents = check_retunable(trainer, strategy, self.lr_scaling)
         self.plan = RetunePlan.from_dict(state["plan"])
         self.last_step = int(state["last_step"])
         strategy.pipeline.noise_scale.load_state_dict(state["noise_scale"])
-        M, N, averaging = self.plan.current
-        strategy.reconfigure(
-            num_microbatches=M,
-            num_pipelines=N,
-            advance_forwards=self.plan.advance_forwards if strategy.config.schedule == "advance" else None,
-            averaging=averaging if N * strategy.num_groups > 1 else None,
-            keep_optimizers=True,
-        )
+        self._apply(strategy)
         self._arm(strategy)
+        M, N, _ = self.plan.current
         rank_zero_info(
             f"AvgPipeTuner: resuming the retune at num_microbatches={M}, num_pipelines={N} "
             f"({len(self.plan.decisions)} decisions so far); the learning rate comes with the optimizer state."

@@ -307,7 +307,7 @@ class AvgPipeStrategy(ProcessStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         assert module is not None and self.model is not None
-        check_supported(module, self.precision_plugin, self.config.exact or self.num_pipelines * self.num_groups == 1)
+        check_supported(module, self.precision_plugin, self.config.one_model(self.num_groups))
         self.precision_plugin = for_pipeline(self.precision_plugin)
         if self._split is None:
             self._split_module(module)

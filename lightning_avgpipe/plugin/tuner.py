@@ -12,7 +12,7 @@ import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
@@ -31,9 +31,6 @@ from lightning_avgpipe.tuning.search import (
     candidate_pipelines,
     check_averaging,
 )
-
-if TYPE_CHECKING:
-    pass
 
 
 class AvgPipeTuner(Callback):
@@ -128,7 +125,11 @@ class AvgPipeTuner(Callback):
         self._calibrating = False
         self._out: Path | None = None
         self._trainer: pl.Trainer | None = None
-        self.decisions: list[dict[str, Any]] = []  # the retune's decisions (also in tuning.json's notes)
+
+    @property
+    def decisions(self) -> list[dict[str, Any]]:
+        """The retune's decisions in this fit (also in ``tuning.json``'s notes); empty without a retune."""
+        return self.retuner.plan.decisions if self.retuner is not None and self.retuner.plan is not None else []
 
     @property
     def choice(self) -> Any:
@@ -145,10 +146,9 @@ class AvgPipeTuner(Callback):
             )
         self._calibrating, self._starts = False, []  # nothing of a previous fit carries over
         self._trainer = trainer
-        self.retuner, self.decisions = None, []
-        if self.retune_every_n_steps is not None:
-            self.retuner = Retuner(self.retune_every_n_steps, self.lr_scaling)
-            check_retunable(trainer, strategy, self.lr_scaling)
+        self.retuner = None
+        if self.retune_every_n_steps is not None:  # refused before profiling, not after
+            self.retuner = Retuner(self.retune_every_n_steps, check_retunable(trainer, strategy, self.lr_scaling))
         if resuming_from(trainer) is not None:
             self.table = self.profile = None
             self.files = {}
@@ -193,7 +193,6 @@ class AvgPipeTuner(Callback):
             )
         if self.retuner is not None:
             self.retuner.start(trainer, strategy, table, base)
-            self.decisions = self.retuner.plan.decisions if self.retuner.plan is not None else []
         self.seconds = time.perf_counter() - started
         table.notes["tuner_seconds"] = self.seconds
         self._calibrating = self.apply and self.calibrate_steps > 0
@@ -244,12 +243,14 @@ class AvgPipeTuner(Callback):
         if self.retuner is not None:
             before = len(self.decisions)
             self.retuner.epoch_started(trainer, trainer.strategy)  # type: ignore[arg-type]
-            if self.retuner.plan is not None:
-                self.decisions = self.retuner.plan.decisions
-                written = trainer.is_global_zero and self.table is not None and self._out is not None
-                if written and len(self.decisions) > before:
-                    self.table.notes["retunes"] = self.decisions  # type: ignore[union-attr]
-                    self.files = _write(self.table, self._out)  # type: ignore[arg-type]
+            if (
+                trainer.is_global_zero
+                and self.table is not None
+                and self._out is not None
+                and len(self.decisions) > before
+            ):
+                self.table.notes["retunes"] = self.decisions
+                self.files = _write(self.table, self._out)
 
     def state_dict(self) -> dict[str, Any]:
         if self.retuner is None or self._trainer is None:
@@ -258,9 +259,7 @@ class AvgPipeTuner(Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.retuner is not None and self._trainer is not None and state_dict.get("retune"):
-            self.retuner.load_state_dict(state_dict["retune"], self._trainer, self._trainer.strategy)  # type: ignore[arg-type]
-            if self.retuner.plan is not None:
-                self.decisions = self.retuner.plan.decisions
+            self.retuner.load_state_dict(state_dict["retune"], self._trainer.strategy)  # type: ignore[arg-type]
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.retuner is not None:

@@ -147,7 +147,6 @@ class StagePipeline:
         self._bounds_link_timeout = True
         self.ties = tuple(ties)
         self.noise_scale = NoiseScale()  # B_simple, smoothed over the steps that measure it (train_step(noise=True))
-        self._loss_scale: Any = None
         self._make_replicas()
 
     # -- what it holds -------------------------------------------------------------------------------------------
@@ -289,7 +288,7 @@ class StagePipeline:
 
     def one_model(self, config: PipelineConfig) -> bool:
         """Whether ``config`` trains one model per stage (exact averaging, or N·D = 1): no replicas to make."""
-        return config.exact or config.num_pipelines * self.topology.num_groups == 1
+        return config.one_model(self.topology.num_groups)
 
     # -- the step's parts ----------------------------------------------------------------------------------------
     def plan(self, training: bool, units: int) -> Plan:
@@ -399,10 +398,9 @@ class StagePipeline:
             params = [self.elastic.replica_params(n) for n in range(replicas)] if replicas > 1 else [self.params]
             sizes = [microbatch.batch_size(mb) for mb in micro]
             probe = GradientProbe(params, sizes, owner, skip=self.uncounted_params)
-        self._loss_scale = loss_scale
         if self.batched is not None:
             results = self._run_batched(
-                key, micro, weights, owner, loss_fn, inputs, accumulate, forward_context, trace, meter
+                key, micro, weights, owner, loss_fn, inputs, accumulate, forward_context, trace, meter, loss_scale
             )
         else:
 
@@ -452,6 +450,7 @@ class StagePipeline:
         forward_context: Context,
         trace: StepTrace,
         meter: ActivationMeter | None,
+        loss_scale: Any = None,
     ) -> dict[int, Any]:
         """``replica_execution="batched"``: unit m carries micro-batch m of every replica, stacked (one vmap)."""
         assert self.batched is not None
@@ -484,7 +483,7 @@ class StagePipeline:
             stage_fn_for=lambda m: batched,
             trace=trace,
             meter=meter,
-            loss_scale=self._loss_scale,
+            loss_scale=loss_scale,
         )
         batched.finish()
         return results

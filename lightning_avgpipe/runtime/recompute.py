@@ -20,10 +20,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_avgpipe.config import Spec, check_checkpointing
+from lightning_avgpipe.config import Spec  # validated there: PipelineConfig.activation_checkpointing
 from lightning_avgpipe.runtime.trace import note_saved
-
-__all__ = ["Spec", "check_checkpointing", "check_matches", "layer_mask", "stage_function"]
 
 
 def layer_mask(layers: Sequence[nn.Module], spec: Spec) -> list[bool]:

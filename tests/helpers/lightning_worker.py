@@ -27,6 +27,7 @@ class Fault(pl.Callback):
 
     def __init__(self, rank: int, step: int, kind: str) -> None:
         self.rank, self.step, self.kind = rank, step, kind
+        self.handle: Any = None  # kind "inf_grad": the gradient hook of the step it is injected in
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -54,9 +55,8 @@ class Fault(pl.Callback):
             layer.register_forward_pre_hook(nan if self.kind == "nan" else fail)
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        handle = getattr(self, "handle", None)
-        if handle is not None:
-            handle.remove()
+        if self.handle is not None:
+            self.handle.remove()
             self.handle = None
 
 

@@ -15,6 +15,21 @@ from lightning_avgpipe import microbatch
 from tests.helpers.models import Sleep, make_layers
 
 
+def quiet_trainer(root: Any, **kwargs: Any) -> L.Trainer:
+    """A one-process CPU Trainer without logger, progress bar, model summary or sanity check; ``kwargs`` add to or
+    replace those."""
+    defaults: dict[str, Any] = dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=str(root),
+    )
+    return L.Trainer(**{**defaults, **kwargs})
+
+
 def dataset(n: int = 48, inputs: int = 8, classes: int = 4) -> TensorDataset:
     g = torch.Generator().manual_seed(7)
     return TensorDataset(torch.randn(n, inputs, generator=g), torch.randint(0, classes, (n,), generator=g))
