@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_avgpipe.checks import is_int, is_number
+from lightning_avgpipe.shards import local, locals_, norm_weight
 
 
 def unique_params(layers: Sequence[nn.Module]) -> list[nn.Parameter]:
@@ -136,6 +137,8 @@ class ElasticAveraging:
             else [list(copy.deepcopy(self.reference)) for _ in range(num_replicas)]
         )
         self._ref_params = unique_params(self.reference)
+        # T: the stage's parameters are shards of a tensor group of T ranks (their norms are summed over it)
+        self.tensor_parallel_size = 1
         self._offsets: list[list[Tensor]] | None = None
         self._total: list[Tensor] = []
         self._flat: Tensor | None = None
@@ -185,7 +188,7 @@ class ElasticAveraging:
         """Allocate once: one offset buffer per replica, and the summed update as views of one flat tensor."""
         if self._offsets is not None:
             return
-        ref = [p.detach() for p in self._ref_params]
+        ref = locals_(p.detach() for p in self._ref_params)
         self._offsets = [[torch.empty_like(p) for p in ref] for _ in range(self.num_replicas)]
         numel = sum(p.numel() for p in ref)
         dtype = ref[0].dtype if ref else torch.float32
@@ -210,10 +213,10 @@ class ElasticAveraging:
         self._begun = True
         if self.local_steps > 0:  # inside a period: the offsets of its start are kept
             return
-        ref = [p.detach() for p in self._ref_params]
+        ref = locals_(p.detach() for p in self._ref_params)
         with torch.no_grad():
             for n, offsets in enumerate(self._offsets):
-                torch._foreach_copy_(offsets, [p.detach() for p in self.replica_params(n)])
+                torch._foreach_copy_(offsets, locals_(p.detach() for p in self.replica_params(n)))
                 torch._foreach_sub_(offsets, ref)
 
     def finish_step(self) -> None:
@@ -230,14 +233,14 @@ class ElasticAveraging:
         if self.local_steps < self.period:  # a local step: no pull, no reference update, no communication
             return
         self.local_steps = 0
-        ref = [p.detach() for p in self._ref_params]
+        ref = locals_(p.detach() for p in self._ref_params)
         total = self._total
         with torch.no_grad():
             if ref:
                 torch._foreach_copy_(total, ref)
                 torch._foreach_mul_(total, -float(self.num_replicas))
             for n, offsets in enumerate(self._offsets):
-                w = [p.detach() for p in self.replica_params(n)]
+                w = locals_(p.detach() for p in self.replica_params(n))
                 torch._foreach_add_(total, w)
                 torch._foreach_sub_(total, offsets)
                 torch._foreach_add_(w, offsets, alpha=-self.alpha)  # the elastic pull
@@ -263,7 +266,7 @@ class ElasticAveraging:
         with torch.no_grad():
             if self._ref_params:
                 scale = 1.0 / (self.num_replicas * self.num_groups)
-                ref = [p.detach() for p in self._ref_params]
+                ref = locals_(p.detach() for p in self._ref_params)
                 if self.outer_lr == 1.0 and self.outer_momentum == 0.0:  # the paper's rule
                     torch._foreach_add_(ref, self._total, alpha=scale)
                 else:
@@ -291,7 +294,7 @@ class ElasticAveraging:
         torch._foreach_add_(ref, step)
         extra = list(torch._foreach_sub(step, mean))
         for n in range(self.num_replicas):
-            torch._foreach_add_([p.detach() for p in self.replica_params(n)], extra)
+            torch._foreach_add_(locals_(p.detach() for p in self.replica_params(n)), extra)
 
     def _average_buffers(self) -> None:
         """Floating buffers (BatchNorm statistics) of the reference: the mean over all N·D replicas."""
@@ -337,29 +340,33 @@ class ElasticAveraging:
                 for mine, saved in zip(self._offsets, offsets):
                     torch._foreach_copy_(mine, [t.to(m.device) for t, m in zip(saved, mine)])
         momentum = state.get("momentum")
-        self._momentum = (
-            [t.to(p.device).clone() for t, p in zip(momentum, self._ref_params)] if momentum is not None else None
-        )
+        mine = locals_(self._ref_params)
+        self._momentum = [t.to(p.device).clone() for t, p in zip(momentum, mine)] if momentum is not None else None
 
     # -- what the user sees -------------------------------------------------------------------------------------
     def divergence(self) -> list[Tensor]:
         """Per replica, ``‖w_n - w_ref‖² `` and ``‖w_ref‖²`` summed over this stage (add across stages, then sqrt)."""
+        T = self.tensor_parallel_size
+        weights = [norm_weight(p, T) for p in self._ref_params]
         with torch.no_grad():
-            ref = [p.detach().float() for p in self._ref_params]
-            ref_sq = _sum_sq(ref, self.device)
+            ref = [local(p.detach()).float() for p in self._ref_params]
+            ref_sq = _sum_sq(ref, self.device, weights)
             out = []
             for n in range(self.num_replicas):
-                diff = torch._foreach_sub([p.detach().float() for p in self.replica_params(n)], ref) if ref else []
-                out.append(torch.stack([_sum_sq(diff, self.device), ref_sq]))
+                mine = [local(p.detach()).float() for p in self.replica_params(n)]
+                diff = torch._foreach_sub(mine, ref) if ref else []
+                out.append(torch.stack([_sum_sq(diff, self.device, weights), ref_sq]))
         return out
 
 
-def _sum_sq(tensors: Sequence[Tensor], device: torch.device) -> Tensor:
-    """Σ‖t‖² over ``tensors`` (float32), one fused norm per tensor list."""
+def _sum_sq(tensors: Sequence[Tensor], device: torch.device, weights: Sequence[float] | None = None) -> Tensor:
+    """Σ w‖t‖² over ``tensors`` (float32), one fused norm per tensor list (``weights``: see ``shards.norm_weight``)."""
     if not tensors:
         return torch.zeros((), dtype=torch.float32, device=device)
-    norms = torch._foreach_norm(list(tensors))
-    return torch.stack(norms).float().square().sum()
+    squares = torch.stack(torch._foreach_norm(list(tensors))).float().square()
+    if weights is not None and any(w != 1.0 for w in weights):
+        squares = squares * torch.tensor(list(weights), dtype=squares.dtype, device=squares.device)
+    return squares.sum()
 
 
 def check_group(group: Any, num_groups: int) -> Any:
@@ -378,7 +385,7 @@ def average_gradients(
 ) -> None:
     """``averaging="exact"`` with D groups: every group's gradient becomes the mean over the D groups (one
     all-reduce of one flat buffer over ``group``, the D ranks that hold this stage), as data parallelism does."""
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [local(p.grad) for p in params if p.grad is not None]  # a tensor-parallel shard: its local part
     check_group(group, num_groups)
     if num_groups <= 1 or not grads:
         return

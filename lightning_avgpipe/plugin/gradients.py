@@ -60,9 +60,17 @@ def install_clipping(precision: Any, pipeline: Callable[[], Any], device: torch.
 
     def clip_grad_by_norm(optimizer: Any, clip_val: int | float) -> None:
         pipe = pipeline()
-        elastic, group = pipe.elastic, pipe.topology.pipeline_group
+        elastic, top = pipe.elastic, pipe.topology
         sets = [elastic.replica_params(n) for n in range(elastic.num_replicas)]
-        clip_grad_norm_across(sets, float(clip_val), group, device=device, uncounted=pipe.uncounted_params)
+        clip_grad_norm_across(
+            sets,
+            float(clip_val),
+            top.pipeline_group,
+            device=device,
+            uncounted=pipe.uncounted_params,
+            tensor_group=top.tensor_group,
+            tensor_parallel_size=top.tensor_parallel_size,
+        )
 
     def clip_grad_by_value(optimizer: Any, clip_val: int | float) -> None:
         params = [p for p in pipeline().params if p.grad is not None]

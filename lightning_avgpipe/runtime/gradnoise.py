@@ -20,14 +20,18 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_avgpipe.noise import GradientNorms
+from lightning_avgpipe.shards import local, norm_weight
 
 
-def _sq_norm(tensors: Sequence[Tensor]) -> Tensor:
-    """Σ‖t‖² in float64 (0 for no tensors): one fused norm per tensor, then the squares summed in float64."""
+def _sq_norm(tensors: Sequence[Tensor], weights: Sequence[float] | None = None) -> Tensor:
+    """Σ w‖t‖² in float64 (0 for no tensors): one fused norm per tensor, then the squares summed in float64
+    (``weights``: a tensor-parallel shard's share, ``shards.norm_weight``; None: all 1)."""
     if not tensors:
         return torch.zeros((), dtype=torch.float64)
-    norms = torch._foreach_norm(list(tensors))
-    return torch.stack(norms).double().square().sum().cpu()
+    squares = torch.stack(torch._foreach_norm(list(tensors))).double().square()
+    if weights is not None:
+        squares = squares * torch.tensor(list(weights), dtype=torch.float64, device=squares.device)
+    return squares.sum().cpu()
 
 
 def _harmonic(sizes: Sequence[float]) -> float:
@@ -50,9 +54,13 @@ class GradientProbe:
         unit_samples: Sequence[int],
         unit_owner: Sequence[int],
         skip: set[int] | None = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         skip = skip or set()
         self.replicas = [[p for p in params if id(p) not in skip] for params in replicas]
+        # under tensor parallelism each rank holds shards: weights make the job-wide sum count every element once
+        T = tensor_parallel_size
+        self.weights = [norm_weight(p, T) for p in self.replicas[0]] if T > 1 and self.replicas else None
         self.unit_samples = list(unit_samples)
         self.unit_owner = list(unit_owner)
         self.split = len(self.replicas) == 1  # one pipeline: the halves of its micro-batches
@@ -76,7 +84,7 @@ class GradientProbe:
 
     @staticmethod
     def _grad(p: nn.Parameter) -> Tensor:
-        return p.grad if p.grad is not None else torch.zeros_like(p)
+        return local(p.grad) if p.grad is not None else torch.zeros_like(local(p.detach()))
 
     def local(self) -> tuple[Tensor, float, float]:
         """``(tensor([small_sq, big_sq]) on this stage, b_small, b_big)``."""
@@ -90,12 +98,12 @@ class GradientProbe:
             sizes[n] += self.unit_samples[u]
         total = sum(sizes)
         grads = [[self._grad(p).detach() for p in params] for params in self.replicas]
-        small = torch.stack([_sq_norm(g) for g in grads]).mean()
+        small = torch.stack([_sq_norm(g, self.weights) for g in grads]).mean()
         # the gradient of all N batches: each replica's is its own batch mean, so weight by batch size
         mean = list(torch._foreach_mul(grads[0], sizes[0] / total))
         for n in range(1, len(grads)):
             torch._foreach_add_(mean, grads[n], alpha=sizes[n] / total)
-        big = _sq_norm(mean)
+        big = _sq_norm(mean, self.weights)
         return torch.stack([small, big]), _harmonic(sizes), total
 
     def _local_halves(self) -> tuple[Tensor, float, float]:
@@ -107,11 +115,11 @@ class GradientProbe:
         whole = [self._grad(p).detach() for p in self.replicas[0]]
         # the accumulated gradient is Σ (share of unit) · (its mean gradient): a half's mean is its part / its share,
         # so |g1|² = (total/first)² |part1|² and |g2|² = (total/second)² |whole - part1|² (no scaled copies)
-        part1 = _sq_norm(self._half)
+        part1 = _sq_norm(self._half, self.weights)
         torch._foreach_sub_(self._half, whole)  # in place: -(the second half's part)
-        part2 = _sq_norm(self._half)
+        part2 = _sq_norm(self._half, self.weights)
         small = (part1 * (total / first) ** 2 + part2 * (total / second) ** 2) / 2
-        big = _sq_norm(whole)
+        big = _sq_norm(whole, self.weights)
         return torch.stack([small, big]), _harmonic([first, second]), float(total)
 
     def finish(

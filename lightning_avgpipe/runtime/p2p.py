@@ -262,6 +262,10 @@ class Link:
             tensors.append(buf)
         return tuple(tensors) if inc.meta.is_tuple else tensors[0]
 
+    def received_meta(self, key: Hashable) -> OutputMeta:
+        """The header received for ``key`` (after a unit with that key arrived)."""
+        return self._recv_meta[key]
+
     def _resolve(self, unit: int) -> None:
         inc = self._incoming[unit]
         self._wait(inc.meta_work, f"the activation header of unit {unit}", self.prev_rank, -1)

@@ -41,10 +41,12 @@ from lightning_avgpipe.runtime.executor import StageExecutor
 from lightning_avgpipe.runtime.gradnoise import GradientProbe
 from lightning_avgpipe.runtime.p2p import Link, PeerFailureError, first_failure
 from lightning_avgpipe.runtime.recompute import layer_mask, stage_function
+from lightning_avgpipe.runtime.tensor_parallel import TensorParallelLink
 from lightning_avgpipe.runtime.ties import TiedGradients, TiedWeights
 from lightning_avgpipe.runtime.topology import Topology
 from lightning_avgpipe.runtime.trace import ActivationMeter, StepTrace, write_trace
 from lightning_avgpipe.schedules import Plan, build_plan, max_advance_forwards, validate_plan
+from lightning_avgpipe.shards import local
 
 # (stage output, micro-batch, its share of all the iteration's samples) -> a scalar loss, or {"loss": ...}
 LossFn = Callable[[Any, Any, float], Any]
@@ -56,6 +58,29 @@ Context = Callable[[], contextlib.AbstractContextManager[Any]]
 def first_input(batch: Any) -> Any:
     """The default first-layer input of a micro-batch: ``batch[0]`` of a tuple or list, else the batch itself."""
     return batch[0] if isinstance(batch, (tuple, list)) else batch
+
+
+def stage_link(topology: Topology, device: torch.device) -> Link | None:
+    """The transfers to the neighbouring stages over the default process group (``None`` with one stage). Under
+    tensor parallelism shard 0 of each stage carries them for its tensor group (``runtime/tensor_parallel.py``)."""
+    stage, S, T = topology.stage, topology.num_stages, topology.tensor_parallel_size
+    if S == 1:
+        return None
+    name = f"stage {stage} (rank {topology.rank})"
+    leader = topology.rank_of(topology.group_index, stage, 0)
+    inner = None
+    if topology.rank == leader:
+        g = topology.group_index
+        inner = Link(
+            topology.rank_of(g, stage - 1) if stage > 0 else None,
+            topology.rank_of(g, stage + 1) if stage < S - 1 else None,
+            device,
+            name=name,
+            stage=stage,
+        )
+    if T == 1:
+        return inner
+    return TensorParallelLink(inner, topology.tensor_group, leader, device, name, stage)
 
 
 def memory_limit_bytes(limit: float | None, device: torch.device, processes: int = 1) -> float | None:
@@ -124,21 +149,15 @@ class StagePipeline:
         self.device = device if device is not None else torch.device("cpu")
         self.backend = backend
         self.processes = processes
-        stage, S, ranks = topology.stage, topology.num_stages, topology.pipeline_ranks
-        link = link or (
-            Link(
-                ranks[stage - 1] if stage > 0 else None,
-                ranks[stage + 1] if stage < S - 1 else None,
-                self.device,
-                name=f"stage {stage} (rank {topology.rank})",
-                stage=stage,
+        if topology.tensor_parallel_size > 1 and self.config.replica_execution == "batched":
+            raise ValueError(
+                "replica_execution='batched' with tensor_parallel_size > 1 is not supported (torch.func.vmap over "
+                "DTensor layers); use replica_execution='sequential', or tensor_parallel_size=1."
             )
-            if S > 1
-            else None
-        )
+        link = link or stage_link(topology, self.device)
         self.recompute = layer_mask(self.layers, self.config.activation_checkpointing)  # checkpointed layers
         stage_fn = stage_function(self.layers, self.recompute)
-        self.executor = StageExecutor(stage, S, stage_fn, link, coalesce=self.batched_p2p)
+        self.executor = StageExecutor(topology.stage, topology.num_stages, stage_fn, link, coalesce=self.batched_p2p)
         k = self.config.advance_forwards
         self._k = 0 if k == "auto" else int(k)
         self._search: AdvanceSearch | None = None
@@ -227,6 +246,7 @@ class StagePipeline:
             outer_momentum=cfg.outer_momentum,
             period=cfg.averaging_period,
         )
+        self.elastic.tensor_parallel_size = top.tensor_parallel_size
         self._params = self.elastic.all_replica_params()
         self._tied = TiedGradients(self.ties, self.elastic, self.stage)
         self._replica_fns = [stage_function(layers, self.recompute) for layers in self.elastic.replicas]
@@ -397,7 +417,8 @@ class StagePipeline:
         if noise and accumulate == 1 and GradientProbe.usable(replicas, len(micro)):
             params = [self.elastic.replica_params(n) for n in range(replicas)] if replicas > 1 else [self.params]
             sizes = [microbatch.batch_size(mb) for mb in micro]
-            probe = GradientProbe(params, sizes, owner, skip=self.uncounted_params)
+            T = self.topology.tensor_parallel_size
+            probe = GradientProbe(params, sizes, owner, skip=self.uncounted_params, tensor_parallel_size=T)
         if self.batched is not None:
             results = self._run_batched(
                 key, micro, weights, owner, loss_fn, inputs, accumulate, forward_context, trace, meter, loss_scale
@@ -505,7 +526,7 @@ class StagePipeline:
             if not bool(torch.isfinite(losses).all()):
                 units = [u for u, r in results.items() if not bool(torch.isfinite(r))]
                 raise FloatingPointError(f"{where}: the loss of unit(s) {units} is not finite; {fix}.")
-        grads = [p.grad for p in self._params] if gradients else []
+        grads = [local(p.grad) if p.grad is not None else None for p in self._params] if gradients else []
         present = [g for g in grads if g is not None]
         if not present or bool(torch.isfinite(torch.stack(torch._foreach_norm(present))).all()):
             return
@@ -528,6 +549,8 @@ class StagePipeline:
         """
         self.elastic.wait()
         sums = torch.stack(self.elastic.divergence())  # (N, 2): ‖w_n - w_ref‖², ‖w_ref‖² on this stage
+        if self.topology.tensor_parallel_size > 1:  # the stage's shards (whole tensors weighted 1/T: shards.py)
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self.topology.tensor_group)
         if self.num_stages > 1:
             dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self.topology.pipeline_group)
         return sums[:, 0].sqrt() / sums[:, 1].sqrt().clamp_min(1e-12)
@@ -623,7 +646,7 @@ class StagePipeline:
 
         def count(tensors: Any) -> int:
             total = 0
-            for t in tensors:
+            for t in map(local, tensors):  # a tensor-parallel shard: the part this rank holds
                 if isinstance(t, Tensor) and t.numel() and t.untyped_storage().data_ptr() not in seen:
                     seen.add(t.untyped_storage().data_ptr())
                     total += t.untyped_storage().nbytes()

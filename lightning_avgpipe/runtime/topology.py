@@ -1,8 +1,17 @@
-"""Which stage and pipeline group a rank holds, and the process groups that join them (docs/how-it-works.md#topology).
+"""Which stage, pipeline group and tensor shard a rank holds, and the process groups that join them
+(docs/how-it-works.md#topology, docs/parallelism.md#the-mesh).
 
-Rank ``r`` of a job of ``D x S`` ranks holds stage ``r % S`` of pipeline group ``r // S``. Two kinds of groups:
-the pipeline group (the S ranks of one group: activations, gradients, the step's results) and the stage group
-(the D ranks that hold one stage: the reference update is averaged over it).
+A job of ``D x S x T`` ranks is a mesh with the tensor dimension innermost: rank ``r`` holds tensor shard
+``r % T`` of stage ``(r // T) % S`` of pipeline group ``r // (S T)``. Consecutive ranks (one node's devices) share
+a stage, so tensor parallelism's per-layer all-reduces stay inside a node, and stages and groups cross nodes.
+Three kinds of groups:
+
+- the pipeline group: the S ranks of one group that hold the same shard (activations, gradients, the step's results);
+- the stage group: the D ranks that hold the same (stage, shard); the reference update or the exact gradient
+  average runs over it (the mesh's data dimension);
+- the tensor group: the T ranks of one stage (a ``DeviceMesh`` of one dimension, for ``parallelize_module``).
+
+With ``T = 1`` (no tensor parallelism) rank ``r`` holds stage ``r % S`` of group ``r // S``.
 """
 
 from __future__ import annotations
@@ -26,9 +35,25 @@ class Topology:
     stage_group: Any = field(default=None, compare=False)  # None when there is one group
     # the ranks of the whole job, for decisions every rank must share (None: the default process group)
     job_group: Any = field(default=None, compare=False)
+    # T: ranks that split each layer of a stage (tensor parallelism); their group and one-dimensional device mesh
+    tensor_parallel_size: int = 1
+    tensor_group: Any = field(default=None, compare=False)
+    tensor_mesh: Any = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        if self.num_stages < 1 or self.world_size % self.num_stages:
+        T = self.tensor_parallel_size
+        if not isinstance(T, int) or isinstance(T, bool) or T < 1 or self.world_size % T:
+            raise ValueError(
+                f"tensor_parallel_size={T!r} must be an int >= 1 that divides devices x num_nodes = {self.world_size}; "
+                "use 1 (no tensor parallelism) or a divisor of the devices per node, such as 2."
+            )
+        if self.num_stages < 1 or self.world_size % (self.num_stages * T):
+            if T > 1:
+                raise ValueError(
+                    f"devices x num_nodes = {self.world_size} is not a multiple of num_stages x tensor_parallel_size "
+                    f"= {self.num_stages} x {T}: the mesh is D x S x T ranks. Change num_stages or "
+                    "tensor_parallel_size, or the number of devices."
+                )
             raise ValueError(
                 f"devices x num_nodes = {self.world_size} is not a multiple of num_stages={self.num_stages}; use a "
                 f"number of devices that num_stages divides (for example "
@@ -37,35 +62,73 @@ class Topology:
 
     @property
     def stage(self) -> int:
-        return self.rank % self.num_stages
+        return (self.rank // self.tensor_parallel_size) % self.num_stages
+
+    @property
+    def tensor_rank(self) -> int:
+        """This rank's shard within its stage's tensor group (0 with no tensor parallelism)."""
+        return self.rank % self.tensor_parallel_size
 
     @property
     def group_index(self) -> int:
         """This rank's pipeline group (its data-parallel index)."""
-        return self.rank // self.num_stages
+        return self.rank // (self.num_stages * self.tensor_parallel_size)
 
     @property
     def num_groups(self) -> int:
-        """D, the pipeline groups: world size / stages."""
-        return self.world_size // self.num_stages
+        """D, the pipeline groups: world size / (stages x tensor-parallel size)."""
+        return self.world_size // (self.num_stages * self.tensor_parallel_size)
+
+    def rank_of(self, group: int, stage: int, shard: int = 0) -> int:
+        """The global rank holding ``shard`` of ``stage`` in pipeline group ``group``."""
+        return (group * self.num_stages + stage) * self.tensor_parallel_size + shard
 
     @property
     def pipeline_ranks(self) -> list[int]:
-        """The global ranks of this rank's pipeline, stage 0 first."""
-        start = self.group_index * self.num_stages
-        return list(range(start, start + self.num_stages))
+        """The global ranks of this rank's pipeline (those holding its shard), stage 0 first."""
+        return [self.rank_of(self.group_index, s, self.tensor_rank) for s in range(self.num_stages)]
+
+    @property
+    def tensor_ranks(self) -> list[int]:
+        """The global ranks of this rank's stage's tensor group, shard 0 first."""
+        return [self.rank_of(self.group_index, self.stage, t) for t in range(self.tensor_parallel_size)]
 
     @property
     def is_last(self) -> bool:
         return self.stage == self.num_stages - 1
 
     @classmethod
-    def build(cls, rank: int, world_size: int, num_stages: int, timeout: float = 1800.0) -> Topology:
+    def build(
+        cls,
+        rank: int,
+        world_size: int,
+        num_stages: int,
+        timeout: float = 1800.0,
+        tensor_parallel_size: int = 1,
+        device_type: str = "cpu",
+    ) -> Topology:
         """Make the pipeline and stage groups of a job whose default process group is up (collective).
 
         Every rank must create every group, in the same order, so each rank calls this with the same arguments.
+        With ``tensor_parallel_size > 1`` the groups are the dimensions of a ``D x S x T`` device mesh
+        (``init_device_mesh`` with the dimensions named ``data``, ``pipe`` and ``tensor``).
         """
-        probe = cls(rank, world_size, num_stages)  # checks the shape before any collective
+        probe = cls(rank, world_size, num_stages, tensor_parallel_size=tensor_parallel_size)  # checks the shape first
+        if tensor_parallel_size > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            shape = (probe.num_groups, num_stages, tensor_parallel_size)
+            mesh = init_device_mesh(device_type, shape, mesh_dim_names=("data", "pipe", "tensor"))
+            return cls(
+                rank,
+                world_size,
+                num_stages,
+                mesh.get_group("pipe"),
+                mesh.get_group("data") if probe.num_groups > 1 else None,
+                tensor_parallel_size=tensor_parallel_size,
+                tensor_group=mesh.get_group("tensor"),
+                tensor_mesh=mesh["tensor"],
+            )
         pipeline_group = stage_group = None
         if world_size > 1:
             wait = timedelta(seconds=timeout)

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_avgpipe.shards import local
+
 
 @dataclass(frozen=True)
 class Span:
@@ -89,7 +91,7 @@ class ActivationMeter:
 
     def __init__(self, parameters: Sequence[Tensor] = ()) -> None:
         # parameters are excluded by storage: autograd often saves a view of a weight (``weight.t()``)
-        self._params = {p.untyped_storage().data_ptr() for p in parameters if p.numel()}
+        self._params = {local(p).untyped_storage().data_ptr() for p in parameters if p.numel()}
         self._units: dict[int, int] = {}
         self._seen: set[tuple[int, int]] = set()
         self.current = 0
@@ -99,7 +101,8 @@ class ActivationMeter:
     def unit(self, u: int) -> Iterator[None]:
         """Count what the forward of unit ``u`` saves."""
 
-        def pack(t: Tensor) -> Tensor:
+        def pack(saved: Tensor) -> Tensor:
+            t = local(saved)  # a tensor-parallel layer saves DTensors: their shard is what memory holds
             ptr = t.untyped_storage().data_ptr() if t.numel() else 0
             if ptr not in self._params:
                 key = (t.data_ptr(), u)
@@ -109,7 +112,7 @@ class ActivationMeter:
                     self._units[u] = self._units.get(u, 0) + size
                     self.current += size
                     self.peak = max(self.peak, self.current)
-            return t
+            return saved
 
         _PACKERS.append(pack)
         try:

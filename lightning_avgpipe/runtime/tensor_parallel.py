@@ -1,0 +1,201 @@
+"""Tensor parallelism inside a stage: the per-layer plan and the link that carries a stage's activations across a
+stage boundary once per tensor group (docs/parallelism.md#tensor-parallelism).
+
+A plan maps module names of the unsplit model (``fnmatch`` patterns, as ``parallelize_module`` takes) to
+``torch.distributed.tensor.parallel`` styles. Each stage applies the entries that name its modules, on its tensor
+group's one-dimensional mesh (:func:`parallelize_stage`). With the default plan (:func:`default_plan`), every
+``nn.Linear`` whose output feeds the next ``nn.Linear`` of the same layer is split column-wise and that next one
+row-wise (Megatron's MLP: one all-reduce per pair, the pair's output whole on every shard).
+
+A stage's input and output are whole on every shard of its tensor group, so one copy crosses each boundary: shard 0
+of a stage sends to shard 0 of the next and broadcasts what it receives to its group (:class:`TensorParallelLink`);
+gradients travel back the same way.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_avgpipe.runtime.p2p import META_LEN, Link, OutputMeta
+
+Plan = Mapping[str, Any]  # module name pattern in the unsplit model -> a ParallelStyle
+
+
+def default_plan(named_layers: Mapping[str, nn.Module]) -> dict[str, Any]:
+    """Column-then-row for every pair of ``nn.Linear`` inside one layer where the first's output width is the
+    second's input width (named in module order); a ``Linear`` without such a partner stays whole on every shard."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan: dict[str, Any] = {}
+    for prefix, layer in named_layers.items():
+        linears = [(n, m) for n, m in layer.named_modules() if isinstance(m, nn.Linear)]
+        i = 0
+        while i + 1 < len(linears):
+            (a, first), (b, second) = linears[i], linears[i + 1]
+            if first.out_features == second.in_features:
+                plan[_join(prefix, a)] = ColwiseParallel()
+                plan[_join(prefix, b)] = RowwiseParallel()
+                i += 2
+            else:
+                i += 1
+    return plan
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix and name else prefix or name
+
+
+def check_plan(plan: Plan, module_names: Sequence[str]) -> None:
+    """Every entry of ``plan`` must name at least one module of the model (names in the unsplit model)."""
+    for pattern in plan:
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in module_names):
+            near = [n for n in module_names if n and n.split(".")[-1] == pattern.split(".")[-1]][:3]
+            raise ValueError(
+                f"tensor_parallel_plan names {pattern!r}, which is no module of the model (names are those of "
+                f"named_modules() on the unsplit model{', such as ' + ', '.join(near) if near else ''}). Fix the name, "
+                "or drop the entry."
+            )
+
+
+def parallelize_stage(named_layers: Mapping[str, nn.Module], plan: Plan, mesh: Any) -> list[str]:
+    """Apply the entries of ``plan`` that name modules of this stage's layers (keyed by their names in the unsplit
+    model) on ``mesh``; returns the names of the modules split."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    done = []
+    for prefix, layer in named_layers.items():
+        for name, module in list(layer.named_modules()):
+            full = _join(prefix, name)
+            style = next((s for pattern, s in plan.items() if fnmatch.fnmatchcase(full, pattern)), None)
+            if style is not None:
+                parallelize_module(module, mesh, style)
+                done.append(full)
+    return done
+
+
+class TensorParallelLink(Link):
+    """One stage shard's transfers: shard 0 talks to the neighbouring stages' shard 0 through ``inner`` and
+    broadcasts what arrives to the tensor group; the other shards send nothing and receive the broadcast.
+
+    Every shard of a stage runs the same plan, so the broadcasts happen in the same order on all of them.
+    """
+
+    def __init__(self, inner: Link | None, group: Any, src: int, device: torch.device, name: str, stage: int) -> None:
+        self.inner = inner  # shard 0 only
+        super().__init__(
+            inner.prev_rank if inner else None, inner.next_rank if inner else None, device, name=name, stage=stage
+        )
+        self.tensor_group = group
+        self.src = src
+        self._keys: dict[int, Hashable] = {}
+        self._grad_like: dict[int, list[Tensor]] = {}
+        self._meta: dict[Hashable, OutputMeta] = {}
+
+    # the inner link's settings follow this one's
+    @property  # type: ignore[override]
+    def always_batch(self) -> bool:
+        return self.inner.always_batch if self.inner is not None else False
+
+    @always_batch.setter
+    def always_batch(self, value: bool) -> None:
+        if getattr(self, "inner", None) is not None:
+            self.inner.always_batch = value  # type: ignore[union-attr]
+
+    @property  # type: ignore[override]
+    def timeout(self) -> float | None:
+        return self._timeout
+
+    @timeout.setter
+    def timeout(self, value: float | None) -> None:
+        self._timeout = value
+        if getattr(self, "inner", None) is not None:
+            self.inner.timeout = value  # type: ignore[union-attr]
+
+    @property
+    def leads(self) -> bool:
+        return self.inner is not None
+
+    def _broadcast(self, tensor: Tensor, what: str) -> None:
+        work = dist.broadcast(tensor, src=self.src, group=self.tensor_group, async_op=True)
+        self._wait(work, what, self.src, 0)
+
+    # -- forward direction ---------------------------------------------------------------------------------------
+    def send_activations(self, key: Hashable, value: Any) -> None:
+        if self.inner is not None:
+            self.inner.send_activations(key, value)
+
+    def post_activations(self, unit: int, key: Hashable) -> None:
+        self._keys[unit] = key
+        if self.inner is not None:
+            self.inner.post_activations(unit, key)
+
+    def wait_activations(self, unit: int, training: bool) -> Any:
+        key = self._keys.pop(unit)
+        got = self.inner.wait_activations(unit, training=False) if self.inner is not None else None
+        meta = self._meta.get(key)
+        if meta is None:  # the first unit of a signature: shard 0 tells the others what arrives
+            buf = (  # the header shard 0 received (the sender's requires-grad flags)
+                self.inner.received_meta(key).encode(self.device)
+                if self.inner is not None
+                else torch.empty(META_LEN, dtype=torch.int64, device=self.device)
+            )
+            self._broadcast(buf, f"the activation header of unit {unit}")
+            meta = self._meta[key] = OutputMeta.decode(buf)
+        if got is None:
+            tensors = [torch.empty(tm.shape, dtype=tm.dtype, device=self.device) for tm in meta.tensors]
+        else:
+            tensors = list(got) if meta.is_tuple else [got]
+        for t in tensors:
+            self._broadcast(t, f"the activations of unit {unit}")
+        for t, tm in zip(tensors, meta.tensors):
+            if training and tm.requires_grad:
+                t.requires_grad_(True)
+        return tuple(tensors) if meta.is_tuple else tensors[0]
+
+    # -- backward direction --------------------------------------------------------------------------------------
+    def post_grads(self, unit: int, like: Sequence[Tensor]) -> None:
+        self._grad_like[unit] = list(like)
+        if self.inner is not None:
+            self.inner.post_grads(unit, like)
+
+    def wait_grads(self, unit: int) -> list[Tensor]:
+        like = self._grad_like.pop(unit)
+        if self.inner is not None:
+            grads = self.inner.wait_grads(unit)
+        else:
+            grads = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in like]
+        for g in grads:
+            self._broadcast(g, f"the gradients of unit {unit}")
+        return grads
+
+    def send_grads(self, grads: Sequence[Tensor]) -> None:
+        if self.inner is not None:
+            self.inner.send_grads(grads)
+
+    # -- the rest is shard 0's ---------------------------------------------------------------------------------
+    def begin_batch(self) -> None:
+        if self.inner is not None:
+            self.inner.begin_batch()
+
+    def flush_batch(self) -> None:
+        if self.inner is not None:
+            self.inner.flush_batch()
+
+    def reap_sends(self) -> None:
+        if self.inner is not None:
+            self.inner.reap_sends()
+
+    def wait_sends(self) -> None:
+        if self.inner is not None:
+            self.inner.wait_sends()
+
+    def reset(self) -> None:
+        self._meta.clear()
+        if self.inner is not None:
+            self.inner.reset()

@@ -1,0 +1,46 @@
+"""Tensor-parallel shards seen as plain tensors (docs/parallelism.md#tensor-parallelism).
+
+Under tensor parallelism a stage's parameters are ``DTensor``s: each rank of the tensor-parallel group holds a shard
+(``Shard`` placement) or a whole copy (``Replicate``). The averaging, the gradient all-reduce over the data dimension,
+clipping and the checkpoint's optimizer state all work on each rank's local tensor: the D ranks that hold the same
+(stage, shard) average the same slice. A norm over a stage sums every shard once and every whole copy once, so a
+replicated tensor's square is weighted 1/T before the sum over the T ranks (:func:`norm_weight`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from torch import Tensor
+
+try:  # torch >= 2.4 (the supported versions); DTensor is absent only from builds without torch.distributed
+    from torch.distributed.tensor import DTensor, Shard
+except ImportError:  # pragma: no cover
+    DTensor = Shard = None  # type: ignore[assignment,misc]
+
+
+def is_dtensor(t: Any) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def local(t: Tensor) -> Tensor:
+    """This rank's part of ``t``: the local shard of a ``DTensor`` (sharing its storage), else ``t`` itself."""
+    return t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined]
+
+
+def locals_(tensors: Iterable[Tensor]) -> list[Tensor]:
+    return [local(t) for t in tensors]
+
+
+def norm_weight(t: Tensor, tensor_parallel_size: int) -> float:
+    """The weight of ``t``'s local squared norm in a sum over the tensor-parallel group: 1 for a sharded tensor (each
+    rank holds a different part), ``1/T`` for a tensor every rank holds whole (a plain tensor or a replicated one)."""
+    if tensor_parallel_size > 1 and is_dtensor(t) and any(isinstance(p, Shard) for p in t.placements):  # type: ignore[attr-defined]
+        return 1.0
+    return 1.0 / tensor_parallel_size
+
+
+def full(t: Tensor) -> Tensor:
+    """The whole tensor (collective over the tensor-parallel group for a ``DTensor``); ``t`` itself otherwise."""
+    return t.full_tensor() if is_dtensor(t) else t  # type: ignore[attr-defined]

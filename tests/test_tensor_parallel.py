@@ -1,0 +1,169 @@
+"""Tensor parallelism inside a stage (runtime/tensor_parallel.py): a D x S x T mesh on gloo matches one process.
+
+Each launch runs several configurations in the same processes (the mesh is built once): N = 1 and N = 2 replicas,
+activation checkpointing on and off. The reference is one process training the unsplit layers: N x D replicas,
+each on its own batch with its own optimizer, tied by the same elastic rule (N x D = 1: plain training).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_avgpipe import microbatch
+from lightning_avgpipe.runtime.tensor_parallel import check_plan, default_plan
+from lightning_avgpipe.runtime.topology import Topology
+from tests.helpers.distributed import run_distributed
+
+STEPS = 3
+M = 2
+BATCH = 8
+CONFIGS = [(1, False), (2, True), (1, True), (2, False)]  # (N, activation checkpointing)
+
+
+class Block(nn.Module):
+    """A pre-norm residual MLP: the default plan splits fc1 column-wise and fc2 row-wise."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, 2 * width)
+        self.fc2 = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.relu(self.fc1(self.norm(x))))
+
+
+def make_model(seed: int = 0, width: int = 8, inputs: int = 6, classes: int = 4) -> list[nn.Module]:
+    torch.manual_seed(seed)
+    return [nn.Linear(inputs, width), Block(width), Block(width), Block(width), Block(width), nn.Linear(width, classes)]
+
+
+def batch(step: int, replica: int, replicas: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + replica)
+    return torch.randn(BATCH, 6, generator=g), torch.randint(0, 4, (BATCH,), generator=g)
+
+
+def reference(replicas: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process: ``replicas`` = N x D copies of the unsplit model, each its own SGD, tied by the elastic rule."""
+    from lightning_avgpipe.elastic import ElasticAveraging
+
+    layers = make_model()
+    elastic = ElasticAveraging(layers, num_replicas=replicas)
+    opts = [torch.optim.SGD(elastic.replica_params(r), lr=0.1, momentum=0.9) for r in range(replicas)]
+    losses = []
+    for step in range(STEPS):
+        elastic.begin_step()
+        total = 0.0
+        for r in range(replicas):
+            x, y = batch(step, r, replicas)
+            opts[r].zero_grad()
+            net = nn.Sequential(*elastic.replicas[r])
+            for mx, my in zip(microbatch.split(x, M), microbatch.split(y, M)):
+                loss = F.cross_entropy(net(mx), my) * (len(my) / len(y))
+                loss.backward()
+                total += loss.item() / replicas
+            opts[r].step()
+        elastic.finish_step()
+        losses.append(total)
+    state = {f"{i}.{k}": v for i, layer in enumerate(layers) for k, v in layer.state_dict().items()}
+    return losses, state
+
+
+def _worker(rank: int, world: int, stages: int, tp: int, configs: list[tuple[int, bool]]) -> list[dict[str, Any]]:
+    from lightning_avgpipe.config import PipelineConfig
+    from lightning_avgpipe.runtime.pipeline import StagePipeline
+    from lightning_avgpipe.runtime.tensor_parallel import parallelize_stage
+    from lightning_avgpipe.shards import full
+
+    top = Topology.build(rank, world, stages, tensor_parallel_size=tp)
+    sizes = [3, 3] if stages == 2 else [6]
+    start = sum(sizes[: top.stage])
+    out = []
+    for n, ac in configs:
+        layers = make_model()
+        own = {str(i): layers[i] for i in range(start, start + sizes[top.stage])}
+        split = parallelize_stage(own, default_plan(own), top.tensor_mesh)
+        cfg = PipelineConfig(num_stages=stages, num_microbatches=M, num_pipelines=n, activation_checkpointing=ac)
+        pipe = StagePipeline(list(own.values()), top, cfg)
+        opt = pipe.optimizer(torch.optim.SGD(pipe.reference_params, lr=0.1, momentum=0.9))
+        losses = []
+        for step in range(STEPS):
+            batches = [batch(step, top.group_index * n + r, n * top.num_groups) for r in range(n)]
+            opt.zero_grad()
+            result = pipe.train_step(batches, lambda out, b, share: F.cross_entropy(out, b[1]), measure=True)
+            opt.step()
+            losses.append(float(result.loss) if result.loss is not None else None)
+        pipe.elastic.wait()
+        state = {f"{i}.{k}": full(v).detach().clone() for i, m in own.items() for k, v in m.state_dict().items()}
+        peak = result.trace.peak_activation_bytes
+        out.append({"losses": losses, "state": state, "split": split, "shard": top.tensor_rank, "peak": peak})
+    return out
+
+
+def _check(results: list[list[dict[str, Any]]], configs: list[tuple[int, bool]], groups: int) -> None:
+    for c, (n, _ac) in enumerate(configs):
+        want_losses, want = reference(n * groups)
+        for rank_results in results:
+            got = rank_results[c]
+            for key, value in got["state"].items():
+                torch.testing.assert_close(value, want[key], rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
+            if got["losses"][0] is not None and groups == 1:  # the last stage's loss: its group's N replicas
+                torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want_losses))
+    split = {name for r in results for name in r[0]["split"]}
+    assert split == {f"{i}.{fc}" for i in range(1, 5) for fc in ("fc1", "fc2")}
+
+
+@pytest.mark.slow
+def test_two_stages_of_two_shards_match_one_process() -> None:
+    """T = 2, S = 2 (4 ranks): N = 1 and N = 2, activation checkpointing on and off, equal the unsplit model."""
+    results = run_distributed(_worker, 4, 2, 2, CONFIGS, timeout=240, what="T=2 S=2")
+    _check(results, CONFIGS, groups=1)
+    # checkpointing kept only the checkpointed layers' inputs: the stash is smaller on every rank (N = 1 runs)
+    for rank_results in results:
+        assert rank_results[2]["peak"] < rank_results[0]["peak"]
+
+
+@pytest.mark.slow
+def test_two_groups_of_two_stages_of_two_shards_match_one_process() -> None:
+    """D = 2, S = 2, T = 2 (8 ranks, a tiny model): the data dimension averages each (stage, shard) over D."""
+    configs = [(1, True), (2, False)]
+    results = run_distributed(_worker, 8, 2, 2, configs, timeout=300, what="D=2 S=2 T=2")
+    _check(results, configs, groups=2)
+
+
+def test_rank_layout_keeps_shards_of_a_stage_together() -> None:
+    """T innermost: ranks 0-1 are stage 0's shards, 2-3 stage 1's, then the second group."""
+    tops = [Topology(r, 8, 2, tensor_parallel_size=2) for r in range(8)]
+    assert [(t.group_index, t.stage, t.tensor_rank) for t in tops] == [
+        (d, s, t) for d in range(2) for s in range(2) for t in range(2)
+    ]
+    assert tops[5].tensor_ranks == [4, 5]
+    assert tops[5].pipeline_ranks == [5, 7]
+    assert Topology(3, 4, 4).pipeline_ranks == [0, 1, 2, 3]  # T = 1 keeps the old layout
+
+
+@pytest.mark.parametrize(
+    ("world", "stages", "tp", "match"),
+    [(6, 2, 4, "tensor_parallel_size=4"), (8, 3, 2, "num_stages x tensor_parallel_size"), (4, 2, 0, "tensor_p")],
+)
+def test_a_mesh_that_does_not_fit_the_world_is_refused(world: int, stages: int, tp: int, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        Topology(0, world, stages, tensor_parallel_size=tp)
+
+
+def test_default_plan_pairs_linears_and_a_wrong_name_is_refused() -> None:
+    layers = make_model()
+    named = {str(i): layer for i, layer in enumerate(layers)}
+    plan = default_plan(named)
+    assert sorted(plan) == sorted(f"{i}.{fc}" for i in range(1, 5) for fc in ("fc1", "fc2"))
+    assert [type(plan["1.fc1"]).__name__, type(plan["1.fc2"]).__name__] == ["ColwiseParallel", "RowwiseParallel"]
+    names = [n for n, _ in nn.Sequential(*copy.deepcopy(layers)).named_modules()]
+    check_plan({"*.fc1": None, "2.fc2": None}, names)
+    with pytest.raises(ValueError, match=r"'3\.fc3'.*no module of the model"):
+        check_plan({"3.fc3": None}, names)
