@@ -79,8 +79,16 @@ class PipelineConfig:
     # Activation checkpointing per stage (runtime/recompute.py): False, True (every layer) or layer types (classes
     # or class names); the listed layers keep only their inputs and run their forward again in the backward.
     activation_checkpointing: Any = False
+    # T: ranks that split every layer of a stage (tensor parallelism on DTensor, docs/parallelism.md); the job is a
+    # D x S x T mesh with T innermost, so T should divide the devices of a node.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        if not is_int(self.tensor_parallel_size, 1):
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size!r} must be an int >= 1 (1: no tensor parallelism); "
+                "use a divisor of the devices per node, such as 2."
+            )
         if self.num_stages is not None and not is_int(self.num_stages, 1):
             raise ValueError(f"num_stages={self.num_stages!r} must be an int >= 1 (or None for all devices).")
         m = self.num_microbatches

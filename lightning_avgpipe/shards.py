@@ -44,3 +44,35 @@ def norm_weight(t: Tensor, tensor_parallel_size: int) -> float:
 def full(t: Tensor) -> Tensor:
     """The whole tensor (collective over the tensor-parallel group for a ``DTensor``); ``t`` itself otherwise."""
     return t.full_tensor() if is_dtensor(t) else t  # type: ignore[attr-defined]
+
+
+def to_local_tree(obj: Any) -> Any:
+    """``obj`` (nested dicts, lists, tuples) with every ``DTensor`` replaced by this rank's local part (what a
+    rank's own checkpoint entry keeps; :func:`like` puts it back)."""
+    if is_dtensor(obj):
+        return obj.to_local()
+    if isinstance(obj, dict):
+        return {k: to_local_tree(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_local_tree(v) for v in obj)
+    return obj
+
+
+def like(value: Any, param: Tensor, *, whole: bool = False) -> Any:
+    """``value`` shaped as ``param``'s tensor-parallel layout: for a ``DTensor`` parameter, a plain tensor becomes a
+    ``DTensor`` on its mesh and placements, from this rank's local part (``whole=False``) or from the whole tensor
+    (``whole=True``: sliced locally, every rank holds the whole). Anything else is returned as it is."""
+    if not is_dtensor(param) or not isinstance(value, Tensor) or is_dtensor(value):
+        return value
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh, placements = param.device_mesh, param.placements  # type: ignore[attr-defined]
+    if whole:
+        if tuple(value.shape) != tuple(param.shape):
+            return value  # a scalar state (Adam's step) or another shape: not a tensor laid out as the weight
+        return distribute_tensor(value.to(param.device), mesh, placements, src_data_rank=None)
+    if tuple(value.shape) != tuple(param.to_local().shape):  # type: ignore[attr-defined]
+        return value
+    return DTensor.from_local(
+        value.to(param.device), mesh, placements, run_check=False, shape=param.shape, stride=param.stride()
+    )

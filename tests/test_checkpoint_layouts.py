@@ -108,3 +108,38 @@ def test_ddp_resumes_a_two_stage_checkpoint(two_stage_checkpoint: Path, tmp_path
     )
     for r in results:
         assert r["optimizer_steps"] == [STEPS + 2] and len(r["losses"]) == 2
+
+
+TP_PLAN = {"layers.3": "colwise", "layers.5": "rowwise"}  # PipeNet's Linear(16, 16) then Linear(16, 4), on stage 1
+TP = {"num_stages": 2, "num_microbatches": 2, "partition": [3, 3], "tensor_parallel_size": 2}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_tensor_parallel_trains_as_one_device_and_resumes_across_t(two_stage_checkpoint: Path, tmp_path: Path) -> None:
+    """T = 2, S = 2 (4 ranks) trains as plain Lightning does; its checkpoint (shards saved whole) resumes on one
+    device with Adam's state, and a T = 1 checkpoint resumes under T = 2: each equals the uninterrupted run."""
+    _, plain = _fit(tmp_path / "plain", 2 * STEPS)
+    model = {"optimizer": "adam", "lr": 0.01}
+    tp = {**TP, "tensor_parallel_plan": TP_PLAN}
+    results = run_lightning(
+        tmp_path / "tp", 4, tp, steps=2 * STEPS, model=model, every_n_train_steps=STEPS, trainer=PLAIN_ORDER
+    )
+    split = ["layers.3.bias", "layers.3.weight", "layers.5.bias", "layers.5.weight"]
+    assert [r["sharded"] for r in results] == [[], [], split, split]  # stage 1's two shards; stage 0 has no pair
+    final = torch.load(tmp_path / "tp" / "final.ckpt", weights_only=True)
+    assert final["optimizer_states"][0]["avgpipe_layout"]["tensor_parallel"] == 2
+    _close({k: v for k, v in final["state_dict"].items() if k.startswith("layers.")}, plain.state_dict())
+
+    # T = 2 -> one device (plain Lightning): the whole weights and Adam's state, exact
+    mid = tmp_path / "tp" / "every" / f"epoch=0-step={STEPS}.ckpt"
+    trainer, resumed = _fit(tmp_path / "resumed", 2 * STEPS, str(mid))
+    assert all(int(s["step"]) == 2 * STEPS for s in trainer.optimizers[0].state_dict()["state"].values())
+    _close(resumed.state_dict(), plain.state_dict())
+
+    # T = 1 (S = 2) -> T = 2: each shard takes its part of the whole state by name
+    run_lightning(
+        tmp_path / "back", 4, tp, steps=2 * STEPS, model=model, ckpt_path=str(two_stage_checkpoint), trainer=PLAIN_ORDER
+    )
+    back = torch.load(tmp_path / "back" / "final.ckpt", weights_only=True)["state_dict"]
+    _close({k: v for k, v in back.items() if k.startswith("layers.")}, plain.state_dict())

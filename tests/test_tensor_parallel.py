@@ -167,3 +167,25 @@ def test_default_plan_pairs_linears_and_a_wrong_name_is_refused() -> None:
     check_plan({"*.fc1": None, "2.fc2": None}, names)
     with pytest.raises(ValueError, match=r"'3\.fc3'.*no module of the model"):
         check_plan({"3.fc3": None}, names)
+
+
+def _split_output_worker(rank: int, world: int) -> str:
+    import torch.distributed as dist
+
+    from lightning_avgpipe.runtime.p2p import StageOutputError
+    from lightning_avgpipe.runtime.tensor_parallel import whole_outputs
+
+    same = whole_outputs(lambda x: x * 2, dist.group.WORLD, "stage 0")
+    assert torch.equal(same(torch.ones(2, 3)), torch.full((2, 3), 2.0))
+    split = whole_outputs(lambda x: x + rank, dist.group.WORLD, "stage 0 (rank 0)")
+    try:
+        split(torch.ones(2, 3))
+    except StageOutputError as err:
+        return str(err)
+    return "no error"
+
+
+def test_a_plan_that_leaves_a_stage_output_split_is_named() -> None:
+    """Shards whose stage outputs differ (a column-wise layer ending a stage) fail on both ranks with the fix."""
+    for message in run_distributed(_split_output_worker, 2, timeout=120):
+        assert "computed different outputs" in message and "RowwiseParallel" in message

@@ -18,13 +18,14 @@ from lightning_avgpipe.microbatch import to_cpu
 from lightning_avgpipe.optim import ElasticOptimizer, hyperparameters, source_groups
 from lightning_avgpipe.plugin import compat
 from lightning_avgpipe.runtime.pipeline import StagePipeline
+from lightning_avgpipe.shards import full, like, to_local_tree
 
 
 def assemble_state_dict(module: nn.Module, pipeline: StagePipeline, full_keys: Sequence[str]) -> dict[str, Any]:
     """The unsplit model's state dict, under its own names and order, on the pipeline's first stage (collective;
     ``{}`` elsewhere)."""
     pipeline.elastic.wait()  # the checkpoint holds the up-to-date reference
-    local = {k: v.detach().cpu() for k, v in module.state_dict().items()}
+    local = {k: full(v).detach().cpu() for k, v in module.state_dict().items()}  # tensor shards gathered whole
     parts = pipeline.gather(local)
     if parts is None:
         return {}
@@ -63,8 +64,8 @@ def gather_optimizer_state(
     entry: dict[str, Any] = {"named": named_groups(inner, pipeline, names), "replicas": []}
     if not elastic.trivial:  # the replicas' optimizers and weights, the period's position and offsets, the momentum
         elastic.wait()
-        entry["optim"] = inner.state_dict()
-        entry["replicas"] = [[to_cpu(m.state_dict()) for m in layers] for layers in elastic.replicas]
+        entry["optim"] = to_local_tree(inner.state_dict())  # a rank's own entry: its shards, as they are
+        entry["replicas"] = [[to_cpu(to_local_tree(m.state_dict())) for m in layers] for layers in elastic.replicas]
         entry["elastic"] = to_cpu(elastic.state_dict())
     top = pipeline.topology
     if top.world_size == 1:
@@ -105,7 +106,11 @@ def named_groups(optimizer: Optimizer, pipeline: StagePipeline, names: Names) ->
     return [
         {
             "hyper": hyperparameters(group),
-            "params": [(named[id(p)], to_cpu(dict(state_of(p)))) for p in group["params"] if id(p) in named],
+            "params": [
+                (named[id(p)], to_cpu({k: full(v) for k, v in state_of(p).items()}))  # tensor shards gathered whole
+                for p in group["params"]
+                if id(p) in named
+            ],
         }
         for group in user.param_groups
     ]
@@ -148,8 +153,26 @@ def load_stage_state(module: nn.Module, checkpoint: Mapping[str, Any], pipeline:
         raise KeyError(
             f"The checkpoint lacks {missing[:5]} that stage {pipeline.stage} holds; it was saved from another model."
         )
-    module.load_state_dict({k: full[k] for k in local_keys if k in full}, strict=False)
+    load_whole(module, {k: full[k] for k in local_keys if k in full})
     pipeline.elastic.reset_replicas()
+
+
+def load_whole(module: nn.Module, state: Mapping[str, Any], whole: bool = True) -> None:
+    """``module.load_state_dict(state, strict=False)``, a tensor-parallel weight taking its shard of a whole tensor
+    (``whole``) or its own local part (a rank's own checkpoint entry)."""
+    current = module.state_dict()
+    module.load_state_dict(
+        {k: like(v, current[k], whole=whole) if k in current else v for k, v in state.items()}, strict=False
+    )
+
+
+def relayout_state(optimizer: Optimizer) -> None:
+    """After ``load_state_dict`` of a rank's own (local) entry: each tensor-parallel parameter's state as DTensors."""
+    inner = compat.unwrap_optimizer(optimizer)
+    for opt in [inner.user, *inner.replicas] if isinstance(inner, ElasticOptimizer) else [inner]:
+        for p, st in opt.state.items():
+            for k, v in st.items():
+                st[k] = like(v, p)
 
 
 def load_optimizer_states(
@@ -181,9 +204,10 @@ def load_optimizer_states(
         entry = state["avgpipe_ranks"][pipeline.topology.rank] if saved_layout == layout else None
         if entry is not None and "optim" in entry:  # the same layout with replicas (or a checkpoint from before names)
             optimizer.load_state_dict(entry["optim"])
+            relayout_state(optimizer)
             for layers, saved_layers in zip(pipeline.elastic.replicas, entry["replicas"]):
                 for layer, layer_state in zip(layers, saved_layers):
-                    layer.load_state_dict(layer_state)
+                    load_whole(layer, layer_state, whole=False)
             if "elastic" in entry and not pipeline.elastic.trivial:
                 pipeline.elastic.load_state_dict(entry["elastic"])
             continue
@@ -244,8 +268,8 @@ def load_by_name(optimizer: Optimizer, unified: Mapping[str, Any], pipeline: Sta
             for p in group["params"]:
                 name = name_of.get(id(to_ref.get(id(p), p)))
                 saved = by_name[g].get(name) if name is not None else None
-                if saved is not None and saved in unified["state"]:
-                    state[index] = unified["state"][saved]
+                if saved is not None and saved in unified["state"]:  # a tensor-parallel shard: its part of it
+                    state[index] = {k: like(v, p, whole=True) for k, v in unified["state"][saved].items()}
                 ids.append(index)
                 index += 1
             out_groups.append({**hyperparameters(saved_groups[g]), "params": ids})

@@ -24,7 +24,7 @@ from typing_extensions import override
 from lightning_avgpipe import microbatch
 from lightning_avgpipe.config import PipelineConfig
 from lightning_avgpipe.plugin import checkpoint as ckpt
-from lightning_avgpipe.plugin import compat
+from lightning_avgpipe.plugin import compat, tensor
 from lightning_avgpipe.plugin.bridge import Guard, StepBridge, StepResults, replay_logs
 from lightning_avgpipe.plugin.compat import (
     _optimizers_to_device,
@@ -103,6 +103,10 @@ class AvgPipeStrategy(ProcessStrategy):
         activation_checkpointing: ``True`` checkpoints every layer of every stage, a list of layer types (classes
             or class names) those layers only: they keep only their inputs and run their forward again in the
             backward (less activation memory, one more forward of them per step; docs/strategy.md).
+        tensor_parallel_size: T, the ranks that split every layer of a stage (DTensor; docs/parallelism.md). The
+            job is a D x S x T mesh, T innermost: T must divide the devices of a node.
+        tensor_parallel_plan: module name (patterns allowed) -> ``ColwiseParallel()``/``RowwiseParallel()`` (or
+            ``"colwise"``/``"rowwise"``); None: every pair of ``nn.Linear`` in a layer, column- then row-wise.
         accelerator: Lightning's own, as for any strategy (the Trainer sets it, as the next four).
         parallel_devices: the devices of this node.
         cluster_environment: where the ranks come from (Lightning's, torchrun, SLURM).
@@ -137,6 +141,8 @@ class AvgPipeStrategy(ProcessStrategy):
         check_forward: bool = True,
         trusted_checkpoints: bool = False,
         activation_checkpointing: bool | list[Any] = False,
+        tensor_parallel_size: int = 1,
+        tensor_parallel_plan: dict[str, Any] | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -173,7 +179,9 @@ class AvgPipeStrategy(ProcessStrategy):
             p2p_timeout=p2p_timeout,
             timeout=timeout,
             activation_checkpointing=activation_checkpointing,
+            tensor_parallel_size=tensor_parallel_size,
         )
+        self.tensor_parallel_plan = tensor.check_tensor_parallel_args(tensor_parallel_size, tensor_parallel_plan, None)
         # The k the user asked for, kept across fits (a tuner's reconfigure replaces "auto" with a number).
         self.user_advance_forwards: int | str = advance_forwards
         self.check_forward = bool(check_forward)
@@ -297,7 +305,11 @@ class AvgPipeStrategy(ProcessStrategy):
         if self._topology is None or default is None or self._topology_of is not default:
             self._topology_of = default
             stages = self.config.num_stages or self.world_size
-            self._topology = Topology.build(self.global_rank, self.world_size, stages, self.config.timeout)
+            T = self.config.tensor_parallel_size
+            tensor.check_tensor_parallel_args(T, None, len(self.parallel_devices or []) or None)
+            self._topology = Topology.build(
+                self.global_rank, self.world_size, stages, self.config.timeout, T, self.root_device.type
+            )
         self.start_watchdog(f"rank {self.global_rank} (stage {self.stage})", grace=self.config.p2p_timeout)
 
     # -- setup ---------------------------------------------------------------------------------------------------
@@ -337,6 +349,9 @@ class AvgPipeStrategy(ProcessStrategy):
         sizes = self.broadcast(sizes, src=0)
         assert sizes is not None
         shared = shared_across_stages(module, layers, list(sizes))
+        tensor.check_combinations(self.config.tensor_parallel_size, shared, self.precision_plugin)
+        if self.tensor_parallel_plan is not None:
+            tensor.check_plan(self.tensor_parallel_plan, [n for n, _ in module.named_modules()])
         self._ties = tie_groups(shared, self.topology, self.config.timeout)
         for holders, named in shared.items():
             rank_zero_info(
@@ -354,6 +369,9 @@ class AvgPipeStrategy(ProcessStrategy):
     def _make_pipeline(self) -> None:
         """Stage ``s`` of the N replicas (copies of the module's own layers) and the step that trains them."""
         assert self._split is not None
+        if self.config.tensor_parallel_size > 1:
+            split = tensor.apply(self._split.names(), self.tensor_parallel_plan, self.topology.tensor_mesh)
+            rank_zero_info(f"AvgPipe: tensor parallelism over {self.config.tensor_parallel_size} ranks splits {split}.")
         self._pipeline = StagePipeline(
             self._split.owned,
             self.topology,
@@ -508,11 +526,13 @@ class AvgPipeStrategy(ProcessStrategy):
     @property
     def layout(self) -> dict[str, Any]:
         """What a checkpoint's optimizer states depend on: stages, groups, pipelines and the partition."""
+        T = self.config.tensor_parallel_size
         return {
             "stages": self.num_stages,
             "groups": self.num_groups,
             "pipelines": self.num_pipelines,
             "partition": self.partition,
+            **({"tensor_parallel": T} if T > 1 else {}),
         }
 
     @override
@@ -588,6 +608,8 @@ class AvgPipeStrategy(ProcessStrategy):
         if self._topology is not None and self.lightning_module is not None:  # the metrics' group, set in setup
             metrics_sync_over(self.lightning_module, None, only=self._topology.stage_group)
         self.optimizers = []  # they hold the elastic averaging, and it holds its group
+        if self._topology is not None:
+            self._topology.release()  # the tensor-parallel mesh's groups
         self._pipeline = self._results = self._topology = self._topology_of = None
         self._ties = []
 

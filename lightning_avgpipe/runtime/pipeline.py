@@ -41,7 +41,7 @@ from lightning_avgpipe.runtime.executor import StageExecutor
 from lightning_avgpipe.runtime.gradnoise import GradientProbe
 from lightning_avgpipe.runtime.p2p import Link, PeerFailureError, first_failure
 from lightning_avgpipe.runtime.recompute import layer_mask, stage_function
-from lightning_avgpipe.runtime.tensor_parallel import TensorParallelLink
+from lightning_avgpipe.runtime.tensor_parallel import TensorParallelLink, whole_outputs
 from lightning_avgpipe.runtime.ties import TiedGradients, TiedWeights
 from lightning_avgpipe.runtime.topology import Topology
 from lightning_avgpipe.runtime.trace import ActivationMeter, StepTrace, write_trace
@@ -156,7 +156,7 @@ class StagePipeline:
             )
         link = link or stage_link(topology, self.device)
         self.recompute = layer_mask(self.layers, self.config.activation_checkpointing)  # checkpointed layers
-        stage_fn = stage_function(self.layers, self.recompute)
+        stage_fn = self._stage_function(self.layers)
         self.executor = StageExecutor(topology.stage, topology.num_stages, stage_fn, link, coalesce=self.batched_p2p)
         k = self.config.advance_forwards
         self._k = 0 if k == "auto" else int(k)
@@ -249,11 +249,20 @@ class StagePipeline:
         self.elastic.tensor_parallel_size = top.tensor_parallel_size
         self._params = self.elastic.all_replica_params()
         self._tied = TiedGradients(self.ties, self.elastic, self.stage)
-        self._replica_fns = [stage_function(layers, self.recompute) for layers in self.elastic.replicas]
+        self._replica_fns = [self._stage_function(layers) for layers in self.elastic.replicas]
         self.batched: BatchedReplicas | None = None
         if cfg.replica_execution == "batched" and not self.elastic.trivial:
             self.batched = BatchedReplicas(self.elastic.replicas)
         self.meter = ActivationMeter(self._params)
+
+    def _stage_function(self, layers: Sequence[nn.Module]) -> Callable[[Any], Any]:
+        """``layers`` applied in order (the checkpointed ones recomputed); under tensor parallelism, checked once per
+        output signature to give every shard the same output (``runtime/tensor_parallel.py``)."""
+        fn = stage_function(layers, self.recompute)
+        top = self.topology
+        if top.tensor_parallel_size == 1:
+            return fn
+        return whole_outputs(fn, top.tensor_group, f"stage {top.stage} (rank {top.rank})")
 
     def optimizer(self, user: Optimizer) -> Optimizer:
         """The optimizer to step: ``user`` itself when N·D = 1, else one clone of it per replica, stepped together

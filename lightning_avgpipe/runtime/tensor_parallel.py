@@ -15,14 +15,14 @@ gradients travel back the same way.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_avgpipe.runtime.p2p import META_LEN, Link, OutputMeta
+from lightning_avgpipe.runtime.p2p import META_LEN, Link, OutputMeta, StageOutputError, flatten_output
 
 Plan = Mapping[str, Any]  # module name pattern in the unsplit model -> a ParallelStyle
 
@@ -77,6 +77,34 @@ def parallelize_stage(named_layers: Mapping[str, nn.Module], plan: Plan, mesh: A
                 parallelize_module(module, mesh, style)
                 done.append(full)
     return done
+
+
+def whole_outputs(stage_fn: Callable[[Any], Any], group: Any, where: str) -> Callable[[Any], Any]:
+    """``stage_fn``, checking once per output signature that every shard of the tensor group computed the same
+    output: a plan that leaves a stage's output split (a column-wise layer without its row-wise partner at the end of
+    a stage) would otherwise send shard 0's part alone, and train wrongly without a word."""
+    checked: set[Any] = set()
+
+    def run(x: Any) -> Any:
+        y = stage_fn(x)
+        tensors = flatten_output(y, where)
+        key = tuple((t.dtype, tuple(t.shape)) for t in tensors)
+        if key not in checked:
+            checked.add(key)
+            with torch.no_grad():
+                mine = torch.stack([v for t in tensors for v in (t.float().sum(), t.float().abs().sum())])
+                seen = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+                dist.all_gather(seen, mine.contiguous(), group=group)
+            if not all(torch.allclose(other, seen[0], rtol=1e-4, atol=1e-5) for other in seen):
+                raise StageOutputError(
+                    f"{where}: the shards of its tensor group computed different outputs {[o.tolist() for o in seen]}: "
+                    "the tensor-parallel plan leaves the stage's output split. End each stage's split layers with a "
+                    "row-wise one (ColwiseParallel then RowwiseParallel), or choose a partition that does not cut "
+                    "between them."
+                )
+        return y
+
+    return run
 
 
 class TensorParallelLink(Link):

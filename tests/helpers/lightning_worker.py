@@ -97,9 +97,10 @@ def group_loader(cfg: dict[str, Any], batch_size: int = 12) -> DataLoader:
     With D = 1 that is every batch in order, so N parallel pipelines in one group see exactly the batches that
     D groups of one pipeline each see (replica n <-> group n).
     """
-    stages = cfg["strategy"].get("num_stages") or cfg["devices"]
-    groups = cfg["devices"] // stages
-    d = int(os.environ.get("LOCAL_RANK", "0")) // stages
+    tp = cfg["strategy"].get("tensor_parallel_size", 1)
+    stages = cfg["strategy"].get("num_stages") or cfg["devices"] // tp
+    groups = cfg["devices"] // (stages * tp)
+    d = int(os.environ.get("LOCAL_RANK", "0")) // (stages * tp)
     data = dataset()
     count = len(data) // batch_size
     indices = [i for b in range(d, count, groups) for i in range(b * batch_size, (b + 1) * batch_size)]
@@ -194,6 +195,8 @@ def main(cfg: dict[str, Any]) -> None:
     if isinstance(strategy, AvgPipeStrategy):
         result["setting"] = [strategy.num_microbatches, strategy.num_pipelines]
         result["averaging"] = strategy.config.averaging
+        # tensor parallelism: the parameters this rank holds as shards (DTensor)
+        result["sharded"] = sorted(n for n, p in model.named_parameters() if type(p).__name__ == "DTensor")
     else:  # strategy="ddp": Adam's step count on this rank (a resume must carry it on)
         result["optimizer_steps"] = sorted({int(s["step"]) for s in trainer.optimizers[0].state.values()})
         torch.distributed.destroy_process_group()  # Lightning leaves gloo's groups to exit; a DDP user ends them

@@ -1,0 +1,73 @@
+"""Tensor parallelism in the strategy (docs/parallelism.md): the plan from the user or the default, applied to this
+rank's stage after the split, and the checks that name a mesh or plan that cannot work."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+
+from lightning_avgpipe.runtime.tensor_parallel import check_plan, default_plan, parallelize_stage
+
+__all__ = ["apply", "check_combinations", "check_plan", "check_tensor_parallel_args"]
+
+STYLE_NAMES = ("colwise", "rowwise")
+
+
+def check_tensor_parallel_args(size: int, plan: Any, devices_per_node: int | None) -> dict[str, Any] | None:
+    """``tensor_parallel_plan`` as a dict of ``ParallelStyle``s (names ``"colwise"``/``"rowwise"`` become them), and
+    ``tensor_parallel_size`` checked against the devices of a node (tensor parallelism stays inside one)."""
+    if devices_per_node is not None and size > 1 and devices_per_node % size:
+        raise ValueError(
+            f"tensor_parallel_size={size} does not divide the {devices_per_node} devices of a node: a tensor group "
+            f"must sit inside one node (its all-reduces run every layer). Use a divisor of {devices_per_node}, or "
+            "change Trainer(devices=...)."
+        )
+    if plan is None:
+        return None
+    if not isinstance(plan, Mapping) or not all(isinstance(k, str) for k in plan):
+        raise ValueError(
+            f"tensor_parallel_plan={plan!r} must map module names of the model (patterns allowed, such as "
+            "'blocks.*.mlp.fc1') to ColwiseParallel()/RowwiseParallel() or 'colwise'/'rowwise'."
+        )
+    if size == 1:
+        raise ValueError(
+            "tensor_parallel_plan is given but tensor_parallel_size=1; set tensor_parallel_size=2 (or more)."
+        )
+    from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+    out: dict[str, Any] = {}
+    for name, style in plan.items():
+        if isinstance(style, str) and style in STYLE_NAMES:
+            style = ColwiseParallel() if style == "colwise" else RowwiseParallel()
+        if not isinstance(style, ParallelStyle):
+            raise ValueError(
+                f"tensor_parallel_plan[{name!r}]={style!r} is not a ParallelStyle; use ColwiseParallel(), "
+                f"RowwiseParallel() (torch.distributed.tensor.parallel) or one of {list(STYLE_NAMES)}."
+            )
+        out[name] = style
+    return out
+
+
+def check_combinations(tensor_parallel_size: int, ties: Any, precision_plugin: Any) -> None:
+    """What tensor parallelism does not support yet, refused by name."""
+    if tensor_parallel_size == 1:
+        return
+    if ties:
+        raise ValueError(
+            "tensor_parallel_size > 1 with weights shared between stages (a tied embedding and head) is not supported; "
+            "untie them, or use tensor_parallel_size=1."
+        )
+    if type(precision_plugin).__name__ in ("MixedPrecision", "PipelineMixedPrecision"):
+        raise ValueError(
+            "tensor_parallel_size > 1 with precision='16-mixed' is not supported yet; use precision='bf16-mixed' or "
+            "'32-true', or tensor_parallel_size=1."
+        )
+
+
+def apply(owned: Mapping[str, nn.Module], plan: Mapping[str, Any] | None, mesh: Any) -> list[str]:
+    """Split this stage's layers (``owned``: name in the model -> layer) across the tensor group's ``mesh`` by
+    ``plan`` (checked beforehand against the whole model, :func:`check_plan`), or by the default plan; returns the
+    names of the modules split."""
+    return parallelize_stage(owned, default_plan(owned) if plan is None else plan, mesh)
