@@ -76,3 +76,18 @@ def like(value: Any, param: Tensor, *, whole: bool = False) -> Any:
     return DTensor.from_local(
         value.to(param.device), mesh, placements, run_check=False, shape=param.shape, stride=param.stride()
     )
+
+
+def release_meshes(tensors: Iterable[Any]) -> None:
+    """Drop the process groups that the device meshes of ``tensors``' ``DTensor``s keep in their registries.
+
+    torch's DTensor caches keep meshes alive, and a mesh keeps its groups: without this they outlive
+    ``destroy_process_group`` at exit and their threads run into the interpreter's finalization. The replicas'
+    copies (``copy.deepcopy``) have meshes of their own, so every tensor's mesh is released.
+    """
+    for t in tensors:
+        mesh = t.device_mesh if is_dtensor(t) else None
+        for m in (mesh, getattr(mesh, "_root_mesh", None)):
+            registry = getattr(m, "_pg_registry", None)
+            if isinstance(registry, dict):
+                registry.clear()

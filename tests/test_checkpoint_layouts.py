@@ -143,3 +143,40 @@ def test_tensor_parallel_trains_as_one_device_and_resumes_across_t(two_stage_che
     )
     back = torch.load(tmp_path / "back" / "final.ckpt", weights_only=True)["state_dict"]
     _close({k: v for k, v in back.items() if k.startswith("layers.")}, plain.state_dict())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_tensor_parallel_replicas_match_one_process_and_resume_exactly(tmp_path: Path) -> None:
+    """T = 2 on one stage with N = 2 elastic replicas (2 ranks): the AvgPipe rule as one process computes it, and a
+    resume with the same mesh continues bit for bit (every rank's replicas and optimizers saved as local shards)."""
+    from tests.helpers.lit import reference_elastic
+    from tests.test_parallel_pipelines import replicas_from_checkpoint
+    from tests.test_strategy_equivalence import final_state
+
+    model = {"optimizer": "adam", "lr": 0.01}
+    strategy = {"num_stages": 1, "num_microbatches": 2, "num_pipelines": 2, "tensor_parallel_size": 2}
+    strategy["tensor_parallel_plan"] = TP_PLAN  # type: ignore[assignment]
+    straight = tmp_path / "straight"
+    full = run_lightning(straight, 2, strategy, steps=4, model=model, every_n_train_steps=2)
+    assert full[1]["sharded"] == ["layers.3.bias", "layers.3.weight", "layers.5.bias", "layers.5.weight"]
+    ref_losses, ref_state, _ = reference_elastic(4, 2, 2, lr=0.01, optimizer="adam")
+    torch.testing.assert_close(torch.tensor(full[0]["losses"]), torch.tensor(ref_losses))
+    state = final_state(straight)
+    for key, value in ref_state.items():
+        torch.testing.assert_close(state[key], value, msg=lambda m, key=key: f"{key}: {m}")
+
+    resumed = tmp_path / "resumed"
+    rest = run_lightning(
+        resumed, 2, strategy, steps=4, model=model, ckpt_path=str(straight / "every" / "epoch=0-step=2.ckpt")
+    )
+    assert rest[0]["losses"] == full[0]["losses"][2:]
+    a, b = final_state(straight), final_state(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    ra, rb = replicas_from_checkpoint(straight / "final.ckpt"), replicas_from_checkpoint(resumed / "final.ckpt")
+    assert ra.keys() == rb.keys() == {0, 1}
+    assert ra[0][0][3]["weight"].shape == (8, 16)  # replica 0's Linear(16, 16): shard 0's half of the rows
+    for rank in ra:  # each rank's replicas, as its local shards
+        for la, lb in zip(ra[rank], rb[rank]):
+            for sa, sb in zip(la, lb):
+                assert all(torch.equal(sa[k], sb[k]) for k in sa)

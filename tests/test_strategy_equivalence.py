@@ -19,7 +19,9 @@ def run_lightning(
     tmp_path: Path, devices: int, strategy: dict[str, Any] | str, steps: int = 4, **extra: Any
 ) -> list[dict[str, Any]]:
     cfg = {"out": str(tmp_path), "devices": devices, "steps": steps, "strategy": strategy, **extra}
-    results = launch_ranks(["-m", "tests.helpers.lightning_worker", json.dumps(cfg)], devices, timeout=300)
+    results = launch_ranks(
+        ["-m", "tests.helpers.lightning_worker", json.dumps(cfg)], devices, timeout=300, preload=True
+    )
     failed = [f"rank {r} exited {code}:\n{out[-3000:]}" for r, (code, out) in enumerate(results) if code != 0]
     assert not failed, "\n".join(failed)
     for r in range(devices):  # a gloo thread alive when the interpreter finalizes can abort it (tests/test_exit.py)

@@ -258,7 +258,7 @@ def test_a_memory_limit_no_setting_meets_stops_every_rank_with_the_need(tmp_path
         "strategy": {"num_microbatches": 2},
         "tuner": {"memory_limit": 1000, "num_pipelines": 2},
     }
-    results = launch_ranks(["-m", "tests.helpers.lightning_worker", json.dumps(cfg)], 2, timeout=240)
+    results = launch_ranks(["-m", "tests.helpers.lightning_worker", json.dumps(cfg)], 2, timeout=240, preload=True)
     for code, out in results:
         assert code != 0
         assert "memory_limit=1000 bytes" in out and "is met by no setting" in out, out[-3000:]

@@ -52,6 +52,7 @@ from lightning_avgpipe.runtime.pipeline import StagePipeline, memory_limit_bytes
 from lightning_avgpipe.runtime.recompute import check_matches
 from lightning_avgpipe.runtime.ties import TiedWeights, tie_groups
 from lightning_avgpipe.runtime.topology import Topology
+from lightning_avgpipe.shards import release_meshes
 
 
 class AvgPipeStrategy(ProcessStrategy):
@@ -610,6 +611,8 @@ class AvgPipeStrategy(ProcessStrategy):
         self.optimizers = []  # they hold the elastic averaging, and it holds its group
         if self._topology is not None:
             self._topology.release()  # the tensor-parallel mesh's groups
+        if self._pipeline is not None:  # and those of every replica's copy of the mesh
+            release_meshes([*self._pipeline.params, *self._pipeline.reference_params])
         self._pipeline = self._results = self._topology = self._topology_of = None
         self._ties = []
 

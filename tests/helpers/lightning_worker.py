@@ -195,6 +195,10 @@ def main(cfg: dict[str, Any]) -> None:
     if isinstance(strategy, AvgPipeStrategy):
         result["setting"] = [strategy.num_microbatches, strategy.num_pipelines]
         result["averaging"] = strategy.config.averaging
+        top = strategy.topology
+        result["environment"] = type(strategy.cluster_environment).__name__
+        # where this rank sits: (node, pipeline group, stage, tensor shard), and its tensor group's global ranks
+        result["place"] = [trainer.node_rank, top.group_index, top.stage, top.tensor_rank, top.tensor_ranks]
         # tensor parallelism: the parameters this rank holds as shards (DTensor)
         result["sharded"] = sorted(n for n, p in model.named_parameters() if type(p).__name__ == "DTensor")
     else:  # strategy="ddp": Adam's step count on this rank (a resume must carry it on)
