@@ -352,6 +352,56 @@ def test_accumulation_spreads_the_update_over_k_iterations() -> None:
     assert a.step_time - b.step_time == pytest.approx(a.update_time * 3 / 4)
 
 
+def test_project_with_tensor_parallelism_splits_the_stage_and_adds_its_allreduces() -> None:
+    """T = 4 over all of a stage: a quarter of its compute, weights and stash, plus the pairs' all-reduces."""
+    from lightning_avgpipe.tuning.whatif import TensorParallel
+
+    prof = profile()
+    plain = project(prof, 4)
+    lat, bw = 1e-5, 1e11
+    tp = TensorParallel(size=4, fraction=1.0, allreduces=8, latency_s=lat, bandwidth=bw)
+    four = project(prof, 4, tensor=tp)
+    for b in (1.0, 2.0, 8.0):
+        reduce = 8 / 4 * allreduce_seconds(plain.stages[0].sent(b), 4, lat, bw)
+        assert four.stages[1].forward(b) == pytest.approx(plain.stages[1].forward(b) / 4 + reduce)
+        assert four.stages[1].backward(b) == pytest.approx(plain.stages[1].backward(b) / 4 + reduce)
+        assert four.stages[2].activations(b) == pytest.approx(plain.stages[2].activations(b) / 4)
+    assert four.stages[0].param_bytes == pytest.approx(plain.stages[0].param_bytes / 4)
+    assert four.stages[0].optimizer_state_bytes == pytest.approx(plain.stages[0].optimizer_state_bytes / 4)
+    # half of the work split: (1 - 1/2 + 1/8) of it per rank, and T = 1 leaves the projection as it was
+    half = project(prof, 4, tensor=TensorParallel(size=4, fraction=0.5))
+    assert half.stages[0].forward(2.0) == pytest.approx(plain.stages[0].forward(2.0) * 0.625)
+    same = project(prof, 4, tensor=TensorParallel(size=1, fraction=0.5, allreduces=8))
+    assert same.stages[0].forward(2.0) == plain.stages[0].forward(2.0)
+    with pytest.raises(ValueError, match="tensor_fraction=1.5"):
+        TensorParallel(size=2, fraction=1.5)
+
+
+def test_project_with_activation_checkpointing_keeps_layer_inputs_and_recomputes() -> None:
+    """Every layer checkpointed: a unit keeps one boundary-sized input per layer, and the backward runs the forward
+    again."""
+    prof = profile()
+    plain = project(prof, 4)
+    ac = project(prof, 4, checkpointed_layers=8)  # 2 layers per stage
+    for b in (1.0, 8.0):
+        assert ac.stages[0].activations(b) == pytest.approx(2 * plain.stages[0].sent(b))
+        assert ac.stages[0].backward(b) == pytest.approx(plain.stages[0].backward(b) + plain.stages[0].forward(b))
+    assert predict(ac, 4, 1).peak_bytes[0] < predict(plain, 4, 1).peak_bytes[0]
+    assert predict(ac, 4, 1).step_time > predict(plain, 4, 1).step_time
+    with pytest.raises(ValueError, match="checkpointed_layers=0"):
+        project(prof, 4, checkpointed_layers=0)
+
+
+def test_whatif_command_projects_tensor_parallelism(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _tuning_json(tmp_path)
+    base = ["whatif", "--profile", str(path), "--stages", "4"]
+    assert main([*base, "--tensor-parallel-size", "2", "--tensor-allreduces", "8", "--checkpoint-layers", "8"]) == 0
+    assert capsys.readouterr().out.startswith("what-if: 4 profiled stage(s) -> S=4, D=1, T=2, every layer checkpointed")
+    with pytest.raises(SystemExit):
+        main([*base, "--tensor-parallel-size", "0"])
+    assert "--tensor-parallel-size 0" in capsys.readouterr().err
+
+
 def test_project_rejects_bad_layouts() -> None:
     with pytest.raises(ValueError, match="num_stages=0"):
         project(profile(), 0)
@@ -389,7 +439,7 @@ def test_whatif_command_prints_a_table(tmp_path: Path, capsys: pytest.CaptureFix
     ]
     assert main(args) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("what-if: 4 profiled stage(s) -> S=8, D=4, B=8, latency 0.05 ms, bandwidth 10 GB/s")
+    assert lines[0].startswith("what-if: 4 profiled stage(s) -> S=8, D=4, T=1, B=8, latency 0.05 ms, bandwidth 10 GB/s")
     assert lines[1].split()[:5] == ["M", "N", "avg", "k", "iter"]
     body = lines[2 : 2 + 4 * 3]
     assert [tuple(int(x) for x in line.split()[:2]) for line in body] == [

@@ -17,7 +17,7 @@ from pathlib import Path
 from lightning_avgpipe.schedules import SCHEDULES
 from lightning_avgpipe.tuning.model import PipelineProfile
 from lightning_avgpipe.tuning.search import NoFeasibleSettingError, search
-from lightning_avgpipe.tuning.whatif import project
+from lightning_avgpipe.tuning.whatif import TensorParallel, project
 
 
 def int_list(text: str) -> list[int]:
@@ -45,6 +45,28 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--stages", type=int, required=True, help="pipeline stages S' of the layout to predict")
     p.add_argument("--groups", type=int, default=1, help="data-parallel groups D (default 1)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="T, ranks splitting every stage (default 1)")
+    p.add_argument(
+        "--tensor-fraction",
+        type=float,
+        default=1.0,
+        help="share of a stage's compute, weights and activations the tensor-parallel plan splits (default 1.0)",
+    )
+    p.add_argument(
+        "--tensor-allreduces",
+        type=int,
+        default=0,
+        help="split layer pairs in the whole model: each all-reduces its output forward and backward (default 0)",
+    )
+    p.add_argument("--tensor-latency-ms", type=float, default=None, help="latency between the T ranks of a node")
+    p.add_argument("--tensor-bandwidth-gbs", type=float, default=None, help="bandwidth between the T ranks, GB/s")
+    p.add_argument(
+        "--checkpoint-layers",
+        type=int,
+        default=None,
+        metavar="L",
+        help="activation checkpointing of every layer of a model of L layers (default: off)",
+    )
     p.add_argument(
         "--latency-ms",
         type=float,
@@ -139,13 +161,25 @@ def whatif_command(argv: list[str]) -> int:
         if k < 0:
             p.error(f"--advance-forwards {args.advance_forwards}: must be an int >= 0 or 'auto'.")
     profile = _load_profile(p, args.profile)
-    projected = project(
-        profile,
-        args.stages,
-        args.groups,
-        latency_s=None if args.latency_ms is None else args.latency_ms * 1e-3,
-        bandwidth=None if args.bandwidth_gbs is None else args.bandwidth_gbs * 1e9,
-    )
+    try:
+        tensor = TensorParallel(
+            args.tensor_parallel_size,
+            args.tensor_fraction,
+            args.tensor_allreduces,
+            None if args.tensor_latency_ms is None else args.tensor_latency_ms * 1e-3,
+            None if args.tensor_bandwidth_gbs is None else args.tensor_bandwidth_gbs * 1e9,
+        )
+        projected = project(
+            profile,
+            args.stages,
+            args.groups,
+            latency_s=None if args.latency_ms is None else args.latency_ms * 1e-3,
+            bandwidth=None if args.bandwidth_gbs is None else args.bandwidth_gbs * 1e9,
+            tensor=tensor,
+            checkpointed_layers=args.checkpoint_layers,
+        )
+    except ValueError as e:  # names the value; the flag is its name with dashes
+        p.error(str(e).replace("tensor_parallel_size=", "--tensor-parallel-size ").replace("_", "-"))
     flat = [
         [v for part in parts for v in part] if parts is not None else None
         for parts in (args.num_microbatches, args.num_pipelines)
@@ -168,6 +202,7 @@ def whatif_command(argv: list[str]) -> int:
     bw = "inf" if projected.bandwidth == float("inf") else f"{projected.bandwidth / 1e9:g} GB/s"
     print(
         f"what-if: {profile.num_stages} profiled stage(s) -> S={projected.num_stages}, D={projected.num_groups}, "
+        f"T={tensor.size}{', every layer checkpointed' if args.checkpoint_layers else ''}, "
         f"B={projected.batch_size}, latency {projected.latency_s * 1e3:g} ms, bandwidth {bw}, "
         f"overhead {projected.iteration_overhead_s * 1e3:.3f} ms/iteration"
         + (

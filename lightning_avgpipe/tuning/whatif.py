@@ -1,4 +1,4 @@
-"""What-if projection: a profile measured on one layout, rescaled to more stages or groups.
+"""What-if projection: a profile measured on one layout, rescaled to more stages, groups or tensor shards.
 (Design: docs/how-it-works.md#choosing-m-and-n.)
 
 Profiling needs the hardware; a layout that is larger than the machine at hand (more stages S', more data-parallel
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from lightning_avgpipe.checks import is_int
 from lightning_avgpipe.tuning.model import PipelineProfile, StageProfile, interpolate
@@ -31,12 +32,47 @@ def allreduce_seconds(nbytes: float, ranks: int, latency_s: float, bandwidth: fl
     return wire + 2 * (ranks - 1) * latency_s
 
 
+@dataclass(frozen=True)
+class TensorParallel:
+    """Tensor parallelism in a projection (docs/parallelism.md#projecting-a-layout).
+
+    Attributes:
+        size: T, the ranks that split every stage.
+        fraction: the share of each stage's compute, weights and saved activations that the plan splits (1.0: all
+            of it, the ideal; a transformer whose Linear layers are split is close to it, its norms and embeddings
+            are not).
+        allreduces: split layer pairs in the whole model; each all-reduces its output (one unit's boundary-sized
+            activation) once forward and once backward over the T ranks.
+        latency_s, bandwidth: the link between the T ranks of a node (None: the profiled link's).
+    """
+
+    size: int = 1
+    fraction: float = 1.0
+    allreduces: int = 0
+    latency_s: float | None = None
+    bandwidth: float | None = None
+
+    def __post_init__(self) -> None:
+        if not is_int(self.size, 1):
+            raise ValueError(f"tensor_parallel_size={self.size!r} must be an int >= 1 (1: no tensor parallelism).")
+        if not 0.0 <= self.fraction <= 1.0:
+            raise ValueError(f"tensor_fraction={self.fraction!r} must be in [0, 1]: the share of the work T splits.")
+        if not is_int(self.allreduces, 0):
+            raise ValueError(f"tensor_allreduces={self.allreduces!r} must be an int >= 0 (split layer pairs).")
+
+    def shrink(self, value: float) -> float:
+        """``value`` of one stage as one of its T ranks holds or computes it."""
+        return value * (1.0 - self.fraction + self.fraction / self.size)
+
+
 def project(
     profile: PipelineProfile,
     num_stages: int,
     num_groups: int = 1,
     latency_s: float | None = None,
     bandwidth: float | None = None,
+    tensor: TensorParallel | None = None,
+    checkpointed_layers: int | None = None,
 ) -> PipelineProfile:
     """The profile of the same model cut into ``num_stages`` stages S' and run in ``num_groups`` groups D.
 
@@ -61,6 +97,14 @@ def project(
       one stage's parameter bytes, 2(D-1)/D x bytes / bandwidth + 2(D-1) x latency (the profile's measured
       all-reduce, if any, is replaced by this formula); ``predict`` adds it to the update, or only what the next
       step's pipeline does not hide when the reference update is overlapped (``sync_reference=False``).
+    * Tensor parallelism (``tensor``, T > 1): each stage's forward and backward time, weights, optimizer state and
+      saved activations shrink to (1 - f + f / T) of the balanced stage's (f: ``tensor.fraction``, the ideal split
+      of what the plan covers), and every unit pays ``tensor.allreduces / S'`` ring all-reduces of one boundary-sized
+      activation over T ranks, forward and backward, on the tensor link. The D-group all-reduce moves a rank's
+      share of the weights.
+    * Activation checkpointing of every layer (``checkpointed_layers``: the model's layer count): a unit keeps each
+      layer's input, taken as one boundary-sized activation per layer (L / S' per stage), instead of what the
+      layers save, and the backward runs the forward again (backward + forward time).
     * Everything else (batch size B per pipeline, schedule, the per-iteration and per-unit overheads, the data
       fetch, ``sync_reference`` and the accumulation) is kept as measured.
 
@@ -95,6 +139,28 @@ def project(
     )
     latency = profile.latency_s if latency_s is None else float(latency_s)
     bw = profile.bandwidth if bandwidth is None else float(bandwidth)
+    if checkpointed_layers is not None:
+        if not is_int(checkpointed_layers, 1):
+            raise ValueError(f"checkpointed_layers={checkpointed_layers!r} must be the model's layer count (>= 1).")
+        per_stage = checkpointed_layers / S_new
+        stage.activation_bytes = {b: per_stage * interpolate(sent, b) for b in stage.activation_bytes} if sent else {}
+        stage.backward_s = {b: v + interpolate(stage.forward_s, b) for b, v in stage.backward_s.items()}
+    tp = tensor or TensorParallel()
+    if tp.size > 1:
+        t_lat = latency if tp.latency_s is None else float(tp.latency_s)
+        t_bw = bw if tp.bandwidth is None else float(tp.bandwidth)
+        pairs = tp.allreduces / S_new
+
+        def comm(b: float) -> float:
+            return pairs * allreduce_seconds(interpolate(sent, b), tp.size, t_lat, t_bw) if sent else 0.0
+
+        stage.forward_s = {b: tp.shrink(v) + comm(b) for b, v in stage.forward_s.items()}
+        stage.backward_s = {b: tp.shrink(v) + comm(b) for b, v in stage.backward_s.items()}
+        stage.activation_bytes = {b: tp.shrink(v) for b, v in stage.activation_bytes.items()}
+        stage.param_bytes = tp.shrink(stage.param_bytes)
+        stage.optimizer_state_bytes = tp.shrink(stage.optimizer_state_bytes)
+        stage.optimizer_step_s = tp.shrink(stage.optimizer_step_s)
+        stage.elastic_s = tp.shrink(stage.elastic_s)
     reduce = allreduce_seconds(stage.param_bytes, num_groups, latency, bw)
     return PipelineProfile(
         stages=[
