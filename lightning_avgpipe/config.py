@@ -12,18 +12,19 @@ from lightning_avgpipe.partition import check_partition
 from lightning_avgpipe.schedules import check_schedule_name
 
 AVERAGING = ("elastic", "exact")  # how the N batches of a step combine (PipelineConfig.averaging)
-Spec = bool | tuple[str, ...]  # activation_checkpointing, normalised: all, none, or layer class names
+Spec = bool | str | tuple[str, ...]  # activation_checkpointing normalised: all, none, "auto" or layer class names
 
 
 def check_checkpointing(spec: Any) -> Spec:
-    """``activation_checkpointing``: ``False``, ``True`` (every layer) or layer types (classes or class names)."""
-    if isinstance(spec, bool):
+    """``activation_checkpointing``: ``False``, ``True`` (every layer), ``"auto"`` (every layer of a stage whose
+    measured peak exceeds ``memory_limit``) or layer types (classes or class names)."""
+    if isinstance(spec, bool) or spec == "auto":
         return spec
     values = [spec] if isinstance(spec, (str, type)) else list(spec) if isinstance(spec, (list, tuple)) else None
     if not values or any(not (isinstance(v, str) and v) and not isinstance(v, type) for v in values):
         raise ValueError(
-            f"activation_checkpointing={spec!r} must be True (every layer), False, or layer types: classes such as "
-            "[nn.TransformerEncoderLayer] or their names such as ['Block']."
+            f"activation_checkpointing={spec!r} must be True (every layer), False, 'auto', or layer types: classes "
+            "such as [nn.TransformerEncoderLayer] or their names such as ['Block']."
         )
     return tuple(v if isinstance(v, str) else v.__name__ for v in values)
 

@@ -147,3 +147,81 @@ def test_the_memory_model_predicts_the_checkpointed_stash() -> None:
 
     measured = peak(False) - peak(["TransformerEncoderLayer"])
     assert predicted > 0 and measured == pytest.approx(predicted, rel=0.10), (measured, predicted)
+
+
+# -- activation_checkpointing="auto" --------------------------------------------------------------------------------
+def _auto_fit(root: Path, limit: float | None, tuner: Any = None) -> tuple[Any, Any]:
+    from lightning_avgpipe import AvgPipeStrategy
+    from tests.helpers.lit import PipeNet, loader, quiet_trainer
+
+    torch.manual_seed(0)
+    model = PipeNet(optimizer="adam", lr=0.01)
+    strategy = AvgPipeStrategy(num_microbatches=2, activation_checkpointing="auto", memory_limit=limit)
+    trainer = quiet_trainer(
+        root,
+        max_steps=4,
+        strategy=strategy,
+        enable_checkpointing=False,
+        use_distributed_sampler=False,
+        callbacks=[tuner] if tuner is not None else [],
+    )
+    trainer.fit(model, loader())
+    return strategy, model
+
+
+def test_auto_checkpoints_a_stage_over_its_memory_limit_and_trains_the_same(tmp_path: Path) -> None:
+    """A limit below the stage's measured peak turns checkpointing on for its layers at the second step; a limit
+    above it, or none, leaves it off; the weights are bit-identical either way (recomputation changes no value)."""
+    over, model_over = _auto_fit(tmp_path / "over", 1000.0)  # 1000 bytes: below any peak
+    assert over.pipeline.recompute == [True] * 6 and not over.pipeline.measuring_memory
+    under, model_under = _auto_fit(tmp_path / "under", 2**40)
+    assert under.pipeline.recompute == [False] * 6 and not under.pipeline.measuring_memory
+    unset, _ = _auto_fit(tmp_path / "unset", None)
+    assert unset.pipeline.recompute == [False] * 6
+    for key, value in model_under.state_dict().items():
+        assert torch.equal(model_over.state_dict()[key], value), key
+
+
+def test_checkpointed_profile_keeps_one_boundary_per_layer_and_recomputes() -> None:
+    from lightning_avgpipe.tuning.model import PipelineProfile, StageProfile, checkpointed
+
+    def stage(send: float | None) -> StageProfile:
+        return StageProfile(
+            forward_s={2.0: 1.0},
+            backward_s={2.0: 2.0},
+            activation_bytes={2.0: 1000.0},
+            send_bytes={2.0: send} if send else {},
+            param_bytes=10.0,
+            optimizer_state_bytes=20.0,
+            optimizer_step_s=0.0,
+        )
+
+    profile = PipelineProfile([stage(40.0), stage(30.0), stage(None)], batch_size=4)
+    ac = checkpointed(profile, [2, 3, 50])
+    # stage 0 keeps its own output's size per layer, the others their input's (the previous stage's output);
+    # never more than without checkpointing
+    assert [st.activation_bytes[2.0] for st in ac.stages] == [80.0, 120.0, 1000.0]
+    assert all(st.backward_s[2.0] == 3.0 for st in ac.stages)
+    assert profile.stages[0].activation_bytes[2.0] == 1000.0  # the input profile is left as it was
+
+
+def test_the_tuner_turns_checkpointing_on_when_nothing_fits_without_it(tmp_path: Path) -> None:
+    """activation_checkpointing="auto": a memory_limit between the smallest setting's predicted peak with and without
+    checkpointing makes the tuner choose a setting that fits only checkpointed, and turn checkpointing on."""
+    from lightning_avgpipe import AvgPipeTuner
+    from lightning_avgpipe.tuning.model import checkpointed
+    from lightning_avgpipe.tuning.search import NoFeasibleSettingError, search
+
+    probe = AvgPipeTuner(apply=False, num_pipelines=1, num_microbatches=[2], output_dir=str(tmp_path / "t0"))
+    _auto_fit(tmp_path / "probe", None, probe)
+    assert probe.profile is not None
+    plain = max(search(probe.profile, [2], 1).choice.peak_bytes)  # type: ignore[union-attr]
+    saved = max(search(checkpointed(probe.profile, [6]), [2], 1).choice.peak_bytes)  # type: ignore[union-attr]
+    assert saved < plain
+    limit = (plain + saved) / 2
+    with pytest.raises(NoFeasibleSettingError):
+        search(probe.profile, [2], 1, memory_limit=limit)
+    tuner = AvgPipeTuner(num_pipelines=1, num_microbatches=[2], memory_limit=limit, output_dir=str(tmp_path / "t1"))
+    strategy, _ = _auto_fit(tmp_path / "tuned", limit, tuner)
+    assert tuner.table is not None and tuner.table.notes["activation_checkpointing"] is True
+    assert strategy.pipeline.recompute == [True] * 6

@@ -163,6 +163,15 @@ def test_default_plan_pairs_linears_and_a_wrong_name_is_refused() -> None:
     plan = default_plan(named)
     assert sorted(plan) == sorted(f"{i}.{fc}" for i in range(1, 5) for fc in ("fc1", "fc2"))
     assert [type(plan["1.fc1"]).__name__, type(plan["1.fc2"]).__name__] == ["ColwiseParallel", "RowwiseParallel"]
+    # siblings only: attention's output projection and the next MLP's first Linear (widths d -> d) are not a pair
+    gpt_like = nn.ModuleDict(
+        {
+            "qkv": nn.Linear(8, 24),
+            "proj": nn.Linear(8, 8),
+            "mlp": nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8)),
+        }
+    )
+    assert sorted(default_plan({"h.0": gpt_like})) == ["h.0.mlp.0", "h.0.mlp.2"]
     names = [n for n, _ in nn.Sequential(*copy.deepcopy(layers)).named_modules()]
     check_plan({"*.fc1": None, "2.fc2": None}, names)
     with pytest.raises(ValueError, match=r"'3\.fc3'.*no module of the model"):

@@ -23,7 +23,7 @@ from lightning_avgpipe.plugin import compat
 from lightning_avgpipe.plugin.contract import pipeline_inputs
 from lightning_avgpipe.plugin.data import loader_generators
 from lightning_avgpipe.schedules import simulate
-from lightning_avgpipe.tuning.model import PipelineProfile, StageProfile, microbatch_sizes, predict
+from lightning_avgpipe.tuning.model import PipelineProfile, StageProfile, checkpointed, microbatch_sizes, predict
 from lightning_avgpipe.tuning.profiler import (
     CopyOptimizer,
     Snapshot,
@@ -35,6 +35,7 @@ from lightning_avgpipe.tuning.profiler import (
     unit_times,
 )
 from lightning_avgpipe.tuning.search import (
+    NoFeasibleSettingError,
     TuningTable,
     candidate_microbatches,
     candidate_pipelines,
@@ -134,17 +135,20 @@ def tune(
     # the user's k, not one a previous fit's tuner applied (reconfigure replaces "auto" with a number)
     k: int | str = strategy.user_advance_forwards if strategy.config.schedule == "advance" else 0
     # every rank searches the same broadcast profile: a setting that fits nowhere raises on every rank alike
-    return search(
-        profile,
-        ms,
-        num_pipelines,
-        limit,
-        strategy.config.schedule,
-        k,
-        max_pipelines=cap,
-        objective=objective,
-        averaging=averaging,
-    )
+    args = (ms, num_pipelines, limit, strategy.config.schedule, k)
+    options: dict[str, Any] = {"max_pipelines": cap, "objective": objective, "averaging": averaging}
+    try:
+        return search(profile, *args, **options)
+    except NoFeasibleSettingError as err:
+        if strategy.config.activation_checkpointing != "auto" or any(strategy.pipeline.recompute):
+            raise
+        # recomputation trades time for memory: what fits with every layer checkpointed (tuning.model.checkpointed)
+        try:
+            table = search(checkpointed(profile, strategy.partition), *args, **options)
+        except NoFeasibleSettingError as again:
+            raise NoFeasibleSettingError(f"{err} Even with every layer checkpointed: {again}") from again
+    table.notes["activation_checkpointing"] = True  # its profile is the checkpointed one: what training will run
+    return table
 
 
 def batch_norm_candidates(

@@ -103,7 +103,9 @@ class AvgPipeStrategy(ProcessStrategy):
             for a file you trust that holds more than tensors and plain values (the error that refuses it says so).
         activation_checkpointing: ``True`` checkpoints every layer of every stage, a list of layer types (classes
             or class names) those layers only: they keep only their inputs and run their forward again in the
-            backward (less activation memory, one more forward of them per step; docs/strategy.md).
+            backward (less activation memory, one more forward of them per step; docs/strategy.md). ``"auto"``:
+            every layer of a stage whose measured peak exceeds ``memory_limit`` (decided at the second step), and
+            the tuner's fallback when no setting fits without it.
         tensor_parallel_size: T, the ranks that split every layer of a stage (DTensor; docs/parallelism.md). The
             job is a D x S x T mesh, T innermost: T must divide the devices of a node.
         tensor_parallel_plan: module name (patterns allowed) -> ``ColwiseParallel()``/``RowwiseParallel()`` (or
@@ -141,7 +143,7 @@ class AvgPipeStrategy(ProcessStrategy):
         process_group_backend: str | None = None,
         check_forward: bool = True,
         trusted_checkpoints: bool = False,
-        activation_checkpointing: bool | list[Any] = False,
+        activation_checkpointing: bool | str | list[Any] = False,
         tensor_parallel_size: int = 1,
         tensor_parallel_plan: dict[str, Any] | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,

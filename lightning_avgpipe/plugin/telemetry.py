@@ -34,7 +34,7 @@ class Telemetry:
         """Whether this step measures its figures (every rank answers alike: it counts steps)."""
         cfg = pipeline.config
         traced = cfg.trace_dir is not None and trainer.global_step in cfg.trace_steps
-        return traced or pipeline.measuring_k or compat.writes_logs(trainer)
+        return traced or pipeline.measuring_k or pipeline.measuring_memory or compat.writes_logs(trainer)
 
     def step_started(self, module: pl.LightningModule, samples: int, log: bool) -> None:
         """Time the last iteration (validation in between not counted); with ``log``, log its samples/s."""
@@ -72,6 +72,9 @@ class Telemetry:
             reason = pipeline.observe_k(table)
             if reason is not None:
                 rank_zero_info(f"AvgPipe: advance_forwards='auto' {reason}.")
+        decided = pipeline.observe_memory(table)
+        if decided is not None:
+            rank_zero_info(f"AvgPipe: activation_checkpointing='auto' {decided}.")
 
     @staticmethod
     def announce_averaging(pipeline: StagePipeline) -> None:

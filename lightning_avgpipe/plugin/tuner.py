@@ -197,6 +197,9 @@ class AvgPipeTuner(Callback):
                 advance_forwards=k,
                 averaging=choice.averaging if choice.num_pipelines * strategy.num_groups > 1 else None,
             )
+            if table.notes.get("activation_checkpointing"):  # "auto", and nothing fitted without it
+                strategy.pipeline.set_recompute([True] * len(strategy.pipeline.layers))
+                strategy.pipeline.decide_memory()
         if self.retuner is not None:
             self.retuner.start(trainer, strategy, table, base)
         self.seconds = time.perf_counter() - started
@@ -218,6 +221,11 @@ class AvgPipeTuner(Callback):
                 + (
                     f", efficiency {choice.efficiency:.3f}, goodput {choice.goodput:.1f}"
                     if table.objective == "goodput"
+                    else ""
+                )
+                + (
+                    ", every layer checkpointed (nothing fits without)"
+                    if table.notes.get("activation_checkpointing")
                     else ""
                 )
                 + ("" if self.apply else " (not applied: apply=False)")

@@ -156,6 +156,7 @@ class StagePipeline:
             )
         link = link or stage_link(topology, self.device)
         self.recompute = layer_mask(self.layers, self.config.activation_checkpointing)  # checkpointed layers
+        self._recompute_seen = 0  # activation_checkpointing="auto": measured steps seen before deciding
         stage_fn = self._stage_function(self.layers)
         self.executor = StageExecutor(topology.stage, topology.num_stages, stage_fn, link, coalesce=self.batched_p2p)
         k = self.config.advance_forwards
@@ -693,6 +694,43 @@ class StagePipeline:
         search.k, search.settled = int(decision[0]), bool(decision[1])
         self._k = search.k
         return (search.reason or f"settled on {search.k} (rank 0)") if search.settled else None
+
+    # -- activation checkpointing: "auto" --------------------------------------------------------------------------
+    @property
+    def measuring_memory(self) -> bool:
+        """Whether ``activation_checkpointing="auto"`` still needs a step's figures to decide."""
+        return self.config.activation_checkpointing == "auto" and self._recompute_seen >= 0
+
+    def observe_memory(self, table: Tensor) -> str | None:
+        """``activation_checkpointing="auto"``: from the second measured step (the optimizer's state exists by then),
+        every stage whose device peak (``table`` from :meth:`figures`, column 5) is above ``memory_limit``
+        checkpoints all its layers. Each stage decides for itself from the same table; returns what was decided."""
+        if not self.measuring_memory:
+            return None
+        self._recompute_seen += 1
+        if self._recompute_seen < 2:
+            return None
+        self._recompute_seen = -1  # decided
+        limit = memory_limit_bytes(self.config.memory_limit, self.device, self.processes)
+        over = [s for s in range(len(table)) if limit is not None and float(table[s, 5]) > limit]
+        if self.stage in over:
+            self.set_recompute([True] * len(self.layers))
+        if limit is None:
+            return "off: no memory_limit to keep under"
+        if not over:
+            return f"off: every stage's peak is under memory_limit ({limit / 2**20:.1f} MiB)"
+        peaks = ", ".join(f"stage {s} {float(table[s, 5]) / 2**20:.1f} MiB" for s in over)
+        return f"on for every layer of stage(s) {over}: peaks {peaks} above memory_limit ({limit / 2**20:.1f} MiB)"
+
+    def decide_memory(self) -> None:
+        """``activation_checkpointing="auto"`` decided elsewhere (the tuner): no more measuring for it."""
+        self._recompute_seen = -1
+
+    def set_recompute(self, mask: Sequence[bool]) -> None:
+        """Checkpoint the layers in ``mask`` from the next step on (every replica's copy of them)."""
+        self.recompute = list(mask)
+        self.executor.stage_fn = self._stage_function(self.layers)
+        self._replica_fns = [self._stage_function(layers) for layers in self.elastic.replicas]
 
     @property
     def measuring_k(self) -> bool:

@@ -25,16 +25,17 @@ from lightning_avgpipe.runtime.trace import note_saved
 
 
 def layer_mask(layers: Sequence[nn.Module], spec: Spec) -> list[bool]:
-    """Which of ``layers`` are checkpointed: all, none, or those whose class (or a base class) has a listed name."""
-    if isinstance(spec, bool):
-        return [spec] * len(layers)
+    """Which of ``layers`` are checkpointed: all, none, or those whose class (or a base class) has a listed name
+    (``"auto"``: none until the pipeline decides, ``StagePipeline.observe_memory``)."""
+    if isinstance(spec, bool) or spec == "auto":
+        return [spec is True] * len(layers)
     names = set(spec)
     return [any(c.__name__ in names for c in type(layer).__mro__) for layer in layers]
 
 
 def check_matches(layers: Sequence[nn.Module], spec: Spec) -> None:
     """Every listed type must name a layer of the pipeline (over all stages): a typo would checkpoint nothing."""
-    if isinstance(spec, bool):
+    if isinstance(spec, bool) or spec == "auto":
         return
     found = {c.__name__ for layer in layers for c in type(layer).__mro__}
     missing = [name for name in spec if name not in found]

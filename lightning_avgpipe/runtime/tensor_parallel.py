@@ -28,23 +28,33 @@ Plan = Mapping[str, Any]  # module name pattern in the unsplit model -> a Parall
 
 
 def default_plan(named_layers: Mapping[str, nn.Module]) -> dict[str, Any]:
-    """Column-then-row for every pair of ``nn.Linear`` inside one layer where the first's output width is the
-    second's input width (named in module order); a ``Linear`` without such a partner stays whole on every shard."""
+    """Column-then-row for every pair of ``nn.Linear`` that are children of the same module, one after the other
+    among its ``Linear`` children, the first's output width the second's input width (an MLP:
+    ``Sequential(Linear(d, 4d), GELU(), Linear(4d, d))``, or ``fc1``/``fc2`` of one block). A ``Linear`` without such
+    a partner stays whole on every shard, and so does attention (splitting it by heads needs a plan of its own)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     plan: dict[str, Any] = {}
     for prefix, layer in named_layers.items():
-        linears = [(n, m) for n, m in layer.named_modules() if isinstance(m, nn.Linear)]
-        i = 0
-        while i + 1 < len(linears):
-            (a, first), (b, second) = linears[i], linears[i + 1]
-            if first.out_features == second.in_features:
-                plan[_join(prefix, a)] = ColwiseParallel()
-                plan[_join(prefix, b)] = RowwiseParallel()
-                i += 2
-            else:
-                i += 1
+        siblings: dict[str, list[tuple[str, nn.Linear]]] = {}
+        for n, m in layer.named_modules():
+            if isinstance(m, nn.Linear):
+                siblings.setdefault(n.rpartition(".")[0], []).append((n, m))
+        for linears in siblings.values():
+            _pair(prefix, linears, plan, ColwiseParallel, RowwiseParallel)
     return plan
+
+
+def _pair(prefix: str, linears: list[tuple[str, nn.Linear]], plan: dict[str, Any], col: Any, row: Any) -> None:
+    i = 0
+    while i + 1 < len(linears):
+        (a, first), (b, second) = linears[i], linears[i + 1]
+        if first.out_features == second.in_features:
+            plan[_join(prefix, a)] = col()
+            plan[_join(prefix, b)] = row()
+            i += 2
+        else:
+            i += 1
 
 
 def _join(prefix: str, name: str) -> str:

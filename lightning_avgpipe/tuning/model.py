@@ -284,6 +284,33 @@ def checkpointed_unit_bytes(
     return total
 
 
+def checkpointed(profile: PipelineProfile, layers: Sequence[int]) -> PipelineProfile:
+    """``profile`` with every layer of every stage checkpointed (``runtime/recompute.py``), estimated from what a
+    stage-level profile has: a unit keeps one input per layer, each the size of a boundary activation (what the
+    previous stage sends; stage 0 takes its own output's size), and the backward runs the forward again.
+
+    ``layers``: the layer count of each stage. A per-layer profile gives the exact stash instead
+    (:func:`checkpointed_unit_bytes`)."""
+    stages = []
+    sent = [st.send_bytes for st in profile.stages]
+    fallback = next((d for d in sent if d), {})
+    for s, (st, count) in enumerate(zip(profile.stages, layers)):
+        boundary = (sent[s - 1] if s > 0 else sent[s]) or fallback
+        stash = (
+            {b: count * interpolate(boundary, b) for b in st.activation_bytes}
+            if boundary
+            else dict(st.activation_bytes)
+        )
+        stages.append(
+            replace(
+                st,
+                activation_bytes={b: min(v, st.activation_bytes[b]) for b, v in stash.items()},
+                backward_s={b: v + st.forward(b) for b, v in st.backward_s.items()},
+            )
+        )
+    return replace(profile, stages=stages)
+
+
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
