@@ -83,8 +83,19 @@ class PipelineConfig:
     # T: ranks that split every layer of a stage (tensor parallelism on DTensor, docs/parallelism.md); the job is a
     # D x S x T mesh with T innermost, so T should divide the devices of a node.
     tensor_parallel_size: int = 1
+    # ZeRO-1 over the D groups: with averaging="exact" (one model) each group keeps the optimizer state of a 1/D part
+    # of every stage's parameters and steps it, then broadcasts it (runtime/zero.py). No effect with D = 1.
+    shard_optimizer_state: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.shard_optimizer_state, bool):
+            raise ValueError(f"shard_optimizer_state={self.shard_optimizer_state!r} must be True or False.")
+        if self.shard_optimizer_state and self.averaging == "elastic" and self.num_pipelines > 1:
+            raise ValueError(
+                f"shard_optimizer_state=True with averaging='elastic' and num_pipelines={self.num_pipelines}: it "
+                "shards one model's optimizer state over the D groups, and elastic replicas each step their own. Use "
+                "averaging='exact', or shard_optimizer_state=False."
+            )
         if not is_int(self.tensor_parallel_size, 1):
             raise ValueError(
                 f"tensor_parallel_size={self.tensor_parallel_size!r} must be an int >= 1 (1: no tensor parallelism); "

@@ -180,3 +180,26 @@ def test_tensor_parallel_replicas_match_one_process_and_resume_exactly(tmp_path:
         for la, lb in zip(ra[rank], rb[rank]):
             for sa, sb in zip(la, lb):
                 assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sharded_optimizer_state_trains_as_one_device_and_saves_the_whole_state(tmp_path: Path) -> None:
+    """D = 2 groups, exact averaging, shard_optimizer_state=True (2 ranks reading the same batches): the weights of
+    plain Lightning, a checkpoint whose optimizer state is whole (each group's half put together), and a resume of it
+    on one device equal to the uninterrupted run."""
+    _, plain = _fit(tmp_path / "plain", 2 * STEPS)
+    strategy = {"num_stages": 1, "num_microbatches": 2, "averaging": "exact", "shard_optimizer_state": True}
+    model = {"optimizer": "adam", "lr": 0.01}
+    results = run_lightning(
+        tmp_path / "zero", 2, strategy, steps=2 * STEPS, model=model, every_n_train_steps=STEPS, trainer=PLAIN_ORDER
+    )
+    assert [r["optimizer"] for r in results] == ["ShardedOptimizer"] * 2
+    final = torch.load(tmp_path / "zero" / "final.ckpt", weights_only=True)
+    _close({k: v for k, v in final["state_dict"].items() if k.startswith("layers.")}, plain.state_dict())
+    state = final["optimizer_states"][0]
+    assert set(state["state"]) == set(state["param_groups"][0]["params"])  # every parameter's state, from its owner
+    assert all("exp_avg" in s and int(s["step"]) == 2 * STEPS for s in state["state"].values())
+    mid = tmp_path / "zero" / "every" / f"epoch=0-step={STEPS}.ckpt"
+    trainer, resumed = _fit(tmp_path / "resumed", 2 * STEPS, str(mid))
+    _close(resumed.state_dict(), plain.state_dict())

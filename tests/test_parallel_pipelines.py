@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.helpers.distributed import run_distributed
 from tests.helpers.lit import reference, reference_elastic
 from tests.test_strategy_equivalence import final_state, run_lightning
 
@@ -253,3 +254,49 @@ def test_resume_mid_period_with_outer_momentum_is_exact(tmp_path: Path) -> None:
     assert rest[0]["losses"] == full[0]["losses"][4:]
     a, b = final_state(straight), final_state(resumed)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _sharded_worker(rank: int, world: int, steps: int) -> list[dict[str, Any]]:
+    """D = 2 groups of one stage, N = 2, averaging="exact", Adam: without and with shard_optimizer_state."""
+    import torch.nn.functional as F
+
+    from lightning_avgpipe.config import PipelineConfig
+    from lightning_avgpipe.runtime.pipeline import StagePipeline
+    from lightning_avgpipe.runtime.topology import Topology
+    from tests.helpers.models import make_batch, make_layers
+
+    top = Topology.build(rank, world, 1)
+    out = []
+    for shard in (False, True):
+        cfg = PipelineConfig(1, 2, num_pipelines=2, averaging="exact", shard_optimizer_state=shard)
+        pipe = StagePipeline(make_layers(), top, cfg)
+        opt = pipe.optimizer(torch.optim.Adam(pipe.reference_params, lr=0.01))
+        for step in range(steps):
+            batches = [make_batch(4 * step + 2 * rank + n) for n in range(2)]
+            opt.zero_grad()
+            pipe.train_step(batches, lambda out, batch, share: F.cross_entropy(out, batch[1]))
+            opt.step()
+        states = [v for st in opt.state.values() for v in st.values() if v.dim() > 0]
+        out.append(
+            {
+                "weights": [p.detach().clone() for p in pipe.reference_params],
+                "state_bytes": sum(v.numel() * v.element_size() for v in states),
+                "static_bytes": pipe.static_bytes([opt]),
+                "kind": type(opt).__name__,
+            }
+        )
+    return out
+
+
+def test_sharded_optimizer_state_trains_the_same_with_half_the_state() -> None:
+    """ZeRO-1 over D = 2 groups (exact averaging): the same weights as unsharded, bit for bit, and each rank keeps
+    about half of Adam's state; together the two halves are the whole."""
+    results = run_distributed(_sharded_worker, 2, 3, timeout=120)
+    for plain, sharded in results:
+        assert (plain["kind"], sharded["kind"]) == ("Adam", "ShardedOptimizer")
+        for a, b in zip(plain["weights"], sharded["weights"]):
+            assert torch.equal(a, b)
+        assert sharded["static_bytes"] < plain["static_bytes"]
+    whole = results[0][0]["state_bytes"]
+    halves = [r[1]["state_bytes"] for r in results]
+    assert sum(halves) == whole and all(0.3 * whole < h < 0.7 * whole for h in halves), (whole, halves)

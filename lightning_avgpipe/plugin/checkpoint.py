@@ -126,7 +126,8 @@ def unsplit_state(parts: Sequence[list[dict[str, Any]]], param_names: Sequence[s
         found: dict[str, Any] = {}
         for part in parts:
             for name, st in part[g]["params"] if g < len(part) else []:
-                found.setdefault(name, st)
+                if st or name not in found:  # a sharded optimizer's state lives on one group only: the non-empty one
+                    found[name] = st
         groups.append({"hyper": first["hyper"], "params": sorted(found.items(), key=lambda kv: order.get(kv[0], 1e9))})
     state: dict[int, Any] = {}
     param_groups: list[dict[str, Any]] = []

@@ -110,6 +110,8 @@ class AvgPipeStrategy(ProcessStrategy):
             job is a D x S x T mesh, T innermost: T must divide the devices of a node.
         tensor_parallel_plan: module name (patterns allowed) -> ``ColwiseParallel()``/``RowwiseParallel()`` (or
             ``"colwise"``/``"rowwise"``); None: every pair of ``nn.Linear`` in a layer, column- then row-wise.
+        shard_optimizer_state: with ``averaging="exact"`` and D groups, each group keeps and steps the optimizer
+            state of a 1/D part of every stage (ZeRO-1; docs/parallelism.md#sharded-optimizer-state).
         accelerator: Lightning's own, as for any strategy (the Trainer sets it, as the next four).
         parallel_devices: the devices of this node.
         cluster_environment: where the ranks come from (Lightning's, torchrun, SLURM).
@@ -146,6 +148,7 @@ class AvgPipeStrategy(ProcessStrategy):
         activation_checkpointing: bool | str | list[Any] = False,
         tensor_parallel_size: int = 1,
         tensor_parallel_plan: dict[str, Any] | None = None,
+        shard_optimizer_state: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -183,6 +186,7 @@ class AvgPipeStrategy(ProcessStrategy):
             timeout=timeout,
             activation_checkpointing=activation_checkpointing,
             tensor_parallel_size=tensor_parallel_size,
+            shard_optimizer_state=shard_optimizer_state,
         )
         self.tensor_parallel_plan = tensor.check_tensor_parallel_args(tensor_parallel_size, tensor_parallel_plan, None)
         # The k the user asked for, kept across fits (a tuner's reconfigure replaces "auto" with a number).

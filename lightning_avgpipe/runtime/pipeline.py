@@ -45,6 +45,7 @@ from lightning_avgpipe.runtime.tensor_parallel import TensorParallelLink, whole_
 from lightning_avgpipe.runtime.ties import TiedGradients, TiedWeights
 from lightning_avgpipe.runtime.topology import Topology
 from lightning_avgpipe.runtime.trace import ActivationMeter, StepTrace, write_trace
+from lightning_avgpipe.runtime.zero import ShardedOptimizer
 from lightning_avgpipe.schedules import Plan, build_plan, max_advance_forwards, validate_plan
 from lightning_avgpipe.shards import local
 
@@ -268,9 +269,18 @@ class StagePipeline:
     def optimizer(self, user: Optimizer) -> Optimizer:
         """The optimizer to step: ``user`` itself when N·D = 1, else one clone of it per replica, stepped together
         and followed by the elastic update (``user`` must be built over :attr:`reference_params`)."""
-        elastic = self.elastic
+        elastic, top = self.elastic, self.topology
         if elastic.trivial:
+            if self.config.shard_optimizer_state and top.num_groups > 1:  # one model over D groups: ZeRO-1
+                return ShardedOptimizer(
+                    user, elastic.reference_params, top.stage_group, top.stage_ranks, top.group_index
+                )
             return user
+        if self.config.shard_optimizer_state:
+            raise ValueError(
+                "shard_optimizer_state=True needs one model per stage (averaging='exact'); this layout has elastic "
+                f"replicas (N x D = {self.num_pipelines} x {top.num_groups}). Use averaging='exact', or turn it off."
+            )
         clones = [
             clone_optimizer(user, elastic.replica_params(n), elastic.reference_params)
             for n in range(elastic.num_replicas)

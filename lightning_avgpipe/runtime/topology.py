@@ -89,6 +89,11 @@ class Topology:
         return [self.rank_of(self.group_index, s, self.tensor_rank) for s in range(self.num_stages)]
 
     @property
+    def stage_ranks(self) -> list[int]:
+        """The global ranks holding this rank's stage and shard, group 0 first (the stage group)."""
+        return [self.rank_of(d, self.stage, self.tensor_rank) for d in range(self.num_groups)]
+
+    @property
     def tensor_ranks(self) -> list[int]:
         """The global ranks of this rank's stage's tensor group, shard 0 first."""
         return [self.rank_of(self.group_index, self.stage, t) for t in range(self.tensor_parallel_size)]

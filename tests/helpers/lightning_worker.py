@@ -197,6 +197,7 @@ def main(cfg: dict[str, Any]) -> None:
         result["averaging"] = strategy.config.averaging
         top = strategy.topology
         result["environment"] = type(strategy.cluster_environment).__name__
+        result["optimizer"] = type(strategy.optimizers[0]).__name__
         # where this rank sits: (node, pipeline group, stage, tensor shard), and its tensor group's global ranks
         result["place"] = [trainer.node_rank, top.group_index, top.stage, top.tensor_rank, top.tensor_ranks]
         # tensor parallelism: the parameters this rank holds as shards (DTensor)
