@@ -198,3 +198,32 @@ def test_a_plan_that_leaves_a_stage_output_split_is_named() -> None:
     """Shards whose stage outputs differ (a column-wise layer ending a stage) fail on both ranks with the fix."""
     for message in run_distributed(_split_output_worker, 2, timeout=120):
         assert "computed different outputs" in message and "RowwiseParallel" in message
+
+
+def test_strategy_arguments_for_tensor_parallelism_are_checked() -> None:
+    """T that does not divide a node's devices, plans that are not name -> style, a plan with T = 1, and the
+    combinations not supported yet: each named with its fix."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    from lightning_avgpipe import AvgPipeStrategy
+    from lightning_avgpipe.plugin.tensor import check_combinations, check_tensor_parallel_args
+
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not divide the 3 devices of a node"):
+        check_tensor_parallel_args(2, None, 3)
+    with pytest.raises(ValueError, match=r"tensor_parallel_plan=\['fc1'\] must map module names"):
+        check_tensor_parallel_args(2, ["fc1"], 4)
+    with pytest.raises(ValueError, match=r"tensor_parallel_plan\['fc1'\]='sideways' is not a ParallelStyle"):
+        check_tensor_parallel_args(2, {"fc1": "sideways"}, 4)
+    with pytest.raises(ValueError, match="tensor_parallel_size=1; set tensor_parallel_size=2"):
+        AvgPipeStrategy(tensor_parallel_plan={"fc1": "colwise"})
+    plan = check_tensor_parallel_args(2, {"a": "colwise", "b": ColwiseParallel()}, 4)
+    assert plan is not None and all(type(s).__name__ == "ColwiseParallel" for s in plan.values())
+    with pytest.raises(ValueError, match="tensor_parallel_size=0 must be an int >= 1"):
+        AvgPipeStrategy(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="tied embedding and head"):
+        check_combinations(2, {(0, 1): []}, None)
+    check_combinations(1, {(0, 1): []}, None)  # T = 1: ties are fine
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    with pytest.raises(ValueError, match="precision='16-mixed' is not supported yet"):
+        check_combinations(2, {}, MixedPrecision("16-mixed", "cpu"))
