@@ -102,7 +102,10 @@ def _worker(rank: int, world: int, stages: int, tp: int, configs: list[tuple[int
         pipe.elastic.wait()
         state = {f"{i}.{k}": full(v).detach().clone() for i, m in own.items() for k, v in m.state_dict().items()}
         peak = result.trace.peak_activation_bytes
+        link = pipe.link  # only shard 0 of a stage talks to the neighbouring stages: one copy crosses a boundary
+        talks = getattr(link, "inner", None) is not None
         out.append({"losses": losses, "state": state, "split": split, "shard": top.tensor_rank, "peak": peak})
+        out[-1]["talks"] = talks
     return out
 
 
@@ -115,6 +118,7 @@ def _check(results: list[list[dict[str, Any]]], configs: list[tuple[int, bool]],
                 torch.testing.assert_close(value, want[key], rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
             if got["losses"][0] is not None and groups == 1:  # the last stage's loss: its group's N replicas
                 torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want_losses))
+    assert [r[0]["talks"] for r in results] == [r[0]["shard"] == 0 for r in results]
     split = {name for r in results for name in r[0]["split"]}
     assert split == {f"{i}.{fc}" for i in range(1, 5) for fc in ("fc1", "fc2")}
 
