@@ -526,3 +526,23 @@ def test_a_new_n_regroups_a_loader_set_up_early(tmp_path: Path) -> None:
     )
     for r in results:
         assert r["setting"] == [2, 2] and len(r["losses"]) == 3
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_tuner_profiles_a_tensor_parallel_layout(tmp_path: Path) -> None:
+    """T = 2 x S = 2 (4 ranks): the tuner profiles the sharded stages as they run, and every rank applies the same
+    choice."""
+    strategy = {
+        "num_stages": 2,
+        "num_microbatches": 2,
+        "partition": [3, 3],
+        "tensor_parallel_size": 2,
+        "tensor_parallel_plan": {"layers.3": "colwise", "layers.5": "rowwise"},
+    }
+    tuner = {"num_pipelines": 2, "num_microbatches": [1, 2, 4], "output_dir": str(tmp_path / "tuning")}
+    results = run_lightning(tmp_path, 4, strategy, steps=3, model={"optimizer": "adam", "lr": 0.01}, tuner=tuner)
+    choices = [(r["tuner"]["choice"]["num_microbatches"], r["tuner"]["choice"]["num_pipelines"]) for r in results]
+    assert len(set(choices)) == 1 and [tuple(r["setting"]) for r in results] == choices
+    assert results[2]["sharded"] == ["layers.3.bias", "layers.3.weight", "layers.5.bias", "layers.5.weight"]
+    assert (tmp_path / "tuning" / "tuning.json").exists()

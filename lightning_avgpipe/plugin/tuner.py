@@ -144,12 +144,6 @@ class AvgPipeTuner(Callback):
                 f"AvgPipeTuner tunes strategy='avgpipe', but the Trainer's strategy is {type(strategy).__name__}; "
                 "use Trainer(strategy='avgpipe', callbacks=[AvgPipeTuner(...)]) or remove the callback."
             )
-        if strategy.config.tensor_parallel_size > 1:
-            raise ValueError(
-                f"AvgPipeTuner does not model tensor parallelism yet (tensor_parallel_size="
-                f"{strategy.config.tensor_parallel_size}); set num_microbatches and num_pipelines on the strategy, or "
-                "tune with tensor_parallel_size=1 and keep what it chose."
-            )
         self._calibrating, self._starts = False, []  # nothing of a previous fit carries over
         self._trainer = trainer
         self.retuner = None
