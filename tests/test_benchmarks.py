@@ -98,3 +98,21 @@ def test_group_link_benchmark_smoke(tmp_path: Path) -> None:
         assert set(row["step_s"]) == {"exact", "H=1", "H=4"} and all(v > 0 for v in row["step_s"].values()), link
         assert row["time_to_target_s"]["exact"] == pytest.approx(row["step_s"]["exact"] * 5.0)
         assert row["time_to_target_s"]["H=4"] is None and row["fastest_to_target"] in ("exact", "H=1")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_layouts_benchmark_smoke(tmp_path: Path) -> None:
+    """benchmarks/layouts.py: 1 x 1 and 1 x 2 on a tiny GPT: the same first loss, a smaller static share per rank
+    under T = 2, functional labels, and the whatif projection."""
+    out = tmp_path / "layouts.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "layouts.py"), "--layouts", "1x1,1x2", "--steps", "1"]
+    cmd += ["--warmup", "1", "--n-layer", "2", "--n-embd", "32", "--block-size", "16", "--corpus-chars", "20000"]
+    proc = subprocess.run([*cmd, "--json", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=140)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "FUNCTIONAL" in proc.stdout and "not a measurement" in proc.stdout
+    one, two = json.loads(out.read_text())["rows"]
+    assert one["first_loss"] == pytest.approx(two["first_loss"], rel=1e-5)
+    assert two["static_mb"] < one["static_mb"] and len(two["split_modules"]) == 4  # 2 blocks x (fc, proj)
+    assert [(p["S"], p["T"]) for p in json.loads(out.read_text())["projection"]][:2] == [(1, 1), (2, 1)]
