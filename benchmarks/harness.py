@@ -210,13 +210,20 @@ def _preloaded() -> Any:
 
 
 def _run_rank(args: list[str], env: dict[str, str], log: str | None) -> None:
-    """In the forked rank: the command line ``python *args`` run in this process as a fresh one would run it."""
+    """In the forked rank: the command line ``python *args`` run in this process as a fresh one would run it (from
+    the repository root, with the rank's environment, ``PYTHONPATH`` and Lightning's rank)."""
     import atexit
     import runpy
+    import types
 
     os.setsid()
+    os.chdir(ROOT)  # as launch_ranks' subprocesses run
     os.environ.clear()
     os.environ.update(env)
+    entries = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if args and args[0] not in ("-m", "-c"):
+        entries.insert(0, str(Path(args[0]).resolve().parent))  # a script's folder, as the interpreter puts it first
+    sys.path[:0] = [p for p in entries if p not in sys.path]
     if log is not None:
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         os.dup2(fd, 1)
@@ -225,8 +232,10 @@ def _run_rank(args: list[str], env: dict[str, str], log: str | None) -> None:
         sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - the process's own streams
         sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     import torch
+    from lightning.fabric.utilities.rank_zero import _get_rank, rank_zero_only
 
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    rank_zero_only.rank = _get_rank() or 0  # read from this rank's variables (the server imported it as rank 0)
     code: int = 0
     try:
         if args[0] == "-m":
@@ -234,7 +243,9 @@ def _run_rank(args: list[str], env: dict[str, str], log: str | None) -> None:
             runpy.run_module(args[1], run_name="__main__", alter_sys=True)
         elif args[0] == "-c":
             sys.argv = ["-c", *args[2:]]
-            exec(compile(args[1], "<string>", "exec"), {"__name__": "__main__"})
+            main = types.ModuleType("__main__")
+            sys.modules["__main__"] = main
+            exec(compile(args[1], "<string>", "exec"), main.__dict__)
         else:
             sys.argv = list(args)
             runpy.run_path(args[0], run_name="__main__")

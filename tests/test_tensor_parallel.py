@@ -176,6 +176,10 @@ def test_default_plan_pairs_linears_and_a_wrong_name_is_refused() -> None:
         }
     )
     assert sorted(default_plan({"h.0": gpt_like})) == ["h.0.mlp.0", "h.0.mlp.2"]
+    # LLaMA-style attention (q, k, v, o all d -> d) and a gated MLP (gate, up, down) stay whole
+    attention = nn.ModuleDict({n: nn.Linear(8, 8) for n in ("q", "k", "v", "o")})
+    gated = nn.ModuleDict({"gate": nn.Linear(8, 32), "up": nn.Linear(8, 32), "down": nn.Linear(32, 8)})
+    assert default_plan({"attn": attention, "mlp": gated}) == {}
     names = [n for n, _ in nn.Sequential(*copy.deepcopy(layers)).named_modules()]
     check_plan({"*.fc1": None, "2.fc2": None}, names)
     with pytest.raises(ValueError, match=r"'3\.fc3'.*no module of the model"):
@@ -190,6 +194,11 @@ def _split_output_worker(rank: int, world: int) -> str:
 
     same = whole_outputs(lambda x: x * 2, dist.group.WORLD, "stage 0")
     assert torch.equal(same(torch.ones(2, 3)), torch.full((2, 3), 2.0))
+    # a last stage's dict with a None, and a diverged (non-finite) output: not taken for a split output
+    last = whole_outputs(lambda x: {"logits": x, "aux": None}, dist.group.WORLD, "stage 1")
+    assert last(torch.ones(2))["aux"] is None
+    diverged = whole_outputs(lambda x: x * float("nan") + rank, dist.group.WORLD, "stage 0")
+    assert torch.isnan(diverged(torch.ones(2))).all()
     split = whole_outputs(lambda x: x + rank, dist.group.WORLD, "stage 0 (rank 0)")
     try:
         split(torch.ones(2, 3))

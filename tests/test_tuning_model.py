@@ -375,6 +375,12 @@ def test_project_with_tensor_parallelism_splits_the_stage_and_adds_its_allreduce
     assert same.stages[0].forward(2.0) == plain.stages[0].forward(2.0)
     with pytest.raises(ValueError, match="tensor_fraction=1.5"):
         TensorParallel(size=2, fraction=1.5)
+    # with checkpointing too: the kept inputs are whole on every shard, the recomputed forward's all-reduces are paid
+    both = project(prof, 4, tensor=tp, checkpointed_layers=8)
+    reduce = 8 / 4 * allreduce_seconds(plain.stages[0].sent(2.0), 4, lat, bw)
+    assert both.stages[1].activations(2.0) == pytest.approx(2 * plain.stages[1].sent(2.0))
+    fwd = plain.stages[1].forward(2.0) / 4 + reduce
+    assert both.stages[1].backward(2.0) == pytest.approx(plain.stages[1].backward(2.0) / 4 + reduce + fwd)
 
 
 def test_project_with_activation_checkpointing_keeps_layer_inputs_and_recomputes() -> None:

@@ -23,6 +23,7 @@ from lightning_avgpipe.plugin import compat
 from lightning_avgpipe.plugin.contract import pipeline_inputs
 from lightning_avgpipe.plugin.data import loader_generators
 from lightning_avgpipe.schedules import simulate
+from lightning_avgpipe.shards import local
 from lightning_avgpipe.tuning.model import PipelineProfile, StageProfile, checkpointed, microbatch_sizes, predict
 from lightning_avgpipe.tuning.profiler import (
     CopyOptimizer,
@@ -326,7 +327,7 @@ def profile_pipeline(strategy: AvgPipeStrategy, batch: Any, sizes: Sequence[floa
     stages = _gather_stages(strategy, mine)
     reduce_s = 0.0
     if strategy.num_groups > 1:  # the reference update's all-reduce over the D groups (every rank takes part)
-        nbytes = float(sum(t.numel() * 4 for t in reference))  # the flat float32 buffer ElasticAveraging reduces
+        nbytes = float(sum(local(t).numel() * 4 for t in reference))  # the flat float32 buffer ElasticAveraging reduces
         reduce_s = _max_list(strategy, [time_allreduce(nbytes, device, top.stage_group)])[0]
     profile = PipelineProfile(
         stages=stages,

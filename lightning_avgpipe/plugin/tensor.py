@@ -18,6 +18,13 @@ STYLE_NAMES = ("colwise", "rowwise")
 def check_tensor_parallel_args(size: int, plan: Any, devices_per_node: int | None) -> dict[str, Any] | None:
     """``tensor_parallel_plan`` as a dict of ``ParallelStyle``s (names ``"colwise"``/``"rowwise"`` become them), and
     ``tensor_parallel_size`` checked against the devices of a node (tensor parallelism stays inside one)."""
+    if size > 1 and not tensor_parallel_available():
+        import torch
+
+        raise ValueError(
+            f"tensor_parallel_size={size} needs torch >= 2.7 (public DTensor, distribute_tensor(src_data_rank=None)); "
+            f"this is torch {torch.__version__}. Upgrade torch, or use tensor_parallel_size=1."
+        )
     if devices_per_node is not None and size > 1 and devices_per_node % size:
         raise ValueError(
             f"tensor_parallel_size={size} does not divide the {devices_per_node} devices of a node: a tensor group "
@@ -48,6 +55,14 @@ def check_tensor_parallel_args(size: int, plan: Any, devices_per_node: int | Non
             )
         out[name] = style
     return out
+
+
+def tensor_parallel_available() -> bool:
+    """Whether this torch has what tensor parallelism here uses (torch >= 2.7)."""
+    import torch
+
+    major, minor = (int(v) for v in torch.__version__.split(".")[:2])
+    return (major, minor) >= (2, 7)
 
 
 def check_combinations(tensor_parallel_size: int, ties: Any, precision_plugin: Any) -> None:

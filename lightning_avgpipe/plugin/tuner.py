@@ -164,7 +164,10 @@ class AvgPipeTuner(Callback):
             return
         started = time.perf_counter()
         base = (strategy.num_microbatches, strategy.num_pipelines, strategy.config.averaging)
-        if self.retuner is not None or isinstance(strategy.precision_plugin, PipelineMixedPrecision):
+        one_model = strategy.config.shard_optimizer_state or isinstance(
+            strategy.precision_plugin, PipelineMixedPrecision
+        )
+        if self.retuner is not None or one_model:
             averaging = ["exact"]  # one model per stage: its optimizer survives a new N, its scaler unscales it
         elif self.averaging is not None:
             averaging = check_averaging(self.averaging)

@@ -713,8 +713,9 @@ class StagePipeline:
 
     def observe_memory(self, table: Tensor) -> str | None:
         """``activation_checkpointing="auto"``: from the second measured step (the optimizer's state exists by then),
-        every stage whose device peak (``table`` from :meth:`figures`, column 5) is above ``memory_limit``
-        checkpoints all its layers. Each stage decides for itself from the same table; returns what was decided."""
+        every stage whose device peak (``table`` from :meth:`figures`, column 5; the largest over the stage's groups and
+        tensor shards, and the smallest limit: collective over the job) is above ``memory_limit`` checkpoints all its
+        layers, so every rank of a stage decides alike; returns what was decided."""
         if not self.measuring_memory:
             return None
         self._recompute_seen += 1
@@ -722,6 +723,15 @@ class StagePipeline:
             return None
         self._recompute_seen = -1  # decided
         limit = memory_limit_bytes(self.config.memory_limit, self.device, self.processes)
+        peaks = table[:, 5].to(self.device, torch.float64)
+        # every rank of a stage decides alike: under tensor parallelism recomputation adds collectives
+        if limit is not None and self.topology.world_size > 1:
+            dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=self.topology.job_group)
+            ref = torch.tensor([float(limit)], dtype=torch.float64, device=self.device)
+            dist.all_reduce(ref, op=dist.ReduceOp.MIN, group=self.topology.job_group)
+            limit = float(ref[0])
+        table = table.clone()
+        table[:, 5] = peaks.cpu()
         over = [s for s in range(len(table)) if limit is not None and float(table[s, 5]) > limit]
         if self.stage in over:
             self.set_recompute([True] * len(self.layers))
@@ -729,8 +739,8 @@ class StagePipeline:
             return "off: no memory_limit to keep under"
         if not over:
             return f"off: every stage's peak is under memory_limit ({limit / 2**20:.1f} MiB)"
-        peaks = ", ".join(f"stage {s} {float(table[s, 5]) / 2**20:.1f} MiB" for s in over)
-        return f"on for every layer of stage(s) {over}: peaks {peaks} above memory_limit ({limit / 2**20:.1f} MiB)"
+        named = ", ".join(f"stage {s} {float(table[s, 5]) / 2**20:.1f} MiB" for s in over)
+        return f"on for every layer of stage(s) {over}: peaks {named} above memory_limit ({limit / 2**20:.1f} MiB)"
 
     def decide_memory(self) -> None:
         """``activation_checkpointing="auto"`` decided elsewhere (the tuner): no more measuring for it."""

@@ -23,6 +23,21 @@ from typing import Any
 import torch.distributed as dist
 
 
+def _with_timeout(names: tuple[str, ...], seconds: float) -> dict[str | int, Any] | None:
+    """``init_device_mesh``'s per-dimension backend options carrying ``seconds`` as the groups' timeout (its groups
+    otherwise take the backend's default, not the strategy's ``timeout``); None when the backend has no options."""
+    backend = dist.get_backend()
+    options: Any
+    if backend == "gloo":
+        options = getattr(dist.ProcessGroupGloo, "_Options")()  # noqa: B009 - private in the stubs
+    elif backend == "nccl" and hasattr(dist, "ProcessGroupNCCL"):
+        options = dist.ProcessGroupNCCL.Options()
+    else:
+        return None
+    options._timeout = timedelta(seconds=seconds)
+    return {name: (backend, options) for name in names}
+
+
 @dataclass(frozen=True)
 class Topology:
     """This rank's place in a ``num_groups x num_stages`` job (a single process is ``Topology(0, 1, 1)``)."""
@@ -128,14 +143,17 @@ class Topology:
 
         Every rank must create every group, in the same order, so each rank calls this with the same arguments.
         With ``tensor_parallel_size > 1`` the groups are the dimensions of a ``D x S x T`` device mesh
-        (``init_device_mesh`` with the dimensions named ``data``, ``pipe`` and ``tensor``).
+        (``init_device_mesh`` with the dimensions named ``data``, ``pipe`` and ``tensor``, their groups given
+        ``timeout`` through the backend's options).
         """
         probe = cls(rank, world_size, num_stages, tensor_parallel_size=tensor_parallel_size)  # checks the shape first
         if tensor_parallel_size > 1:
             from torch.distributed.device_mesh import init_device_mesh
 
             shape = (probe.num_groups, num_stages, tensor_parallel_size)
-            mesh = init_device_mesh(device_type, shape, mesh_dim_names=("data", "pipe", "tensor"))
+            names = ("data", "pipe", "tensor")
+            override = _with_timeout(names, timeout)
+            mesh = init_device_mesh(device_type, shape, mesh_dim_names=names, backend_override=override)
             return cls(
                 rank,
                 world_size,

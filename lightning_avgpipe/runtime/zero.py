@@ -23,13 +23,14 @@ from lightning_avgpipe.shards import local
 
 
 def assign(params: Sequence[nn.Parameter], parts: int) -> list[int]:
-    """Owner (0..parts-1) of each parameter: the largest first, each to the least loaded part (by elements)."""
+    """Owner (0..parts-1) of each parameter: the largest first, each to the least loaded part (by elements). Sizes
+    are the whole tensors' (``DTensor.numel()`` is global), so every shard of a tensor group picks the same owners."""
     load = [0] * parts
     owner = [0] * len(params)
-    for i in sorted(range(len(params)), key=lambda i: -local(params[i]).numel()):
+    for i in sorted(range(len(params)), key=lambda i: -params[i].numel()):
         d = min(range(parts), key=lambda d: (load[d], d))
         owner[i] = d
-        load[d] += local(params[i]).numel()
+        load[d] += params[i].numel()
     return owner
 
 

@@ -28,11 +28,14 @@ from torch import Tensor, nn
 from lightning_avgpipe.elastic import ElasticAveraging
 from lightning_avgpipe.microbatch import detached, tensors
 from lightning_avgpipe.runtime.trace import ActivationMeter, Span
+from lightning_avgpipe.shards import local
 
 
 def tensor_bytes(obj: Any) -> int:
-    """Bytes of every tensor in a (nested) output, state or container."""
+    """Bytes of every tensor in a (nested) output, state or container (a tensor-parallel shard: what this rank
+    holds of it)."""
     if isinstance(obj, Tensor):
+        obj = local(obj)
         return obj.numel() * obj.element_size()
     if isinstance(obj, (list, tuple, set)):
         return sum(tensor_bytes(o) for o in obj)
@@ -291,7 +294,7 @@ class LayerCost:
 
 
 def param_bytes(layer: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in layer.parameters())
+    return sum(local(p).numel() * p.element_size() for p in layer.parameters())
 
 
 def profile_layers(

@@ -139,12 +139,6 @@ def project(
     )
     latency = profile.latency_s if latency_s is None else float(latency_s)
     bw = profile.bandwidth if bandwidth is None else float(bandwidth)
-    if checkpointed_layers is not None:
-        if not is_int(checkpointed_layers, 1):
-            raise ValueError(f"checkpointed_layers={checkpointed_layers!r} must be the model's layer count (>= 1).")
-        per_stage = checkpointed_layers / S_new
-        stage.activation_bytes = {b: per_stage * interpolate(sent, b) for b in stage.activation_bytes} if sent else {}
-        stage.backward_s = {b: v + interpolate(stage.forward_s, b) for b, v in stage.backward_s.items()}
     tp = tensor or TensorParallel()
     if tp.size > 1:
         t_lat = latency if tp.latency_s is None else float(tp.latency_s)
@@ -161,6 +155,12 @@ def project(
         stage.optimizer_state_bytes = tp.shrink(stage.optimizer_state_bytes)
         stage.optimizer_step_s = tp.shrink(stage.optimizer_step_s)
         stage.elastic_s = tp.shrink(stage.elastic_s)
+    if checkpointed_layers is not None:  # the layers' inputs are whole on every shard; the recomputed forward
+        if not is_int(checkpointed_layers, 1):  # (its all-reduces included) runs again in the backward
+            raise ValueError(f"checkpointed_layers={checkpointed_layers!r} must be the model's layer count (>= 1).")
+        per_stage = checkpointed_layers / S_new
+        stage.activation_bytes = {b: per_stage * interpolate(sent, b) for b in stage.activation_bytes} if sent else {}
+        stage.backward_s = {b: v + interpolate(stage.forward_s, b) for b, v in stage.backward_s.items()}
     reduce = allreduce_seconds(stage.param_bytes, num_groups, latency, bw)
     return PipelineProfile(
         stages=[
