@@ -61,7 +61,10 @@ def gather_optimizer_state(
     """
     inner = compat.unwrap_optimizer(optimizer)
     elastic = pipeline.elastic
-    entry: dict[str, Any] = {"named": named_groups(inner, pipeline, names), "replicas": []}
+    named = named_groups(inner, pipeline, names)  # collective over a tensor group (shards gathered whole)
+    if pipeline.topology.tensor_rank > 0:  # shard 0 of the stage sends the whole tensors; the others' are copies
+        named = [{**group, "params": []} for group in named]
+    entry: dict[str, Any] = {"named": named, "replicas": []}
     if not elastic.trivial:  # the replicas' optimizers and weights, the period's position and offsets, the momentum
         elastic.wait()
         entry["optim"] = to_local_tree(inner.state_dict())  # a rank's own entry: its shards, as they are
