@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.distributed import run_distributed
 from tests.helpers.launch import launch_ranks
 
 pytestmark = pytest.mark.slow
@@ -29,7 +30,9 @@ def test_a_rank_failing_in_setup_is_named_by_every_rank(world: int, failing: int
     that failed first and its error, not only gloo's "Connection closed by peer"."""
     config = {"out": tempfile.mkdtemp(), "devices": world, "steps": 2, "strategy": {"num_microbatches": 2}, **cfg}
     start = time.monotonic()
-    results = launch_ranks(["-m", "tests.helpers.lightning_worker", json.dumps(config)], world, timeout=120)
+    results = launch_ranks(
+        ["-m", "tests.helpers.lightning_worker", json.dumps(config)], world, timeout=120, preload=True
+    )
     assert time.monotonic() - start < 90
     codes = [code for code, _ in results]
     assert all(code != 0 for code in codes), codes
@@ -55,7 +58,7 @@ def test_failing_rank_ends_every_rank_with_a_message(world: int, rank: int, kind
         "fault": {"rank": rank, "step": 2, "kind": kind},
     }
     start = time.monotonic()
-    results = launch_ranks(["-m", "tests.helpers.lightning_worker", json.dumps(cfg)], world, timeout=120)
+    results = launch_ranks(["-m", "tests.helpers.lightning_worker", json.dumps(cfg)], world, timeout=120, preload=True)
     elapsed = time.monotonic() - start
     assert elapsed < 90, f"took {elapsed:.0f} s"
     codes = [code for code, _ in results]
@@ -90,7 +93,7 @@ def test_rank_stuck_while_alive_is_ended_by_its_watchdog(rank: int) -> None:
         "fault": {"rank": rank, "step": 2, "kind": "hang"},
     }
     start = time.monotonic()
-    results = launch_ranks(["-m", "tests.helpers.lightning_worker", json.dumps(cfg)], 2, timeout=120)
+    results = launch_ranks(["-m", "tests.helpers.lightning_worker", json.dumps(cfg)], 2, timeout=120, preload=True)
     elapsed = time.monotonic() - start
     assert elapsed < 60, f"took {elapsed:.0f} s"
     stuck_code, stuck_out = results[rank]
@@ -117,7 +120,7 @@ def test_non_finite_loss_is_named_on_every_rank() -> None:
         "strategy": {"num_microbatches": 2, "p2p_timeout": 5},
         "fault": {"rank": 1, "step": 1, "kind": "nan"},
     }
-    results = launch_ranks(["-m", "tests.helpers.lightning_worker", json.dumps(cfg)], 2, timeout=120)
+    results = launch_ranks(["-m", "tests.helpers.lightning_worker", json.dumps(cfg)], 2, timeout=120, preload=True)
     assert all(code != 0 for code, _ in results)
     assert "FloatingPointError: stage 1 (rank 1): the loss of unit(s) [0, 1] is not finite" in results[1][1]
     # stage 0 either sees the NaN come back as its own gradient, or stops on stage 1's failure: named either way
@@ -144,7 +147,9 @@ def test_killed_run_resumed_from_its_last_checkpoint_ends_bit_identical(tmp_path
         "every_n_train_steps": 2,
         "fault": {"rank": 1, "step": 5, "kind": "kill"},
     }
-    codes = [code for code, _ in launch_ranks(["-m", "tests.helpers.lightning_worker", json.dumps(cfg)], 2)]
+    codes = [
+        code for code, _ in launch_ranks(["-m", "tests.helpers.lightning_worker", json.dumps(cfg)], 2, preload=True)
+    ]
     assert codes[1] == -9 and codes[0] != 0
     saved = sorted((crashed / "every").glob("*.ckpt"))
     assert [p.name for p in saved] == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt"], saved
@@ -186,3 +191,24 @@ def test_watchdog_fires_after_the_grace_and_not_once_stopped() -> None:
     quiet.value = b"rank 1 (stage 1): RuntimeError: late"
     time.sleep(0.3)
     assert later == [] and not calm.fired
+
+
+def _first_failure_worker(rank: int, world: int) -> float:
+    import time as clock
+
+    from lightning_avgpipe.runtime.p2p import handle_failure, recorded_failure
+
+    if rank == 0:
+        started = clock.monotonic()
+        handle_failure(ValueError("boom"), "rank 0 (setup)", 0, world)  # records, reads it back, waits for rank 1
+        return clock.monotonic() - started
+    clock.sleep(1.0)  # rank 1 reads the failure only after a second
+    assert recorded_failure().startswith("rank 0 (setup): ValueError: boom")
+    return 0.0
+
+
+def test_rank_zero_waits_until_the_others_read_the_first_failure() -> None:
+    """Rank 0 hosts the store: it waits for the other ranks to read the failure before it may exit. Its own reading
+    does not count (it once did, so a rank 0 that exited fast took the store with it unread)."""
+    waited, _ = run_distributed(_first_failure_worker, 2, timeout=60)
+    assert 0.8 < waited < 3.5, waited

@@ -405,7 +405,8 @@ def handle_failure(exception: BaseException, where: str, rank: int, world_size: 
             f"First failure: {first.rstrip('.')}.",
         )
     if rank == 0 and world_size > 1 and first:
-        wait_until_seen(world_size - 1, timeout=3.0)
+        # the others' acknowledgements; reading the failure above acknowledged it here too, which must not count
+        wait_until_seen(world_size - 1 + int(_seen["acknowledged"]), timeout=3.0)
 
 
 def name_first_failure(exception: BaseException, note: str) -> None:
@@ -423,8 +424,9 @@ def name_first_failure(exception: BaseException, note: str) -> None:
 
 
 def wait_until_seen(ranks: int, timeout: float) -> bool:
-    """On the store's host (rank 0): wait up to ``timeout`` seconds until ``ranks`` other ranks have read the first
-    failure (their watchdogs poll every second), so that the store does not go down before they can name it."""
+    """On the store's host (rank 0): wait up to ``timeout`` seconds until ``ranks`` acknowledgements of the first
+    failure are counted (the others' watchdogs poll every second), so that the store does not go down before they
+    can name it."""
     deadline = time.monotonic() + timeout
     try:
         store = dist.distributed_c10d._get_default_store()
