@@ -70,3 +70,25 @@ def test_16_mixed_matches_one_process_and_an_overflow_skips_every_rank(tmp_path:
     state = final_state(tmp_path)
     for key, value in ref_state.items():
         torch.testing.assert_close(state[key], value, msg=lambda msg, key=key: f"{key}: {msg}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_16_mixed_with_tensor_parallelism_skips_an_overflow_on_one_shard_everywhere(tmp_path: Path) -> None:
+    """T = 2 x S = 2 (4 ranks): an inf gradient on shard 0 of stage 1 only, at step 1, skips that step on every rank
+    and halves one shared scale; the weights equal one process with the same scaler (fp16 sums in another order:
+    1e-4)."""
+    strategy = {
+        "num_stages": 2,
+        "num_microbatches": M,
+        "partition": [3, 3],
+        "tensor_parallel_size": 2,
+        "tensor_parallel_plan": {"layers.3": "colwise", "layers.5": "rowwise"},
+    }
+    fault = {"fault": {"rank": 2, "step": 1, "kind": "inf_grad"}}
+    results = run_lightning(tmp_path, 4, strategy, steps=STEPS, fp16=True, **fault)
+    scales, ref_state = fp16_reference(STEPS, M, overflow_at=1)
+    assert [r["scales"] for r in results] == [scales] * 4
+    state = final_state(tmp_path)
+    for key, value in ref_state.items():
+        torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-4, msg=lambda m, key=key: f"{key}: {m}")

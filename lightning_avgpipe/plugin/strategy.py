@@ -356,7 +356,7 @@ class AvgPipeStrategy(ProcessStrategy):
         sizes = self.broadcast(sizes, src=0)
         assert sizes is not None
         shared = shared_across_stages(module, layers, list(sizes))
-        tensor.check_combinations(self.config.tensor_parallel_size, shared, self.precision_plugin)
+        tensor.check_combinations(self.config.tensor_parallel_size, shared)
         if self.tensor_parallel_plan is not None:
             tensor.check_plan(self.tensor_parallel_plan, [n for n, _ in module.named_modules()])
         self._ties = tie_groups(shared, self.topology, self.config.timeout)

@@ -65,19 +65,15 @@ def tensor_parallel_available() -> bool:
     return (major, minor) >= (2, 7)
 
 
-def check_combinations(tensor_parallel_size: int, ties: Any, precision_plugin: Any) -> None:
-    """What tensor parallelism does not support yet, refused by name."""
+def check_combinations(tensor_parallel_size: int, ties: Any) -> None:
+    """What tensor parallelism does not support yet, refused by name (16-mixed works: one loss scale for the job,
+    an overflow on any shard skips the step everywhere)."""
     if tensor_parallel_size == 1:
         return
     if ties:
         raise ValueError(
             "tensor_parallel_size > 1 with weights shared between stages (a tied embedding and head) is not supported; "
             "untie them, or use tensor_parallel_size=1."
-        )
-    if type(precision_plugin).__name__ in ("MixedPrecision", "PipelineMixedPrecision"):
-        raise ValueError(
-            "tensor_parallel_size > 1 with precision='16-mixed' is not supported yet; use precision='bf16-mixed' or "
-            "'32-true', or tensor_parallel_size=1."
         )
 
 
