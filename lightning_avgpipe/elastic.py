@@ -97,6 +97,8 @@ class ElasticAveraging:
         outer_momentum: its momentum μ in [0, 1) (0: none).
         nesterov: Nesterov momentum (with ``outer_momentum > 0``).
         period: H, local steps between pulls and reference updates (1: every step).
+        tensor_parallel_size: T, when the stage's parameters are shards of a tensor group of T ranks (``shards.py``:
+            the divergence's norms then weight whole tensors 1/T).
     """
 
     def __init__(
@@ -113,6 +115,7 @@ class ElasticAveraging:
         outer_momentum: float = 0.0,
         nesterov: bool = True,
         period: int = 1,
+        tensor_parallel_size: int = 1,
     ) -> None:
         if not is_int(num_replicas, 1):
             raise ValueError(f"num_pipelines={num_replicas!r} must be an int >= 1.")
@@ -137,8 +140,7 @@ class ElasticAveraging:
             else [list(copy.deepcopy(self.reference)) for _ in range(num_replicas)]
         )
         self._ref_params = unique_params(self.reference)
-        # T: the stage's parameters are shards of a tensor group of T ranks (their norms are summed over it)
-        self.tensor_parallel_size = 1
+        self.tensor_parallel_size = tensor_parallel_size
         self._offsets: list[list[Tensor]] | None = None
         self._total: list[Tensor] = []
         self._flat: Tensor | None = None

@@ -42,19 +42,14 @@ def clone_optimizer(optimizer: Optimizer, params: Sequence[nn.Parameter], like: 
         ) from err
 
 
-class ElasticOptimizer(Optimizer):
-    """One optimizer to Lightning: steps every replica's own optimizer, then applies the elastic update.
+class WrappedOptimizer(Optimizer):
+    """The user's optimizer behind a step of the pipeline's own (``ElasticOptimizer``, ``runtime.zero``): its
+    ``param_groups`` and ``state`` are the user's, so lr schedulers (which Lightning binds to that optimizer) and
+    ``LearningRateMonitor`` see the user's optimizer. ``Optimizer.__init__`` is not called."""
 
-    Its ``param_groups`` are the user's optimizer's, so lr schedulers (which Lightning binds to that optimizer)
-    change them; before every step those hyperparameters are copied to each replica's optimizer.
-    """
-
-    def __init__(self, user: Optimizer, replicas: Sequence[Optimizer], elastic: ElasticAveraging) -> None:
-        # Optimizer.__init__ is not called: the state lives in the replicas' optimizers.
+    def __init__(self, user: Optimizer) -> None:
         self.user = user
         self.optimizer = user  # what LearningRateMonitor looks for when it unwraps an optimizer
-        self.replicas = list(replicas)
-        self.elastic = elastic
         self.defaults = user.defaults
 
     @property  # type: ignore[override]
@@ -72,6 +67,19 @@ class ElasticOptimizer(Optimizer):
     @state.setter
     def state(self, value: Any) -> None:
         self.user.state = value
+
+
+class ElasticOptimizer(WrappedOptimizer):
+    """One optimizer to Lightning: steps every replica's own optimizer, then applies the elastic update.
+
+    Before every step the user's hyperparameters (which lr schedulers change) are copied to each replica's
+    optimizer; the state lives in the replicas' optimizers.
+    """
+
+    def __init__(self, user: Optimizer, replicas: Sequence[Optimizer], elastic: ElasticAveraging) -> None:
+        super().__init__(user)
+        self.replicas = list(replicas)
+        self.elastic = elastic
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for opt in self.replicas:

@@ -78,15 +78,14 @@ def like(value: Any, param: Tensor, *, whole: bool = False) -> Any:
     )
 
 
-def release_meshes(tensors: Iterable[Any]) -> None:
-    """Drop the process groups that the device meshes of ``tensors``' ``DTensor``s keep in their registries.
+def release_meshes(meshes: Iterable[Any]) -> None:
+    """Drop the process groups that ``meshes`` (and their root meshes) keep in their registries.
 
     torch's DTensor caches keep meshes alive, and a mesh keeps its groups: without this they outlive
     ``destroy_process_group`` at exit and their threads run into the interpreter's finalization. The replicas'
-    copies (``copy.deepcopy``) have meshes of their own, so every tensor's mesh is released.
+    copies (``copy.deepcopy``) have meshes of their own, so every parameter's mesh is passed.
     """
-    for t in tensors:
-        mesh = t.device_mesh if is_dtensor(t) else None
+    for mesh in meshes:
         for m in (mesh, getattr(mesh, "_root_mesh", None)):
             registry = getattr(m, "_pg_registry", None)
             if isinstance(registry, dict):

@@ -189,6 +189,15 @@ def shared_across_stages(
     return dict(sorted(ties.items()))
 
 
+def announce_shared(shared: dict[tuple[int, ...], list[tuple[str, Any]]]) -> None:
+    """Say which weights several stages share (``shared_across_stages``) and what is done about them."""
+    for holders, named in shared.items():
+        rank_zero_info(
+            f"AvgPipe: {', '.join(name for name, _ in named)} shared by the layers of stages {list(holders)}: each "
+            "keeps a copy, and their gradients are summed over those stages every step (the copies stay equal)."
+        )
+
+
 def check_supported(module: Any, precision_plugin: Any, one_model: bool = True) -> None:
     """Refuse what the strategy cannot train: manual optimization, and ``16-mixed`` with replicas."""
     if not module.automatic_optimization:

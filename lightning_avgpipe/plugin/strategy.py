@@ -21,24 +21,24 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_avgpipe import microbatch
 from lightning_avgpipe.config import PipelineConfig
 from lightning_avgpipe.plugin import checkpoint as ckpt
-from lightning_avgpipe.plugin import compat, tensor
-from lightning_avgpipe.plugin.bridge import Guard, StepBridge, StepResults, replay_logs
+from lightning_avgpipe.plugin import compat, steps, tensor
+from lightning_avgpipe.plugin.bridge import Guard, StepBridge, StepResults
 from lightning_avgpipe.plugin.compat import (
     _optimizers_to_device,
     _StrategyRegistry,
     _sync_ddp_if_available,
 )
-from lightning_avgpipe.plugin.contract import check_forward, pipeline_inputs, pipeline_layers
+from lightning_avgpipe.plugin.contract import check_forward, pipeline_layers
 from lightning_avgpipe.plugin.data import GroupedBatches
 from lightning_avgpipe.plugin.gradients import GradStash, install_clipping
-from lightning_avgpipe.plugin.precision import for_pipeline, loss_scale_of
+from lightning_avgpipe.plugin.precision import for_pipeline
 from lightning_avgpipe.plugin.process import ProcessStrategy
 from lightning_avgpipe.plugin.reconfigure import reconfigure
 from lightning_avgpipe.plugin.split import (
     SplitModule,
+    announce_shared,
     check_layer_count,
     check_supported,
     choose_partition,
@@ -52,7 +52,6 @@ from lightning_avgpipe.runtime.pipeline import StagePipeline, memory_limit_bytes
 from lightning_avgpipe.runtime.recompute import check_matches
 from lightning_avgpipe.runtime.ties import TiedWeights, tie_groups
 from lightning_avgpipe.runtime.topology import Topology
-from lightning_avgpipe.shards import release_meshes
 
 
 class AvgPipeStrategy(ProcessStrategy):
@@ -356,15 +355,9 @@ class AvgPipeStrategy(ProcessStrategy):
         sizes = self.broadcast(sizes, src=0)
         assert sizes is not None
         shared = shared_across_stages(module, layers, list(sizes))
-        tensor.check_combinations(self.config.tensor_parallel_size, shared)
-        if self.tensor_parallel_plan is not None:
-            tensor.check_plan(self.tensor_parallel_plan, [n for n, _ in module.named_modules()])
+        tensor.check_model(self.config.tensor_parallel_size, self.tensor_parallel_plan, module, shared)
         self._ties = tie_groups(shared, self.topology, self.config.timeout)
-        for holders, named in shared.items():
-            rank_zero_info(
-                f"AvgPipe: {', '.join(name for name, _ in named)} shared by the layers of stages {list(holders)}: each "
-                "keeps a copy, and their gradients are summed over those stages every step (the copies stay equal)."
-            )
+        announce_shared(shared)
         self._split = split_module(module, layers, list(sizes), self.stage, self._guard)
         rank_zero_info(
             f"AvgPipe: {self.num_stages} stages, layers per stage {list(sizes)}, schedule={self.config.schedule}, "
@@ -376,9 +369,7 @@ class AvgPipeStrategy(ProcessStrategy):
     def _make_pipeline(self) -> None:
         """Stage ``s`` of the N replicas (copies of the module's own layers) and the step that trains them."""
         assert self._split is not None
-        if self.config.tensor_parallel_size > 1:
-            split = tensor.apply(self._split.names(), self.tensor_parallel_plan, self.topology.tensor_mesh)
-            rank_zero_info(f"AvgPipe: tensor parallelism over {self.config.tensor_parallel_size} ranks splits {split}.")
+        tensor.apply(self._split.names(), self.tensor_parallel_plan, self.topology)
         self._pipeline = StagePipeline(
             self._split.owned,
             self.topology,
@@ -431,38 +422,7 @@ class AvgPipeStrategy(ProcessStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        batch, rest = args[0], args[1:]
-        module, pipeline, bridge = self._lightning(), self.pipeline, self.bridge
-        trainer = module.trainer
-        batches = batch if self.num_pipelines > 1 else [batch]
-        figures = self._telemetry.wants_figures(trainer, pipeline)
-        samples = sum(microbatch.batch_size(b) for b in batches) * self.num_groups
-        self._telemetry.step_started(module, samples, log=figures)
-        with self._stash.apart(pipeline.params):  # Lightning zeroes gradients between training_step and backward
-            result = pipeline.train_step(
-                batches,
-                lambda output, micro, share: bridge.call_step("training_step", output, micro, share, *rest),
-                inputs=lambda micro: pipeline_inputs(module, micro),
-                accumulate=trainer.accumulate_grad_batches,
-                forward_context=self.precision_plugin.train_step_context,
-                measure=figures,
-                divergence=not pipeline.elastic.trivial and compat.writes_logs(trainer),
-                noise=compat.writes_logs(trainer) or compat.every(trainer.global_step, self.noise_every),
-                param_names=self._param_names,
-                loss_scale=loss_scale_of(self.precision_plugin),
-            )
-        assert self._results is not None
-        if result.loss is not None:  # the last stage
-            loss, logs = self._results.exchange(result.loss.cpu(), bridge.take_logs())
-        else:
-            loss, logs = self._results.exchange(None, None)
-        if figures:
-            self._telemetry.step_finished(module, pipeline, result, self.optimizers)
-        replay_logs(module, logs, self.root_device)
-        loss = loss.to(self.root_device)
-        if not pipeline.elastic.trivial:  # the mean over replicas, whatever the user logs
-            self._telemetry.log_loss(module, loss)
-        return loss
+        return steps.training_step(self, args[0], args[1:])
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
@@ -475,40 +435,17 @@ class AvgPipeStrategy(ProcessStrategy):
         self.post_backward(closure_loss)
         return closure_loss
 
-    def _eval(self, hook: str, args: tuple[Any, ...], share_output: bool) -> Any:
-        module, pipeline, bridge = self._lightning(), self.pipeline, self.bridge
-        self._telemetry.pause()
-        context = {
-            "validation_step": self.precision_plugin.val_step_context,
-            "test_step": self.precision_plugin.test_step_context,
-            "predict_step": self.precision_plugin.predict_step_context,
-        }[hook]
-        results = pipeline.eval_step(
-            args[0],
-            lambda output, micro, share: bridge.call_step(hook, output, micro, share, *args[1:]),
-            inputs=lambda micro: pipeline_inputs(module, micro),
-            forward_context=context,
-            key=hook,
-        )
-        payload = output = None
-        if pipeline.is_last:
-            output = microbatch.merge([results[u] for u in sorted(results)])
-            payload = (microbatch.to_cpu(output) if share_output else None, bridge.take_logs())
-        shared, logs = pipeline.share(payload)
-        replay_logs(module, logs, self.root_device)
-        return shared if share_output and output is None else output
-
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._eval("validation_step", args, share_output=False)
+        return steps.eval_step(self, "validation_step", args, share_output=False)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._eval("test_step", args, share_output=False)
+        return steps.eval_step(self, "test_step", args, share_output=False)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._eval("predict_step", args, share_output=True)
+        return steps.eval_step(self, "predict_step", args, share_output=True)
 
     def _lightning(self) -> pl.LightningModule:
         module = self.lightning_module
@@ -615,10 +552,7 @@ class AvgPipeStrategy(ProcessStrategy):
         if self._topology is not None and self.lightning_module is not None:  # the metrics' group, set in setup
             metrics_sync_over(self.lightning_module, None, only=self._topology.stage_group)
         self.optimizers = []  # they hold the elastic averaging, and it holds its group
-        if self._topology is not None:
-            self._topology.release()  # the tensor-parallel mesh's groups
-        if self._pipeline is not None:  # and those of every replica's copy of the mesh
-            release_meshes([*self._pipeline.params, *self._pipeline.reference_params])
+        tensor.release(self._topology, self._pipeline)  # the groups the tensor-parallel meshes hold
         self._pipeline = self._results = self._topology = self._topology_of = None
         self._ties = []
 

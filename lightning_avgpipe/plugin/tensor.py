@@ -6,11 +6,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from lightning_avgpipe.runtime.pipeline import StagePipeline
 from lightning_avgpipe.runtime.tensor_parallel import check_plan, default_plan, parallelize_stage
+from lightning_avgpipe.runtime.topology import Topology
+from lightning_avgpipe.shards import is_dtensor, release_meshes
 
-__all__ = ["apply", "check_combinations", "check_plan", "check_tensor_parallel_args"]
+__all__ = ["apply", "check_combinations", "check_model", "check_plan", "check_tensor_parallel_args", "release"]
 
 STYLE_NAMES = ("colwise", "rowwise")
 
@@ -77,8 +81,26 @@ def check_combinations(tensor_parallel_size: int, ties: Any) -> None:
         )
 
 
-def apply(owned: Mapping[str, nn.Module], plan: Mapping[str, Any] | None, mesh: Any) -> list[str]:
-    """Split this stage's layers (``owned``: name in the model -> layer) across the tensor group's ``mesh`` by
-    ``plan`` (checked beforehand against the whole model, :func:`check_plan`), or by the default plan; returns the
-    names of the modules split."""
-    return parallelize_stage(owned, default_plan(owned) if plan is None else plan, mesh)
+def check_model(size: int, plan: Mapping[str, Any] | None, module: nn.Module, ties: Any) -> None:
+    """Before the split, on the whole model: the plan names its modules, and nothing unsupported is combined."""
+    check_combinations(size, ties)
+    if plan is not None:
+        check_plan(plan, [n for n, _ in module.named_modules()])
+
+
+def apply(owned: Mapping[str, nn.Module], plan: Mapping[str, Any] | None, topology: Topology) -> None:
+    """With T > 1, split this stage's layers (``owned``: name in the model -> layer) across its tensor group by
+    ``plan`` (checked beforehand, :func:`check_model`), or by the default plan, and say what was split."""
+    if topology.tensor_parallel_size == 1:
+        return
+    split = parallelize_stage(owned, default_plan(owned) if plan is None else plan, topology.tensor_mesh)
+    rank_zero_info(f"AvgPipe: tensor parallelism over {topology.tensor_parallel_size} ranks splits {split}.")
+
+
+def release(topology: Topology | None, pipeline: StagePipeline | None) -> None:
+    """At exit: the process groups that the tensor-parallel device meshes hold (the topology's, and every replica's
+    copy of it), so they are freed with the others (``shards.release_meshes``)."""
+    meshes = [topology.tensor_mesh] if topology is not None else []
+    if pipeline is not None:
+        meshes += [p.device_mesh for p in [*pipeline.params, *pipeline.reference_params] if is_dtensor(p)]  # type: ignore[attr-defined]
+    release_meshes(meshes)

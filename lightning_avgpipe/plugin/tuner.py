@@ -196,7 +196,6 @@ class AvgPipeTuner(Callback):
             )
             if table.notes.get("activation_checkpointing"):  # "auto", and nothing fitted without it
                 strategy.pipeline.set_recompute([True] * len(strategy.pipeline.layers))
-                strategy.pipeline.decide_memory()
         if self.retuner is not None:
             self.retuner.start(trainer, strategy, table, base)
         self.seconds = time.perf_counter() - started

@@ -247,8 +247,8 @@ class StagePipeline:
             outer_lr=cfg.outer_lr,
             outer_momentum=cfg.outer_momentum,
             period=cfg.averaging_period,
+            tensor_parallel_size=top.tensor_parallel_size,
         )
-        self.elastic.tensor_parallel_size = top.tensor_parallel_size
         self._params = self.elastic.all_replica_params()
         self._tied = TiedGradients(self.ties, self.elastic, self.stage)
         self._replica_fns = [self._stage_function(layers) for layers in self.elastic.replicas]
@@ -723,31 +723,28 @@ class StagePipeline:
             return None
         self._recompute_seen = -1  # decided
         limit = memory_limit_bytes(self.config.memory_limit, self.device, self.processes)
-        peaks = table[:, 5].to(self.device, torch.float64)
-        # every rank of a stage decides alike: under tensor parallelism recomputation adds collectives
-        if limit is not None and self.topology.world_size > 1:
-            dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=self.topology.job_group)
-            ref = torch.tensor([float(limit)], dtype=torch.float64, device=self.device)
-            dist.all_reduce(ref, op=dist.ReduceOp.MIN, group=self.topology.job_group)
-            limit = float(ref[0])
-        table = table.clone()
-        table[:, 5] = peaks.cpu()
-        over = [s for s in range(len(table)) if limit is not None and float(table[s, 5]) > limit]
+        if limit is None:  # the same configuration on every rank
+            return "off: no memory_limit to keep under"
+        # every rank of a stage decides alike (under tensor parallelism recomputation adds collectives): the peaks'
+        # maximum and the limits' minimum over the job, in one all-reduce
+        values = torch.cat([table[:, 5].double(), torch.tensor([-float(limit)], dtype=torch.float64)])
+        if self.topology.world_size > 1:
+            values = values.to(self.device)
+            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.topology.job_group)
+        *peak, limit = values.tolist()
+        limit = -limit
+        over = [s for s, p in enumerate(peak) if p > limit]
         if self.stage in over:
             self.set_recompute([True] * len(self.layers))
-        if limit is None:
-            return "off: no memory_limit to keep under"
         if not over:
             return f"off: every stage's peak is under memory_limit ({limit / 2**20:.1f} MiB)"
-        named = ", ".join(f"stage {s} {float(table[s, 5]) / 2**20:.1f} MiB" for s in over)
+        named = ", ".join(f"stage {s} {peak[s] / 2**20:.1f} MiB" for s in over)
         return f"on for every layer of stage(s) {over}: peaks {named} above memory_limit ({limit / 2**20:.1f} MiB)"
 
-    def decide_memory(self) -> None:
-        """``activation_checkpointing="auto"`` decided elsewhere (the tuner): no more measuring for it."""
-        self._recompute_seen = -1
-
     def set_recompute(self, mask: Sequence[bool]) -> None:
-        """Checkpoint the layers in ``mask`` from the next step on (every replica's copy of them)."""
+        """Checkpoint the layers in ``mask`` from the next step on (every replica's copy of them); under
+        ``activation_checkpointing="auto"`` that is the decision, and nothing more is measured for it."""
+        self._recompute_seen = -1
         self.recompute = list(mask)
         self.executor.stage_fn = self._stage_function(self.layers)
         self._replica_fns = [self._stage_function(layers) for layers in self.elastic.replicas]

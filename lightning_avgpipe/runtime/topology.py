@@ -117,18 +117,6 @@ class Topology:
     def is_last(self) -> bool:
         return self.stage == self.num_stages - 1
 
-    def release(self) -> None:
-        """Drop the device mesh's own references to its process groups (before they are destroyed at exit).
-
-        A ``DeviceMesh`` keeps its groups in a registry, and torch's DTensor caches keep the mesh: without this the
-        groups outlive ``destroy_process_group`` and their threads run into the interpreter's finalization
-        (``runtime/shutdown.py``)."""
-        mesh = self.tensor_mesh
-        for m in (mesh, getattr(mesh, "_root_mesh", None)):
-            registry = getattr(m, "_pg_registry", None)
-            if isinstance(registry, dict):
-                registry.clear()
-
     @classmethod
     def build(
         cls,

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_avgpipe.optim import WrappedOptimizer
 from lightning_avgpipe.shards import local
 
 
@@ -34,7 +35,7 @@ def assign(params: Sequence[nn.Parameter], parts: int) -> list[int]:
     return owner
 
 
-class ShardedOptimizer(Optimizer):
+class ShardedOptimizer(WrappedOptimizer):
     """The user's optimizer, stepping only this rank's part of the parameters; the parts are then broadcast.
 
     Args:
@@ -48,31 +49,12 @@ class ShardedOptimizer(Optimizer):
     def __init__(
         self, user: Optimizer, params: Sequence[nn.Parameter], group: Any, ranks: Sequence[int], index: int
     ) -> None:
-        # Optimizer.__init__ is not called: the state is the user's optimizer's
-        self.user = user
-        self.optimizer = user  # what LearningRateMonitor looks for when it unwraps an optimizer
-        self.defaults = user.defaults
+        super().__init__(user)  # the state is the user's optimizer's
         self.params = list(params)
         self.group = group
         self.ranks = list(ranks)
         self.index = index
         self.owner = assign(self.params, len(self.ranks))
-
-    @property  # type: ignore[override]
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return self.user.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.user.param_groups = value
-
-    @property  # type: ignore[override]
-    def state(self) -> Any:  # type: ignore[override]
-        return self.user.state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self.user.state = value
 
     def mine(self) -> list[nn.Parameter]:
         return [p for p, d in zip(self.params, self.owner) if d == self.index]

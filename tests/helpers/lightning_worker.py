@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, Subset
 
 from lightning_avgpipe import AvgPipeStrategy, AvgPipeTuner
 from lightning_avgpipe.runtime.shutdown import native_threads
+from lightning_avgpipe.shards import is_dtensor
 from tests.helpers.lit import PipeNet, dataset, loader
 from tests.helpers.tied import TiedLM, token_loader
 
@@ -201,7 +202,7 @@ def main(cfg: dict[str, Any]) -> None:
         # where this rank sits: (node, pipeline group, stage, tensor shard), and its tensor group's global ranks
         result["place"] = [trainer.node_rank, top.group_index, top.stage, top.tensor_rank, top.tensor_ranks]
         # tensor parallelism: the parameters this rank holds as shards (DTensor)
-        result["sharded"] = sorted(n for n, p in model.named_parameters() if type(p).__name__ == "DTensor")
+        result["sharded"] = sorted(n for n, p in model.named_parameters() if is_dtensor(p))
     else:  # strategy="ddp": Adam's step count on this rank (a resume must carry it on)
         result["optimizer_steps"] = sorted({int(s["step"]) for s in trainer.optimizers[0].state.values()})
         torch.distributed.destroy_process_group()  # Lightning leaves gloo's groups to exit; a DDP user ends them
