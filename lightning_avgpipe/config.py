@@ -60,8 +60,9 @@ class PipelineConfig:
     averaging_period: int = 1
     # Share of the distance to the reference each replica moves per step; None: 1 / (N x groups).
     elastic_alpha: float | None = None
-    # Finish the reference update (an all-reduce across groups) inside the step instead of overlapping it.
-    sync_reference: bool = False
+    # Finish the reference update (an all-reduce across groups) inside the step instead of overlapping it; None:
+    # False, except with shard_optimizer_state under elastic averaging, whose update is synchronous.
+    sync_reference: bool | None = None
     # How a stage runs its N replicas: "sequential" (N x M units through the schedule) or "batched" (M units, the
     # N replicas of each stacked and run as one torch.func.vmap call: fewer, larger operations, a bigger bubble).
     replica_execution: str = "sequential"
@@ -83,18 +84,25 @@ class PipelineConfig:
     # T: ranks that split every layer of a stage (tensor parallelism on DTensor, docs/parallelism.md); the job is a
     # D x S x T mesh with T innermost, so T should divide the devices of a node.
     tensor_parallel_size: int = 1
-    # ZeRO-1 over the D groups: with averaging="exact" (one model) each group keeps the optimizer state of a 1/D part
-    # of every stage's parameters and steps it, then broadcasts it (runtime/zero.py). No effect with D = 1.
+    # ZeRO-1 over the D groups (runtime/zero.py). averaging="exact" (one model): each group keeps the optimizer state
+    # of a 1/D part of every stage's parameters and steps it, then broadcasts it. "elastic": each group keeps a 1/D
+    # slice of the reference, of the summed update and of the outer momentum (reduce-scatter the update, all-gather
+    # the reference). No effect with D = 1.
     shard_optimizer_state: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.shard_optimizer_state, bool):
             raise ValueError(f"shard_optimizer_state={self.shard_optimizer_state!r} must be True or False.")
-        if self.shard_optimizer_state and self.averaging == "elastic" and self.num_pipelines > 1:
+        sharded_elastic = self.shard_optimizer_state and self.averaging == "elastic"
+        if self.sync_reference is None:
+            object.__setattr__(self, "sync_reference", sharded_elastic)
+        elif not isinstance(self.sync_reference, bool):
+            raise ValueError(f"sync_reference={self.sync_reference!r} must be True, False or None.")
+        elif sharded_elastic and not self.sync_reference:
             raise ValueError(
-                f"shard_optimizer_state=True with averaging='elastic' and num_pipelines={self.num_pipelines}: it "
-                "shards one model's optimizer state over the D groups, and elastic replicas each step their own. Use "
-                "averaging='exact', or shard_optimizer_state=False."
+                "sync_reference=False with shard_optimizer_state=True and averaging='elastic': the sharded reference "
+                "is gathered at the end of every step, so its update cannot overlap the next step. Leave "
+                "sync_reference=None (or True), or turn sharding off."
             )
         if not is_int(self.tensor_parallel_size, 1):
             raise ValueError(

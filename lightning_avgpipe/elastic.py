@@ -205,6 +205,17 @@ class ElasticAveraging:
         """Whether this is the paper's rule: outer SGD with lr 1, no momentum, a pull every step."""
         return self.outer_lr == 1.0 and self.outer_momentum == 0.0 and self.period == 1
 
+    released = False  # whether the reference's storage is released (a sharded reference inside a step)
+
+    def require_whole(self, what: str) -> None:
+        """Raise when the reference cannot be read (a sharded reference released by a step that failed)."""
+
+    def enter_step(self) -> None:
+        """Before the step's forward (a sharded reference, ``runtime/zero.py``, is released here); nothing here."""
+
+    def leave_step(self) -> None:
+        """After :meth:`finish_step` (a sharded reference is gathered whole again); nothing here."""
+
     def begin_step(self) -> None:
         """Before the optimizers step: at the start of a period, keep each replica's offset ``d_n = w_n - w_ref``."""
         if self.trivial:
@@ -280,6 +291,14 @@ class ElasticAveraging:
         ``lr v``. Every replica moves by ``U - u`` too, the part of the step beyond the mean update, so the outer
         optimizer moves the replicas' centre and the reference stays their mean (as SlowMo and DiLoCo restart
         their workers from the new global weights; the elastic pull still governs the spread)."""
+        step = self._outer(mean)
+        torch._foreach_add_(ref, step)
+        extra = list(torch._foreach_sub(step, mean))
+        for n in range(self.num_replicas):
+            torch._foreach_add_(locals_(p.detach() for p in self.replica_params(n)), extra)
+
+    def _outer(self, mean: list[Tensor]) -> list[Tensor]:
+        """The outer optimizer's step ``U`` for the mean update ``u`` (its momentum updated in place)."""
         mu = self.outer_momentum
         if mu > 0.0:
             if self._momentum is None:
@@ -293,10 +312,7 @@ class ElasticAveraging:
                 step = list(torch._foreach_mul(self._momentum, self.outer_lr))
         else:
             step = list(torch._foreach_mul(mean, self.outer_lr))
-        torch._foreach_add_(ref, step)
-        extra = list(torch._foreach_sub(step, mean))
-        for n in range(self.num_replicas):
-            torch._foreach_add_(locals_(p.detach() for p in self.replica_params(n)), extra)
+        return step
 
     def _average_buffers(self) -> None:
         """Floating buffers (BatchNorm statistics) of the reference: the mean over all N·D replicas."""
@@ -348,20 +364,22 @@ class ElasticAveraging:
     # -- what the user sees -------------------------------------------------------------------------------------
     def divergence(self) -> list[Tensor]:
         """Per replica, ``‖w_n - w_ref‖² `` and ``‖w_ref‖²`` summed over this stage (add across stages, then sqrt)."""
-        T = self.tensor_parallel_size
-        weights = [norm_weight(p, T) for p in self._ref_params]
+        weights = self._norm_weights()
         with torch.no_grad():
             ref = [local(p.detach()).float() for p in self._ref_params]
-            ref_sq = _sum_sq(ref, self.device, weights)
+            ref_sq = sum_sq(ref, self.device, weights)
             out = []
             for n in range(self.num_replicas):
                 mine = [local(p.detach()).float() for p in self.replica_params(n)]
                 diff = torch._foreach_sub(mine, ref) if ref else []
-                out.append(torch.stack([_sum_sq(diff, self.device, weights), ref_sq]))
+                out.append(torch.stack([sum_sq(diff, self.device, weights), ref_sq]))
         return out
 
+    def _norm_weights(self) -> list[float]:
+        return [norm_weight(p, self.tensor_parallel_size) for p in self._ref_params]
 
-def _sum_sq(tensors: Sequence[Tensor], device: torch.device, weights: Sequence[float] | None = None) -> Tensor:
+
+def sum_sq(tensors: Sequence[Tensor], device: torch.device, weights: Sequence[float] | None = None) -> Tensor:
     """Σ w‖t‖² over ``tensors`` (float32), one fused norm per tensor list (``weights``: see ``shards.norm_weight``)."""
     if not tensors:
         return torch.zeros((), dtype=torch.float32, device=device)

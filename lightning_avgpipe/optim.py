@@ -87,6 +87,7 @@ class ElasticOptimizer(WrappedOptimizer):
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         loss = None
+        self.elastic.enter_step()  # a sharded reference is released for the forward and backward
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
@@ -98,6 +99,7 @@ class ElasticOptimizer(WrappedOptimizer):
         for opt in self.replicas:
             opt.step()
         self.elastic.finish_step()
+        self.elastic.leave_step()  # ... and whole again for what runs between steps
         self.user._opt_called = True  # type: ignore[attr-defined]  # lr schedulers check the user's optimizer stepped
         return loss
 

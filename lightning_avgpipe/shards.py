@@ -33,6 +33,14 @@ def locals_(tensors: Iterable[Tensor]) -> list[Tensor]:
     return [local(t) for t in tensors]
 
 
+def set_local(param: Tensor, data: Tensor) -> None:
+    """Make ``data`` this rank's part of ``param`` (the same parameter object: optimizers and modules keep it)."""
+    if is_dtensor(param):
+        param._local_tensor.data = data  # type: ignore[attr-defined]  # the shard the DTensor wraps
+    else:
+        param.data = data
+
+
 def norm_weight(t: Tensor, tensor_parallel_size: int) -> float:
     """The weight of ``t``'s local squared norm in a sum over the tensor-parallel group: 1 for a sharded tensor (each
     rank holds a different part), ``1/T`` for a tensor every rank holds whole (a plain tensor or a replicated one)."""

@@ -25,6 +25,7 @@ def assemble_state_dict(module: nn.Module, pipeline: StagePipeline, full_keys: S
     """The unsplit model's state dict, under its own names and order, on the pipeline's first stage (collective;
     ``{}`` elsewhere)."""
     pipeline.elastic.wait()  # the checkpoint holds the up-to-date reference
+    pipeline.elastic.require_whole("Saving the model")
     local = {k: full(v).detach().cpu() for k, v in module.state_dict().items()}  # tensor shards gathered whole
     parts = pipeline.gather(local)
     if parts is None:

@@ -6,6 +6,7 @@ maps Lightning's life cycle onto it (docs/how-it-works.md#lightning-integration)
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -52,6 +53,7 @@ from lightning_avgpipe.runtime.pipeline import StagePipeline, memory_limit_bytes
 from lightning_avgpipe.runtime.recompute import check_matches
 from lightning_avgpipe.runtime.ties import TiedWeights, tie_groups
 from lightning_avgpipe.runtime.topology import Topology
+from lightning_avgpipe.runtime.zero import ShardedReference
 
 
 class AvgPipeStrategy(ProcessStrategy):
@@ -83,8 +85,9 @@ class AvgPipeStrategy(ProcessStrategy):
         averaging_period: H, the local steps every replica takes between elastic pulls and reference updates; the
             all-reduce between pipeline groups then runs every H steps. 1 is the paper's rule.
         elastic_alpha: how far each replica moves toward the reference per step (at most 1); ``None``: 1/(N x D).
-        sync_reference: finish the reference update across pipeline groups inside the step (by default it
-            overlaps the next iteration).
+        sync_reference: finish the reference update across pipeline groups inside the step; ``None`` (default):
+            overlap it with the next iteration, except with a sharded reference (``shard_optimizer_state``), whose
+            update is synchronous.
         replica_execution: ``"sequential"`` runs N x M units through the schedule (the smallest bubble);
             ``"batched"`` runs M units, each the N replicas' micro-batch m in one ``torch.func.vmap`` call (fewer,
             larger operations for micro-batches too small to keep a device busy; layers without buffers).
@@ -109,8 +112,10 @@ class AvgPipeStrategy(ProcessStrategy):
             job is a D x S x T mesh, T innermost: T must divide the devices of a node.
         tensor_parallel_plan: module name (patterns allowed) -> ``ColwiseParallel()``/``RowwiseParallel()`` (or
             ``"colwise"``/``"rowwise"``); None: every pair of ``nn.Linear`` in a layer, column- then row-wise.
-        shard_optimizer_state: with ``averaging="exact"`` and D groups, each group keeps and steps the optimizer
-            state of a 1/D part of every stage (ZeRO-1; docs/parallelism.md#sharded-optimizer-state).
+        shard_optimizer_state: ZeRO-1 over the D groups (docs/parallelism.md#sharded-optimizer-state). With
+            ``averaging="exact"`` each group keeps and steps the optimizer state of a 1/D part of every stage; with
+            elastic averaging each keeps a 1/D slice of the reference, the summed update and the outer momentum,
+            and the reference is whole only between steps (docs/parallelism.md#sharded-reference).
         accelerator: Lightning's own, as for any strategy (the Trainer sets it, as the next four).
         parallel_devices: the devices of this node.
         cluster_environment: where the ranks come from (Lightning's, torchrun, SLURM).
@@ -134,7 +139,7 @@ class AvgPipeStrategy(ProcessStrategy):
         outer_momentum: float = 0.0,
         averaging_period: int = 1,
         elastic_alpha: float | None = None,
-        sync_reference: bool = False,
+        sync_reference: bool | None = None,
         replica_execution: str = "sequential",
         p2p: str = "auto",
         trace_dir: str | None = None,
@@ -477,6 +482,7 @@ class AvgPipeStrategy(ProcessStrategy):
             "pipelines": self.num_pipelines,
             "partition": self.partition,
             **({"tensor_parallel": T} if T > 1 else {}),
+            **({"sharded_reference": True} if self._pipeline and isinstance(self.elastic, ShardedReference) else {}),
         }
 
     @override
@@ -542,6 +548,13 @@ class AvgPipeStrategy(ProcessStrategy):
     def teardown(self) -> None:
         if self._pipeline is not None:
             self._pipeline.elastic.wait()  # the model the user keeps is the up-to-date reference
+            if self._pipeline.elastic.released:
+                warnings.warn(
+                    f"AvgPipe: rank {self.global_rank} stopped inside a training step with the reference sharded "
+                    "(shard_optimizer_state=True): this rank's part of the module holds NaN placeholders. Resume "
+                    "from the last checkpoint.",
+                    stacklevel=2,
+                )
         if self._split is not None:
             self._split.release()
         super().teardown()

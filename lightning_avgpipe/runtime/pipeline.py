@@ -45,7 +45,7 @@ from lightning_avgpipe.runtime.tensor_parallel import TensorParallelLink, whole_
 from lightning_avgpipe.runtime.ties import TiedGradients, TiedWeights
 from lightning_avgpipe.runtime.topology import Topology
 from lightning_avgpipe.runtime.trace import ActivationMeter, StepTrace, write_trace
-from lightning_avgpipe.runtime.zero import ShardedOptimizer
+from lightning_avgpipe.runtime.zero import ShardedOptimizer, ShardedReference
 from lightning_avgpipe.schedules import Plan, build_plan, max_advance_forwards, validate_plan
 from lightning_avgpipe.shards import local
 
@@ -236,13 +236,14 @@ class StagePipeline:
 
     def _make_replicas(self) -> None:
         cfg, top = self.config, self.topology
-        self.elastic = ElasticAveraging(  # exact averaging trains one model: the reference itself
+        sharded = cfg.shard_optimizer_state and not cfg.exact and top.num_groups > 1
+        self.elastic = (ShardedReference if sharded else ElasticAveraging)(  # exact: one model, the reference itself
             self.layers,
             1 if cfg.exact else cfg.num_pipelines,
             1 if cfg.exact else top.num_groups,
-            cfg.elastic_alpha,
-            top.stage_group,
-            cfg.sync_reference,
+            alpha=cfg.elastic_alpha,
+            group=top.stage_group,
+            synchronous=bool(cfg.sync_reference),
             device=self.device,
             outer_lr=cfg.outer_lr,
             outer_momentum=cfg.outer_momentum,
@@ -276,11 +277,6 @@ class StagePipeline:
                     user, elastic.reference_params, top.stage_group, top.stage_ranks, top.group_index
                 )
             return user
-        if self.config.shard_optimizer_state:
-            raise ValueError(
-                "shard_optimizer_state=True needs one model per stage (averaging='exact'); this layout has elastic "
-                f"replicas (N x D = {self.num_pipelines} x {top.num_groups}). Use averaging='exact', or turn it off."
-            )
         clones = [
             clone_optimizer(user, elastic.replica_params(n), elastic.reference_params)
             for n in range(elastic.num_replicas)
