@@ -30,51 +30,51 @@ def _count(tensors: Any) -> int:
     return total
 
 
-def _worker(rank: int, world: int, steps: int, options: dict[str, Any]) -> list[dict[str, Any]]:
-    """D = 2 groups (one rank each) of one stage, N = 2 elastic replicas, Adam: the whole and the sharded reference."""
+def _train(rank: int, top: Any, shard: bool, steps: int, options: dict[str, Any]) -> dict[str, Any]:
+    """Group ``rank``'s stage, N = 2 elastic replicas, Adam, ``steps`` steps: what it held and ended with."""
     import torch.nn.functional as F
 
     from lightning_avgpipe.config import PipelineConfig
     from lightning_avgpipe.runtime.pipeline import StagePipeline
-    from lightning_avgpipe.runtime.topology import Topology
     from tests.helpers.models import make_batch, make_layers
 
+    cfg = PipelineConfig(1, 2, num_pipelines=2, shard_optimizer_state=shard, sync_reference=True, **options)
+    pipe = StagePipeline(make_layers(), top, cfg)
+    opt = pipe.optimizer(torch.optim.Adam(pipe.reference_params, lr=0.01))
+    elastic = pipe.elastic
+    seen: dict[str, Any] = {"divergence": [], "between": []}
+
+    def closure(step: int) -> None:
+        batches = [make_batch(4 * step + 2 * rank + n) for n in range(2)]
+        opt.zero_grad()
+        pipe.train_step(batches, lambda out, batch, share: F.cross_entropy(out, batch[1]))
+        # inside the step, after the backward: what the stage holds where the activations peak
+        offsets = _count(t for per in (elastic._offsets or []) for t in per)
+        seen["reference_bytes"] = _count(elastic.reference_params)
+        seen["averaging_bytes"] = _count(elastic.buffers()) - offsets
+        seen["static_bytes"] = pipe.static_bytes([opt])
+        seen["finite"] = all(bool(torch.isfinite(p).all()) for p in elastic.reference_params)
+        seen["divergence"].append(pipe.divergence())
+
+    for step in range(steps):
+        opt.step(lambda step=step: closure(step))
+        seen["between"].append([p.detach().clone() for p in pipe.reference_params])
+    return {
+        "kind": type(elastic).__name__,
+        "reference": [p.detach().clone() for p in pipe.reference_params],
+        "replicas": [[p.detach().clone() for p in elastic.replica_params(n)] for n in range(2)],
+        "whole_bytes": _count(elastic.reference_params),
+        "state": elastic.state_dict(),
+        **seen,
+    }
+
+
+def _worker(rank: int, world: int, steps: int, options: dict[str, Any]) -> list[dict[str, Any]]:
+    """D = 2 groups (one rank each) of one stage: the whole and the sharded reference."""
+    from lightning_avgpipe.runtime.topology import Topology
+
     top = Topology.build(rank, world, 1)
-    out = []
-    for shard in (False, True):
-        cfg = PipelineConfig(
-            1, 2, num_pipelines=2, shard_optimizer_state=shard, sync_reference=True, **options
-        )
-        pipe = StagePipeline(make_layers(), top, cfg)
-        opt = pipe.optimizer(torch.optim.Adam(pipe.reference_params, lr=0.01))
-        seen: dict[str, Any] = {"divergence": []}
-
-        def closure(step: int) -> Any:
-            batches = [make_batch(4 * step + 2 * rank + n) for n in range(2)]
-            opt.zero_grad()
-            pipe.train_step(batches, lambda out, batch, share: F.cross_entropy(out, batch[1]))
-            elastic = pipe.elastic  # inside the step, after the backward: what the stage holds at its peak
-            seen["reference_bytes"] = _count(elastic.reference_params)
-            seen["averaging_bytes"] = _count(elastic.buffers()) - _count(t for per in (elastic._offsets or []) for t in per)
-            seen["static_bytes"] = pipe.static_bytes([opt])
-            seen["finite"] = all(bool(torch.isfinite(p).all()) for p in elastic.reference_params)
-            seen["divergence"].append(pipe.divergence())
-
-        for step in range(steps):
-            opt.step(lambda step=step: closure(step))
-            seen.setdefault("between", []).append([p.detach().clone() for p in pipe.reference_params])
-        out.append(
-            {
-                "kind": type(pipe.elastic).__name__,
-                "reference": [p.detach().clone() for p in pipe.reference_params],
-                "replicas": [[p.detach().clone() for p in pipe.elastic.replica_params(n)] for n in range(2)],
-                "whole_bytes": _count(pipe.elastic.reference_params),
-                "state": pipe.elastic.state_dict(),
-                **seen,
-            }
-        )
-        pipe.elastic.wait()
-    return out
+    return [_train(rank, top, shard, steps, options) for shard in (False, True)]
 
 
 @pytest.mark.parametrize("options", [{}, OUTER], ids=["paper_rule", "outer_nesterov_H2"])
@@ -106,11 +106,83 @@ def test_sharded_reference_trains_as_the_whole_one_holding_a_half(options: dict[
         if momentum:
             for a, b in zip(whole["state"]["momentum"], sharded["state"]["momentum"]):
                 torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
-        print(
-            f"rank {rank}: reference+update+momentum bytes in the step {whole['reference_bytes'] + whole['averaging_bytes']}"
-            f" -> {sharded['reference_bytes'] + sharded['averaging_bytes']}; static {whole['static_bytes']:.0f} -> "
-            f"{sharded['static_bytes']:.0f}"
-        )
+        held = [r["reference_bytes"] + r["averaging_bytes"] for r in (whole, sharded)]
+        print(f"rank {rank}: reference + update + momentum in the step {held[0]} -> {held[1]} bytes; static", end=" ")
+        print(f"{whole['static_bytes']:.0f} -> {sharded['static_bytes']:.0f}")
     # the two ranks' references are the same model
     for a, b in zip(results[0][1]["reference"], results[1][1]["reference"]):
         torch.testing.assert_close(a, b)
+
+
+TP_PLAN = {"layers.3": "colwise", "layers.5": "rowwise"}  # PipeNet's Linear(16, 16) then Linear(16, 4)
+
+
+@pytest.mark.timeout(400)
+def test_through_lightning_the_sharded_reference_equals_the_whole_one_and_resumes_exactly(tmp_path: Path) -> None:
+    """D = 2 groups of one stage (2 ranks), N = 2 replicas, DiLoCo's outer Nesterov: shard_optimizer_state=True
+    trains as the whole reference does, a callback sees the whole module after every step, the checkpoint holds the
+    whole outer momentum, a resume from it continues bit for bit, and a resume without sharding says the layout
+    moved."""
+    from tests.test_strategy_equivalence import final_state, run_lightning
+
+    model = {"optimizer": "adam", "lr": 0.01}
+    strategy: dict[str, Any] = {"num_stages": 1, "num_microbatches": 2, "num_pipelines": 2, "outer_lr": 0.7}
+    strategy["outer_momentum"] = 0.9
+    whole = run_lightning(tmp_path / "whole", 2, {**strategy, "sync_reference": True}, steps=4, model=model)
+    sharded_strategy = {**strategy, "shard_optimizer_state": True}
+    sharded = run_lightning(tmp_path / "sharded", 2, sharded_strategy, steps=4, model=model, every_n_train_steps=2)
+    assert [r["averaging_class"] for r in whole] == ["ElasticAveraging"] * 2
+    assert [r["averaging_class"] for r in sharded] == ["ShardedReference"] * 2
+    assert all(r["finite_between_steps"] == [True] * 4 for r in sharded)
+    torch.testing.assert_close(torch.tensor(sharded[0]["losses"]), torch.tensor(whole[0]["losses"]))
+    a, b = final_state(tmp_path / "whole"), final_state(tmp_path / "sharded")
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")
+
+    (midway,) = (tmp_path / "sharded" / "every").glob("*-step=2.ckpt")
+    saved = torch.load(midway, weights_only=True)["optimizer_states"][0]
+    assert saved["avgpipe_layout"]["sharded_reference"] is True
+    numel = sum(v.numel() for k, v in torch.load(midway, weights_only=True)["state_dict"].items())
+    for entry in saved["avgpipe_ranks"]:  # each rank's momentum, gathered whole: as many elements as the model
+        assert sum(t.numel() for t in entry["elastic"]["momentum"]) == numel
+    rest = run_lightning(tmp_path / "resumed", 2, sharded_strategy, steps=4, model=model, ckpt_path=str(midway))
+    assert rest[0]["losses"] == sharded[0]["losses"][2:]
+    c = final_state(tmp_path / "resumed")
+    assert all(torch.equal(b[k], c[k]) for k in b)
+
+    moved = run_lightning(
+        tmp_path / "moved", 2, {**strategy, "sync_reference": True}, steps=3, model=model, ckpt_path=str(midway)
+    )
+    assert "differs from" in moved[0]["output"] and "the replicas start from the reference" in moved[0]["output"]
+
+
+@pytest.mark.timeout(400)
+def test_sharded_reference_with_tensor_parallelism_equals_the_whole_one(tmp_path: Path) -> None:
+    """D = 2 x T = 2 on one stage (4 ranks), one pipeline per group: each rank shards its tensor-parallel shard's
+    reference over the data dimension, and the weights equal the whole reference's."""
+    from tests.test_strategy_equivalence import final_state, run_lightning
+
+    model = {"optimizer": "adam", "lr": 0.01}
+    strategy: dict[str, Any] = {"num_stages": 1, "num_microbatches": 2, "tensor_parallel_size": 2}
+    strategy["tensor_parallel_plan"] = TP_PLAN
+    whole = run_lightning(tmp_path / "whole", 4, {**strategy, "sync_reference": True}, steps=3, model=model)
+    sharded = run_lightning(tmp_path / "sharded", 4, {**strategy, "shard_optimizer_state": True}, steps=3, model=model)
+    assert [r["averaging_class"] for r in sharded] == ["ShardedReference"] * 4
+    assert [r["place"][1:4] for r in sharded] == [[0, 0, 0], [0, 0, 1], [1, 0, 0], [1, 0, 1]]
+    assert all(r["finite_between_steps"] == [True] * 3 for r in sharded)
+    torch.testing.assert_close(torch.tensor(sharded[0]["losses"]), torch.tensor(whole[0]["losses"]))
+    a, b = final_state(tmp_path / "whole"), final_state(tmp_path / "sharded")
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")
+
+
+def test_the_sharded_reference_refuses_an_overlapped_update() -> None:
+    from lightning_avgpipe.config import PipelineConfig
+
+    with pytest.raises(
+        ValueError, match=r"sync_reference=False with shard_optimizer_state=True.*Leave\s+sync_reference=None"
+    ):
+        PipelineConfig(1, 2, num_pipelines=2, shard_optimizer_state=True, sync_reference=False)
+    assert PipelineConfig(1, 2, num_pipelines=2, shard_optimizer_state=True).sync_reference is True
+    assert PipelineConfig(1, 2, num_pipelines=2).sync_reference is False
+    assert PipelineConfig(1, 2, averaging="exact", shard_optimizer_state=True).sync_reference is False

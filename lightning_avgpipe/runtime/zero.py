@@ -25,6 +25,10 @@ from lightning_avgpipe.elastic import sum_sq as _sum_sq_
 from lightning_avgpipe.optim import WrappedOptimizer
 from lightning_avgpipe.shards import local, locals_, set_local
 
+# torch >= 2.13 names them *_single and deprecates the older names
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 def assign(params: Sequence[nn.Parameter], parts: int) -> list[int]:
     """Owner (0..parts-1) of each parameter: the largest first, each to the least loaded part (by elements). Sizes
@@ -235,7 +239,7 @@ class ShardedReference(ElasticAveraging):
                     torch._foreach_sub_(total, offsets)
                     torch._foreach_add_(w, offsets, alpha=-self.alpha)  # the elastic pull
             mean = torch.empty(self.slice, dtype=self.dtype, device=self.device)
-            dist.reduce_scatter_tensor(mean, flat, op=dist.ReduceOp.SUM, group=self.group)
+            _REDUCE_SCATTER(mean, flat, op=dist.ReduceOp.SUM, group=self.group)
             del flat, total
             mean.mul_(1.0 / (self.num_replicas * self.num_groups)).sub_(self.shard)  # u on this slice
             if self.outer_lr == 1.0 and self.outer_momentum == 0.0:
@@ -251,7 +255,7 @@ class ShardedReference(ElasticAveraging):
     def _gather(self, part: Tensor) -> list[Tensor]:
         """Every rank's slice, concatenated, as tensors shaped like this stage's local parameters."""
         whole = torch.empty(self.slice * self.num_groups, dtype=self.dtype, device=self.device)
-        dist.all_gather_into_tensor(whole, part.contiguous(), group=self.group)
+        _ALL_GATHER(whole, part.contiguous(), group=self.group)
         out, offset = [], 0
         for shape in self.shapes:
             n = math.prod(shape)

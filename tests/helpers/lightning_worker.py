@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, Subset
 
 from lightning_avgpipe import AvgPipeStrategy, AvgPipeTuner
 from lightning_avgpipe.runtime.shutdown import native_threads
-from lightning_avgpipe.shards import is_dtensor
+from lightning_avgpipe.shards import is_dtensor, local
 from tests.helpers.lit import PipeNet, dataset, loader
 from tests.helpers.tied import TiedLM, token_loader
 
@@ -85,11 +85,14 @@ class SetupFault(pl.Callback):
 class Recorder(pl.Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
+        self.finite: list[bool] = []
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self.losses.append(float(outputs["loss"]) * trainer.accumulate_grad_batches)
+        # what a callback sees of the module between steps (a sharded reference is whole again here)
+        self.finite.append(all(bool(torch.isfinite(local(p.detach())).all()) for p in pl_module.parameters()))
 
 
 def group_loader(cfg: dict[str, Any], batch_size: int = 12) -> DataLoader:
@@ -185,6 +188,7 @@ def main(cfg: dict[str, Any]) -> None:
     result = {
         "threads": threads,
         "losses": rec.losses,
+        "finite_between_steps": rec.finite,
         "metrics": metrics,
         "rank": trainer.global_rank,
         "preds": torch.cat(preds).tolist() if preds else None,
@@ -199,6 +203,7 @@ def main(cfg: dict[str, Any]) -> None:
         top = strategy.topology
         result["environment"] = type(strategy.cluster_environment).__name__
         result["optimizer"] = type(strategy.optimizers[0]).__name__
+        result["averaging_class"] = type(strategy.elastic).__name__
         # where this rank sits: (node, pipeline group, stage, tensor shard), and its tensor group's global ranks
         result["place"] = [trainer.node_rank, top.group_index, top.stage, top.tensor_rank, top.tensor_ranks]
         # tensor parallelism: the parameters this rank holds as shards (DTensor)
