@@ -186,3 +186,54 @@ def test_the_sharded_reference_refuses_an_overlapped_update() -> None:
     assert PipelineConfig(1, 2, num_pipelines=2, shard_optimizer_state=True).sync_reference is True
     assert PipelineConfig(1, 2, num_pipelines=2).sync_reference is False
     assert PipelineConfig(1, 2, averaging="exact", shard_optimizer_state=True).sync_reference is False
+
+
+def _edge_worker(rank: int, world: int) -> dict[str, Any]:
+    """A stage without parameters steps; a step that fails mid-way leaves the placeholders, and reading is refused."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    from lightning_avgpipe.config import PipelineConfig
+    from lightning_avgpipe.runtime.pipeline import StagePipeline
+    from lightning_avgpipe.runtime.topology import Topology
+    from tests.helpers.models import make_batch, make_layers
+
+    top = Topology.build(rank, world, 1)
+    cfg = PipelineConfig(1, 2, num_pipelines=2, shard_optimizer_state=True)
+    empty = StagePipeline([nn.ReLU()], top, cfg)
+    opt = empty.optimizer(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1))  # nothing of the stage's own
+
+    def loss(out: Any, batch: Any, share: Any) -> Any:
+        return out.float().pow(2).mean() * 0 + torch.ones((), requires_grad=True)
+
+    opt.step(lambda: empty.train_step([make_batch(rank + n)[0:1] * 2 for n in range(2)], loss))
+    out: dict[str, Any] = {"empty_released": empty.elastic.released}
+
+    pipe = StagePipeline(make_layers(), top, cfg)
+    opt = pipe.optimizer(torch.optim.SGD(pipe.reference_params, lr=0.1))
+
+    def failing() -> None:
+        pipe.train_step([make_batch(n) for n in range(2)], lambda o, b, s: F.cross_entropy(o, b[1]))
+        raise KeyboardInterrupt("stopped mid-step")
+
+    try:
+        opt.step(failing)
+    except KeyboardInterrupt:
+        pass
+    out["released"] = pipe.elastic.released
+    out["nan"] = all(bool(torch.isnan(p).all()) for p in pipe.reference_params)
+    for what, call in (("save", lambda: pipe.elastic.state_dict()), ("enter", pipe.elastic.enter_step)):
+        try:
+            call()
+            out[what] = None
+        except RuntimeError as e:
+            out[what] = str(e)
+    return out
+
+
+def test_a_stage_without_parameters_steps_and_a_failed_step_refuses_to_save() -> None:
+    for r in run_distributed(_edge_worker, 2, timeout=120):
+        assert r["empty_released"] is False
+        assert r["released"] and r["nan"]
+        assert "the step did not finish (it failed)" in r["save"] and "Resume from the last checkpoint" in r["save"]
+        assert "never reached leave_step()" in r["enter"]

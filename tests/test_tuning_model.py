@@ -134,6 +134,11 @@ def test_static_bytes_single_replica_versus_averaging() -> None:
     assert st.static_bytes(1) == 2 * 10 + 20  # the replica is the reference: weights, grads, one state
     assert st.static_bytes(2) == 2 * (3 * 10 + 20) + 2 * 10
     assert st.static_bytes(1, num_groups=2) == 1 * (3 * 10 + 20) + 2 * 10  # D > 1 averages even with N = 1
+    # shard_optimizer_state over D = 2: elastic keeps half the reference and no flat buffer; one model half its state
+    assert st.static_bytes(2, 2, sharded=True) == 2 * (3 * 10 + 20) + 10 / 2
+    assert st.static_bytes(4, 2, exact=True) == 2 * 10 + 20
+    assert st.static_bytes(4, 2, sharded=True, exact=True) == 2 * 10 + 20 / 2
+    assert st.static_bytes(2, 1, sharded=True) == st.static_bytes(2)  # D = 1: nothing to shard over
     one = predict(profile(), 4, 1)
     assert one.update_time == pytest.approx(2e-4)  # N·D = 1: one optimizer step, no elastic update
     assert one.peak_bytes[0] == pytest.approx(2 * 4e6 + 8e6 + 4 * 1e6 * 2)  # stash 4 at b = 2 on stage 0

@@ -341,6 +341,7 @@ def profile_pipeline(strategy: AvgPipeStrategy, batch: Any, sizes: Sequence[floa
         averaging_period=int(strategy.config.averaging_period),
         outer_lr=float(strategy.config.outer_lr),
         outer_momentum=float(strategy.config.outer_momentum),
+        shard_optimizer_state=bool(strategy.config.shard_optimizer_state),
     )
     profile.noise_scale, profile.noise_measurements = pooled_noise_scale(noise), len(noise)
     # What the spans miss (posting, copies, waits the model does not see): measured step - the pipeline part of

@@ -164,9 +164,7 @@ class AvgPipeTuner(Callback):
             return
         started = time.perf_counter()
         base = (strategy.num_microbatches, strategy.num_pipelines, strategy.config.averaging)
-        one_model = strategy.config.shard_optimizer_state or isinstance(
-            strategy.precision_plugin, PipelineMixedPrecision
-        )
+        one_model = isinstance(strategy.precision_plugin, PipelineMixedPrecision)
         if self.retuner is not None or one_model:
             averaging = ["exact"]  # one model per stage: its optimizer survives a new N, its scaler unscales it
         elif self.averaging is not None:

@@ -195,7 +195,7 @@ class ShardedReference(ElasticAveraging):
         ref = locals_(p.detach() for p in self._ref_params)
         with torch.no_grad():
             if self.local_steps == 0:  # a period's start: d_n = w_n - w_ref, and the divergence from them
-                for offsets, n in zip(self._offsets, range(self.num_replicas)):
+                for offsets, n in zip(self._offsets if ref else [], range(self.num_replicas)):
                     torch._foreach_copy_(offsets, locals_(p.detach() for p in self.replica_params(n)))
                     torch._foreach_sub_(offsets, ref)
                 weights = self._norm_weights()
@@ -225,6 +225,9 @@ class ShardedReference(ElasticAveraging):
         if self.local_steps < self.period:
             return
         self.local_steps = 0
+        if self.numel == 0:  # a stage without parameters (every rank of its group alike): buffers only
+            self._average_buffers()
+            return
         flat = torch.zeros(self.slice * self.num_groups, dtype=self.dtype, device=self.device)
         total, offset = [], 0
         for shape in self.shapes:
@@ -267,7 +270,7 @@ class ShardedReference(ElasticAveraging):
         if not self.released:
             return
         with torch.no_grad():
-            for p, t in zip(self._ref_params, self._gather(self.shard)):
+            for p, t in zip(self._ref_params, self._gather(self.shard) if self.numel else []):
                 set_local(p, t.clone())  # each its own storage, as the user's module had them
         self.released = False
 

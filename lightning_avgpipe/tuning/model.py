@@ -67,17 +67,22 @@ class StageProfile:
     def sent(self, b: float) -> float:
         return interpolate(self.send_bytes, b) if self.send_bytes else 0.0
 
-    def static_bytes(self, num_pipelines: int, num_groups: int = 1) -> float:
-        """Weights, gradients, optimizer states and the averaging's buffers for N replicas.
+    def static_bytes(
+        self, num_pipelines: int, num_groups: int = 1, sharded: bool = False, exact: bool = False
+    ) -> float:
+        """Weights, gradients, optimizer states and the averaging's buffers for N replicas, during the step.
 
-        N·D = 1: the replica is the reference (weights, gradients, one optimizer state). Otherwise N replicas with
-        their gradients, optimizer states and pre-step offsets, the reference, and one flat buffer for the mean
-        update (``elastic.ElasticAveraging``).
+        One model per stage (``exact``, or N·D = 1): weights, gradients, one optimizer state. Otherwise N replicas
+        with their gradients, optimizer states and pre-step offsets, the reference, and one flat buffer for the mean
+        update (``elastic.ElasticAveraging``). ``sharded`` (``shard_optimizer_state`` over D > 1 groups,
+        ``runtime/zero.py``): one model keeps 1/D of its optimizer state; elastic replicas keep a 1/D slice of the
+        reference in place of the reference and the flat buffer.
         """
-        w, o, n = self.param_bytes, self.optimizer_state_bytes, num_pipelines
-        if n * num_groups == 1:
-            return 2 * w + o
-        return n * (3 * w + o) + 2 * w
+        w, o, n, d = self.param_bytes, self.optimizer_state_bytes, num_pipelines, num_groups
+        sharded = sharded and d > 1
+        if exact or n * d == 1:
+            return 2 * w + (o / d if sharded else o)
+        return n * (3 * w + o) + (w / d if sharded else 2 * w)
 
 
 @dataclass
@@ -102,6 +107,7 @@ class PipelineProfile:
     averaging_period: int = 1
     outer_lr: float = 1.0
     outer_momentum: float = 0.0
+    shard_optimizer_state: bool = False  # ZeRO-1 over the D groups (runtime/zero.py): what a stage holds per rank
 
     @property
     def num_stages(self) -> int:
@@ -235,7 +241,7 @@ def predict(
         + profile.batch_fetch_s * N
     )
     peaks = tuple(
-        (st.static_bytes(1, 1) if exact else st.static_bytes(N, profile.num_groups))
+        st.static_bytes(N, profile.num_groups, profile.shard_optimizer_state, exact)
         + sim.peak_stash[s] * st.activations(b)
         for s, st in enumerate(profile.stages)
     )

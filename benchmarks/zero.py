@@ -1,0 +1,163 @@
+"""Memory per rank with ``shard_optimizer_state`` over D pipeline groups, whole and sharded side by side in one run.
+
+    PYTHONPATH=. python benchmarks/zero.py                          # about 1 minute on 2 CPU cores
+    PYTHONPATH=. python benchmarks/zero.py --groups 2,4 --json runs/zero.json
+
+Every run trains the character GPT of ``examples/char_gpt.py`` as one stage on D gloo processes (D pipeline groups,
+each reading its own batches) with ``StagePipeline`` and AdamW, from the same weights on the same batches, once with
+the state whole and once sharded (``runtime/zero.py``):
+
+- ``elastic``: N = 2 replicas per group, DiLoCo's outer Nesterov (lr 0.7, momentum 0.9): the sharded run keeps a 1/D
+  slice of the reference, of the summed update and of the outer momentum during the step;
+- ``exact``: one model (``averaging="exact"``): the sharded run keeps the AdamW state of a 1/D part.
+
+Per run it prints, on the largest rank, what the stage holds inside the step after the backward (where the
+activations peak): the outer optimization's state (reference + summed update + outer momentum; 0 for exact), the
+optimizer state, and everything static (``StagePipeline.static_bytes``: weights, gradients, states, buffers), then
+the ratios sharded / whole and the largest difference of the final weights (the sharded run must train the same).
+
+**Functional figures.** D processes share the machine's cores, so no time is printed; the bytes are what each rank
+holds, whatever the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: make `examples` and this checkout's package importable
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from benchmarks.common import lm_loss, make_batches  # noqa: E402
+from benchmarks.harness import run_distributed  # noqa: E402
+from examples.gpt_args import add_model_args, check_model_args, model_sizes  # noqa: E402
+
+OUTER = {"outer_lr": 0.7, "outer_momentum": 0.9}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--groups", default="2,4", help="D values, comma-separated (D processes each)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--microbatches", type=int, default=2)
+    p.add_argument("--steps", type=int, default=3)
+    add_model_args(p, n_layer=2, n_embd=64, n_head=4, block_size=32)
+    p.add_argument("--corpus-chars", type=int, default=50_000)
+    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--json", dest="json_path", default=None)
+    args = p.parse_args(argv)
+    check_model_args(p, args)
+    try:
+        args.groups = [int(v) for v in args.groups.split(",")]
+    except ValueError:
+        p.error(f"--groups {args.groups!r}: give D values such as 2,4")
+    if any(d < 2 or d > 8 for d in args.groups):
+        p.error(f"--groups {args.groups}: each D must be in [2, 8] (D processes)")
+    return args
+
+
+def _bytes(tensors: Any) -> int:
+    """What the storages of ``tensors`` hold, each storage once."""
+    from lightning_avgpipe.shards import local
+
+    seen: set[int] = set()
+    total = 0
+    for t in map(local, tensors):
+        ptr = t.untyped_storage().data_ptr()
+        if t.numel() and ptr not in seen:
+            seen.add(ptr)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def _rank(rank: int, world: int, averaging: str, shard: bool, cfg: dict[str, Any]) -> dict[str, Any]:
+    from examples.char_gpt import GPTConfig, gpt_layers
+    from lightning_avgpipe.config import PipelineConfig
+    from lightning_avgpipe.runtime.pipeline import StagePipeline
+    from lightning_avgpipe.runtime.topology import Topology
+
+    torch.manual_seed(0)
+    layers = list(gpt_layers(GPTConfig(vocab_size=cfg["vocab"], **cfg["sizes"])))
+    top = Topology.build(rank, world, 1)
+    elastic = averaging == "elastic"
+    options = {"num_pipelines": 2, "sync_reference": True, **OUTER} if elastic else {"averaging": "exact"}
+    config = PipelineConfig(1, cfg["m"], shard_optimizer_state=shard, **options)
+    pipe = StagePipeline(layers, top, config)
+    opt = pipe.optimizer(torch.optim.AdamW(pipe.reference_params, lr=3e-3))
+    N = config.num_pipelines if elastic else 1
+    held: dict[str, float] = {}
+
+    def step(i: int) -> None:
+        batches = [cfg["batches"][(i * world + rank) * N + n] for n in range(N)]
+        opt.zero_grad()
+        pipe.train_step(batches, lambda out, b, share: lm_loss(out, b[1]))
+        if i == cfg["steps"] - 1:  # after the backward, every buffer allocated: what the stage holds at its peak
+            av = pipe.elastic
+            offsets = [t for per in (av._offsets or []) for t in per]
+            outer = _bytes(av.buffers()) - _bytes(offsets) + _bytes(av.reference_params) if elastic else 0
+            inner = [o for o in getattr(opt, "replicas", [opt])]
+            states = [v for o in inner for st in getattr(o, "user", o).state.values() for v in st.values()]
+            held.update(outer=outer, state=_bytes(states), static=pipe.static_bytes([opt]))
+
+    for i in range(cfg["steps"]):
+        opt.step(lambda i=i: step(i))
+    return {**held, "weights": [p.detach().clone() for p in pipe.reference_params]}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    from examples.text_data import encode, stdlib_docstrings
+
+    data, chars = encode(stdlib_docstrings(args.corpus_chars))
+    sizes = model_sizes(args)
+    need = args.steps * max(args.groups) * 2
+    batches = make_batches(data, args.block_size, args.batch_size, need, seed=0)
+    cfg = {"vocab": len(chars), "sizes": sizes, "batches": batches, "m": args.microbatches, "steps": args.steps}
+    print(
+        f"shard_optimizer_state on one stage of the character GPT {sizes}, B={args.batch_size}, AdamW; FUNCTIONAL "
+        "figures: bytes per rank held inside the step (largest rank), no times"
+    )
+    print(f"{'D':>2} {'averaging':>9} {'sharded':>7} {'outer MB':>9} {'optim MB':>9} {'static MB':>10}")
+    rows = []
+    for D in args.groups:
+        for averaging in ("elastic", "exact"):
+            pair = []
+            for shard in (False, True):
+                out = run_distributed(
+                    _rank, D, averaging, shard, cfg, timeout=args.timeout, what=f"D={D} {averaging} shard={shard}"
+                )
+                row = {
+                    "D": D,
+                    "averaging": averaging,
+                    "sharded": shard,
+                    **{f"{k}_mb": max(r[k] for r in out) / 2**20 for k in ("outer", "state", "static")},
+                }
+                pair.append((row, out))
+                print(
+                    f"{D:>2} {averaging:>9} {str(shard):>7} {row['outer_mb']:>9.3f} {row['state_mb']:>9.3f} "
+                    f"{row['static_mb']:>10.3f}"
+                )
+            (whole, wout), (sharded, sout) = pair
+            diff = max(float((a - b).abs().max()) for ra, rb in zip(wout, sout) for a, b in zip(ra["weights"], rb["weights"]))
+            ratio = {
+                k: sharded[f"{k}_mb"] / whole[f"{k}_mb"] if whole[f"{k}_mb"] else None for k in ("outer", "state", "static")
+            }
+            sharded["ratio"], sharded["max_weight_diff"] = ratio, diff
+            rows += [whole, sharded]
+            shown = ", ".join(f"{k} x{v:.3f}" for k, v in ratio.items() if v is not None)
+            print(f"   D={D} {averaging}: sharded / whole: {shown}; final weights differ by at most {diff:.2e}")
+    result = {"args": {k: v for k, v in vars(args).items()}, "rows": rows}
+    if args.json_path:
+        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_path).write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
