@@ -144,10 +144,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     f"{row['static_mb']:>10.3f}"
                 )
             (whole, wout), (sharded, sout) = pair
-            diff = max(float((a - b).abs().max()) for ra, rb in zip(wout, sout) for a, b in zip(ra["weights"], rb["weights"]))
-            ratio = {
-                k: sharded[f"{k}_mb"] / whole[f"{k}_mb"] if whole[f"{k}_mb"] else None for k in ("outer", "state", "static")
-            }
+            pairs = [(a, b) for ra, rb in zip(wout, sout) for a, b in zip(ra["weights"], rb["weights"])]
+            diff = max(float((a - b).abs().max()) for a, b in pairs)
+            kinds = ("outer", "state", "static")
+            ratio = {k: sharded[f"{k}_mb"] / whole[f"{k}_mb"] if whole[f"{k}_mb"] else None for k in kinds}
             sharded["ratio"], sharded["max_weight_diff"] = ratio, diff
             rows += [whole, sharded]
             shown = ", ".join(f"{k} x{v:.3f}" for k, v in ratio.items() if v is not None)
