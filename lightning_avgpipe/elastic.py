@@ -205,6 +205,7 @@ class ElasticAveraging:
         """Whether this is the paper's rule: outer SGD with lr 1, no momentum, a pull every step."""
         return self.outer_lr == 1.0 and self.outer_momentum == 0.0 and self.period == 1
 
+    sharded = False  # the reference sharded over the D groups (runtime/zero.py)
     released = False  # whether the reference's storage is released (a sharded reference inside a step)
 
     def require_whole(self, what: str) -> None:
@@ -235,7 +236,9 @@ class ElasticAveraging:
     def finish_step(self) -> None:
         """After the optimizers stepped: at the end of a period, pull each replica and move the reference.
 
-        ``Σ_n Δw_n = Σ_n w_n' - N·w_ref - Σ_n d_n``, accumulated in place (about 3N + 1 passes over the weights).
+        ``Σ_n (w_n' - d_n)`` is accumulated in place (about 3N + 1 passes over the weights) and summed over the D
+        groups; :meth:`wait` then takes the mean update ``u = Σ_{n,d} (w_n' - d_n) / (N·D) - w_ref`` (equal to
+        ``Σ Δw_n / (N·D)``). The sharded reference (``runtime/zero.py``) computes it in the same order.
         """
         if self.trivial:
             return
@@ -250,8 +253,7 @@ class ElasticAveraging:
         total = self._total
         with torch.no_grad():
             if ref:
-                torch._foreach_copy_(total, ref)
-                torch._foreach_mul_(total, -float(self.num_replicas))
+                torch._foreach_zero_(total)
             for n, offsets in enumerate(self._offsets):
                 w = locals_(p.detach() for p in self.replica_params(n))
                 torch._foreach_add_(total, w)
@@ -280,10 +282,13 @@ class ElasticAveraging:
             if self._ref_params:
                 scale = 1.0 / (self.num_replicas * self.num_groups)
                 ref = locals_(p.detach() for p in self._ref_params)
+                mean = self._total  # in place: u = Σ_{n,d} (w_n' - d_n) / (N·D) - w_ref, the mean update
+                torch._foreach_mul_(mean, scale)
+                torch._foreach_sub_(mean, ref)
                 if self.outer_lr == 1.0 and self.outer_momentum == 0.0:  # the paper's rule
-                    torch._foreach_add_(ref, self._total, alpha=scale)
+                    torch._foreach_add_(ref, mean)
                 else:
-                    self._outer_step(ref, list(torch._foreach_mul(self._total, scale)))
+                    self._outer_step(ref, mean)
             self._average_buffers()
 
     def _outer_step(self, ref: list[Tensor], mean: list[Tensor]) -> None:

@@ -53,7 +53,6 @@ from lightning_avgpipe.runtime.pipeline import StagePipeline, memory_limit_bytes
 from lightning_avgpipe.runtime.recompute import check_matches
 from lightning_avgpipe.runtime.ties import TiedWeights, tie_groups
 from lightning_avgpipe.runtime.topology import Topology
-from lightning_avgpipe.runtime.zero import ShardedReference
 
 
 class AvgPipeStrategy(ProcessStrategy):
@@ -482,7 +481,7 @@ class AvgPipeStrategy(ProcessStrategy):
             "pipelines": self.num_pipelines,
             "partition": self.partition,
             **({"tensor_parallel": T} if T > 1 else {}),
-            **({"sharded_reference": True} if self._pipeline and isinstance(self.elastic, ShardedReference) else {}),
+            **({"sharded_reference": True} if self._pipeline and self.elastic.sharded else {}),
         }
 
     @override

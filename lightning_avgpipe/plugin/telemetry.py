@@ -91,9 +91,16 @@ class Telemetry:
                 if elastic.paper_rule
                 else f", outer lr {elastic.outer_lr:g} momentum {elastic.outer_momentum:g}, period {elastic.period}"
             )
+            sharded = (
+                f"; the reference, its update and momentum sharded over the {groups} groups (1/{groups} each during "
+                "the step, whole between steps)"
+                if elastic.sharded
+                else ""
+            )
             rank_zero_info(
                 f"AvgPipe: {cfg.num_pipelines} parallel pipelines x {groups} groups, elastic alpha "
-                f"{elastic.alpha:g}{outer}, reference update {'synchronous' if cfg.sync_reference else 'overlapped'}."
+                f"{elastic.alpha:g}{outer}, reference update {'synchronous' if cfg.sync_reference else 'overlapped'}"
+                f"{sharded}."
             )
 
     @staticmethod

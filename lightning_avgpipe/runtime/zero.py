@@ -143,6 +143,8 @@ class ShardedReference(ElasticAveraging):
     all-reduce per H steps. The update is synchronous: the gather needs the reduce-scatter's result.
     """
 
+    sharded = True
+
     def __init__(self, reference: Sequence[nn.Module], num_replicas: int, num_groups: int, **kwargs: Any) -> None:
         super().__init__(reference, num_replicas, num_groups, share_first=False, **kwargs)
         if self.group is None or num_groups < 2:
