@@ -125,9 +125,17 @@ def test_through_lightning_the_sharded_reference_equals_the_whole_one_and_resume
     model = {"optimizer": "adam", "lr": 0.01}
     strategy: dict[str, Any] = {"num_stages": 1, "num_microbatches": 2, "num_pipelines": 2, "outer_lr": 0.7}
     strategy["outer_momentum"] = 0.9
-    whole = run_lightning(tmp_path / "whole", 2, {**strategy, "sync_reference": True}, steps=4, model=model)
+    logs = {"log_every_n_steps": 1}  # the peak memory is logged on the steps that write logs
+    whole = run_lightning(
+        tmp_path / "whole", 2, {**strategy, "sync_reference": True}, steps=4, model=model, trainer=logs
+    )
     sharded_strategy = {**strategy, "shard_optimizer_state": True}
-    sharded = run_lightning(tmp_path / "sharded", 2, sharded_strategy, steps=4, model=model, every_n_train_steps=2)
+    sharded = run_lightning(
+        tmp_path / "sharded", 2, sharded_strategy, steps=4, model=model, every_n_train_steps=2, trainer=logs
+    )
+    assert "sharded over the 2 groups" in sharded[0]["output"]
+    peak = "avgpipe/peak_memory_mb/stage0"  # what a rank holds in the step, logged
+    assert sharded[0]["metrics"][peak] < whole[0]["metrics"][peak], (sharded[0]["metrics"], whole[0]["metrics"])
     assert [r["averaging_class"] for r in whole] == ["ElasticAveraging"] * 2
     assert [r["averaging_class"] for r in sharded] == ["ShardedReference"] * 2
     assert all(r["finite_between_steps"] == [True] * 4 for r in sharded)
@@ -141,7 +149,9 @@ def test_through_lightning_the_sharded_reference_equals_the_whole_one_and_resume
     numel = sum(v.numel() for k, v in torch.load(midway, weights_only=True)["state_dict"].items())
     for entry in saved["avgpipe_ranks"]:  # each rank's momentum, gathered whole: as many elements as the model
         assert sum(t.numel() for t in entry["elastic"]["momentum"]) == numel
-    rest = run_lightning(tmp_path / "resumed", 2, sharded_strategy, steps=4, model=model, ckpt_path=str(midway))
+    rest = run_lightning(
+        tmp_path / "resumed", 2, sharded_strategy, steps=4, model=model, ckpt_path=str(midway), trainer=logs
+    )
     assert rest[0]["losses"] == sharded[0]["losses"][2:]
     c = final_state(tmp_path / "resumed")
     assert all(torch.equal(b[k], c[k]) for k in b)
