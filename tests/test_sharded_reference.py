@@ -4,6 +4,7 @@ update and the outer momentum held during the step, and the module whole between
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -242,3 +243,22 @@ def test_a_stage_without_parameters_steps_and_a_failed_step_refuses_to_save() ->
         assert r["released"] and r["nan"]
         assert "the step did not finish (it failed)" in r["save"] and "Resume from the last checkpoint" in r["save"]
         assert "never reached leave_step()" in r["enter"]
+
+
+@pytest.mark.timeout(400)
+def test_the_tuner_keeps_elastic_averaging_with_a_sharded_reference(tmp_path: Path) -> None:
+    """shard_optimizer_state no longer forces the tuner to exact averaging: asked for elastic, it searches N = 1, 2
+    with the sharded reference, applies its choice on both ranks, and trains with whole weights between steps."""
+    from tests.test_strategy_equivalence import run_lightning
+
+    tuner = {"num_pipelines": [1, 2], "output_dir": str(tmp_path / "t"), "calibrate_steps": 2, "averaging": "elastic"}
+    strategy = {"num_stages": 1, "num_microbatches": 2, "shard_optimizer_state": True}
+    results = run_lightning(tmp_path, 2, strategy, steps=5, tuner=tuner)
+    choice = results[0]["tuner"]["choice"]
+    assert choice["averaging"] == "elastic"
+    for r in results:
+        assert r["tuner"]["choice"] == choice and r["averaging_class"] == "ShardedReference"
+        assert r["finite_between_steps"] == [True] * 5
+    table = json.loads((tmp_path / "t" / "tuning.json").read_text())
+    assert table["profile"]["shard_optimizer_state"] is True
+    assert {row["num_pipelines"] for row in table["rows"]} == {1, 2}
