@@ -61,7 +61,7 @@ class PipelineConfig:
     # Share of the distance to the reference each replica moves per step; None: 1 / (N x groups).
     elastic_alpha: float | None = None
     # Finish the reference update (an all-reduce across groups) inside the step instead of overlapping it; None:
-    # False, except with shard_optimizer_state under elastic averaging, whose update is synchronous.
+    # overlap it, except with shard_optimizer_state, whose update is synchronous (see synchronous_reference).
     sync_reference: bool | None = None
     # How a stage runs its N replicas: "sequential" (N x M units through the schedule) or "batched" (M units, the
     # N replicas of each stacked and run as one torch.func.vmap call: fewer, larger operations, a bigger bubble).
@@ -90,19 +90,22 @@ class PipelineConfig:
     # the reference). No effect with D = 1.
     shard_optimizer_state: bool = False
 
+    @property
+    def synchronous_reference(self) -> bool:
+        """Whether the reference update across groups finishes inside the step: ``sync_reference``, or for ``None``
+        whether the state is sharded (a sharded reference's update is synchronous)."""
+        return self.shard_optimizer_state if self.sync_reference is None else self.sync_reference
+
     def __post_init__(self) -> None:
         if not isinstance(self.shard_optimizer_state, bool):
             raise ValueError(f"shard_optimizer_state={self.shard_optimizer_state!r} must be True or False.")
-        sharded_elastic = self.shard_optimizer_state and self.averaging == "elastic"
-        if self.sync_reference is None:
-            object.__setattr__(self, "sync_reference", sharded_elastic)
-        elif not isinstance(self.sync_reference, bool):
+        if self.sync_reference is not None and not isinstance(self.sync_reference, bool):
             raise ValueError(f"sync_reference={self.sync_reference!r} must be True, False or None.")
-        elif sharded_elastic and not self.sync_reference:
+        if self.shard_optimizer_state and self.sync_reference is False:
             raise ValueError(
-                "sync_reference=False with shard_optimizer_state=True and averaging='elastic': the sharded reference "
-                "is gathered at the end of every step, so its update cannot overlap the next step. Leave "
-                "sync_reference=None (or True), or turn sharding off."
+                "sync_reference=False with shard_optimizer_state=True: the sharded state is updated inside the step "
+                "(a sharded elastic reference is gathered at the end of every step, so its update cannot overlap the "
+                "next one). Leave sync_reference=None (or True), or turn sharding off."
             )
         if not is_int(self.tensor_parallel_size, 1):
             raise ValueError(

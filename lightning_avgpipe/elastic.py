@@ -211,6 +211,9 @@ class ElasticAveraging:
     def require_whole(self, what: str) -> None:
         """Raise when the reference cannot be read (a sharded reference released by a step that failed)."""
 
+    def reclaim(self) -> None:
+        """Give a released reference storage again before a checkpoint is loaded into it (``runtime/zero.py``)."""
+
     def enter_step(self) -> None:
         """Before the step's forward (a sharded reference, ``runtime/zero.py``, is released here); nothing here."""
 
@@ -236,9 +239,9 @@ class ElasticAveraging:
     def finish_step(self) -> None:
         """After the optimizers stepped: at the end of a period, pull each replica and move the reference.
 
-        ``Σ_n (w_n' - d_n)`` is accumulated in place (about 3N + 1 passes over the weights) and summed over the D
-        groups; :meth:`wait` then takes the mean update ``u = Σ_{n,d} (w_n' - d_n) / (N·D) - w_ref`` (equal to
-        ``Σ Δw_n / (N·D)``). The sharded reference (``runtime/zero.py``) computes it in the same order.
+        ``Σ_n Δw_n = Σ_n w_n' - N·w_ref - Σ_n d_n``, accumulated in place (about 3N + 1 passes over the weights):
+        the all-reduce sums updates, not weights, so its rounding is that of the updates. The update is applied at
+        :meth:`wait` to the reference as it is then (a change made between steps is kept).
         """
         if self.trivial:
             return
@@ -253,7 +256,8 @@ class ElasticAveraging:
         total = self._total
         with torch.no_grad():
             if ref:
-                torch._foreach_zero_(total)
+                torch._foreach_copy_(total, ref)
+                torch._foreach_mul_(total, -float(self.num_replicas))
             for n, offsets in enumerate(self._offsets):
                 w = locals_(p.detach() for p in self.replica_params(n))
                 torch._foreach_add_(total, w)
@@ -282,13 +286,10 @@ class ElasticAveraging:
             if self._ref_params:
                 scale = 1.0 / (self.num_replicas * self.num_groups)
                 ref = locals_(p.detach() for p in self._ref_params)
-                mean = self._total  # in place: u = Σ_{n,d} (w_n' - d_n) / (N·D) - w_ref, the mean update
-                torch._foreach_mul_(mean, scale)
-                torch._foreach_sub_(mean, ref)
                 if self.outer_lr == 1.0 and self.outer_momentum == 0.0:  # the paper's rule
-                    torch._foreach_add_(ref, mean)
+                    torch._foreach_add_(ref, self._total, alpha=scale)
                 else:
-                    self._outer_step(ref, mean)
+                    self._outer_step(ref, list(torch._foreach_mul(self._total, scale)))
             self._average_buffers()
 
     def _outer_step(self, ref: list[Tensor], mean: list[Tensor]) -> None:

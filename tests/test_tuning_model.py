@@ -139,6 +139,9 @@ def test_static_bytes_single_replica_versus_averaging() -> None:
     assert st.static_bytes(4, 2, exact=True) == 2 * 10 + 20
     assert st.static_bytes(4, 2, sharded=True, exact=True) == 2 * 10 + 20 / 2
     assert st.static_bytes(2, 1, sharded=True) == st.static_bytes(2)  # D = 1: nothing to shard over
+    # the sharded reference sums and gathers a whole stage after the backward; nothing else holds more then
+    assert st.update_bytes(2, 2, sharded=True) == 10
+    assert st.update_bytes(2, 2) == st.update_bytes(2, 2, sharded=True, exact=True) == st.update_bytes(2, 1, True) == 0
     one = predict(profile(), 4, 1)
     assert one.update_time == pytest.approx(2e-4)  # N·D = 1: one optimizer step, no elastic update
     assert one.peak_bytes[0] == pytest.approx(2 * 4e6 + 8e6 + 4 * 1e6 * 2)  # stash 4 at b = 2 on stage 0
@@ -642,3 +645,19 @@ def test_bad_objective_and_averaging_name_the_value() -> None:
         search(profile(), objective="speed")
     with pytest.raises(ValueError, match="averaging=\\['mean'\\]"):
         search(profile(), averaging=["mean"])
+
+
+def test_a_sharded_reference_peaks_at_its_update_when_the_activations_are_small() -> None:
+    """With D = 2 and shard_optimizer_state, an elastic setting holds N replicas, a half reference and, after the
+    backward, one stage's worth of weights for the update: the peak is the larger of that and the activations."""
+    from dataclasses import replace
+
+    small = profile(num_stages=1, act=1.0, params=4e6)  # activations negligible against the weights
+    plain = replace(small, num_groups=2)
+    sharded = replace(small, num_groups=2, shard_optimizer_state=True)
+    w, o = 4e6, 8e6
+    stash = predict(plain, 2, 2).peak_bytes[0] - (2 * (3 * w + o) + 2 * w)
+    assert predict(plain, 2, 2).peak_bytes[0] == pytest.approx(2 * (3 * w + o) + 2 * w + stash)
+    assert predict(sharded, 2, 2).peak_bytes[0] == pytest.approx(2 * (3 * w + o) + w / 2 + w)
+    # exact averaging (ZeRO-1): half the optimizer state, no update transient
+    assert predict(sharded, 2, 2, averaging="exact").peak_bytes[0] == pytest.approx(2 * w + o / 2 + stash)

@@ -337,7 +337,7 @@ def profile_pipeline(strategy: AvgPipeStrategy, batch: Any, sizes: Sequence[floa
         num_groups=strategy.num_groups,
         schedule=strategy.config.schedule,
         reference_allreduce_s=reduce_s,
-        sync_reference=bool(strategy.config.sync_reference),
+        sync_reference=strategy.config.synchronous_reference,
         averaging_period=int(strategy.config.averaging_period),
         outer_lr=float(strategy.config.outer_lr),
         outer_momentum=float(strategy.config.outer_momentum),

@@ -481,7 +481,6 @@ class AvgPipeStrategy(ProcessStrategy):
             "pipelines": self.num_pipelines,
             "partition": self.partition,
             **({"tensor_parallel": T} if T > 1 else {}),
-            **({"sharded_reference": True} if self._pipeline and self.elastic.sharded else {}),
         }
 
     @override
@@ -501,6 +500,7 @@ class AvgPipeStrategy(ProcessStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        self.pipeline.elastic.reclaim()  # a sharded reference a failed step left released takes the weights again
         ckpt.load_stage_state(self._lightning(), checkpoint, self.pipeline, strict)
 
     @override

@@ -97,10 +97,10 @@ class Telemetry:
                 if elastic.sharded
                 else ""
             )
+            update = "synchronous" if cfg.synchronous_reference else "overlapped"
             rank_zero_info(
                 f"AvgPipe: {cfg.num_pipelines} parallel pipelines x {groups} groups, elastic alpha "
-                f"{elastic.alpha:g}{outer}, reference update {'synchronous' if cfg.sync_reference else 'overlapped'}"
-                f"{sharded}."
+                f"{elastic.alpha:g}{outer}, reference update {update}{sharded}."
             )
 
     @staticmethod

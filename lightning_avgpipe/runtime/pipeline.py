@@ -243,7 +243,7 @@ class StagePipeline:
             1 if cfg.exact else top.num_groups,
             alpha=cfg.elastic_alpha,
             group=top.stage_group,
-            synchronous=bool(cfg.sync_reference),
+            synchronous=cfg.synchronous_reference,
             device=self.device,
             outer_lr=cfg.outer_lr,
             outer_momentum=cfg.outer_momentum,
@@ -586,6 +586,7 @@ class StagePipeline:
         Returns, on the last stage, micro-batch -> ``head(output, micro_batch, share)``; elsewhere an empty dict.
         """
         self.elastic.wait()  # evaluate the up-to-date reference
+        self.elastic.require_whole("Evaluating the model")
         micro, shares = self.microbatches(batch, training=False)
         return self.executor.run(
             self.plan(False, len(micro)).stages[self.stage],

@@ -20,8 +20,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_avgpipe.elastic import ElasticAveraging
-from lightning_avgpipe.elastic import sum_sq as _sum_sq_
+from lightning_avgpipe.elastic import ElasticAveraging, sum_sq
 from lightning_avgpipe.optim import WrappedOptimizer
 from lightning_avgpipe.shards import local, locals_, set_local
 
@@ -129,18 +128,22 @@ class ShardedReference(ElasticAveraging):
 
     - :meth:`enter_step`, before the forward: at a period's start each replica's offset ``d_n = w_n - w_ref`` is taken
       from the whole reference (and the divergence with it); the rank copies its slice of the reference, then
-      releases the reference's storage. During the forward and backward, where the activation peak is, the
-      parameters of the user's module are one-element NaN placeholders of the right shape (reading one gives NaN,
-      writing one raises).
+      releases the reference's storage. Until :meth:`leave_step` (the user's ``training_step``, the backward hooks,
+      clipping, the optimizers) the parameters of the user's module are NaN placeholders of the right shape, all
+      views of one element.
     - :meth:`finish_step`, after the replicas' optimizers: every replica is pulled, ``w_n <- w_n' - alpha d_n``, and
-      ``Σ_n (w_n' - d_n)`` is reduce-scattered over the stage group; the rank moves its slice by the mean update
-      ``u = Σ_{n,d} (w_n' - d_n) / (N·D) - w_ref`` (or the outer optimizer's step on ``u``, momentum sharded).
-    - :meth:`leave_step`: the slices are all-gathered into the reference, whole for everything that runs between
-      steps (hooks, evaluation, checkpoints).
+      ``Σ_n (w_n' - d_n)`` is reduce-scattered over the stage group, in float32 at least; the rank moves its slice by
+      the mean update ``u = Σ_{n,d} (w_n' - d_n) / (N·D) - w_ref`` (or the outer optimizer's step on ``u``, its
+      momentum sharded).
+    - :meth:`leave_step`: the slices are all-gathered into one flat buffer whose views become the reference's
+      parameters again, whole for everything that runs between steps (hooks, evaluation, checkpoints).
 
-    The reduce-scatter and the all-gather move what one all-reduce moves. With a period H > 1 the reference is
-    gathered after every step (its slices do not change inside a period): one all-gather per step instead of one
-    all-reduce per H steps. The update is synchronous: the gather needs the reduce-scatter's result.
+    The whole reference all-reduces ``Σ_n Δw_n``; this one reduce-scatters ``Σ_n (w_n' - d_n)``, the size of the
+    weights (the reference is not there to subtract), so the sum is taken in float32 or wider and the two agree to
+    float tolerance, not bit for bit. The reduce-scatter and the all-gather move what one all-reduce moves. With a
+    period H > 1 the reference is gathered after every step (its slices do not change inside a period): one
+    all-gather per step instead of one all-reduce per H steps. The update is synchronous: the gather needs the
+    reduce-scatter's result.
     """
 
     sharded = True
@@ -152,7 +155,7 @@ class ShardedReference(ElasticAveraging):
         if not self.synchronous:
             raise ValueError(
                 "shard_optimizer_state=True with elastic averaging gathers the reference at the end of every step, so "
-                "the reference update cannot overlap the next step: set sync_reference=True (or leave it None)."
+                "the reference update cannot overlap the next step: leave sync_reference None (or True)."
             )
         ref = locals_(p.detach() for p in self._ref_params)
         dtypes = {t.dtype for t in ref}
@@ -165,6 +168,7 @@ class ShardedReference(ElasticAveraging):
             if not t.is_contiguous():
                 raise ValueError(f"ShardedReference needs contiguous parameters; one of shape {tuple(p.shape)} is not.")
         self.dtype = ref[0].dtype if ref else torch.float32
+        self.sum_dtype = torch.promote_types(self.dtype, torch.float32)  # Σ (w' - d) is the size of the weights
         self.shapes = [t.shape for t in ref]
         self.numel = sum(t.numel() for t in ref)
         self.index = dist.get_rank(self.group)
@@ -187,6 +191,15 @@ class ShardedReference(ElasticAveraging):
             self._offsets = [[torch.empty_like(t) for t in locals_(p.detach() for p in self._ref_params)]]
             self._offsets += [[torch.empty_like(t) for t in self._offsets[0]] for _ in range(self.num_replicas - 1)]
 
+    def _views(self, flat: Tensor) -> list[Tensor]:
+        """``flat``'s first elements as tensors shaped like this stage's local parameters, in order."""
+        out, offset = [], 0
+        for shape in self.shapes:
+            n = math.prod(shape)
+            out.append(flat[offset : offset + n].view(shape))
+            offset += n
+        return out
+
     def enter_step(self) -> None:
         if self.released:
             raise RuntimeError(
@@ -201,18 +214,18 @@ class ShardedReference(ElasticAveraging):
                     torch._foreach_copy_(offsets, locals_(p.detach() for p in self.replica_params(n)))
                     torch._foreach_sub_(offsets, ref)
                 weights = self._norm_weights()
-                ref_sq = _sum_sq_(ref, self.device, weights)
+                ref_sq = sum_sq(ref, self.device, weights)
                 self._divergence = [
-                    torch.stack([_sum_sq_(list(offsets), self.device, weights), ref_sq]) for offsets in self._offsets
+                    torch.stack([sum_sq(list(offsets), self.device, weights), ref_sq]) for offsets in self._offsets
                 ]
             else:
                 self._divergence = super().divergence()
             for i, start, at, length in self.pieces:
                 self.shard[at : at + length].copy_(ref[i].reshape(-1)[start : start + length])
-            placeholder = torch.full((1,), float("nan"), dtype=self.dtype, device=self.device)
+            self.released = True  # before the first placeholder: a failure from here on is one require_whole sees
+            placeholder = torch.full((), float("nan"), dtype=self.dtype, device=self.device)  # expands to any shape
             for p, shape in zip(self._ref_params, self.shapes):
                 set_local(p, placeholder.expand(shape))
-        self.released = True
 
     def begin_step(self) -> None:
         if not self.released:
@@ -230,50 +243,52 @@ class ShardedReference(ElasticAveraging):
         if self.numel == 0:  # a stage without parameters (every rank of its group alike): buffers only
             self._average_buffers()
             return
-        flat = torch.zeros(self.slice * self.num_groups, dtype=self.dtype, device=self.device)
-        total, offset = [], 0
-        for shape in self.shapes:
-            n = math.prod(shape)
-            total.append(flat[offset : offset + n].view(shape))
-            offset += n
+        flat = torch.zeros(self.slice * self.num_groups, dtype=self.sum_dtype, device=self.device)
+        total = self._views(flat)
         with torch.no_grad():
             for n, offsets in enumerate(self._offsets):
                 w = locals_(p.detach() for p in self.replica_params(n))
-                if total:
-                    torch._foreach_add_(total, w)
-                    torch._foreach_sub_(total, offsets)
-                    torch._foreach_add_(w, offsets, alpha=-self.alpha)  # the elastic pull
-            mean = torch.empty(self.slice, dtype=self.dtype, device=self.device)
+                torch._foreach_add_(total, w)
+                torch._foreach_sub_(total, offsets)
+                torch._foreach_add_(w, offsets, alpha=-self.alpha)  # the elastic pull
+            mean = torch.empty(self.slice, dtype=self.sum_dtype, device=self.device)
             _REDUCE_SCATTER(mean, flat, op=dist.ReduceOp.SUM, group=self.group)
             del flat, total
             mean.mul_(1.0 / (self.num_replicas * self.num_groups)).sub_(self.shard)  # u on this slice
             if self.outer_lr == 1.0 and self.outer_momentum == 0.0:
                 self.shard.add_(mean)
             else:
+                mean = mean.to(self.dtype)
                 (step,) = self._outer([mean])
                 self.shard.add_(step)
-                extra = self._gather(step.sub_(mean))  # every replica moves by U - u, whole
+                extra = self._views(self._gather(step.sub_(mean)))  # every replica moves by U - u, whole
                 for n in range(self.num_replicas):
                     torch._foreach_add_(locals_(p.detach() for p in self.replica_params(n)), extra)
             self._average_buffers()
 
-    def _gather(self, part: Tensor) -> list[Tensor]:
-        """Every rank's slice, concatenated, as tensors shaped like this stage's local parameters."""
-        whole = torch.empty(self.slice * self.num_groups, dtype=self.dtype, device=self.device)
+    def _gather(self, part: Tensor) -> Tensor:
+        """Every rank's slice, concatenated (padded: ``slice x D`` elements)."""
+        whole = torch.empty(self.slice * self.num_groups, dtype=part.dtype, device=self.device)
         _ALL_GATHER(whole, part.contiguous(), group=self.group)
-        out, offset = [], 0
-        for shape in self.shapes:
-            n = math.prod(shape)
-            out.append(whole[offset : offset + n].view(shape))
-            offset += n
-        return out
+        return whole
 
     def leave_step(self) -> None:
         if not self.released:
             return
+        with torch.no_grad():  # the parameters become views of one gathered buffer: no second copy of the stage
+            for p, t in zip(self._ref_params, self._views(self._gather(self.shard)) if self.numel else []):
+                set_local(p, t)
+        self.released = False
+
+    def reclaim(self) -> None:
+        """Give released parameters storage again, NaN-filled, so a checkpoint can be loaded into them (after a
+        step that failed); nothing when the reference is whole."""
+        if not self.released:
+            return
         with torch.no_grad():
-            for p, t in zip(self._ref_params, self._gather(self.shard) if self.numel else []):
-                set_local(p, t.clone())  # each its own storage, as the user's module had them
+            for p, shape in zip(self._ref_params, self.shapes):
+                set_local(p, torch.full(shape, float("nan"), dtype=self.dtype, device=self.device))
+        self._offsets, self._divergence, self.local_steps, self._begun = None, None, 0, False
         self.released = False
 
     def wait(self) -> None:
@@ -301,14 +316,15 @@ class ShardedReference(ElasticAveraging):
         return [t for per in (self._offsets or []) for t in per] + [self.shard] + list(self._momentum or [])
 
     def state_dict(self) -> dict[str, Any]:
-        """As the unsharded state, the outer momentum gathered whole (collective over the stage group)."""
+        """As the unsharded state (the same format: a resume may turn sharding on or off), the outer momentum
+        gathered whole (collective over the stage group)."""
         self.require_whole("Saving the averaging's state")
         momentum = self._momentum
         self._momentum = None
         state = super().state_dict()
         self._momentum = momentum
         if momentum is not None:
-            state["momentum"] = [t.detach().clone() for t in self._gather(momentum[0])]
+            state["momentum"] = [t.clone() for t in self._views(self._gather(momentum[0]))]
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -84,6 +84,14 @@ class StageProfile:
             return 2 * w + (o / d if sharded else o)
         return n * (3 * w + o) + (w / d if sharded else 2 * w)
 
+    def update_bytes(
+        self, num_pipelines: int, num_groups: int = 1, sharded: bool = False, exact: bool = False
+    ) -> float:
+        """What the update holds for a moment after the backward, beyond :meth:`static_bytes`: a sharded elastic
+        reference sums and gathers one stage's worth of weights (``runtime/zero.py``); nothing otherwise."""
+        elastic_sharded = sharded and num_groups > 1 and not exact and num_pipelines * num_groups > 1
+        return self.param_bytes if elastic_sharded else 0.0
+
 
 @dataclass
 class PipelineProfile:
@@ -242,7 +250,10 @@ def predict(
     )
     peaks = tuple(
         st.static_bytes(N, profile.num_groups, profile.shard_optimizer_state, exact)
-        + sim.peak_stash[s] * st.activations(b)
+        + max(  # the activations peak in the step; a sharded reference's update comes after them
+            sim.peak_stash[s] * st.activations(b),
+            st.update_bytes(N, profile.num_groups, profile.shard_optimizer_state, exact),
+        )
         for s, st in enumerate(profile.stages)
     )
     feasible, why = True, ""
