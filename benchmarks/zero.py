@@ -47,6 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--microbatches", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="sgd: momentum 0.9, lr 0.1")
     add_model_args(p, n_layer=2, n_embd=64, n_head=4, block_size=32)
     p.add_argument("--corpus-chars", type=int, default=50_000)
     p.add_argument("--timeout", type=float, default=600.0)
@@ -89,7 +90,13 @@ def _rank(rank: int, world: int, averaging: str, shard: bool, cfg: dict[str, Any
     options = {"num_pipelines": 2, "sync_reference": True, **OUTER} if elastic else {"averaging": "exact"}
     config = PipelineConfig(1, cfg["m"], shard_optimizer_state=shard, **options)
     pipe = StagePipeline(layers, top, config)
-    opt = pipe.optimizer(torch.optim.AdamW(pipe.reference_params, lr=3e-3))
+    params = pipe.reference_params
+    user = (
+        torch.optim.AdamW(params, lr=3e-3)
+        if cfg["optimizer"] == "adamw"
+        else torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    )
+    opt = pipe.optimizer(user)
     N = config.num_pipelines if elastic else 1
     held: dict[str, float] = {}
 
@@ -119,8 +126,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     need = args.steps * max(args.groups) * 2
     batches = make_batches(data, args.block_size, args.batch_size, need, seed=0)
     cfg = {"vocab": len(chars), "sizes": sizes, "batches": batches, "m": args.microbatches, "steps": args.steps}
+    cfg["optimizer"] = args.optimizer
     print(
-        f"shard_optimizer_state on one stage of the character GPT {sizes}, B={args.batch_size}, AdamW; FUNCTIONAL "
+        f"shard_optimizer_state on one stage of the character GPT {sizes}, B={args.batch_size}, {args.optimizer}; "
+        "FUNCTIONAL "
         "figures: bytes per rank held inside the step (largest rank), no times"
     )
     print(f"{'D':>2} {'averaging':>9} {'sharded':>7} {'outer MB':>9} {'optim MB':>9} {'static MB':>10}")
