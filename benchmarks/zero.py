@@ -48,6 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--microbatches", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="sgd: momentum 0.9, lr 0.1")
+    p.add_argument("--averaging", default="elastic,exact", help="elastic, exact or both, comma-separated")
     add_model_args(p, n_layer=2, n_embd=64, n_head=4, block_size=32)
     p.add_argument("--corpus-chars", type=int, default=50_000)
     p.add_argument("--timeout", type=float, default=600.0)
@@ -60,6 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--groups {args.groups!r}: give D values such as 2,4")
     if any(d < 2 or d > 8 for d in args.groups):
         p.error(f"--groups {args.groups}: each D must be in [2, 8] (D processes)")
+    args.averaging = args.averaging.split(",")
+    if not args.averaging or any(a not in ("elastic", "exact") for a in args.averaging):
+        p.error(f"--averaging {','.join(args.averaging)!r}: give elastic, exact or elastic,exact")
     return args
 
 
@@ -135,7 +139,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"{'D':>2} {'averaging':>9} {'sharded':>7} {'outer MB':>9} {'optim MB':>9} {'static MB':>10}")
     rows = []
     for D in args.groups:
-        for averaging in ("elastic", "exact"):
+        for averaging in args.averaging:
             pair = []
             for shard in (False, True):
                 out = run_distributed(

@@ -116,3 +116,19 @@ def test_layouts_benchmark_smoke(tmp_path: Path) -> None:
     assert one["first_loss"] == pytest.approx(two["first_loss"], rel=1e-5)
     assert two["static_mb"] < one["static_mb"] and len(two["split_modules"]) == 4  # 2 blocks x (fc, proj)
     assert [(p["S"], p["T"]) for p in json.loads(out.read_text())["projection"]][:2] == [(1, 1), (2, 1)]
+
+
+def test_zero_benchmark_smoke(tmp_path: Path) -> None:
+    """benchmarks/zero.py: D = 2 on a tiny GPT with elastic replicas: the sharded reference holds less of the outer
+    state and of the static memory, trains to the whole run's weights, and says its figures are functional."""
+    out = tmp_path / "zero.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "zero.py"), "--groups", "2", "--averaging", "elastic"]
+    cmd += ["--steps", "2", "--n-layer", "1", "--n-embd", "32", "--block-size", "16", "--corpus-chars", "20000"]
+    proc = subprocess.run([*cmd, "--json", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=140)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "FUNCTIONAL" in proc.stdout
+    whole, sharded = json.loads(out.read_text())["rows"]
+    assert (whole["sharded"], sharded["sharded"]) == (False, True)
+    assert sharded["ratio"]["outer"] == pytest.approx(1 / 3, rel=0.02)  # 2/(3D): the slice and the momentum's
+    assert sharded["ratio"]["static"] < 1 and sharded["max_weight_diff"] < 1e-3
