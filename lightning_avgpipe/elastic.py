@@ -191,7 +191,7 @@ class ElasticAveraging:
         if self._offsets is not None:
             return
         ref = locals_(p.detach() for p in self._ref_params)
-        self._offsets = [[torch.empty_like(p) for p in ref] for _ in range(self.num_replicas)]
+        self._allocate_offsets()
         numel = sum(p.numel() for p in ref)
         dtype = ref[0].dtype if ref else torch.float32
         self._flat = torch.empty(numel, dtype=dtype, device=self.device)
@@ -199,6 +199,22 @@ class ElasticAveraging:
         for p in ref:
             self._total.append(self._flat[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
+
+    def _allocate_offsets(self) -> None:
+        """One offset buffer per replica, shaped like this rank's part of the reference."""
+        ref = locals_(p.detach() for p in self._ref_params)
+        self._offsets = [[torch.empty_like(p) for p in ref] for _ in range(self.num_replicas)]
+
+    def _take_offsets(self) -> None:
+        """``d_n = w_n - w_ref`` for every replica (a period's start), from the whole reference."""
+        assert self._offsets is not None
+        ref = locals_(p.detach() for p in self._ref_params)
+        if not ref:
+            return
+        with torch.no_grad():
+            for n, offsets in enumerate(self._offsets):
+                torch._foreach_copy_(offsets, locals_(p.detach() for p in self.replica_params(n)))
+                torch._foreach_sub_(offsets, ref)
 
     @property
     def paper_rule(self) -> bool:
@@ -228,13 +244,8 @@ class ElasticAveraging:
         self._buffers()
         assert self._offsets is not None
         self._begun = True
-        if self.local_steps > 0:  # inside a period: the offsets of its start are kept
-            return
-        ref = locals_(p.detach() for p in self._ref_params)
-        with torch.no_grad():
-            for n, offsets in enumerate(self._offsets):
-                torch._foreach_copy_(offsets, locals_(p.detach() for p in self.replica_params(n)))
-                torch._foreach_sub_(offsets, ref)
+        if self.local_steps == 0:  # a period's start (inside a period the offsets of its start are kept)
+            self._take_offsets()
 
     def finish_step(self) -> None:
         """After the optimizers stepped: at the end of a period, pull each replica and move the reference.

@@ -14,14 +14,20 @@ ROOT = Path(__file__).resolve().parents[1]
 ROWS = {"ours-1f1b", "ours-afab", "torch-1f1b", "torch-gpipe", "single", "avgpipe-N1", "avgpipe-N2"}
 
 
+def run_script(name: str, *args: str, timeout: float = 140) -> subprocess.CompletedProcess[str]:
+    """``benchmarks/<name>`` with ``args``, from the repository root with it on ``PYTHONPATH``; it must succeed."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    cmd = [sys.executable, str(ROOT / "benchmarks" / name), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_throughput_benchmark_smoke(tmp_path: Path) -> None:
     out = tmp_path / "throughput.json"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-    cmd = [
-        sys.executable,
-        str(ROOT / "benchmarks" / "throughput.py"),
+    args = [
         "--steps",
         "2",
         "--warmup",
@@ -47,8 +53,7 @@ def test_throughput_benchmark_smoke(tmp_path: Path) -> None:
         "--pipelines",
         "1,2",
     ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_script("throughput.py", *args, timeout=120)
     assert "samples/s" in proc.stdout
     summary = json.loads(out.read_text())
     rows = {row["name"]: row for row in summary["rows"]}
@@ -85,11 +90,8 @@ def test_group_link_benchmark_smoke(tmp_path: Path) -> None:
         entry["seeds_reaching_target"] = 3 if entry["samples_to_target"] else 0
     conv.write_text(json.dumps({"studies": {"digits": {"methods": methods}}}))
     out = tmp_path / "group_link.json"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "group_link.py"), "--studies", "digits", "--links", "loopback"]
-    cmd += ["100 Mbit/s", "--steps", "1", "--warmup", "1", "--convergence", str(conv), "--json", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=140)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    args = ["--studies", "digits", "--links", "loopback", "100 Mbit/s", "--steps", "1", "--warmup", "1"]
+    proc = run_script("group_link.py", *args, "--convergence", str(conv), "--json", str(out))
     assert "EMULATED" in proc.stdout  # the output says the link is not a network
     study = json.loads(out.read_text())["studies"]["digits"]
     assert study["steps_to_target"]["exact"] == {"steps": 5.0, "seeds": "3/3"}
@@ -106,11 +108,8 @@ def test_layouts_benchmark_smoke(tmp_path: Path) -> None:
     """benchmarks/layouts.py: 1 x 1 and 1 x 2 on a tiny GPT: the same first loss, a smaller static share per rank
     under T = 2, functional labels, and the whatif projection."""
     out = tmp_path / "layouts.json"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "layouts.py"), "--layouts", "1x1,1x2", "--steps", "1"]
-    cmd += ["--warmup", "1", "--n-layer", "2", "--n-embd", "32", "--block-size", "16", "--corpus-chars", "20000"]
-    proc = subprocess.run([*cmd, "--json", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=140)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    args = ["--layouts", "1x1,1x2", "--steps", "1", "--warmup", "1", "--n-layer", "2", "--n-embd", "32"]
+    proc = run_script("layouts.py", *args, "--block-size", "16", "--corpus-chars", "20000", "--json", str(out))
     assert "FUNCTIONAL" in proc.stdout and "not a measurement" in proc.stdout
     one, two = json.loads(out.read_text())["rows"]
     assert one["first_loss"] == pytest.approx(two["first_loss"], rel=1e-5)
@@ -118,15 +117,14 @@ def test_layouts_benchmark_smoke(tmp_path: Path) -> None:
     assert [(p["S"], p["T"]) for p in json.loads(out.read_text())["projection"]][:2] == [(1, 1), (2, 1)]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(150)
 def test_zero_benchmark_smoke(tmp_path: Path) -> None:
     """benchmarks/zero.py: D = 2 on a tiny GPT with elastic replicas: the sharded reference holds less of the outer
     state and of the static memory, trains to the whole run's weights, and says its figures are functional."""
     out = tmp_path / "zero.json"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "zero.py"), "--groups", "2", "--averaging", "elastic"]
-    cmd += ["--steps", "2", "--n-layer", "1", "--n-embd", "32", "--block-size", "16", "--corpus-chars", "20000"]
-    proc = subprocess.run([*cmd, "--json", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=140)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    args = ["--groups", "2", "--averaging", "elastic", "--steps", "2", "--n-layer", "1", "--n-embd", "32"]
+    proc = run_script("zero.py", *args, "--block-size", "16", "--corpus-chars", "20000", "--json", str(out))
     assert "FUNCTIONAL" in proc.stdout
     whole, sharded = json.loads(out.read_text())["rows"]
     assert (whole["sharded"], sharded["sharded"]) == (False, True)

@@ -188,8 +188,7 @@ class ShardedReference(ElasticAveraging):
     def _buffers(self) -> None:
         """The offsets only: the summed update is a transient of :meth:`finish_step`."""
         if self._offsets is None:
-            self._offsets = [[torch.empty_like(t) for t in locals_(p.detach() for p in self._ref_params)]]
-            self._offsets += [[torch.empty_like(t) for t in self._offsets[0]] for _ in range(self.num_replicas - 1)]
+            self._allocate_offsets()
 
     def _views(self, flat: Tensor) -> list[Tensor]:
         """``flat``'s first elements as tensors shaped like this stage's local parameters, in order."""
@@ -210,9 +209,7 @@ class ShardedReference(ElasticAveraging):
         ref = locals_(p.detach() for p in self._ref_params)
         with torch.no_grad():
             if self.local_steps == 0:  # a period's start: d_n = w_n - w_ref, and the divergence from them
-                for offsets, n in zip(self._offsets if ref else [], range(self.num_replicas)):
-                    torch._foreach_copy_(offsets, locals_(p.detach() for p in self.replica_params(n)))
-                    torch._foreach_sub_(offsets, ref)
+                self._take_offsets()
                 weights = self._norm_weights()
                 ref_sq = sum_sq(ref, self.device, weights)
                 self._divergence = [
@@ -319,12 +316,9 @@ class ShardedReference(ElasticAveraging):
         """As the unsharded state (the same format: a resume may turn sharding on or off), the outer momentum
         gathered whole (collective over the stage group)."""
         self.require_whole("Saving the averaging's state")
-        momentum = self._momentum
-        self._momentum = None
         state = super().state_dict()
-        self._momentum = momentum
-        if momentum is not None:
-            state["momentum"] = [t.clone() for t in self._views(self._gather(momentum[0]))]
+        if self._momentum is not None:  # this rank's slice -> the whole momentum, shaped as the parameters
+            state["momentum"] = [t.clone() for t in self._views(self._gather(self._momentum[0]))]
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
