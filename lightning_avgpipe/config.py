@@ -4,15 +4,44 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Union
 
 from lightning_avgpipe.checks import is_int, is_number
 from lightning_avgpipe.elastic import check_alpha, check_outer
-from lightning_avgpipe.partition import check_partition
 from lightning_avgpipe.schedules import check_schedule_name
 
 AVERAGING = ("elastic", "exact")  # how the N batches of a step combine (PipelineConfig.averaging)
 Spec = bool | str | tuple[str, ...]  # activation_checkpointing normalised: all, none, "auto" or layer class names
+PartitionSpec = Union[str, Sequence[int]]
+PARTITION_METHODS: tuple[str, ...] = ("balanced", "parameters", "uniform")
+
+
+def check_partition(partition: PartitionSpec, num_layers: int | None = None, num_stages: int | None = None) -> None:
+    """Raise a ``ValueError`` naming the fix when ``partition`` cannot describe ``num_layers`` over ``num_stages``."""
+    if isinstance(partition, str):
+        if partition not in PARTITION_METHODS:
+            raise ValueError(
+                f"partition={partition!r} is not a known method. Use one of {list(PARTITION_METHODS)} "
+                "or a list with the number of layers of each stage, for example [3, 5]."
+            )
+        if num_layers is not None and num_stages is not None and num_layers < num_stages:
+            raise ValueError(
+                f"num_stages={num_stages} is more than the {num_layers} layers configure_pipeline() returns; "
+                f"use at most {num_layers} stages or split the model into more layers."
+            )
+        return
+    sizes = list(partition)
+    if not sizes or not all(is_int(n, 1) for n in sizes):
+        raise ValueError(f"partition={sizes!r} must list a positive layer count per stage, for example [3, 5].")
+    if num_stages is not None and len(sizes) != num_stages:
+        raise ValueError(
+            f"partition={sizes} has {len(sizes)} entries but num_stages={num_stages}; give one layer count per stage."
+        )
+    if num_layers is not None and sum(sizes) != num_layers:
+        raise ValueError(
+            f"partition={sizes} sums to {sum(sizes)} layers but configure_pipeline() returns {num_layers}; "
+            "make the counts add up to the number of layers."
+        )
 
 
 def check_checkpointing(spec: Any) -> Spec:

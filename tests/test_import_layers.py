@@ -1,0 +1,131 @@
+"""The package's layers import only downward: a module may import its own layer and the layers below it, never one
+above (``config.py`` must not pull in the runtime, the runtime not the tuner, the tuner not the plugin).
+
+The order, lowest first (issue 22): the shared checks; schedules, micro-batches and the noise maths; elastic
+averaging, optimizers and the config; the runtime; the tuning maths; partitioning; the Lightning plugin; the command
+lines and the package's face. Every import counts, at module level or inside a function, under ``TYPE_CHECKING`` or
+not: each is a dependency a reader must follow.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "lightning_avgpipe"
+
+# module (or package) -> layer; the longest matching prefix decides
+LAYERS: dict[str, int] = {
+    "lightning_avgpipe.__about__": 0,
+    "lightning_avgpipe.checks": 0,
+    "lightning_avgpipe.errors": 0,
+    "lightning_avgpipe.cpu": 0,
+    "lightning_avgpipe.shards": 0,
+    "lightning_avgpipe.schedules": 1,
+    "lightning_avgpipe.microbatch": 1,
+    "lightning_avgpipe.noise": 1,
+    "lightning_avgpipe.elastic": 2,
+    "lightning_avgpipe.optim": 2,
+    "lightning_avgpipe.config": 2,
+    "lightning_avgpipe.replicas": 2,
+    "lightning_avgpipe.autotune": 2,
+    "lightning_avgpipe.runtime": 3,
+    "lightning_avgpipe.tuning": 4,
+    "lightning_avgpipe.partition": 5,
+    "lightning_avgpipe.plugin": 6,
+    # the entry points: the command lines, and the package's face, which registers the strategy and re-exports
+    # names from every layer (lazily)
+    "lightning_avgpipe.cli": 7,
+    "lightning_avgpipe.__main__": 7,
+    "lightning_avgpipe._register": 7,
+    "lightning_avgpipe": 7,
+}
+
+
+def layer_of(module: str) -> int | None:
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        layer = LAYERS.get(".".join(parts[:n]))
+        if layer is not None:
+            return layer
+    return None
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(path: Path, text: str | None = None) -> list[tuple[int, str]]:
+    """(line, imported module) for every import of the package's own modules in ``path`` (or in ``text`` read as
+    that file)."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    source = path.read_text() if text is None else text
+    for node in ast.walk(ast.parse(source, str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package, up level - 1
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*anchor, *([base] if base else [])])
+            # `from a import b` where a.b is a module imports a.b
+            found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
+    return [(line, m) for line, m in found if m.split(".")[0] == "lightning_avgpipe"]
+
+
+def upward_imports(path: Path, text: str | None = None) -> list[str]:
+    """Each import in ``path`` (or in ``text`` read as that file) of a higher layer than its own."""
+    wrong = []
+    source = module_name(path)
+    mine = layer_of(source)
+    if mine is not None:
+        for line, target in imports_of(path, text):
+            theirs = layer_of(target)
+            if theirs is not None and theirs > mine:
+                where = f"{path.relative_to(ROOT)}:{line}"
+                wrong.append(f"{where}: {source} (layer {mine}) imports {target} (layer {theirs})")
+    return wrong
+
+
+def all_modules() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def test_every_module_has_a_layer() -> None:
+    unplaced = [module_name(p) for p in all_modules() if layer_of(module_name(p)) is None]
+    assert not unplaced, f"give these modules a layer in tests/test_import_layers.py: {unplaced}"
+
+
+def test_no_import_runs_up_the_layers() -> None:
+    wrong = [w for path in all_modules() for w in upward_imports(path)]
+    assert not wrong, "imports from a lower layer to a higher one:\n" + "\n".join(wrong)
+
+
+def test_config_imports_nothing_from_the_runtime_tuning_or_partition() -> None:
+    targets = [t for _, t in imports_of(PACKAGE / "config.py")]
+    higher = ("lightning_avgpipe.runtime", "lightning_avgpipe.tuning", "lightning_avgpipe.partition")
+    assert not [t for t in targets if t.startswith(higher)], targets
+
+
+@pytest.mark.parametrize(
+    "source, line",
+    [
+        ("config.py", "from lightning_avgpipe.partition import check_partition"),
+        ("runtime/pipeline.py", "from lightning_avgpipe.tuning.model import StageCost"),
+        ("schedules/simulate.py", "from lightning_avgpipe.config import PipelineConfig"),
+    ],
+)
+def test_the_check_fails_on_an_upward_import(source: str, line: str) -> None:
+    """The check is live: the file with one upward import put back (or added) is refused, naming the import."""
+    path = PACKAGE / source
+    assert upward_imports(path) == []
+    wrong = upward_imports(path, path.read_text() + "\n" + line + "\n")
+    assert len(wrong) == 1 and line.split()[1] in wrong[0], wrong
