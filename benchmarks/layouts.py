@@ -64,6 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _rank(rank: int, world: int, S: int, T: int, cfg: dict[str, Any]) -> dict[str, Any]:
     from examples.char_gpt import GPTConfig, gpt_layers
     from lightning_avgpipe.config import PipelineConfig
+    from lightning_avgpipe.runtime.controller import static_bytes
     from lightning_avgpipe.runtime.pipeline import StagePipeline
     from lightning_avgpipe.runtime.tensor_parallel import default_plan, parallelize_stage
     from lightning_avgpipe.runtime.topology import Topology
@@ -91,7 +92,7 @@ def _rank(rank: int, world: int, S: int, T: int, cfg: dict[str, Any]) -> dict[st
     return {
         "stage": top.stage,
         "shard": top.tensor_rank,
-        "static_bytes": pipe.static_bytes([opt]),
+        "static_bytes": static_bytes(pipe, [opt]),
         "stash_bytes": stash,
         "step_s": statistics.median(times[cfg["warmup"] :]),
         "first_loss": first_loss,

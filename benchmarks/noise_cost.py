@@ -38,6 +38,7 @@ import torch.distributed as dist  # noqa: E402
 from benchmarks import throughput  # noqa: E402
 from benchmarks.common import make_batches  # noqa: E402
 from benchmarks.harness import run_distributed  # noqa: E402
+from lightning_avgpipe.noise import NoiseScale  # noqa: E402
 
 
 def _rank(rank: int, world: int, args: argparse.Namespace, data: torch.Tensor, vocab: int) -> dict[str, Any]:
@@ -53,6 +54,7 @@ def _rank(rank: int, world: int, args: argparse.Namespace, data: torch.Tensor, v
     out: dict[str, Any] = {}
     for n in args.pipelines:
         pipe = throughput._pipeline("1f1b", copy.deepcopy(base)[start : start + count], rank, args, n)
+        noise_scale = NoiseScale()  # what the controller keeps: the smoothed estimate over the measured steps
         with_, without = [], []
         for i in range(total):
             step = [batches[i * n + r] for r in range(n)]
@@ -67,7 +69,9 @@ def _rank(rank: int, world: int, args: argparse.Namespace, data: torch.Tensor, v
                 if i >= args.warmup:
                     (with_ if noise else without).append(spent)
                 assert (result.noise is not None) == noise
-        out[str(n)] = {"with": with_, "without": without, "noise_scale": pipe.noise_scale.value}
+                if result.noise is not None:
+                    noise_scale.update(result.noise)
+        out[str(n)] = {"with": with_, "without": without, "noise_scale": noise_scale.value}
     dist.barrier()
     return out
 

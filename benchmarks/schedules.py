@@ -13,7 +13,7 @@ same micro-batches and does real AdamW steps. Rows, on each link:
 - ``afab``          ``build_plan("afab", S, M)``: all forwards, then all backwards (GPipe); stashes all M units
 - ``1f1b``          ``build_plan("1f1b", S, M)``: stashes S - s units on stage s
 - ``advance-auto``  ``build_plan("advance", S, M, k)`` with k chosen online by the pipeline's own search
-                    (``StagePipeline.observe_k``, what ``strategy="avgpipe"`` runs with ``advance_forwards="auto"``):
+                    (``StepController.observe_k``, what ``strategy="avgpipe"`` runs with ``advance_forwards="auto"``):
                     every iteration all stages' figures are gathered, rank 0 decides and broadcasts (k, settled), and
                     every rank's next step runs the new plan. The k it settled on and its reason are reported.
 - ``advance-k<k>``  ``build_plan("advance", S, M, k)`` with a fixed k (``--fixed-k``), for context
@@ -208,6 +208,7 @@ class Row:
     ) -> None:
         from lightning_avgpipe.config import PipelineConfig
         from lightning_avgpipe.runtime import Link
+        from lightning_avgpipe.runtime.controller import StepController
         from lightning_avgpipe.runtime.pipeline import StagePipeline
         from lightning_avgpipe.runtime.topology import Topology
 
@@ -243,8 +244,9 @@ class Row:
         )
         topology = Topology(rank, world, world, pipeline_group=control, job_group=control)
         self.pipe = StagePipeline(own, topology, cfg, link=self.link)
+        self.controller = StepController(self.pipe)  # advance-auto: the strategy's search, as the strategy runs it
         self.opt = self.pipe.optimizer(torch.optim.AdamW(self.pipe.reference_params, lr=args.lr))
-        self.search = self.pipe.k_search if k == "auto" else None
+        self.search = self.controller.k_search if k == "auto" else None
         self.frozen = False  # the timed rounds run at whatever k the search reached
         self.history: list[dict[str, Any]] = []  # advance-auto: (k, step time) per iteration while searching
         self.records: list[dict[str, Any]] = []
@@ -259,13 +261,21 @@ class Row:
 
     @property
     def settled(self) -> bool:
-        search = self.pipe.k_search
+        search = self.controller.k_search
         return search is not None and search.settled
 
     def step(self, i: int) -> None:
         self.opt.zero_grad(set_to_none=True)
         k = self.k
-        result = self.pipe.train_step([self.batches[i % len(self.batches)]], _lm_loss, measure=True)
+        batch = [self.batches[i % len(self.batches)]]
+        searching = self.auto and not self.settled and not self.frozen
+        if searching:  # the controller measures the step, gathers every stage's figures and moves k (rank 0 decides)
+            report = self.controller.train_step(batch, _lm_loss, log=False)
+            result = report.result
+            assert report.figures is not None
+            self.history.append({"k": k, "step_s": float(report.figures[:, 0].max())})
+        else:
+            result = self.pipe.train_step(batch, _lm_loss, measure=True)
         self.opt.step()
         trace = result.trace
         fwd = [s.end - s.start for s in trace.spans if s.kind == "F"]
@@ -283,12 +293,7 @@ class Row:
                 "loss": float(result.loss) if result.loss is not None else None,
             }
         )
-        if self.auto and not self.settled and not self.frozen:
-            # the strategy's observation: every stage's figures gathered, rank 0 decides, every rank follows
-            table = self.pipe.figures(trace, 0.0)
-            self.pipe.observe_k(table)
-            self.history.append({"k": k, "step_s": float(table[:, 0].max())})
-        self.search = self.pipe.k_search
+        self.search = self.controller.k_search
 
     def close(self) -> None:
         if hasattr(self.link, "close"):
@@ -389,7 +394,7 @@ def run_pipeline(rank: int, world: int, args: argparse.Namespace, data: Tensor, 
                 "records": row.records,
                 "history": row.history,
                 "settled": row.settled if row.auto else None,
-                "reason": row.pipe.k_search.reason if row.auto and row.pipe.k_search is not None else None,
+                "reason": row.controller.k_search.reason if row.auto and row.controller.k_search is not None else None,
                 "final_k": row.k,
             }
             for (link, name), row in rows.items()

@@ -84,6 +84,7 @@ def _bytes(tensors: Any) -> int:
 def _rank(rank: int, world: int, averaging: str, shard: bool, cfg: dict[str, Any]) -> dict[str, Any]:
     from examples.char_gpt import GPTConfig, gpt_layers
     from lightning_avgpipe.config import PipelineConfig
+    from lightning_avgpipe.runtime.controller import static_bytes
     from lightning_avgpipe.runtime.pipeline import StagePipeline
     from lightning_avgpipe.runtime.topology import Topology
 
@@ -114,7 +115,7 @@ def _rank(rank: int, world: int, averaging: str, shard: bool, cfg: dict[str, Any
             outer = _bytes(av.buffers()) - _bytes(offsets) + _bytes(av.reference_params) if elastic else 0
             inner = [o for o in getattr(opt, "replicas", [opt])]
             states = [v for o in inner for st in getattr(o, "user", o).state.values() for v in st.values()]
-            held.update(outer=outer, state=_bytes(states), static=pipe.static_bytes([opt]))
+            held.update(outer=outer, state=_bytes(states), static=static_bytes(pipe, [opt]))
 
     for i in range(cfg["steps"]):
         opt.step(lambda i=i: step(i))

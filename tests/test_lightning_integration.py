@@ -158,7 +158,7 @@ def test_noise_scale_is_measured_and_logged_on_the_steps_lightning_writes_logs(
     assert measured == [1, 3, 5]
     strategy = trainer.strategy
     assert isinstance(strategy, AvgPipeStrategy)
-    noise = strategy.pipeline.noise_scale
+    noise = strategy.controller.noise_scale
     assert noise.measurements == 3
     with open(tmp_path / "metrics.csv") as f:
         rows = [r for r in csv.DictReader(f) if r.get("avgpipe/noise_scale")]
@@ -180,7 +180,7 @@ def test_step_figures_are_measured_only_on_the_steps_lightning_writes_logs(
 
     from lightning.pytorch.loggers import CSVLogger
 
-    from lightning_avgpipe.runtime.pipeline import StagePipeline
+    from lightning_avgpipe.runtime.controller import StepController
     from lightning_avgpipe.runtime.trace import ActivationMeter
 
     trainer = _trainer(
@@ -191,9 +191,9 @@ def test_step_figures_are_measured_only_on_the_steps_lightning_writes_logs(
     )
     gathered: list[int] = []
     metered: list[int] = []
-    figures, unit = StagePipeline.figures, ActivationMeter.unit
+    figures, unit = StepController.figures, ActivationMeter.unit
 
-    def spy_figures(self: StagePipeline, *args: object) -> torch.Tensor:
+    def spy_figures(self: StepController, *args: object) -> torch.Tensor:
         gathered.append(trainer.global_step)
         return figures(self, *args)  # type: ignore[arg-type]
 
@@ -201,7 +201,7 @@ def test_step_figures_are_measured_only_on_the_steps_lightning_writes_logs(
         metered.append(trainer.global_step)
         return unit(self, u)
 
-    monkeypatch.setattr(StagePipeline, "figures", spy_figures)
+    monkeypatch.setattr(StepController, "figures", spy_figures)
     monkeypatch.setattr(ActivationMeter, "unit", spy_unit)
     trainer.fit(PipeNet(), loader())
     assert gathered == [2, 5]

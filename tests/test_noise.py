@@ -11,6 +11,7 @@ from torch import nn
 
 from lightning_avgpipe.config import PipelineConfig
 from lightning_avgpipe.noise import GradientNorms, NoiseScale, efficiency
+from lightning_avgpipe.runtime.controller import StepController
 from lightning_avgpipe.runtime.gradnoise import GradientProbe
 from lightning_avgpipe.runtime.pipeline import StagePipeline
 from lightning_avgpipe.runtime.topology import Topology
@@ -135,11 +136,11 @@ def _pipeline_worker(rank: int, world: int, n: int, m: int, schedule: str) -> tu
     layers = make_layers()
     own = layers[:3] if rank == 0 else layers[3:]
     cfg = PipelineConfig(num_stages=world, num_microbatches=m, schedule=schedule, num_pipelines=n)
-    pipe = StagePipeline(own, Topology(rank, world, world), cfg)
+    control = StepController(StagePipeline(own, Topology(rank, world, world), cfg))
     batches = [make_batch(i) for i in range(n)]
-    result = pipe.train_step(batches, _loss, noise=True)
+    result = control.train_step(batches, _loss, log=False, noise=True).result
     assert result.noise is not None
-    assert pipe.noise_scale.measurements == 1
+    assert control.noise_scale.measurements == 1
     r = result.noise
     return (r.small_sq, r.small_batch, r.big_sq, r.big_batch)
 
@@ -159,9 +160,9 @@ def test_two_ranks_measure_what_one_process_computes(n: int, m: int, schedule: s
 def test_one_pipeline_of_one_microbatch_measures_nothing() -> None:
     assert not GradientProbe.usable(1, 1)
     layers = make_layers()
-    pipe = StagePipeline(layers, Topology(0, 1, 1), PipelineConfig(num_microbatches=1))
-    result = pipe.train_step([make_batch(0)], _loss, noise=True)
-    assert result.noise is None and pipe.noise_scale.measurements == 0
+    control = StepController(StagePipeline(layers, Topology(0, 1, 1), PipelineConfig(num_microbatches=1)))
+    result = control.train_step([make_batch(0)], _loss, log=False, noise=True).result
+    assert result.noise is None and control.noise_scale.measurements == 0
 
 
 def test_a_shared_weight_is_counted_once() -> None:

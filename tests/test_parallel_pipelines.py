@@ -261,6 +261,7 @@ def _sharded_worker(rank: int, world: int, steps: int) -> list[dict[str, Any]]:
     import torch.nn.functional as F
 
     from lightning_avgpipe.config import PipelineConfig
+    from lightning_avgpipe.runtime.controller import static_bytes
     from lightning_avgpipe.runtime.pipeline import StagePipeline
     from lightning_avgpipe.runtime.topology import Topology
     from tests.helpers.models import make_batch, make_layers
@@ -281,7 +282,7 @@ def _sharded_worker(rank: int, world: int, steps: int) -> list[dict[str, Any]]:
             {
                 "weights": [p.detach().clone() for p in pipe.reference_params],
                 "state_bytes": sum(v.numel() * v.element_size() for v in states),
-                "static_bytes": pipe.static_bytes([opt]),
+                "static_bytes": static_bytes(pipe, [opt]),
                 "kind": type(opt).__name__,
             }
         )

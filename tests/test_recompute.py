@@ -173,9 +173,9 @@ def test_auto_checkpoints_a_stage_over_its_memory_limit_and_trains_the_same(tmp_
     """A limit below the stage's measured peak turns checkpointing on for its layers at the second step; a limit
     above it, or none, leaves it off; the weights are bit-identical either way (recomputation changes no value)."""
     over, model_over = _auto_fit(tmp_path / "over", 1000.0)  # 1000 bytes: below any peak
-    assert over.pipeline.recompute == [True] * 6 and not over.pipeline.measuring_memory
+    assert over.pipeline.recompute == [True] * 6 and not over.controller.measuring_memory
     under, model_under = _auto_fit(tmp_path / "under", 2**40)
-    assert under.pipeline.recompute == [False] * 6 and not under.pipeline.measuring_memory
+    assert under.pipeline.recompute == [False] * 6 and not under.controller.measuring_memory
     unset, _ = _auto_fit(tmp_path / "unset", None)
     assert unset.pipeline.recompute == [False] * 6
     for key, value in model_under.state_dict().items():

@@ -134,7 +134,7 @@ class ForceNoise(pl.Callback):
         value = self.values.get(trainer.current_epoch)
         if value is not None:
             state = {"decay": 0.9, "grad_sq": 1.0, "trace": float(value), "weight": 1.0, "measurements": 5}
-            trainer.strategy.pipeline.noise_scale.load_state_dict(state)  # type: ignore[attr-defined]
+            trainer.strategy.controller.noise_scale.load_state_dict(state)  # type: ignore[attr-defined]
 
 
 def _fit(

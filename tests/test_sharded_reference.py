@@ -36,6 +36,7 @@ def _train(rank: int, top: Any, shard: bool, steps: int, options: dict[str, Any]
     import torch.nn.functional as F
 
     from lightning_avgpipe.config import PipelineConfig
+    from lightning_avgpipe.runtime.controller import static_bytes
     from lightning_avgpipe.runtime.pipeline import StagePipeline
     from tests.helpers.models import make_batch, make_layers
 
@@ -53,7 +54,7 @@ def _train(rank: int, top: Any, shard: bool, steps: int, options: dict[str, Any]
         offsets = _count(t for per in (elastic._offsets or []) for t in per)
         seen["reference_bytes"] = _count(elastic.reference_params)
         seen["averaging_bytes"] = _count(elastic.buffers()) - offsets
-        seen["static_bytes"] = pipe.static_bytes([opt])
+        seen["static_bytes"] = static_bytes(pipe, [opt])
         seen["finite"] = all(bool(torch.isfinite(p).all()) for p in elastic.reference_params)
         seen["divergence"].append(pipe.divergence())
 

@@ -240,7 +240,9 @@ def profile_pipeline(strategy: AvgPipeStrategy, batch: Any, sizes: Sequence[floa
         settings = []
         for b in sizes:
             m = max(1, round(size / b))
-            settings.append((b, m, pipeline.variant(num_microbatches=m, schedule="1f1b", advance_forwards=0)))
+            settings.append(
+                (b, m, strategy.controller.variant(num_microbatches=m, schedule="1f1b", advance_forwards=0))
+            )
 
         # Rounds in which every size takes a turn: a burst of background load then lands on every size alike
         # instead of bending the curve at one of them. A turn is two steps, the first untimed: after a change of

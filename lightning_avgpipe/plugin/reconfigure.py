@@ -1,53 +1,47 @@
-"""``AvgPipeStrategy.reconfigure``: a new M, N, k or averaging, applied to the pipeline, loader and optimizers."""
+"""What ``AvgPipeStrategy.reconfigure`` may change: a new M, N, k or averaging checked against the running job
+before anything moves, and the line that says what it became."""
 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
-
-from lightning_avgpipe.plugin import compat
-from lightning_avgpipe.plugin.precision import PipelineMixedPrecision
-
-if TYPE_CHECKING:
-    from lightning_avgpipe.plugin.strategy import AvgPipeStrategy
+from lightning_avgpipe.config import PipelineConfig
 
 
-def reconfigure(strategy: AvgPipeStrategy, changes: dict[str, Any], keep_optimizers: bool) -> None:
-    """Apply ``changes`` (``PipelineConfig`` fields) to ``strategy``; see :meth:`AvgPipeStrategy.reconfigure`."""
-    old, strategy.config = strategy.config, replace(strategy.config, **changes)
-    pipeline = strategy._pipeline
-    if pipeline is not None:
-        if isinstance(strategy.precision_plugin, PipelineMixedPrecision) and not pipeline.one_model(strategy.config):
-            strategy.config = old
-            raise ValueError(
-                f"reconfigure to num_pipelines={changes.get('num_pipelines', old.num_pipelines)} with elastic "
-                "averaging under precision='16-mixed': the loss scaler unscales one model per stage; use "
-                "averaging='exact'."
-            )
-        if keep_optimizers and not (pipeline.one_model(old) and pipeline.one_model(strategy.config)):
-            strategy.config = old
-            raise ValueError(
-                f"reconfigure(keep_optimizers=True) from num_pipelines={old.num_pipelines} ({old.averaging}) to "
-                f"num_pipelines={strategy.num_pipelines} ({strategy.config.averaging}) would make replicas with fresh "
-                "optimizers: keep N, or use averaging='exact', whose one model keeps its optimizer."
-            )
-        remade = pipeline.reconfigure(strategy.config)
-        trainer = strategy.lightning_module.trainer if strategy.lightning_module is not None else None
-        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
-            if remade or old.num_pipelines != strategy.num_pipelines:
-                # A loader already grouped for the old N (trainer.estimated_stepping_batches sets it up early) is
-                # set up again, and configure_optimizers then sees the new number of iterations per epoch.
-                compat.reset_train_dataloader(trainer)
-            if remade or (old.num_pipelines != strategy.num_pipelines and not keep_optimizers):
-                strategy.setup_optimizers(trainer)
-                _optimizers_to_device(strategy.optimizers, strategy.root_device)
-    rank_zero_info(
-        f"AvgPipe: reconfigured to num_microbatches={strategy.num_microbatches}, num_pipelines={strategy.num_pipelines}"
-        + (f", averaging='{strategy.config.averaging}'" if strategy.num_pipelines * strategy.num_groups > 1 else "")
-        + (f", advance_forwards={strategy.config.advance_forwards}" if strategy.config.schedule == "advance" else "")
+def next_config(
+    old: PipelineConfig,
+    changes: dict[str, Any],
+    num_groups: int | None,
+    loss_scaling: bool = False,
+    keep_optimizers: bool = False,
+) -> PipelineConfig:
+    """``old`` with ``changes`` (``PipelineConfig`` fields), or a ``ValueError`` naming the fix when the running job
+    (``num_groups`` D once the pipeline exists, else ``None``) cannot take it: under loss scaling (16-mixed) only one
+    model per stage, and with ``keep_optimizers`` one model before and after (its optimizer carries on)."""
+    new = replace(old, **changes)
+    if num_groups is None:
+        return new
+    if loss_scaling and not new.one_model(num_groups):
+        raise ValueError(
+            f"reconfigure to num_pipelines={new.num_pipelines} with elastic averaging under precision='16-mixed': the "
+            "loss scaler unscales one model per stage; use averaging='exact'."
+        )
+    if keep_optimizers and not (old.one_model(num_groups) and new.one_model(num_groups)):
+        raise ValueError(
+            f"reconfigure(keep_optimizers=True) from num_pipelines={old.num_pipelines} ({old.averaging}) to "
+            f"num_pipelines={new.num_pipelines} ({new.averaging}) would make replicas with fresh optimizers: keep N, "
+            "or use averaging='exact', whose one model keeps its optimizer."
+        )
+    return new
+
+
+def describe(config: PipelineConfig, num_stages: int, num_groups: int) -> str:
+    """The log line of a reconfigure."""
+    return (
+        f"AvgPipe: reconfigured to num_microbatches={config.microbatches_for(num_stages)}, "
+        f"num_pipelines={config.num_pipelines}"
+        + (f", averaging='{config.averaging}'" if config.num_pipelines * num_groups > 1 else "")
+        + (f", advance_forwards={config.advance_forwards}" if config.schedule == "advance" else "")
         + "."
     )

@@ -86,7 +86,7 @@ class Retuner:
             return
         # every rank decides from rank 0's timings (the noise scale is the same everywhere: it is all-reduced)
         self.plan = RetunePlan.from_dict(strategy.broadcast(self.plan.to_dict(), src=0))
-        noise = strategy.pipeline.noise_scale.value
+        noise = strategy.controller.noise_scale.value
         table = self.plan.search(noise)
         assert table.choice is not None
         old, new = self.plan.current, setting_key(table.choice)
@@ -123,7 +123,7 @@ class Retuner:
         new = self.plan.current
         p = self.exponents[0] if self.exponents else 0.0
         factor = lr_factor(self.plan.profile, old, new, p)
-        noise = strategy.pipeline.noise_scale
+        noise = strategy.controller.noise_scale
         entry = {
             "step": int(trainer.global_step),
             "epoch": int(trainer.current_epoch),
@@ -176,7 +176,7 @@ class Retuner:
         return {
             "plan": self.plan.to_dict(),
             "last_step": self.last_step,
-            "noise_scale": strategy.pipeline.noise_scale.state_dict(),
+            "noise_scale": strategy.controller.noise_scale.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any], strategy: AvgPipeStrategy) -> None:
@@ -185,7 +185,7 @@ class Retuner:
             return
         self.plan = RetunePlan.from_dict(state["plan"])
         self.last_step = int(state["last_step"])
-        strategy.pipeline.noise_scale.load_state_dict(state["noise_scale"])
+        strategy.controller.noise_scale.load_state_dict(state["noise_scale"])
         self._apply(strategy)
         self._arm(strategy)
         M, N, _ = self.plan.current

@@ -1,20 +1,28 @@
 """The strategy's training and evaluation steps: Lightning's step hooks mapped onto the stage pipeline's steps, with
-the step's loss and logs shared by every stage (docs/how-it-works.md#a-training-step)."""
+the step's loss and logs shared by every stage (docs/how-it-works.md#a-training-step).
+
+:class:`PipelineSteps` holds what a step needs (the module, the controller, the bridge to the user's hooks) and knows
+nothing of the strategy: the strategy makes one in ``setup`` and calls it from its hooks.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any
 
+import lightning.pytorch as pl
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
 from lightning_avgpipe import microbatch
 from lightning_avgpipe.plugin import compat
-from lightning_avgpipe.plugin.bridge import replay_logs
+from lightning_avgpipe.plugin.bridge import StepBridge, StepResults, replay_logs
 from lightning_avgpipe.plugin.contract import pipeline_inputs
+from lightning_avgpipe.plugin.gradients import GradStash
 from lightning_avgpipe.plugin.precision import loss_scale_of
-
-if TYPE_CHECKING:
-    from lightning_avgpipe.plugin.strategy import AvgPipeStrategy
+from lightning_avgpipe.runtime.controller import StepController, StepReport
+from lightning_avgpipe.runtime.pipeline import StagePipeline
 
 # the precision plugin's context around each evaluation hook's forwards
 EVAL_CONTEXTS = {
@@ -24,60 +32,116 @@ EVAL_CONTEXTS = {
 }
 
 
-def training_step(strategy: AvgPipeStrategy, batch: Any, rest: tuple[Any, ...]) -> Tensor:
-    """One training iteration: the pipeline's step over the N batches, the user's ``training_step`` as the loss on
-    the last stage; returns the loss every stage reports (the last stage's, shared)."""
-    module, pipeline, bridge = strategy._lightning(), strategy.pipeline, strategy.bridge
-    trainer = module.trainer
-    batches = batch if strategy.num_pipelines > 1 else [batch]
-    telemetry = strategy._telemetry
-    figures = telemetry.wants_figures(trainer, pipeline)
-    samples = sum(microbatch.batch_size(b) for b in batches) * strategy.num_groups
-    telemetry.step_started(module, samples, log=figures)
-    with strategy._stash.apart(pipeline.params):  # Lightning zeroes gradients between training_step and backward
-        result = pipeline.train_step(
-            batches,
-            lambda output, micro, share: bridge.call_step("training_step", output, micro, share, *rest),
+class PipelineSteps:
+    """Lightning's step hooks on one rank, run through the stage's controller.
+
+    Args:
+        module: the user's LightningModule.
+        controller: the stage's step and what steers it.
+        bridge: runs the user's step hooks on the last stage.
+        param_names: ``id(parameter) -> name`` in the module, for errors about non-finite gradients.
+    """
+
+    def __init__(
+        self, module: pl.LightningModule, controller: StepController, bridge: StepBridge, param_names: Mapping[int, str]
+    ) -> None:
+        self.module = module
+        self.controller = controller
+        self.bridge = bridge
+        self.param_names = param_names
+        self.results = StepResults(controller.pipeline)  # the step's loss and logs to every stage
+        self.stash = GradStash()  # the step's gradients, between training_step and backward
+        self.noise_every = 0  # also measure the noise scale every this many steps (AvgPipeTuner's retune sets it)
+
+    def training_step(self, batch: Any, rest: tuple[Any, ...], precision: Precision, num_pipelines: int) -> Tensor:
+        """One training iteration: the pipeline's step over the N batches, the user's ``training_step`` as the loss
+        on the last stage; returns the loss every stage reports (the last stage's, shared)."""
+        module, control, bridge = self.module, self.controller, self.bridge
+        pipeline, trainer = control.pipeline, module.trainer
+        writes_logs = compat.writes_logs(trainer)
+        with self.stash.apart(pipeline.params):  # Lightning zeroes gradients between training_step and backward
+            report = control.train_step(
+                batch if num_pipelines > 1 else [batch],
+                lambda output, micro, share: bridge.call_step("training_step", output, micro, share, *rest),
+                step=trainer.global_step,
+                log=writes_logs,
+                optimizers=trainer.strategy.optimizers,
+                inputs=lambda micro: pipeline_inputs(module, micro),
+                accumulate=trainer.accumulate_grad_batches,
+                forward_context=precision.train_step_context,
+                divergence=not pipeline.elastic.trivial and writes_logs,
+                noise=writes_logs or compat.every(trainer.global_step, self.noise_every),
+                param_names=self.param_names,
+                loss_scale=loss_scale_of(precision),
+            )
+        result = report.result
+        if result.loss is not None:  # the last stage
+            loss, logs = self.results.exchange(result.loss.cpu(), bridge.take_logs())
+        else:
+            loss, logs = self.results.exchange(None, None)
+        device = pipeline.device
+        log_report(module, report)
+        replay_logs(module, logs, device)
+        loss = loss.to(device)
+        if not pipeline.elastic.trivial:  # the mean over replicas, whatever the user logs
+            module.log("avgpipe/loss", loss, on_step=True, on_epoch=False)
+        return loss
+
+    def eval_step(self, hook: str, args: tuple[Any, ...], precision: Precision, share_output: bool) -> Any:
+        """``validation_step``/``test_step``/``predict_step`` through the pipeline's forwards; the last stage's logs
+        reach every stage, and with ``share_output`` (predict) its output too."""
+        module, pipeline, bridge = self.module, self.controller.pipeline, self.bridge
+        self.controller.pause()
+        results = pipeline.eval_step(
+            args[0],
+            lambda output, micro, share: bridge.call_step(hook, output, micro, share, *args[1:]),
             inputs=lambda micro: pipeline_inputs(module, micro),
-            accumulate=trainer.accumulate_grad_batches,
-            forward_context=strategy.precision_plugin.train_step_context,
-            measure=figures,
-            divergence=not pipeline.elastic.trivial and compat.writes_logs(trainer),
-            noise=compat.writes_logs(trainer) or compat.every(trainer.global_step, strategy.noise_every),
-            param_names=strategy._param_names,
-            loss_scale=loss_scale_of(strategy.precision_plugin),
+            forward_context=getattr(precision, EVAL_CONTEXTS[hook]),
+            key=hook,
         )
-    assert strategy._results is not None
-    if result.loss is not None:  # the last stage
-        loss, logs = strategy._results.exchange(result.loss.cpu(), bridge.take_logs())
-    else:
-        loss, logs = strategy._results.exchange(None, None)
-    if figures:
-        telemetry.step_finished(module, pipeline, result, strategy.optimizers)
-    replay_logs(module, logs, strategy.root_device)
-    loss = loss.to(strategy.root_device)
-    if not pipeline.elastic.trivial:  # the mean over replicas, whatever the user logs
-        telemetry.log_loss(module, loss)
-    return loss
+        payload = output = None
+        if pipeline.is_last:
+            output = microbatch.merge([results[u] for u in sorted(results)])
+            payload = (microbatch.to_cpu(output) if share_output else None, bridge.take_logs())
+        shared, logs = pipeline.share(payload)
+        replay_logs(module, logs, pipeline.device)
+        return shared if share_output and output is None else output
+
+    def land_gradients(self) -> None:
+        """Put the step's gradients on the parameters (in ``backward``, after Lightning zeroed them)."""
+        self.stash.land(self.controller.pipeline.params)
 
 
-def eval_step(strategy: AvgPipeStrategy, hook: str, args: tuple[Any, ...], share_output: bool) -> Any:
-    """``validation_step``/``test_step``/``predict_step`` through the pipeline's forwards; the last stage's logs
-    reach every stage, and with ``share_output`` (predict) its output too."""
-    module, pipeline, bridge = strategy._lightning(), strategy.pipeline, strategy.bridge
-    strategy._telemetry.pause()
-    context = getattr(strategy.precision_plugin, EVAL_CONTEXTS[hook])
-    results = pipeline.eval_step(
-        args[0],
-        lambda output, micro, share: bridge.call_step(hook, output, micro, share, *args[1:]),
-        inputs=lambda micro: pipeline_inputs(module, micro),
-        forward_context=context,
-        key=hook,
-    )
-    payload = output = None
-    if pipeline.is_last:
-        output = microbatch.merge([results[u] for u in sorted(results)])
-        payload = (microbatch.to_cpu(output) if share_output else None, bridge.take_logs())
-    shared, logs = pipeline.share(payload)
-    replay_logs(module, logs, strategy.root_device)
-    return shared if share_output and output is None else output
+def log_report(module: pl.LightningModule, report: StepReport) -> None:
+    """Log what the controller measured at this step (every rank alike) and say what it decided (rank 0)."""
+    for name, value in report.scalars.items():
+        module.log(name, value, on_step=True, on_epoch=False)
+    for note in report.notes:
+        rank_zero_info(note)
+
+
+def announce_averaging(pipeline: StagePipeline) -> None:
+    """Say how the N batches of a step combine, when there is more than one (rank 0)."""
+    cfg, elastic, groups = pipeline.config, pipeline.elastic, pipeline.topology.num_groups
+    if cfg.exact and cfg.num_pipelines * groups > 1:
+        rank_zero_info(
+            f"AvgPipe: averaging='exact': each step trains {cfg.num_pipelines} batches x {groups} groups "
+            "as one batch (gradients averaged, one optimizer step)."
+        )
+    if not elastic.trivial:
+        outer = (
+            ""
+            if elastic.paper_rule
+            else f", outer lr {elastic.outer_lr:g} momentum {elastic.outer_momentum:g}, period {elastic.period}"
+        )
+        sharded = (
+            f"; the reference, its update and momentum sharded over the {groups} groups (1/{groups} each during "
+            "the step, whole between steps)"
+            if elastic.sharded
+            else ""
+        )
+        update = "synchronous" if cfg.synchronous_reference else "overlapped"
+        rank_zero_info(
+            f"AvgPipe: {cfg.num_pipelines} parallel pipelines x {groups} groups, elastic alpha "
+            f"{elastic.alpha:g}{outer}, reference update {update}{sharded}."
+        )

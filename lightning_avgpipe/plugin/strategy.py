@@ -24,8 +24,8 @@ from typing_extensions import override
 
 from lightning_avgpipe.config import PipelineConfig
 from lightning_avgpipe.plugin import checkpoint as ckpt
-from lightning_avgpipe.plugin import compat, steps, tensor
-from lightning_avgpipe.plugin.bridge import Guard, StepBridge, StepResults
+from lightning_avgpipe.plugin import compat, tensor
+from lightning_avgpipe.plugin.bridge import Guard, StepBridge
 from lightning_avgpipe.plugin.compat import (
     _optimizers_to_device,
     _StrategyRegistry,
@@ -33,10 +33,10 @@ from lightning_avgpipe.plugin.compat import (
 )
 from lightning_avgpipe.plugin.contract import check_forward, pipeline_layers
 from lightning_avgpipe.plugin.data import GroupedBatches
-from lightning_avgpipe.plugin.gradients import GradStash, install_clipping
-from lightning_avgpipe.plugin.precision import for_pipeline
+from lightning_avgpipe.plugin.gradients import install_clipping
+from lightning_avgpipe.plugin.precision import PipelineMixedPrecision, for_pipeline
 from lightning_avgpipe.plugin.process import ProcessStrategy
-from lightning_avgpipe.plugin.reconfigure import reconfigure
+from lightning_avgpipe.plugin.reconfigure import describe, next_config
 from lightning_avgpipe.plugin.split import (
     SplitModule,
     announce_shared,
@@ -48,8 +48,9 @@ from lightning_avgpipe.plugin.split import (
     shared_across_stages,
     split_module,
 )
-from lightning_avgpipe.plugin.telemetry import Telemetry
-from lightning_avgpipe.runtime.pipeline import StagePipeline, memory_limit_bytes
+from lightning_avgpipe.plugin.steps import PipelineSteps, announce_averaging
+from lightning_avgpipe.runtime.controller import StepController, memory_limit_bytes
+from lightning_avgpipe.runtime.pipeline import StagePipeline
 from lightning_avgpipe.runtime.recompute import check_matches
 from lightning_avgpipe.runtime.ties import TiedWeights, tie_groups
 from lightning_avgpipe.runtime.topology import Topology
@@ -198,16 +199,14 @@ class AvgPipeStrategy(ProcessStrategy):
         self.trusted_checkpoints = bool(trusted_checkpoints)
         self._topology: Topology | None = None
         self._topology_of: Any = None  # the default process group the topology's groups were made in
-        self._pipeline: StagePipeline | None = None
+        self._controller: StepController | None = None  # the stage's step and what steers it
         self._split: SplitModule | None = None
         self._bridge: StepBridge | None = None
+        self._steps: PipelineSteps | None = None  # Lightning's step hooks through the controller
         self._guard = Guard()
-        self._stash = GradStash()
         self._ties: list[TiedWeights] = []  # weights this stage shares with others (tied embedding and head)
-        self._results: StepResults | None = None  # the step's loss and logs to every stage
         self._param_names: dict[int, str] = {}  # id(parameter) -> its name in the module, for error messages
-        self._telemetry = Telemetry()
-        self.noise_every = 0  # also measure the noise scale every this many steps (AvgPipeTuner's retune sets it)
+        self._noise_every = 0
 
     # -- topology ------------------------------------------------------------------------------------------------
 
@@ -241,18 +240,36 @@ class AvgPipeStrategy(ProcessStrategy):
         return self.topology.num_groups
 
     @property
+    def controller(self) -> StepController:
+        """What watches and steers this rank's step: k's search, the recompute decision, the noise scale, the
+        figures and traces (after setup)."""
+        if self._controller is None:
+            raise RuntimeError("AvgPipeStrategy makes its stage pipeline in setup(); it does not exist yet.")
+        return self._controller
+
+    @property
     def pipeline(self) -> StagePipeline:
         """This rank's stage pipeline: the step, the replicas and the executor (after setup)."""
-        if self._pipeline is None:
-            raise RuntimeError("AvgPipeStrategy makes its stage pipeline in setup(); it does not exist yet.")
-        return self._pipeline
+        return self.controller.pipeline
 
     @property
     def elastic(self) -> Any:
         """The replicas and reference of this stage (after setup)."""
-        if self._pipeline is None:
+        if self._controller is None:
             raise RuntimeError("AvgPipeStrategy creates the replicas in setup(); they do not exist yet.")
-        return self._pipeline.elastic
+        return self._controller.pipeline.elastic
+
+    @property
+    def noise_every(self) -> int:
+        """Also measure the noise scale every this many steps, besides the logged ones (``AvgPipeTuner``'s retune
+        sets it); 0: only on the logged steps."""
+        return self._steps.noise_every if self._steps is not None else self._noise_every
+
+    @noise_every.setter
+    def noise_every(self, every: int) -> None:
+        self._noise_every = every
+        if self._steps is not None:
+            self._steps.noise_every = every
 
     @property
     def stage_layers(self) -> list[nn.Module]:
@@ -284,10 +301,10 @@ class AvgPipeStrategy(ProcessStrategy):
     @property
     def advance_forwards(self) -> int:
         """The k in use: fixed, or where ``advance_forwards="auto"`` currently is."""
-        if self._pipeline is None:
+        if self._controller is None:
             k = self.config.advance_forwards
             return 0 if k == "auto" else int(k)
-        return self._pipeline.advance_forwards
+        return self._controller.pipeline.advance_forwards
 
     @property
     @override
@@ -337,7 +354,7 @@ class AvgPipeStrategy(ProcessStrategy):
             self._split.guard_again()
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        if self._pipeline is None:
+        if self._controller is None:
             self._make_pipeline()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -374,7 +391,7 @@ class AvgPipeStrategy(ProcessStrategy):
         """Stage ``s`` of the N replicas (copies of the module's own layers) and the step that trains them."""
         assert self._split is not None
         tensor.apply(self._split.names(), self.tensor_parallel_plan, self.topology)
-        self._pipeline = StagePipeline(
+        pipeline = StagePipeline(
             self._split.owned,
             self.topology,
             self.config,
@@ -383,9 +400,11 @@ class AvgPipeStrategy(ProcessStrategy):
             self.num_processes,
             ties=self._ties,
         )
+        self._controller = StepController(pipeline)
         self._param_names = {id(p): n for n, p in self._lightning().named_parameters()}
-        self._results = StepResults(self._pipeline)
-        self._telemetry.announce_averaging(self._pipeline)
+        self._steps = PipelineSteps(self._lightning(), self._controller, self.bridge, self._param_names)
+        self._steps.noise_every = self._noise_every
+        announce_averaging(pipeline)
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -413,7 +432,25 @@ class AvgPipeStrategy(ProcessStrategy):
             "advance_forwards": advance_forwards,
             "averaging": averaging,
         }
-        reconfigure(self, {k: v for k, v in changes.items() if v is not None}, keep_optimizers)
+        old, control = self.config, self._controller
+        groups = self.num_groups if control is not None else None
+        scaling = isinstance(self.precision_plugin, PipelineMixedPrecision)
+        changes = {k: v for k, v in changes.items() if v is not None}
+        new = self.config = next_config(old, changes, groups, scaling, keep_optimizers)  # checked, then swapped in
+        if control is not None:
+            remade = control.reconfigure(new)
+            module = self.lightning_module
+            trainer = compat.attached_trainer(module) if module is not None else None
+            if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+                new_n = old.num_pipelines != new.num_pipelines
+                if remade or new_n:
+                    # A loader already grouped for the old N (trainer.estimated_stepping_batches sets it up early)
+                    # is set up again, and configure_optimizers then sees the new number of iterations per epoch.
+                    compat.reset_train_dataloader(trainer)
+                if remade or (new_n and not keep_optimizers):
+                    self.setup_optimizers(trainer)
+                    _optimizers_to_device(self.optimizers, self.root_device)
+        rank_zero_info(describe(new, self.num_stages, self.num_groups))
 
     # -- steps ---------------------------------------------------------------------------------------------------
     @override
@@ -424,9 +461,16 @@ class AvgPipeStrategy(ProcessStrategy):
             return GroupedBatches(dataloader, self.num_pipelines)
         return dataloader
 
+    @property
+    def steps(self) -> PipelineSteps:
+        """Lightning's step hooks through this rank's controller (after setup)."""
+        if self._steps is None:
+            raise RuntimeError("AvgPipeStrategy makes its steps in setup(); they do not exist yet.")
+        return self._steps
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        return steps.training_step(self, args[0], args[1:])
+        return self.steps.training_step(args[0], args[1:], self.precision_plugin, self.num_pipelines)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
@@ -434,22 +478,22 @@ class AvgPipeStrategy(ProcessStrategy):
         module = self._lightning()
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        self._stash.land(self.pipeline.params)
+        self.steps.land_gradients()
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return steps.eval_step(self, "validation_step", args, share_output=False)
+        return self.steps.eval_step("validation_step", args, self.precision_plugin, share_output=False)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return steps.eval_step(self, "test_step", args, share_output=False)
+        return self.steps.eval_step("test_step", args, self.precision_plugin, share_output=False)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return steps.eval_step(self, "predict_step", args, share_output=True)
+        return self.steps.eval_step("predict_step", args, self.precision_plugin, share_output=True)
 
     def _lightning(self) -> pl.LightningModule:
         module = self.lightning_module
@@ -541,13 +585,14 @@ class AvgPipeStrategy(ProcessStrategy):
     # -- the end -------------------------------------------------------------------------------------------------
     @override
     def failure_site(self) -> str:
-        return f"rank {self.global_rank} ({f'stage {self.stage}' if self._pipeline is not None else 'setup'})"
+        return f"rank {self.global_rank} ({f'stage {self.stage}' if self._controller is not None else 'setup'})"
 
     @override
     def teardown(self) -> None:
-        if self._pipeline is not None:
-            self._pipeline.elastic.wait()  # the model the user keeps is the up-to-date reference
-            if self._pipeline.elastic.released:
+        if self._controller is not None:
+            elastic = self._controller.pipeline.elastic
+            elastic.wait()  # the model the user keeps is the up-to-date reference
+            if elastic.released:
                 warnings.warn(
                     f"AvgPipe: rank {self.global_rank} stopped inside a training step with the reference sharded "
                     "(shard_optimizer_state=True): this rank's part of the module holds NaN placeholders. Resume "
@@ -564,8 +609,9 @@ class AvgPipeStrategy(ProcessStrategy):
         if self._topology is not None and self.lightning_module is not None:  # the metrics' group, set in setup
             metrics_sync_over(self.lightning_module, None, only=self._topology.stage_group)
         self.optimizers = []  # they hold the elastic averaging, and it holds its group
-        tensor.release(self._topology, self._pipeline)  # the groups the tensor-parallel meshes hold
-        self._pipeline = self._results = self._topology = self._topology_of = None
+        pipeline = self._controller.pipeline if self._controller is not None else None
+        tensor.release(self._topology, pipeline)  # the groups the tensor-parallel meshes hold
+        self._controller = self._steps = self._topology = self._topology_of = None
         self._ties = []
 
     @classmethod

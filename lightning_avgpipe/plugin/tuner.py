@@ -193,7 +193,7 @@ class AvgPipeTuner(Callback):
                 averaging=choice.averaging if choice.num_pipelines * strategy.num_groups > 1 else None,
             )
             if table.notes.get("activation_checkpointing"):  # "auto", and nothing fitted without it
-                strategy.pipeline.set_recompute([True] * len(strategy.pipeline.layers))
+                strategy.controller.set_recompute([True] * len(strategy.pipeline.layers))
         if self.retuner is not None:
             self.retuner.start(trainer, strategy, table, base)
         self.seconds = time.perf_counter() - started

@@ -20,37 +20,32 @@ import contextlib
 import copy
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_avgpipe import microbatch
-from lightning_avgpipe.autotune import AdvanceSearch, added_bytes
 from lightning_avgpipe.config import PipelineConfig
-from lightning_avgpipe.cpu import host_memory_bytes
 from lightning_avgpipe.elastic import ElasticAveraging, average_gradients
-from lightning_avgpipe.errors import loss_of
-from lightning_avgpipe.noise import GradientNorms, NoiseScale
+from lightning_avgpipe.errors import check_finite
+from lightning_avgpipe.noise import GradientNorms
 from lightning_avgpipe.optim import ElasticOptimizer, clone_optimizer
-from lightning_avgpipe.replicas import BatchedReplicas, select, stack
+from lightning_avgpipe.replicas import BatchedReplicas
+from lightning_avgpipe.runtime import collectives, units
 from lightning_avgpipe.runtime.executor import StageExecutor
 from lightning_avgpipe.runtime.gradnoise import GradientProbe
-from lightning_avgpipe.runtime.p2p import Link, PeerFailureError, first_failure
+from lightning_avgpipe.runtime.p2p import Link
 from lightning_avgpipe.runtime.recompute import layer_mask, stage_function
-from lightning_avgpipe.runtime.tensor_parallel import TensorParallelLink, whole_outputs
+from lightning_avgpipe.runtime.tensor_parallel import whole_outputs
 from lightning_avgpipe.runtime.ties import TiedGradients, TiedWeights
 from lightning_avgpipe.runtime.topology import Topology
-from lightning_avgpipe.runtime.trace import ActivationMeter, StepTrace, write_trace
+from lightning_avgpipe.runtime.trace import ActivationMeter, StepTrace
+from lightning_avgpipe.runtime.units import LossFn
 from lightning_avgpipe.runtime.zero import ShardedOptimizer, ShardedReference
-from lightning_avgpipe.schedules import Plan, build_plan, max_advance_forwards, validate_plan
-from lightning_avgpipe.shards import local
+from lightning_avgpipe.schedules import Plan, build_plan, validate_plan
 
-# (stage output, micro-batch, its share of all the iteration's samples) -> a scalar loss, or {"loss": ...}
-LossFn = Callable[[Any, Any, float], Any]
 # (stage output, micro-batch, its share of the batch) -> anything (evaluation)
 EvalFn = Callable[[Any, Any, float], Any]
 Context = Callable[[], contextlib.AbstractContextManager[Any]]
@@ -59,41 +54,6 @@ Context = Callable[[], contextlib.AbstractContextManager[Any]]
 def first_input(batch: Any) -> Any:
     """The default first-layer input of a micro-batch: ``batch[0]`` of a tuple or list, else the batch itself."""
     return batch[0] if isinstance(batch, (tuple, list)) else batch
-
-
-def stage_link(topology: Topology, device: torch.device) -> Link | None:
-    """The transfers to the neighbouring stages over the default process group (``None`` with one stage). Under
-    tensor parallelism shard 0 of each stage carries them for its tensor group (``runtime/tensor_parallel.py``)."""
-    stage, S, T = topology.stage, topology.num_stages, topology.tensor_parallel_size
-    if S == 1:
-        return None
-    name = f"stage {stage} (rank {topology.rank})"
-    leader = topology.rank_of(topology.group_index, stage, 0)
-    inner = None
-    if topology.rank == leader:
-        g = topology.group_index
-        inner = Link(
-            topology.rank_of(g, stage - 1) if stage > 0 else None,
-            topology.rank_of(g, stage + 1) if stage < S - 1 else None,
-            device,
-            name=name,
-            stage=stage,
-        )
-    if T == 1:
-        return inner
-    return TensorParallelLink(inner, topology.tensor_group, leader, device, name, stage)
-
-
-def memory_limit_bytes(limit: float | None, device: torch.device, processes: int = 1) -> float | None:
-    """``limit`` in bytes: a number above 1 is bytes already, one at most 1 is a fraction of the device's memory
-    (of this machine's memory shared by ``processes`` stage processes on CPU)."""
-    if limit is None or limit > 1:
-        return limit
-    if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-    else:
-        total = host_memory_bytes() // max(1, processes)
-    return float(limit) * total
 
 
 @dataclass
@@ -131,6 +91,9 @@ class StagePipeline:
         link: the transfers to the neighbouring stages; by default a :class:`~lightning_avgpipe.runtime.Link` over
             the default process group (a benchmark passes one over its own group, or an emulated slow link).
         ties: the weights this stage shares with other stages, whose gradients every step sums over them.
+
+    What watches and steers the step (k's search, the recompute decision, the figures, traces) is its controller's,
+    :class:`~lightning_avgpipe.runtime.controller.StepController`.
     """
 
     def __init__(
@@ -155,20 +118,22 @@ class StagePipeline:
                 "replica_execution='batched' with tensor_parallel_size > 1 is not supported (torch.func.vmap over "
                 "DTensor layers); use replica_execution='sequential', or tensor_parallel_size=1."
             )
-        link = link or stage_link(topology, self.device)
+        link = link or collectives.stage_link(topology, self.device)
         self.recompute = layer_mask(self.layers, self.config.activation_checkpointing)  # checkpointed layers
-        self._recompute_seen = 0  # activation_checkpointing="auto": measured steps seen before deciding
         stage_fn = self._stage_function(self.layers)
         self.executor = StageExecutor(topology.stage, topology.num_stages, stage_fn, link, coalesce=self.batched_p2p)
-        k = self.config.advance_forwards
-        self._k = 0 if k == "auto" else int(k)
-        self._search: AdvanceSearch | None = None
-        self._plans: dict[tuple[bool, int, int], Plan] = {}
-        self._full_batch: int | None = None
+        self._start(self.config)
         self._bounds_link_timeout = True
         self.ties = tuple(ties)
-        self.noise_scale = NoiseScale()  # B_simple, smoothed over the steps that measure it (train_step(noise=True))
         self._make_replicas()
+
+    def _start(self, config: PipelineConfig) -> None:
+        """What the step derives from its config, afresh: k's start, the plan cache, the full batch size."""
+        self.config = config
+        k = config.advance_forwards
+        self._k = 0 if k == "auto" else int(k)  # "auto": the controller moves it (runtime/controller.py)
+        self._plans: dict[tuple[bool, int, int], Plan] = {}
+        self._full_batch: int | None = None
 
     # -- what it holds -------------------------------------------------------------------------------------------
     @property
@@ -203,13 +168,12 @@ class StagePipeline:
 
     @property
     def advance_forwards(self) -> int:
-        """The k in use: fixed, or where ``advance_forwards="auto"`` currently is."""
+        """The k in use: fixed, or where ``advance_forwards="auto"`` currently is (the controller sets it)."""
         return self._k
 
-    @property
-    def k_search(self) -> AdvanceSearch | None:
-        """The search of ``advance_forwards="auto"`` once it has started."""
-        return self._search
+    @advance_forwards.setter
+    def advance_forwards(self, k: int) -> None:
+        self._k = int(k)
 
     @property
     def replica_fns(self) -> list[Callable[[Any], Any]]:
@@ -283,37 +247,14 @@ class StagePipeline:
         ]
         return ElasticOptimizer(user, clones, elastic)
 
-    def variant(self, **changes: Any) -> StagePipeline:
-        """This stage running replica 0 alone under a changed config (same layers, executor and link).
-
-        The tuner profiles the real step this way at other micro-batch counts and schedules: every rank must take
-        the same variant. Its plans, micro-batch rules and activation meter are its own; it leaves the link's
-        timeout as it is.
-        """
-        other = copy.copy(self)
-        other.config = replace(self.config, num_pipelines=1, replica_execution="sequential", **changes)
-        k = other.config.advance_forwards
-        other._k = 0 if k == "auto" else int(k)
-        other._search = None
-        other._plans = {}
-        other._full_batch = None
-        other._bounds_link_timeout = False
-        other._replica_fns = self._replica_fns[:1]
-        other.batched = None
-        other.meter = ActivationMeter(self._params)
-        other.noise_scale = NoiseScale()  # its measurements are the caller's, not training's
-        return other
-
     def reconfigure(self, config: PipelineConfig) -> bool:
         """Take a new M, N, k or averaging; returns whether the replicas were made anew (the caller then makes new
         optimizers with :meth:`optimizer`). Exact averaging under another N trains the same one model: nothing is
         made anew, and the optimizer and its state carry on."""
-        old, self.config = self.config, config
-        self._plans.clear()
-        self._full_batch = None
-        if config.advance_forwards != old.advance_forwards:
-            self._search = None
-            self._k = 0 if config.advance_forwards == "auto" else int(config.advance_forwards)
+        old, k = self.config, self._k
+        self._start(config)
+        if config.advance_forwards == old.advance_forwards:
+            self._k = k  # where an "auto" search stands carries on
         if config.num_pipelines == old.num_pipelines and config.averaging == old.averaging:
             return False
         if self.one_model(old) and self.one_model(config):  # exact under another N: the same one model and optimizer
@@ -321,6 +262,18 @@ class StagePipeline:
         self.elastic.wait()
         self._make_replicas()
         return True
+
+    def alone(self, config: PipelineConfig) -> StagePipeline:
+        """This stage running replica 0 alone under ``config`` (N = 1, sequential): the same layers, executor and
+        link, its own plans, micro-batch rules and activation meter; it leaves the link's timeout as it is. The
+        controller's :meth:`~lightning_avgpipe.runtime.controller.StepController.variant` makes it."""
+        other = copy.copy(self)
+        other._start(replace(config, num_pipelines=1, replica_execution="sequential"))
+        other._bounds_link_timeout = False
+        other._replica_fns = self._replica_fns[:1]
+        other.batched = None
+        other.meter = ActivationMeter(self._params)
+        return other
 
     def one_model(self, config: PipelineConfig) -> bool:
         """Whether ``config`` trains one model per stage (exact averaging, or N·D = 1): no replicas to make."""
@@ -435,39 +388,39 @@ class StagePipeline:
             sizes = [microbatch.batch_size(mb) for mb in micro]
             T = self.topology.tensor_parallel_size
             probe = GradientProbe(params, sizes, owner, skip=self.uncounted_params, tensor_parallel_size=T)
-        if self.batched is not None:
-            results = self._run_batched(
-                key, micro, weights, owner, loss_fn, inputs, accumulate, forward_context, trace, meter, loss_scale
-            )
-        else:
-
-            def head(u: int, output: Any) -> Tensor:
-                loss = loss_of(loss_fn(output, micro[u], weights[u] / replicas), "training_step")
-                return loss * (weights[u] / accumulate)
-
-            results = self.executor.run(
-                self.plan(True, len(micro)).stages[self.stage],
-                [(key, microbatch.signature(mb)) for mb in micro],
-                training=True,
-                inputs=lambda u: inputs(micro[u]),
-                head=head,
-                forward_context=forward_context,
-                stage_fn_for=lambda u: self._replica_fns[owner[u]],
-                trace=trace,
-                meter=meter,
-                after_backward=probe.after_backward if probe is not None else None,
-                loss_scale=loss_scale,
-            )
+        step = (key, micro, weights, owner, replicas, accumulate, loss_fn, inputs)
+        batched = self.batched
+        if batched is not None:  # micro-batch m of every replica in one vmap call: M units
+            todo = units.batched(*step, batched_replicas=batched)
+            batched.begin()
+        else:  # each replica's micro-batches: N x M units
+            todo = units.sequential(*step, replica_fns=self._replica_fns)
+        results = self.executor.run(
+            self.plan(True, len(todo.keys)).stages[self.stage],
+            todo.keys,
+            training=True,
+            inputs=todo.inputs,
+            head=todo.head,
+            forward_context=forward_context,
+            stage_fn_for=todo.stage_fn_for,
+            trace=trace,
+            meter=meter,
+            after_backward=probe.after_backward if probe is not None and batched is None else None,
+            loss_scale=loss_scale,
+        )
+        if batched is not None:
+            batched.finish()
         if self.ties:
             self._tied.sum(replicas, before, self.device)
         spread = self.divergence() if divergence else None
         norms = None
         if probe is not None:
             norms = probe.finish(self.topology.job_group, self.topology.num_groups, self.device)
-            self.noise_scale.update(norms)
         if exact and self.topology.num_groups > 1:  # the D groups' gradients: one batch of D x N x B
             average_gradients(self.params, self.topology.stage_group, self.topology.num_groups, self.device)
-        self.check_finite(results, param_names, gradients=loss_scale is None)
+        grads = self._params if loss_scale is None else []  # under loss scaling an overflow skips the step instead
+        where = f"stage {self.stage} (rank {self.topology.rank})"
+        check_finite(where, results, grads, self.elastic.reference_params, param_names or {})
         if self.link is not None and self._bounds_link_timeout:
             self.link.timeout = self.config.p2p_timeout  # the first step may be slow; later ones are bounded
         loss = None
@@ -475,87 +428,10 @@ class StagePipeline:
             loss = torch.stack([r.float() for r in results.values()]).sum() * accumulate / replicas
         return StepResult(results, loss, samples, trace, spread, norms)
 
-    def _run_batched(
-        self,
-        key: str,
-        micro: list[Any],
-        weights: list[float],
-        owner: list[int],
-        loss_fn: LossFn,
-        inputs: Callable[[Any], Any],
-        accumulate: int,
-        forward_context: Context,
-        trace: StepTrace,
-        meter: ActivationMeter | None,
-        loss_scale: Any = None,
-    ) -> dict[int, Any]:
-        """``replica_execution="batched"``: unit m carries micro-batch m of every replica, stacked (one vmap)."""
-        assert self.batched is not None
-        n = self.num_pipelines
-        per = [[u for u in range(len(micro)) if owner[u] == r] for r in range(n)]
-        if len({len(units) for units in per}) != 1 or len({microbatch.signature(micro[us[0]]) for us in per}) != 1:
-            raise ValueError(
-                "replica_execution='batched' needs the N batches of an iteration to have the same shape; use "
-                "drop_last=True in the DataLoader or replica_execution='sequential'."
-            )
-        units = [[per[r][m] for r in range(n)] for m in range(len(per[0]))]  # unit m -> its N micro-batches
-
-        def head(m: int, output: Any) -> Tensor:
-            terms = [
-                loss_of(loss_fn(select(output, r), micro[u], weights[u] / n), "training_step")
-                * (weights[u] / accumulate)
-                for r, u in enumerate(units[m])
-            ]
-            return torch.stack(terms).sum()
-
-        batched = self.batched
-        batched.begin()
-        results = self.executor.run(
-            self.plan(True, len(units)).stages[self.stage],
-            [(key, "batched", microbatch.signature(micro[us[0]])) for us in units],
-            training=True,
-            inputs=lambda m: stack([inputs(micro[u]) for u in units[m]]),
-            head=head,
-            forward_context=forward_context,
-            stage_fn_for=lambda m: batched,
-            trace=trace,
-            meter=meter,
-            loss_scale=loss_scale,
-        )
-        batched.finish()
-        return results
-
     @property
     def uncounted_params(self) -> set[int]:
         """Ids of the shared weights' copies a global gradient norm must not count on this stage."""
         return self._tied.uncounted()
-
-    def check_finite(
-        self, results: Mapping[int, Any], param_names: Mapping[int, str] | None = None, gradients: bool = True
-    ) -> None:
-        """Fail, naming stage, replica and where, on a non-finite loss (last stage) or gradient (every stage; not
-        with ``gradients=False``: under loss scaling an overflow skips the step instead)."""
-        where = f"stage {self.stage} (rank {self.topology.rank})"
-        fix = "lower the learning rate, clip gradients (Trainer(gradient_clip_val=...)) or check the data"
-        if results:
-            losses = torch.stack([r.detach().float() for r in results.values()])
-            if not bool(torch.isfinite(losses).all()):
-                units = [u for u, r in results.items() if not bool(torch.isfinite(r))]
-                raise FloatingPointError(f"{where}: the loss of unit(s) {units} is not finite; {fix}.")
-        grads = [local(p.grad) if p.grad is not None else None for p in self._params] if gradients else []
-        present = [g for g in grads if g is not None]
-        if not present or bool(torch.isfinite(torch.stack(torch._foreach_norm(present))).all()):
-            return
-        per_replica = len(self._params) // max(1, self.elastic.num_replicas)
-        reference = self.elastic.reference_params
-        names = param_names or {}
-        for i, g in enumerate(grads):
-            if g is not None and not bool(torch.isfinite(g).all()):
-                replica, j = divmod(i, max(1, per_replica))
-                name = names.get(id(reference[j]), f"parameter {j}") if j < len(reference) else f"parameter {j}"
-                raise FloatingPointError(
-                    f"{where}: a non-finite gradient in replica {replica}, layer parameter '{name}'; {fix}."
-                )
 
     def divergence(self) -> Tensor:
         """``(N,)``: ‖w_n − w_ref‖ / ‖w_ref‖ over all stages of this pipeline (collective over the pipeline).
@@ -565,11 +441,7 @@ class StagePipeline:
         """
         self.elastic.wait()
         sums = torch.stack(self.elastic.divergence())  # (N, 2): ‖w_n - w_ref‖², ‖w_ref‖² on this stage
-        if self.topology.tensor_parallel_size > 1:  # the stage's shards (whole tensors weighted 1/T: shards.py)
-            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self.topology.tensor_group)
-        if self.num_stages > 1:
-            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self.topology.pipeline_group)
-        return sums[:, 0].sqrt() / sums[:, 1].sqrt().clamp_min(1e-12)
+        return collectives.pipeline_divergence(self.topology, sums)
 
     # -- evaluation ----------------------------------------------------------------------------------------------
     def eval_step(
@@ -597,172 +469,25 @@ class StagePipeline:
             forward_context=forward_context,
         )
 
-    # -- what crosses the pipeline -------------------------------------------------------------------------------
+    # -- what crosses the pipeline (runtime/collectives.py) -------------------------------------------------------
     def share(self, payload: Any) -> Any:
         """``payload`` from this pipeline's last stage, on every stage (collective over the pipeline)."""
-        if self.num_stages == 1:
-            return payload
-        box = [payload]
-        src = self.topology.pipeline_ranks[-1]
-        try:
-            dist.broadcast_object_list(box, src=src, group=self.topology.pipeline_group)
-        except RuntimeError as err:
-            raise PeerFailureError(
-                f"stage {self.stage} (rank {self.topology.rank}): the step's results from rank {src} (stage "
-                f"{self.num_stages - 1}, the last) did not arrive: a rank of this pipeline failed, was killed or is "
-                f"stuck. {first_failure()}({str(err).splitlines()[0][:160]})"
-            ) from err
-        return box[0]
+        return collectives.share(self.topology, payload)
 
     def share_tensor(self, tensor: Tensor) -> Tensor:
         """``tensor`` of this pipeline's last stage, in place on every stage (collective over the pipeline)."""
-        if self.num_stages > 1:
-            src = self.topology.pipeline_ranks[-1]
-            try:
-                dist.broadcast(tensor, src=src, group=self.topology.pipeline_group)
-            except RuntimeError as err:
-                raise PeerFailureError(
-                    f"stage {self.stage} (rank {self.topology.rank}): the step's results from rank {src} (stage "
-                    f"{self.num_stages - 1}, the last) did not arrive: a rank of this pipeline failed, was killed or "
-                    f"is stuck. {first_failure()}({str(err).splitlines()[0][:160]})"
-                ) from err
-        return tensor
+        return collectives.share_tensor(self.topology, tensor)
 
     def gather(self, obj: Any) -> list[Any] | None:
         """``obj`` of every stage of this pipeline, on its first stage (``None`` elsewhere; collective)."""
-        if self.num_stages == 1:
-            return [obj]
-        dst = self.topology.pipeline_ranks[0]
-        out: list[Any] | None = [None] * self.num_stages if self.topology.rank == dst else None
-        dist.gather_object(obj, out, dst=dst, group=self.topology.pipeline_group)
-        return out
+        return collectives.gather(self.topology, obj)
 
-    def figures(self, trace: StepTrace, static_bytes: float) -> Tensor:
-        """``(S, 6)`` over the pipeline: step, compute, wait, bubble, activation peak, device peak (collective).
-
-        The device peak is the allocator's on CUDA (weights and optimizer states included; reset here) and, on CPU,
-        ``static_bytes`` (what the stage's tensors hold) plus the activation peak.
-        """
-        row = trace.summary()
-        if self.device.type == "cuda":
-            row.append(float(torch.cuda.max_memory_allocated(self.device)))
-            torch.cuda.reset_peak_memory_stats(self.device)
-        else:
-            row.append(row[4] + static_bytes)
-        mine = torch.tensor(row, dtype=torch.float64, device=self.device)
-        rows = [mine]
-        if self.num_stages > 1:
-            rows = [torch.zeros_like(mine) for _ in range(self.num_stages)]
-            dist.all_gather(rows, mine, group=self.topology.pipeline_group)
-        return torch.stack(rows).cpu()
-
-    def static_bytes(self, optimizers: Sequence[Optimizer] = ()) -> float:
-        """Bytes of this stage's weights (replicas and reference), gradients, optimizer states and averaging buffers."""
-        elastic = self.elastic
-        seen: set[int] = set()
-
-        def count(tensors: Any) -> int:
-            total = 0
-            for t in map(local, tensors):  # a tensor-parallel shard: the part this rank holds
-                if isinstance(t, Tensor) and t.numel() and t.untyped_storage().data_ptr() not in seen:
-                    seen.add(t.untyped_storage().data_ptr())
-                    total += t.untyped_storage().nbytes()
-            return total
-
-        grads = [p.grad for p in self._params]
-        inner = [o for opt in optimizers for o in getattr(opt, "replicas", [opt])]
-        states = [v for opt in inner for st in opt.state.values() for v in st.values()]
-        return float(
-            count(self._params)
-            + count(elastic.reference_params)
-            + count(grads)
-            + count(states)
-            + count(elastic.buffers())
-        )
-
-    # -- advance forward: k ----------------------------------------------------------------------------------------
-    def observe_k(self, table: Tensor) -> str | None:
-        """One step's observation for ``advance_forwards="auto"`` (``table`` from :meth:`figures`); the decision is
-        global rank 0's, broadcast to every rank. Returns the reason when this observation settled k."""
-        if self.config.schedule != "advance" or self.config.advance_forwards != "auto":
-            return None
-        units = self.num_microbatches * (1 if self.batched is not None else self.num_pipelines)
-        if self._search is None:
-            limit = memory_limit_bytes(self.config.memory_limit, self.device, self.processes)
-            self._search = AdvanceSearch(max_k=max_advance_forwards(self.num_stages, units), memory_limit=limit)
-        search = self._search
-        if search.settled:
-            return None
-        peaks = [float(v) for v in table[:, 4]]  # what k + 1 would add follows the peak stash's closed form
-        search.observe(float(table[:, 0].max()), peaks, added_bytes(peaks, self.num_stages, units, self._k))
-        decision = torch.tensor([search.k, int(search.settled)], dtype=torch.int64, device=self.device)
-        if self.topology.world_size > 1:  # global rank 0 decides for the whole job
-            dist.broadcast(decision, src=0, group=self.topology.job_group)
-        search.k, search.settled = int(decision[0]), bool(decision[1])
-        self._k = search.k
-        return (search.reason or f"settled on {search.k} (rank 0)") if search.settled else None
-
-    # -- activation checkpointing: "auto" --------------------------------------------------------------------------
-    @property
-    def measuring_memory(self) -> bool:
-        """Whether ``activation_checkpointing="auto"`` still needs a step's figures to decide."""
-        return self.config.activation_checkpointing == "auto" and self._recompute_seen >= 0
-
-    def observe_memory(self, table: Tensor) -> str | None:
-        """``activation_checkpointing="auto"``: from the second measured step (the optimizer's state exists by then),
-        every stage whose device peak (``table`` from :meth:`figures`, column 5; the largest over the stage's groups and
-        tensor shards, and the smallest limit: collective over the job) is above ``memory_limit`` checkpoints all its
-        layers, so every rank of a stage decides alike; returns what was decided."""
-        if not self.measuring_memory:
-            return None
-        self._recompute_seen += 1
-        if self._recompute_seen < 2:
-            return None
-        self._recompute_seen = -1  # decided
-        limit = memory_limit_bytes(self.config.memory_limit, self.device, self.processes)
-        if limit is None:  # the same configuration on every rank
-            return "off: no memory_limit to keep under"
-        # every rank of a stage decides alike (under tensor parallelism recomputation adds collectives): the peaks'
-        # maximum and the limits' minimum over the job, in one all-reduce
-        values = torch.cat([table[:, 5].double(), torch.tensor([-float(limit)], dtype=torch.float64)])
-        if self.topology.world_size > 1:
-            values = values.to(self.device)
-            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.topology.job_group)
-        *peak, limit = values.tolist()
-        limit = -limit
-        over = [s for s, p in enumerate(peak) if p > limit]
-        if self.stage in over:
-            self.set_recompute([True] * len(self.layers))
-        if not over:
-            return f"off: every stage's peak is under memory_limit ({limit / 2**20:.1f} MiB)"
-        named = ", ".join(f"stage {s} {peak[s] / 2**20:.1f} MiB" for s in over)
-        return f"on for every layer of stage(s) {over}: peaks {named} above memory_limit ({limit / 2**20:.1f} MiB)"
-
+    # -- activation checkpointing ----------------------------------------------------------------------------------
     def set_recompute(self, mask: Sequence[bool]) -> None:
-        """Checkpoint the layers in ``mask`` from the next step on (every replica's copy of them); under
-        ``activation_checkpointing="auto"`` that is the decision, and nothing more is measured for it."""
-        self._recompute_seen = -1
+        """Checkpoint the layers in ``mask`` from the next step on (every replica's copy of them)."""
         self.recompute = list(mask)
         self.executor.stage_fn = self._stage_function(self.layers)
         self._replica_fns = [self._stage_function(layers) for layers in self.elastic.replicas]
-
-    @property
-    def measuring_k(self) -> bool:
-        """Whether ``advance_forwards="auto"`` still needs every step's figures."""
-        cfg = self.config
-        return (
-            cfg.schedule == "advance"
-            and cfg.advance_forwards == "auto"
-            and not (self._search is not None and self._search.settled)
-        )
-
-    def write_trace(self, trace: StepTrace, path: Path, title: str) -> tuple[Path, Path | None] | None:
-        """Gather the step's timelines of every stage and write them (first pipeline's first stage; collective)."""
-        gathered = self.gather(trace.spans)
-        if gathered is None or self.topology.group_index != 0:
-            return None
-        names = [f"stage {s} (rank {r})" for s, r in enumerate(self.topology.pipeline_ranks)]
-        return write_trace(path, gathered, title, names)
 
     def describe(self) -> str:
         cfg = self.config
@@ -771,8 +496,3 @@ class StagePipeline:
             + (f" k={self._k}" if cfg.schedule == "advance" else "")
             + f", S={self.num_stages}, M={self.num_microbatches}, N={self.num_pipelines}"
         )
-
-
-def reconfigured(config: PipelineConfig, **changes: Any) -> PipelineConfig:
-    """``config`` with the given fields changed (``None`` values are left as they are)."""
-    return replace(config, **{k: v for k, v in changes.items() if v is not None})
