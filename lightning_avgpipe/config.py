@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Union
 
 from lightning_avgpipe.checks import is_int, is_number
@@ -60,63 +60,32 @@ def check_checkpointing(spec: Any) -> Spec:
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    """How a model is pipelined. See :class:`~lightning_avgpipe.AvgPipeStrategy` for when to change each field."""
+    """How a model is pipelined. Each field is the :class:`~lightning_avgpipe.AvgPipeStrategy` argument of the same
+    name, with the same default: the strategy builds its config from those arguments, and ``tests/test_arguments.py``
+    holds the two together. What each field means and when to change it: docs/arguments.md (generated from the
+    strategy's docstring)."""
 
-    # Stages per pipeline (processes that hold consecutive layers). None: every device of the job.
     num_stages: int | None = None
-    # Micro-batches per batch. More shrink the bubble ((S-1)/(M+S-1)) but make each unit smaller. None: 2 * stages.
     num_microbatches: int | None = None
-    # "1f1b" (memory-lean), "afab" (GPipe: all forwards then all backwards), or "advance" (1F1B + k early forwards).
     schedule: str = "1f1b"
-    # Forwards every stage but the last runs early beyond 1F1B's warm-up; only used by schedule="advance".
-    # "auto": raise k from 0 while iterations get faster and memory_limit holds (see autotune.py).
     advance_forwards: int | str = "auto"
-    # Peak memory a stage may use when choosing k automatically: bytes, or a fraction (<= 1) of the device's memory.
     memory_limit: float | None = None
-    # "balanced" (profiled time), "parameters", "uniform", or a list of layer counts per stage.
     partition: str | Sequence[int] = "balanced"
-    # N parallel pipelines (replicas per stage) tied by elastic averaging; 1 is plain pipeline training.
     num_pipelines: int = 1
-    # How the N batches of a step (and the D groups) are combined: "elastic" (the paper's rule: N replicas, each with
-    # its own optimizer step, pulled toward a reference) or "exact" (one model: the N x D batches train as one batch
-    # of N x D x B, their gradients averaged; the control every averaging option is measured against).
     averaging: str = "elastic"
-    # The outer optimizer on the reference (elastic averaging): the mean update is a pseudo-gradient stepped with this
-    # lr and momentum (Nesterov); 1.0 and 0.0 are the paper's rule, DiLoCo's preset is 0.7 and 0.9.
     outer_lr: float = 1.0
     outer_momentum: float = 0.0
-    # H: local steps of every replica between pulls and reference updates (the D-group all-reduce runs every H steps).
     averaging_period: int = 1
-    # Share of the distance to the reference each replica moves per step; None: 1 / (N x groups).
     elastic_alpha: float | None = None
-    # Finish the reference update (an all-reduce across groups) inside the step instead of overlapping it; None:
-    # overlap it, except with shard_optimizer_state, whose update is synchronous (see synchronous_reference).
     sync_reference: bool | None = None
-    # How a stage runs its N replicas: "sequential" (N x M units through the schedule) or "batched" (M units, the
-    # N replicas of each stacked and run as one torch.func.vmap call: fewer, larger operations, a bigger bubble).
     replica_execution: str = "sequential"
-    # Point-to-point style: "eager" posts receives one compute ahead as separate operations (fast on gloo);
-    # "batched" posts them just in time, each run of comms as one batch_isend_irecv (required by NCCL's in-order,
-    # rendezvous semantics); "auto" picks "batched" on NCCL and "eager" otherwise.
     p2p: str = "auto"
-    # Folder for timelines (Chrome-trace JSON + PNG Gantt chart, one pair per traced step); None: no traces.
     trace_dir: str | None = None
-    # Which training steps (global_step values) to trace when trace_dir is set.
-    trace_steps: tuple[int, ...] = (2,)
-    # Seconds a stage waits for a neighbour after the first training step before failing with its name.
+    trace_steps: Sequence[int] = (2,)
     p2p_timeout: float = 30.0
-    # Seconds a point-to-point wait may block before the job fails with a message (collectives use it too).
-    timeout: float = field(default=1800.0)
-    # Activation checkpointing per stage (runtime/recompute.py): False, True (every layer) or layer types (classes
-    # or class names); the listed layers keep only their inputs and run their forward again in the backward.
+    timeout: float = 1800.0
     activation_checkpointing: Any = False
-    # T: ranks that split every layer of a stage (tensor parallelism on DTensor, docs/parallelism.md); the job is a
-    # D x S x T mesh with T innermost, so T should divide the devices of a node.
     tensor_parallel_size: int = 1
-    # ZeRO-1 over the D groups (runtime/zero.py). averaging="exact" (one model): each group keeps the optimizer state
-    # of a 1/D part of every stage's parameters and steps it, then broadcasts it. "elastic": each group keeps a 1/D
-    # slice of the reference, of the summed update and of the outer momentum (reduce-scatter the update, all-gather
-    # the reference). No effect with D = 1.
     shard_optimizer_state: bool = False
 
     @property
@@ -126,16 +95,13 @@ class PipelineConfig:
         return self.shard_optimizer_state if self.sync_reference is None else self.sync_reference
 
     def __post_init__(self) -> None:
-        if not isinstance(self.shard_optimizer_state, bool):
-            raise ValueError(f"shard_optimizer_state={self.shard_optimizer_state!r} must be True or False.")
-        if self.sync_reference is not None and not isinstance(self.sync_reference, bool):
-            raise ValueError(f"sync_reference={self.sync_reference!r} must be True, False or None.")
-        if self.shard_optimizer_state and self.sync_reference is False:
-            raise ValueError(
-                "sync_reference=False with shard_optimizer_state=True: the sharded state is updated inside the step "
-                "(a sharded elastic reference is gathered at the end of every step, so its update cannot overlap the "
-                "next one). Leave sync_reference=None (or True), or turn sharding off."
-            )
+        self._check_layout()
+        self._check_schedule()
+        self._check_averaging()
+        self._check_runtime()
+
+    def _check_layout(self) -> None:
+        """Stages, micro-batches, the partition, tensor parallelism and how replicas run."""
         if not is_int(self.tensor_parallel_size, 1):
             raise ValueError(
                 f"tensor_parallel_size={self.tensor_parallel_size!r} must be an int >= 1 (1: no tensor parallelism); "
@@ -148,6 +114,14 @@ class PipelineConfig:
             raise ValueError(
                 f"num_microbatches={m!r} must be an int >= 1 (or None for 2 x num_stages); it splits each batch."
             )
+        if not isinstance(self.partition, str):
+            object.__setattr__(self, "partition", tuple(self.partition))
+        check_partition(self.partition, num_stages=None if isinstance(self.partition, str) else self.num_stages)
+        if self.replica_execution not in ("sequential", "batched"):
+            raise ValueError(f"replica_execution={self.replica_execution!r} is not one of ['sequential', 'batched'].")
+
+    def _check_schedule(self) -> None:
+        """The schedule, k, the memory limit and activation checkpointing."""
         object.__setattr__(self, "schedule", check_schedule_name(self.schedule))
         k = self.advance_forwards
         if k != "auto" and not is_int(k, 0):
@@ -159,13 +133,16 @@ class PipelineConfig:
             raise ValueError(
                 f"memory_limit={limit!r} must be a number of bytes, or a fraction in (0, 1] of the device's memory."
             )
-        if not isinstance(self.partition, str):
-            object.__setattr__(self, "partition", tuple(self.partition))
-        check_partition(self.partition, num_stages=None if isinstance(self.partition, str) else self.num_stages)
-        if self.replica_execution not in ("sequential", "batched"):
-            raise ValueError(f"replica_execution={self.replica_execution!r} is not one of ['sequential', 'batched'].")
-        if self.p2p not in ("auto", "eager", "batched"):
-            raise ValueError(f"p2p={self.p2p!r} is not one of ['auto', 'eager', 'batched']; 'auto' suits most jobs.")
+        spec = check_checkpointing(self.activation_checkpointing)
+        object.__setattr__(self, "activation_checkpointing", spec)
+        if spec and self.replica_execution == "batched":
+            raise ValueError(
+                "activation_checkpointing with replica_execution='batched' is not supported (torch.func.vmap over "
+                "checkpointed layers); use replica_execution='sequential', or turn activation_checkpointing off."
+            )
+
+    def _check_averaging(self) -> None:
+        """N, the averaging, its outer optimizer and period, alpha, and the sharded state."""
         n = self.num_pipelines
         if not is_int(n, 1):
             raise ValueError(f"num_pipelines={n!r} must be an int >= 1 (1 = plain pipeline training).")
@@ -185,22 +162,33 @@ class PipelineConfig:
             )
         if self.elastic_alpha is not None:
             check_alpha(self.elastic_alpha)
+        self._check_sharding()
+
+    def _check_sharding(self) -> None:
+        if not isinstance(self.shard_optimizer_state, bool):
+            raise ValueError(f"shard_optimizer_state={self.shard_optimizer_state!r} must be True or False.")
+        if self.sync_reference is not None and not isinstance(self.sync_reference, bool):
+            raise ValueError(f"sync_reference={self.sync_reference!r} must be True, False or None.")
+        if self.shard_optimizer_state and self.sync_reference is False:
+            raise ValueError(
+                "sync_reference=False with shard_optimizer_state=True: the sharded state is updated inside the step "
+                "(a sharded elastic reference is gathered at the end of every step, so its update cannot overlap the "
+                "next one). Leave sync_reference=None (or True), or turn sharding off."
+            )
+
+    def _check_runtime(self) -> None:
+        """Transfers, timeouts and traces."""
+        if self.p2p not in ("auto", "eager", "batched"):
+            raise ValueError(f"p2p={self.p2p!r} is not one of ['auto', 'eager', 'batched']; 'auto' suits most jobs.")
         t = self.p2p_timeout
         if not is_number(t) or not t > 0:
             raise ValueError(f"p2p_timeout={t!r} must be a positive number of seconds.")
+        if not is_number(self.timeout) or not self.timeout > 0:
+            raise ValueError(f"timeout={self.timeout!r} must be a positive number of seconds.")
         steps = self.trace_steps
         if isinstance(steps, (str, bytes)) or not all(is_int(s) for s in steps):
             raise ValueError(f"trace_steps={steps!r} must be a list of training step numbers, e.g. [2, 100].")
         object.__setattr__(self, "trace_steps", tuple(steps))
-        spec = check_checkpointing(self.activation_checkpointing)
-        object.__setattr__(self, "activation_checkpointing", spec)
-        if spec and self.replica_execution == "batched":
-            raise ValueError(
-                "activation_checkpointing with replica_execution='batched' is not supported (torch.func.vmap over "
-                "checkpointed layers); use replica_execution='sequential', or turn activation_checkpointing off."
-            )
-        if not is_number(self.timeout) or not self.timeout > 0:
-            raise ValueError(f"timeout={self.timeout!r} must be a positive number of seconds.")
 
     @property
     def exact(self) -> bool:

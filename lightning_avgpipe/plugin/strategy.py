@@ -7,7 +7,8 @@ maps Lightning's life cycle onto it (docs/how-it-works.md#lightning-integration)
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import fields
 from typing import Any
 
 import lightning.pytorch as pl
@@ -111,7 +112,8 @@ class AvgPipeStrategy(ProcessStrategy):
         tensor_parallel_size: T, the ranks that split every layer of a stage (DTensor; docs/parallelism.md). The
             job is a D x S x T mesh, T innermost: T must divide the devices of a node.
         tensor_parallel_plan: module name (patterns allowed) -> ``ColwiseParallel()``/``RowwiseParallel()`` (or
-            ``"colwise"``/``"rowwise"``); None: every pair of ``nn.Linear`` in a layer, column- then row-wise.
+            ``"colwise"``/``"rowwise"``); None: a module whose only two ``nn.Linear`` children widen then narrow (an
+            MLP) splits them column- then row-wise, and everything else (attention among it) stays whole.
         shard_optimizer_state: ZeRO-1 over the D groups (docs/parallelism.md#sharded-optimizer-state). With
             ``averaging="exact"`` each group keeps and steps the optimizer state of a 1/D part of every stage; with
             elastic averaging each keeps a 1/D slice of the reference, the summed update and the outer momentum,
@@ -143,7 +145,7 @@ class AvgPipeStrategy(ProcessStrategy):
         replica_execution: str = "sequential",
         p2p: str = "auto",
         trace_dir: str | None = None,
-        trace_steps: list[int] | None = None,
+        trace_steps: Sequence[int] = (2,),
         p2p_timeout: float = 30.0,
         timeout: float = 1800.0,
         process_group_backend: str | None = None,
@@ -168,30 +170,8 @@ class AvgPipeStrategy(ProcessStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        self.config = PipelineConfig(
-            num_stages=num_stages,
-            num_microbatches=num_microbatches,
-            schedule=schedule,
-            advance_forwards=advance_forwards,
-            memory_limit=memory_limit,
-            partition=partition,
-            num_pipelines=num_pipelines,
-            averaging=averaging,
-            outer_lr=outer_lr,
-            outer_momentum=outer_momentum,
-            averaging_period=averaging_period,
-            elastic_alpha=elastic_alpha,
-            sync_reference=sync_reference,
-            replica_execution=replica_execution,
-            p2p=p2p,
-            trace_dir=trace_dir,
-            trace_steps=tuple(trace_steps) if trace_steps is not None else (2,),
-            p2p_timeout=p2p_timeout,
-            timeout=timeout,
-            activation_checkpointing=activation_checkpointing,
-            tensor_parallel_size=tensor_parallel_size,
-            shard_optimizer_state=shard_optimizer_state,
-        )
+        arguments = locals()  # the pipeline's arguments are PipelineConfig's fields, under the same names
+        self.config = PipelineConfig(**{f.name: arguments[f.name] for f in fields(PipelineConfig)})
         self.tensor_parallel_plan = tensor.check_tensor_parallel_args(tensor_parallel_size, tensor_parallel_plan, None)
         # The k the user asked for, kept across fits (a tuner's reconfigure replaces "auto" with a number).
         self.user_advance_forwards: int | str = advance_forwards

@@ -78,107 +78,165 @@ class StageExecutor:
         Returns:
             On the last stage, unit -> the head's value (detached in training); elsewhere an empty dict.
         """
-        results: dict[int, Any] = {}
-        stash: dict[int, tuple[list[Tensor], list[Tensor]]] = {}  # unit -> (inputs needing grad, outputs to backprop)
-        outgoing: dict[int, Any] = {}
-        input_grads: dict[int, list[Tensor]] = {}
-        link = self.link
-        clock = time.perf_counter
-        note = trace.add if trace is not None else (lambda kind, unit, t0, t1: None)
-        grad_mode = torch.enable_grad() if training else torch.no_grad()
-        with grad_mode:
+        run = _Run(self, keys, training, inputs, head, forward_context, stage_fn_for, trace, meter, after_backward)
+        run.loss_scale = loss_scale
+        steps = {
+            Kind.RECV_F: run.recv_activations,
+            Kind.FORWARD: run.forward,
+            Kind.SEND_F: run.send_activations,
+            Kind.RECV_B: run.recv_grads,
+            Kind.BACKWARD: run.backward,
+            Kind.SEND_B: run.send_grads,
+        }
+        with torch.enable_grad() if training else torch.no_grad():
             for action in actions:
-                kind, u = action.kind, action.unit
-                if self.coalesce:
-                    assert link is not None
-                    if kind.is_compute:
-                        link.flush_batch()
-                    else:
-                        link.begin_batch()
-                if kind.is_compute and link is not None:
-                    link.reap_sends()  # sent activations/gradients need not outlive their transfer
-                if kind is Kind.RECV_F:
-                    assert link is not None
-                    link.post_activations(u, keys[u])
-                elif kind is Kind.FORWARD:
-                    t0 = clock()
-                    if self.is_first:
-                        assert inputs is not None, "the first stage needs inputs"
-                        x = inputs(u)
-                    else:
-                        assert link is not None
-                        x = link.wait_activations(u, training)
-                        note("wait", u, t0, clock())
-                    t1 = clock()
-                    counting = meter.unit(u) if meter is not None and training else contextlib.nullcontext()
-                    with forward_context(), counting:
-                        try:
-                            y = (stage_fn_for(u) if stage_fn_for is not None else self.stage_fn)(x)
-                        except (RuntimeError, TypeError, ValueError, IndexError) as err:
-                            if not self.is_first:
-                                _note_boundary(err, self.stage, u, x)
-                            raise
-                        if self.is_last:  # the loss / user step runs in the same context (autocast) as the model
-                            assert head is not None, "the last stage needs a head"
-                            value = head(u, y)
-                    note("F", u, t1, clock())
-                    if self.is_last:
-                        if training:
-                            value = loss_of(value, "the training head")
-                            stash[u] = (_needing_grad(x), [value])
-                            value = value.detach()
-                        results[u] = value
-                    else:
-                        outgoing[u] = y
-                        if training:
-                            outs = [t for t in flatten_output(y, f"stage {self.stage}") if t.requires_grad]
-                            stash[u] = (_needing_grad(x), outs)
-                elif kind is Kind.SEND_F:
-                    assert link is not None
-                    t0 = clock()
-                    link.send_activations(keys[u], outgoing.pop(u))
-                    note("send", u, t0, clock())
-                elif kind is Kind.RECV_B:
-                    assert link is not None
-                    link.post_grads(u, stash[u][1])
-                elif kind is Kind.BACKWARD:
-                    ins, outs = stash.pop(u)
-                    grads = None
-                    if not self.is_last:
-                        assert link is not None
-                        t0 = clock()
-                        grads = link.wait_grads(u)
-                        note("wait", u, t0, clock())
-                    t1 = clock()
-                    if self.is_last:  # with loss scaling (16-mixed) every gradient of the pipeline is scaled
-                        torch.autograd.backward(outs if loss_scale is None else [o * loss_scale for o in outs])
-                    elif outs:
-                        torch.autograd.backward(outs, grads)
-                    if not self.is_first:
-                        input_grads[u] = [t.grad if t.grad is not None else torch.zeros_like(t) for t in ins]
-                    note("B", u, t1, clock())
-                    if meter is not None:
-                        meter.release(u)
-                    if after_backward is not None:
-                        after_backward(u)
-                elif kind is Kind.SEND_B:
-                    assert link is not None
-                    t0 = clock()
-                    link.send_grads(input_grads.pop(u))
-                    note("send", u, t0, clock())
-                else:  # pragma: no cover - Kind is closed
-                    raise ValueError(f"unknown action {action}")
+                self._between(action.kind)
+                steps[action.kind](action.unit)
+        return run.finish()
+
+    def _between(self, kind: Kind) -> None:
+        """Before each action: group a run of communications into one batch (``coalesce``), and let sent tensors go
+        before a compute (they need not outlive their transfer)."""
+        link = self.link
+        if link is None:
+            return
+        if self.coalesce:
+            if kind.is_compute:
+                link.flush_batch()
+            else:
+                link.begin_batch()
+        if kind.is_compute:
+            link.reap_sends()
+
+
+class _Run:
+    """One run of a stage's plan: what its units hold between actions, and one method per kind of action."""
+
+    def __init__(
+        self,
+        executor: StageExecutor,
+        keys: Sequence[Hashable],
+        training: bool,
+        inputs: Callable[[int], Any] | None,
+        head: HeadFn | None,
+        forward_context: Callable[[], contextlib.AbstractContextManager[Any]],
+        stage_fn_for: Callable[[int], StageFn] | None,
+        trace: StepTrace | None,
+        meter: ActivationMeter | None,
+        after_backward: Callable[[int], None] | None,
+    ) -> None:
+        self.executor, self.keys, self.training = executor, keys, training
+        self.inputs, self.head, self.forward_context = inputs, head, forward_context
+        self.stage_fn_for = stage_fn_for
+        self.trace, self.meter, self.after_backward = trace, meter, after_backward
+        self.loss_scale: Any = None
+        self.results: dict[int, Any] = {}
+        self.stash: dict[int, tuple[list[Tensor], list[Tensor]]] = {}  # unit -> (inputs needing grad, outputs)
+        self.outgoing: dict[int, Any] = {}
+        self.input_grads: dict[int, list[Tensor]] = {}
+
+    @property
+    def link(self) -> Link:
+        link = self.executor.link
+        assert link is not None, f"stage {self.executor.stage}: a transfer with one stage"
+        return link
+
+    def note(self, kind: str, unit: int, t0: float, t1: float) -> None:
+        if self.trace is not None:
+            self.trace.add(kind, unit, t0, t1)
+
+    # -- forward -------------------------------------------------------------------------------------------------
+    def recv_activations(self, u: int) -> None:
+        self.link.post_activations(u, self.keys[u])
+
+    def _input(self, u: int) -> Any:
+        if self.executor.is_first:
+            assert self.inputs is not None, "the first stage needs inputs"
+            return self.inputs(u)
+        t0 = time.perf_counter()
+        x = self.link.wait_activations(u, self.training)
+        self.note("wait", u, t0, time.perf_counter())
+        return x
+
+    def forward(self, u: int) -> None:
+        ex = self.executor
+        x = self._input(u)
+        t1 = time.perf_counter()
+        counting = self.meter.unit(u) if self.meter is not None and self.training else contextlib.nullcontext()
+        with self.forward_context(), counting:
+            try:
+                y = (self.stage_fn_for(u) if self.stage_fn_for is not None else ex.stage_fn)(x)
+            except (RuntimeError, TypeError, ValueError, IndexError) as err:
+                if not ex.is_first:
+                    _note_boundary(err, ex.stage, u, x)
+                raise
+            if ex.is_last:  # the loss / user step runs in the same context (autocast) as the model
+                assert self.head is not None, "the last stage needs a head"
+                y = self.head(u, y)
+        self.note("F", u, t1, time.perf_counter())
+        if ex.is_last:
+            if self.training:
+                y = loss_of(y, "the training head")
+                self.stash[u] = (_needing_grad(x), [y])
+                y = y.detach()
+            self.results[u] = y
+            return
+        self.outgoing[u] = y
+        if self.training:
+            self.stash[u] = (_needing_grad(x), [t for t in flatten_output(y, f"stage {ex.stage}") if t.requires_grad])
+
+    def send_activations(self, u: int) -> None:
+        t0 = time.perf_counter()
+        self.link.send_activations(self.keys[u], self.outgoing.pop(u))
+        self.note("send", u, t0, time.perf_counter())
+
+    # -- backward ------------------------------------------------------------------------------------------------
+    def recv_grads(self, u: int) -> None:
+        self.link.post_grads(u, self.stash[u][1])
+
+    def backward(self, u: int) -> None:
+        ex = self.executor
+        ins, outs = self.stash.pop(u)
+        grads = None
+        if not ex.is_last:
+            t0 = time.perf_counter()
+            grads = self.link.wait_grads(u)
+            self.note("wait", u, t0, time.perf_counter())
+        t1 = time.perf_counter()
+        if ex.is_last:  # with loss scaling (16-mixed) every gradient of the pipeline is scaled
+            scale = self.loss_scale
+            torch.autograd.backward(outs if scale is None else [o * scale for o in outs])
+        elif outs:
+            torch.autograd.backward(outs, grads)
+        if not ex.is_first:
+            self.input_grads[u] = [t.grad if t.grad is not None else torch.zeros_like(t) for t in ins]
+        self.note("B", u, t1, time.perf_counter())
+        if self.meter is not None:
+            self.meter.release(u)
+        if self.after_backward is not None:
+            self.after_backward(u)
+
+    def send_grads(self, u: int) -> None:
+        t0 = time.perf_counter()
+        self.link.send_grads(self.input_grads.pop(u))
+        self.note("send", u, t0, time.perf_counter())
+
+    # -- the end -------------------------------------------------------------------------------------------------
+    def finish(self) -> dict[int, Any]:
+        """Wait for the sends, close the timeline; fail if the plan left a unit unfinished."""
+        link = self.executor.link
         if link is not None:
-            t0 = clock()
+            t0 = time.perf_counter()
             link.wait_sends()
-            note("wait", -1, t0, clock())
-        if trace is not None:
-            trace.finish()
-            if meter is not None:
-                trace.peak_activation_bytes = meter.peak
-        if stash or outgoing or input_grads:
-            raise RuntimeError(f"stage {self.stage}: plan left units unfinished: {sorted(stash) or sorted(outgoing)}")
-        return results
+            self.note("wait", -1, t0, time.perf_counter())
+        if self.trace is not None:
+            self.trace.finish()
+            if self.meter is not None:
+                self.trace.peak_activation_bytes = self.meter.peak
+        if self.stash or self.outgoing or self.input_grads:
+            left = sorted(self.stash) or sorted(self.outgoing)
+            raise RuntimeError(f"stage {self.executor.stage}: plan left units unfinished: {left}")
+        return self.results
 
 
 def _needing_grad(x: Any) -> list[Tensor]:

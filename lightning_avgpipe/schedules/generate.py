@@ -128,6 +128,18 @@ def _send_for(action: Action, num_stages: int) -> Action | None:
     return None
 
 
+def _forwarded_before(upstream: Sequence[Action]) -> dict[int, list[int]]:
+    """Unit j -> the units ``upstream`` (a stage's compute order) forwards before its backward of j."""
+    done: list[int] = []
+    before: dict[int, list[int]] = {}
+    for a in upstream:
+        if a.kind is Kind.FORWARD:
+            done.append(a.unit)
+        elif a.kind is Kind.BACKWARD:
+            before[a.unit] = list(done)
+    return before
+
+
 def lower(
     compute: Sequence[Action], num_stages: int, recv_lookahead: int = 1, upstream: Sequence[Action] | None = None
 ) -> list[Action]:
@@ -154,14 +166,8 @@ def lower(
     out: list[Action] = []
     posted: set[Action] = set()
     forwarded: set[int] = set()
-    sent_before: dict[int, list[int]] = {}  # unit j -> the units the previous stage forwards before its backward of j
-    if recv_lookahead == 0 and upstream is not None:
-        done: list[int] = []
-        for a in upstream:
-            if a.kind is Kind.FORWARD:
-                done.append(a.unit)
-            elif a.kind is Kind.BACKWARD:
-                sent_before[a.unit] = list(done)
+    # unit j -> the units the previous stage forwards before its backward of j
+    sent_before = _forwarded_before(upstream) if recv_lookahead == 0 and upstream is not None else {}
 
     def post(action: Action) -> None:
         recv = _recv_for(action, num_stages)
@@ -183,11 +189,9 @@ def lower(
         if send is not None:
             out.append(send)
             if send.kind is Kind.SEND_B:  # receive what the previous stage sends before it takes this gradient
-                for u in sent_before.get(send.unit, ()):
-                    recv = Action(action.stage, Kind.RECV_F, u)
-                    if recv not in posted:
-                        posted.add(recv)
-                        out.append(recv)
+                early = [Action(action.stage, Kind.RECV_F, u) for u in sent_before.get(send.unit, ())]
+                out += [recv for recv in early if recv not in posted]
+                posted.update(early)
         if recv_lookahead and i + 1 < len(compute):
             post(compute[i + 1])  # the next backward's receive, once its forward has run
     return out

@@ -63,11 +63,36 @@ def _message(a: Action) -> tuple[str, int, int] | None:
 
 def nccl_deadlock(plan: Plan, coalesce: bool = True) -> str | None:
     """``None`` if ``plan`` finishes under the NCCL model, else a message saying where each stage is stuck."""
-    S = plan.num_stages
-    computes: list[list[Action]] = [[a for a in acts if a.kind.is_compute] for acts in plan.stages]
-    streams: dict[tuple[int, int], list[_Group]] = {}  # (rank, peer) -> groups in posting order
-    needs: list[list[_Op | None]] = [[None] * len(c) for c in computes]  # compute -> the receive it waits for
-    for s, acts in enumerate(plan.stages):
+    model = _NcclModel(plan, coalesce)
+    while model.progress():
+        pass
+    return model.stuck()
+
+
+class _NcclModel:
+    """Each stage's computes in order, each waiting for its receive; each pair of ranks' groups on one stream."""
+
+    def __init__(self, plan: Plan, coalesce: bool) -> None:
+        S = plan.num_stages
+        self.computes: list[list[Action]] = [[a for a in acts if a.kind.is_compute] for acts in plan.stages]
+        self.streams: dict[tuple[int, int], list[_Group]] = {}  # (rank, peer) -> groups in posting order
+        self.needs: list[list[_Op | None]] = []  # stage -> compute -> the receive it waits for
+        for s, acts in enumerate(plan.stages):
+            recv_ops = self._post(s, acts, coalesce)
+            need: list[_Op | None] = []
+            for c in self.computes[s]:
+                if c.kind is Kind.FORWARD and s > 0:
+                    need.append(recv_ops.get(("F", s - 1, c.unit)))
+                elif c.kind is Kind.BACKWARD and s < S - 1:
+                    need.append(recv_ops.get(("B", s + 1, c.unit)))
+                else:
+                    need.append(None)
+            self.needs.append(need)
+        self.finished = [0] * S  # computes completed per stage, in order
+
+    def _post(self, s: int, acts: tuple[Action, ...], coalesce: bool) -> dict[tuple[str, int, int], _Op]:
+        """Put stage ``s``'s communications on its streams, grouped as the executor batches them; returns its
+        receives by message."""
         batches = comm_groups(acts) if coalesce else [[a] for a in acts if not a.kind.is_compute]
         batch_of = {id(a): i for i, b in enumerate(batches) for a in b}
         by_batch: dict[tuple[int, int], _Group] = {}
@@ -85,61 +110,63 @@ def nccl_deadlock(plan: Plan, coalesce: bool = True) -> str | None:
             key = (batch_of[id(a)], peer)
             if key not in by_batch:
                 by_batch[key] = _Group()
-                streams.setdefault((s, peer), []).append(by_batch[key])
+                self.streams.setdefault((s, peer), []).append(by_batch[key])
             by_batch[key].ops.append(op)
             if not send:
                 recv_ops[msg] = op
-        for i, c in enumerate(computes[s]):
-            if c.kind is Kind.FORWARD and s > 0:
-                needs[s][i] = recv_ops.get(("F", s - 1, c.unit))
-            elif c.kind is Kind.BACKWARD and s < S - 1:
-                needs[s][i] = recv_ops.get(("B", s + 1, c.unit))
-    finished = [0] * S  # computes completed per stage, in order
+        return recv_ops
 
-    def progress() -> bool:
-        moved = False
-        for s in range(S):
-            while finished[s] < len(computes[s]):
-                need = needs[s][finished[s]]
-                if need is not None and not need.done:
-                    break
-                finished[s] += 1
-                moved = True
-        for (a, b), groups in streams.items():
-            if a > b or not groups:
-                continue
-            other = streams.get((b, a), [])
-            if not other:
-                continue
-            ga, gb = groups[0], other[0]
-            for x, y in ((ga, gb), (gb, ga)):
-                for op in x.ops:
-                    if op.done or not op.send:
-                        continue
-                    sender = a if x is ga else b
-                    if op.source is not None and finished[sender] <= op.source:
-                        continue  # the data is not computed yet
-                    match = next((r for r in y.ops if not r.done and not r.send and r.message == op.message), None)
-                    if match is not None:
-                        op.done = match.done = True
-                        moved = True
-        for groups in streams.values():
+    def progress(self) -> bool:
+        """One round: computes whose receives are done run, stream heads match sends with receives, finished heads
+        leave their streams; whether anything moved."""
+        moved = self._compute()
+        for (a, b), groups in self.streams.items():
+            other = self.streams.get((b, a), [])
+            if a < b and groups and other:
+                moved |= self._match(a, groups[0], b, other[0])
+        for groups in self.streams.values():
             while groups and all(op.done for op in groups[0].ops):
                 groups.pop(0)
                 moved = True
         return moved
 
-    while progress():
-        pass
-    if all(finished[s] == len(computes[s]) for s in range(S)):
-        return None
-    stuck = []
-    for s in range(S):
-        if finished[s] < len(computes[s]):
-            stuck.append(f"stage {s} at {computes[s][finished[s]]}")
-    heads = [
-        f"{a}->{b}: " + ", ".join(f"{'send' if o.send else 'recv'} {o.message[0]}{o.message[2]}" for o in g[0].ops)
-        for (a, b), g in sorted(streams.items())
-        if g
-    ]
-    return "NCCL deadlock: " + "; ".join(stuck) + " (stream heads " + " | ".join(heads) + ")"
+    def _compute(self) -> bool:
+        moved = False
+        for s, computes in enumerate(self.computes):
+            while self.finished[s] < len(computes):
+                need = self.needs[s][self.finished[s]]
+                if need is not None and not need.done:
+                    break
+                self.finished[s] += 1
+                moved = True
+        return moved
+
+    def _match(self, a: int, ga: _Group, b: int, gb: _Group) -> bool:
+        """Rendezvous between the heads of the streams a->b and b->a: a send whose data is computed meets its
+        receive."""
+        moved = False
+        for sender, x, y in ((a, ga, gb), (b, gb, ga)):
+            for op in x.ops:
+                if op.done or not op.send or (op.source is not None and self.finished[sender] <= op.source):
+                    continue  # done, a receive, or the data is not computed yet
+                match = next((r for r in y.ops if not r.done and not r.send and r.message == op.message), None)
+                if match is not None:
+                    op.done = match.done = True
+                    moved = True
+        return moved
+
+    def stuck(self) -> str | None:
+        """``None`` when every compute ran, else where each stage is stuck and the streams' heads."""
+        stuck = [
+            f"stage {s} at {computes[self.finished[s]]}"
+            for s, computes in enumerate(self.computes)
+            if self.finished[s] < len(computes)
+        ]
+        if not stuck:
+            return None
+        heads = [
+            f"{a}->{b}: " + ", ".join(f"{'send' if o.send else 'recv'} {o.message[0]}{o.message[2]}" for o in g[0].ops)
+            for (a, b), g in sorted(self.streams.items())
+            if g
+        ]
+        return "NCCL deadlock: " + "; ".join(stuck) + " (stream heads " + " | ".join(heads) + ")"

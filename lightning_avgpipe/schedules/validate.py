@@ -18,61 +18,10 @@ def plan_errors(plan: Plan, nccl: bool = False) -> list[str]:
     With ``nccl=True`` the plan must also finish under NCCL's in-order, rendezvous point-to-point semantics with
     the executor's coalesced batches (:func:`~lightning_avgpipe.schedules.nccl.nccl_deadlock`).
     """
-    errors: list[str] = []
-    S, U = plan.num_stages, plan.num_units
+    S = plan.num_stages
     if len(plan.stages) != S:
         return [f"plan has {len(plan.stages)} stage lists for num_stages={S}"]
-    for s, actions in enumerate(plan.stages):
-        seen: dict[tuple[Kind, int], int] = {}
-        for i, a in enumerate(actions):
-            if a.stage != s:
-                errors.append(f"stage {s} holds action {a} of stage {a.stage}")
-            if not 0 <= a.unit < U:
-                errors.append(f"stage {s}: {a} names unit {a.unit} outside [0, {U})")
-            if (a.kind, a.unit) in seen:
-                errors.append(f"stage {s}: {a} appears twice")
-            seen[(a.kind, a.unit)] = i
-        wanted = {Kind.FORWARD}
-        if plan.training:
-            wanted.add(Kind.BACKWARD)
-        if s > 0:
-            wanted.add(Kind.RECV_F)
-            if plan.training:
-                wanted.add(Kind.SEND_B)
-        if s < S - 1:
-            wanted.add(Kind.SEND_F)
-            if plan.training:
-                wanted.add(Kind.RECV_B)
-        for kind in Kind:
-            for u in range(U):
-                present = (kind, u) in seen
-                if present and kind not in wanted:
-                    errors.append(f"stage {s}: unexpected {s}{kind.value}{u}")
-                elif not present and kind in wanted:
-                    errors.append(f"stage {s}: missing {s}{kind.value}{u}")
-        for u in range(U):
-            order = [
-                (Kind.RECV_F, Kind.FORWARD),
-                (Kind.FORWARD, Kind.SEND_F),
-                (Kind.FORWARD, Kind.BACKWARD),
-                (Kind.FORWARD, Kind.RECV_B),
-                (Kind.RECV_B, Kind.BACKWARD),
-                (Kind.BACKWARD, Kind.SEND_B),
-            ]
-            for first, then in order:
-                if (first, u) in seen and (then, u) in seen and seen[(first, u)] > seen[(then, u)]:
-                    errors.append(f"stage {s}: {s}{then.value}{u} comes before {s}{first.value}{u}")
-    # Point-to-point channels are FIFO (NCCL matches by order): both ends must agree on the unit order.
-    for s in range(S - 1):
-        sends = [a.unit for a in plan.stages[s] if a.kind is Kind.SEND_F]
-        recvs = [a.unit for a in plan.stages[s + 1] if a.kind is Kind.RECV_F]
-        if sends != recvs:
-            errors.append(f"activations {s}->{s + 1}: sent in order {sends}, received in order {recvs}")
-        if plan.training:
-            gsends = [a.unit for a in plan.stages[s + 1] if a.kind is Kind.SEND_B]
-            grecvs = [a.unit for a in plan.stages[s] if a.kind is Kind.RECV_B]
-            if gsends != grecvs:
-                errors.append(f"gradients {s + 1}->{s}: sent in order {gsends}, received in order {grecvs}")
+    errors = [e for s in range(S) for e in _stage_errors(plan, s)] + _channel_errors(plan)
     if not errors:
         try:
             simulate(plan)
@@ -82,6 +31,70 @@ def plan_errors(plan: Plan, nccl: bool = False) -> list[str]:
         problem = nccl_deadlock(plan, coalesce=True)
         if problem:
             errors.append(f"{problem}; lower the plan with recv_lookahead=0 for NCCL")
+    return errors
+
+
+# within one stage and one unit, the first action of each pair must come before the second
+_ORDER = [
+    (Kind.RECV_F, Kind.FORWARD),
+    (Kind.FORWARD, Kind.SEND_F),
+    (Kind.FORWARD, Kind.BACKWARD),
+    (Kind.FORWARD, Kind.RECV_B),
+    (Kind.RECV_B, Kind.BACKWARD),
+    (Kind.BACKWARD, Kind.SEND_B),
+]
+
+
+def _wanted(plan: Plan, s: int) -> set[Kind]:
+    """The kinds of action stage ``s`` must run once for every unit."""
+    first, last, training = s == 0, s == plan.num_stages - 1, plan.training
+    wanted = {Kind.FORWARD, *([Kind.BACKWARD] if training else [])}
+    if not first:
+        wanted |= {Kind.RECV_F, *([Kind.SEND_B] if training else [])}
+    if not last:
+        wanted |= {Kind.SEND_F, *([Kind.RECV_B] if training else [])}
+    return wanted
+
+
+def _stage_errors(plan: Plan, s: int) -> list[str]:
+    """Stage ``s``'s own list: its actions, each once, every unit's wanted kinds present and in order."""
+    errors: list[str] = []
+    U = plan.num_units
+    seen: dict[tuple[Kind, int], int] = {}
+    for i, a in enumerate(plan.stages[s]):
+        if a.stage != s:
+            errors.append(f"stage {s} holds action {a} of stage {a.stage}")
+        if not 0 <= a.unit < U:
+            errors.append(f"stage {s}: {a} names unit {a.unit} outside [0, {U})")
+        if (a.kind, a.unit) in seen:
+            errors.append(f"stage {s}: {a} appears twice")
+        seen[(a.kind, a.unit)] = i
+    wanted = _wanted(plan, s)
+    for kind in Kind:
+        for u in range(U):
+            present = (kind, u) in seen
+            if present != (kind in wanted):
+                errors.append(f"stage {s}: {'unexpected' if present else 'missing'} {s}{kind.value}{u}")
+    for u in range(U):
+        for first, then in _ORDER:
+            if (first, u) in seen and (then, u) in seen and seen[(first, u)] > seen[(then, u)]:
+                errors.append(f"stage {s}: {s}{then.value}{u} comes before {s}{first.value}{u}")
+    return errors
+
+
+def _channel_errors(plan: Plan) -> list[str]:
+    """Point-to-point channels are FIFO (NCCL matches by order): both ends must agree on the unit order."""
+    errors = []
+    for s in range(plan.num_stages - 1):
+        sends = [a.unit for a in plan.stages[s] if a.kind is Kind.SEND_F]
+        recvs = [a.unit for a in plan.stages[s + 1] if a.kind is Kind.RECV_F]
+        if sends != recvs:
+            errors.append(f"activations {s}->{s + 1}: sent in order {sends}, received in order {recvs}")
+        if plan.training:
+            gsends = [a.unit for a in plan.stages[s + 1] if a.kind is Kind.SEND_B]
+            grecvs = [a.unit for a in plan.stages[s] if a.kind is Kind.RECV_B]
+            if gsends != grecvs:
+                errors.append(f"gradients {s + 1}->{s}: sent in order {gsends}, received in order {grecvs}")
     return errors
 
 
