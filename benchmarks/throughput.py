@@ -589,6 +589,63 @@ def launch(args: argparse.Namespace, data: Tensor, vocab_size: int) -> list[dict
 # ---------------------------------------------------------------------------------------------------------------
 # figures
 # ---------------------------------------------------------------------------------------------------------------
+def _stage_costs(args: argparse.Namespace, per_rank: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    """Per stage, the medians of the probe's forward+backward and optimizer times (``kind``: "solo" or "both")."""
+    w = args.warmup
+    stages = []
+    for r in per_rank:
+        fb = [t[0] for t in r["probe"][kind][w:]]
+        opt = [t[1] for t in r["probe"][kind][w:]]
+        total = [a + b for a, b in zip(fb, opt, strict=True)]
+        stages.append(
+            {
+                "stage": r["rank"],
+                "layers": args.partition[r["rank"]],
+                "fwd_bwd_s": statistics.median(fb),
+                "optimizer_s": statistics.median(opt),
+                "compute_s": statistics.median(total),
+            }
+        )
+    return stages
+
+
+def _avg_ideal(
+    args: argparse.Namespace,
+    per_rank: list[dict[str, Any]],
+    n: int,
+    stages: list[dict[str, Any]],
+    stages_both: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """avgpipe-N's ideal: N times the probe (N*M units + N optimizer steps) plus the elastic update, per stage."""
+    timed = range(args.warmup, args.warmup + args.steps)
+
+    def elastic_s(r: dict[str, Any], i: int) -> float:
+        return r["elastic_probe"][n][i] if n > 1 else 0.0
+
+    avg_stages = []
+    for st, r in zip(stages, per_rank, strict=True):
+        avg_stages.append(
+            {
+                "stage": st["stage"],
+                "layers": st["layers"],
+                "fwd_bwd_s": n * st["fwd_bwd_s"],
+                "optimizer_s": n * st["optimizer_s"],
+                "elastic_s": statistics.median(elastic_s(r, i) for i in timed),
+                "compute_s": statistics.median(n * sum(r["probe"]["solo"][i]) + elastic_s(r, i) for i in timed),
+            }
+        )
+    units = n * args.microbatches
+    return {
+        "step_s": max(st["compute_s"] for st in avg_stages),
+        "stages": avg_stages,
+        "step_s_both_stages_at_once": max(
+            n * sb["compute_s"] + st["elastic_s"] for sb, st in zip(stages_both, avg_stages, strict=True)
+        ),
+        "bubble_bound_1f1b": units / (units + WORLD - 1),
+        "per_round": [max(n * sum(r["probe"]["solo"][i]) + elastic_s(r, i) for r in per_rank) for i in timed],
+    }
+
+
 def summarise(args: argparse.Namespace, per_rank: list[dict[str, Any]], vocab_size: int) -> dict[str, Any]:
     w = args.warmup
     names = row_names(args)
@@ -597,61 +654,12 @@ def summarise(args: argparse.Namespace, per_rank: list[dict[str, Any]], vocab_si
     step_times = {name: [max(r["times"][name][i] for r in per_rank) for i in timed] for name in names}
     samples = {name: pipelines_of(name) * args.batch_size for name in names}
 
-    def stage_costs(kind: str) -> list[dict[str, Any]]:
-        stages = []
-        for r in per_rank:
-            fb = [t[0] for t in r["probe"][kind][w:]]
-            opt = [t[1] for t in r["probe"][kind][w:]]
-            total = [a + b for a, b in zip(fb, opt, strict=True)]
-            stages.append(
-                {
-                    "stage": r["rank"],
-                    "layers": args.partition[r["rank"]],
-                    "fwd_bwd_s": statistics.median(fb),
-                    "optimizer_s": statistics.median(opt),
-                    "compute_s": statistics.median(total),
-                }
-            )
-        return stages
-
-    stages, stages_both = stage_costs("solo"), stage_costs("both")
+    stages, stages_both = _stage_costs(args, per_rank, "solo"), _stage_costs(args, per_rank, "both")
     ideal = max(s["compute_s"] for s in stages)
     ideal_both = max(s["compute_s"] for s in stages_both)
     # paired estimates: within one round all rows ran back to back, so per-round ratios cancel slow load drifts
     ideal_per_round = [max(sum(r["probe"]["solo"][i]) for r in per_rank) for i in timed]
-
-    # avgpipe-N: N times the probe (N*M units + N optimizer steps) plus the elastic update, per stage
-    def elastic_s(r: dict[str, Any], n: int, i: int) -> float:
-        return r["elastic_probe"][n][i] if n > 1 else 0.0
-
-    def avg_ideal_round(n: int, i: int) -> float:
-        return max(n * sum(r["probe"]["solo"][i]) + elastic_s(r, n, i) for r in per_rank)
-
-    avg_ideal: dict[str, dict[str, Any]] = {}
-    for n in args.pipelines:
-        avg_stages = []
-        for st, r in zip(stages, per_rank, strict=True):
-            el = statistics.median(elastic_s(r, n, i) for i in timed)
-            avg_stages.append(
-                {
-                    "stage": st["stage"],
-                    "layers": st["layers"],
-                    "fwd_bwd_s": n * st["fwd_bwd_s"],
-                    "optimizer_s": n * st["optimizer_s"],
-                    "elastic_s": el,
-                    "compute_s": statistics.median(n * sum(r["probe"]["solo"][i]) + elastic_s(r, n, i) for i in timed),
-                }
-            )
-        units = n * args.microbatches
-        avg_ideal[f"{AVG_PREFIX}{n}"] = {
-            "step_s": max(st["compute_s"] for st in avg_stages),
-            "stages": avg_stages,
-            "step_s_both_stages_at_once": max(
-                n * sb["compute_s"] + st["elastic_s"] for sb, st in zip(stages_both, avg_stages, strict=True)
-            ),
-            "bubble_bound_1f1b": units / (units + WORLD - 1),
-            "per_round": [avg_ideal_round(n, i) for i in timed],
-        }
+    avg_ideal = {f"{AVG_PREFIX}{n}": _avg_ideal(args, per_rank, n, stages, stages_both) for n in args.pipelines}
 
     def row_ideal(name: str) -> float:
         return avg_ideal[name]["step_s"] if name in avg_ideal else ideal

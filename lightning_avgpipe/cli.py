@@ -8,6 +8,7 @@ from typing import Any
 from lightning.pytorch.cli import LightningCLI
 
 import lightning_avgpipe  # registers strategy="avgpipe"
+from lightning_avgpipe.plugin import compat
 from lightning_avgpipe.tuning.cli import int_list
 
 
@@ -84,7 +85,7 @@ def tune_main(argv: list[str]) -> int:
         tuner.output_dir = ours.output_dir
     tuner.apply = False
     tuner.retune_every_n_steps = None  # a retune applies decisions while training; tune only reports the first
-    trainer.fit_loop.epoch_loop.max_steps = 0  # on_fit_start (the tuner) runs; no training step does
+    compat.stop_before_training(trainer)  # on_fit_start (the tuner) runs; no training step does
     trainer.num_sanity_val_steps = 0
     trainer.fit(cli.model, datamodule=cli.datamodule)
     if trainer.is_global_zero and tuner.table is not None and tuner.choice is not None:

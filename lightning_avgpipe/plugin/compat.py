@@ -1,31 +1,47 @@
 """Every use of Lightning's private state, in one place (checked against the installed Lightning by
-``tests/test_compat.py``, which names the use that broke when a Lightning release changes one).
+``tests/test_compat.py``, which names the use that broke when a Lightning release changes one). No other module
+imports a private Lightning name or overrides a private Lightning method, and each entry below names the files that
+use it (``tests/test_compat_boundary.py`` holds both to the code).
 
-Private state read or written (each a function below; Lightning 2.6):
+Private state read or written (each a function or class below; Lightning 2.6):
 
 - ``resuming_from(trainer)``: the checkpoint this ``fit`` is about to restore, from ``Trainer._run``'s local
-  ``ckpt_path`` (read through the calling frames). Used by ``resume.py`` (the strategy's resumed partition, the
-  tuner's "keep a resumed run's setting").
-- ``writes_logs(trainer)``: ``trainer._logger_connector.should_update_logs``. Used by ``strategy.py``.
-- ``reset_train_dataloader(trainer)``: ``trainer.fit_loop._combined_loader = None``. Used by ``strategy.py``.
-- ``attached_trainer(module)``: ``LightningModule._trainer``. Used by ``strategy.py``.
-- ``request_train_dataloader(trainer)``: ``trainer.fit_loop._data_source.dataloader()``. Used by ``tuner.py``.
-- ``unwrap_optimizer(optimizer)``: public (``LightningOptimizer.optimizer``); replaces ``strategy.py``'s
-  ``getattr(optimizer, "_optimizer", optimizer)``.
+  ``ckpt_path`` (read through the calling frames). Used by: ``plugin/resume.py``, ``plugin/split.py``.
+- ``writes_logs(trainer)``: ``trainer._logger_connector.should_update_logs``. Used by: ``plugin/steps.py``.
+- ``reset_train_dataloader(trainer)``: ``trainer.fit_loop._combined_loader = None``. Used by: ``plugin/strategy.py``.
+- ``rebuild_train_dataloader(trainer)``: the same, then ``fit_loop.setup_data()`` and the sampler's epoch
+  (``_set_sampler_epoch``). Used by: ``plugin/retune.py``.
+- ``attached_trainer(module)``: ``LightningModule._trainer``. Used by: ``plugin/split.py``, ``plugin/strategy.py``.
+- ``request_train_dataloader(trainer)``: ``trainer.fit_loop._data_source.dataloader()``. Used by:
+  ``plugin/profiling.py``, ``plugin/split.py``.
+- ``stop_before_training(trainer)``: the epoch loop's ``max_steps = 0`` (``fit_loop.epoch_loop``, a loop's
+  internals). Used by: ``cli.py``.
+- ``ScriptLaunchedStrategy``: a ``ParallelStrategy`` whose private ``_configure_launcher`` sets the private
+  ``_launcher`` to Lightning's ``_SubprocessScriptLauncher`` (the script run again once per local device), unless the
+  cluster environment starts the processes itself. Used by: ``plugin/process.py``.
+- ``AfterClosureMixedPrecision``: ``MixedPrecision`` whose private ``_after_closure`` hook (after the closure,
+  before the optimizer step) calls a public ``after_closure``. Used by: ``plugin/precision.py``.
+
+Public helpers kept here because they stand beside those:
+
+- ``unwrap_optimizer(optimizer)``: ``LightningOptimizer.optimizer``. Used by: ``plugin/checkpoint.py``,
+  ``plugin/retune.py``.
+- ``every(step, period)``: whether a step is one of every ``period``. Used by: ``plugin/steps.py``.
 
 Private names imported from Lightning (internal, but the API every custom strategy uses), re-exported here so
 the plugin imports them from one place:
 
-- ``lightning.fabric.strategies.registry._StrategyRegistry``: ``strategy.py`` (``register_strategies``).
-- ``lightning.fabric.utilities.distributed._distributed_is_initialized``,
-  ``_get_default_process_group_backend_for_device``, ``_init_dist_connection``, ``_sync_ddp_if_available``:
-  ``strategy.py``.
-- ``lightning.fabric.utilities.optimizer._optimizers_to_device``: ``strategy.py``.
-- ``lightning.pytorch.strategies.launchers.subprocess_script._SubprocessScriptLauncher``: ``strategy.py``.
+- ``_StrategyRegistry`` (``lightning.fabric.strategies.registry``). Used by: ``plugin/strategy.py``.
+- ``_distributed_is_initialized`` (``lightning.fabric.utilities.distributed``). Used by: ``plugin/process.py``.
+- ``_get_default_process_group_backend_for_device`` (the same). Used by: ``plugin/process.py``.
+- ``_init_dist_connection`` (the same). Used by: ``plugin/process.py``.
+- ``_sync_ddp_if_available`` (the same). Used by: ``plugin/process.py``, ``plugin/strategy.py``.
+- ``_optimizers_to_device`` (``lightning.fabric.utilities.optimizer``). Used by: ``plugin/strategy.py``.
 
 Private state of other libraries, not kept here: torchmetrics ``Metric._defaults``, ``_update_count``,
-``_forward_cache``, ``_computed`` (``bridge.py``); torch ``optimizer._opt_called`` (``optim.py``, what LR
-schedulers check); ``torch.distributed._get_default_store`` (``runtime/p2p.py``, ``runtime/watchdog.py``).
+``_forward_cache``, ``_computed`` (``plugin/bridge.py``); torch ``GradScaler._per_optimizer_states`` and ``_scale``
+(``plugin/precision.py``), ``optimizer._opt_called`` (``optim.py``, what LR schedulers check),
+``torch.distributed._get_default_store`` (``runtime/p2p.py``, ``runtime/watchdog.py``).
 """
 
 from __future__ import annotations
@@ -44,21 +60,27 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
 from torch.optim import Optimizer
 
 __all__ = [
+    "AfterClosureMixedPrecision",
+    "ScriptLaunchedStrategy",
     "_StrategyRegistry",
-    "_SubprocessScriptLauncher",
     "_distributed_is_initialized",
     "_get_default_process_group_backend_for_device",
     "_init_dist_connection",
     "_optimizers_to_device",
     "_sync_ddp_if_available",
     "attached_trainer",
+    "every",
+    "rebuild_train_dataloader",
     "request_train_dataloader",
     "reset_train_dataloader",
     "resuming_from",
+    "stop_before_training",
     "unwrap_optimizer",
     "writes_logs",
 ]
@@ -136,3 +158,42 @@ def request_train_dataloader(trainer: pl.Trainer) -> Any:
 def unwrap_optimizer(optimizer: Optimizer) -> Optimizer:
     """The user's optimizer behind a ``LightningOptimizer`` (itself otherwise)."""
     return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+def stop_before_training(trainer: pl.Trainer) -> None:
+    """Make the next ``fit`` run its setup and ``on_fit_start`` (the tuner) but no training step: the epoch loop's
+    ``max_steps`` (``trainer.fit_loop.epoch_loop``, a loop's internals) set to 0."""
+    trainer.fit_loop.epoch_loop.max_steps = 0
+
+
+class AfterClosureMixedPrecision(MixedPrecision):
+    """``MixedPrecision`` with a public hook right after the optimizer's closure (``training_step`` and
+    ``backward``) and before the optimizer step: Lightning's private ``_after_closure`` calls :meth:`after_closure`
+    first (there the gradients are unscaled and the scaler has recorded its overflow flags)."""
+
+    def after_closure(self, model: Any, optimizer: Any) -> None:
+        """Override: runs after the closure, before Lightning's own ``_after_closure`` (the gradient clipping)."""
+
+    def _after_closure(self, model: Any, optimizer: Any) -> None:
+        self.after_closure(model, optimizer)
+        super()._after_closure(model, optimizer)
+
+
+class ScriptLaunchedStrategy(ParallelStrategy):
+    """A ``ParallelStrategy`` whose processes, when the cluster environment does not start them, are this script run
+    again once per local device (Lightning's ``_SubprocessScriptLauncher``, as ``DDPStrategy`` does)."""
+
+    @property
+    def num_processes(self) -> int:
+        """Processes on this node: one per device."""
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes of the job (a subclass that the Trainer gives ``num_nodes`` overrides it)."""
+        return 1
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)

@@ -19,8 +19,10 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 
+from lightning_avgpipe.plugin.compat import AfterClosureMixedPrecision
 
-class PipelineMixedPrecision(MixedPrecision):
+
+class PipelineMixedPrecision(AfterClosureMixedPrecision):
     """Lightning's ``MixedPrecision`` (``16-mixed``) with the loss scaled inside the pipeline and one overflow verdict
     for the job. Made by the strategy from the Trainer's plugin (its scaler is kept)."""
 
@@ -39,10 +41,9 @@ class PipelineMixedPrecision(MixedPrecision):
         # the pipeline already ran the backward from scaled losses; the loss Lightning sees stays unscaled
         return Precision.pre_backward(self, tensor, module)
 
-    def _after_closure(self, model: Any, optimizer: Any) -> None:
+    def after_closure(self, model: Any, optimizer: Any) -> None:
         if self.scaler is not None:
             agree_on_overflow(self.scaler, optimizer)
-        super()._after_closure(model, optimizer)
 
 
 def agree_on_overflow(scaler: torch.amp.GradScaler, optimizer: Any) -> float:

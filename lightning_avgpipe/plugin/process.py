@@ -16,16 +16,15 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from typing_extensions import override
 
 from lightning_avgpipe.plugin.compat import (
+    ScriptLaunchedStrategy,
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
-    _SubprocessScriptLauncher,
     _sync_ddp_if_available,
 )
 from lightning_avgpipe.runtime.p2p import handle_failure
@@ -33,7 +32,7 @@ from lightning_avgpipe.runtime.shutdown import close_at_exit, mark_failed
 from lightning_avgpipe.runtime.watchdog import Watchdog
 
 
-class ProcessStrategy(ParallelStrategy):
+class ProcessStrategy(ScriptLaunchedStrategy):
     """One process per device, joined by a ``torch.distributed`` process group (gloo on CPU, NCCL on CUDA).
 
     Args:
@@ -126,10 +125,6 @@ class ProcessStrategy(ParallelStrategy):
         self._num_nodes = num_nodes
 
     @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
     def is_distributed(self) -> bool:
         # Read by Lightning's accelerator connector (hasattr): samplers and sync_dist logging need it.
         return True
@@ -137,12 +132,6 @@ class ProcessStrategy(ParallelStrategy):
     @property
     def process_group_backend(self) -> str | None:
         return self._process_group_backend
-
-    @override
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
