@@ -129,3 +129,65 @@ def test_the_check_fails_on_an_upward_import(source: str, line: str) -> None:
     assert upward_imports(path) == []
     wrong = upward_imports(path, path.read_text() + "\n" + line + "\n")
     assert len(wrong) == 1 and line.split()[1] in wrong[0], wrong
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the package's modules it imports (names resolved to existing modules)."""
+    modules = {module_name(p): p for p in all_modules()}
+
+    def resolve(target: str) -> str | None:
+        parts = target.split(".")
+        for n in range(len(parts), 0, -1):
+            if ".".join(parts[:n]) in modules:
+                return ".".join(parts[:n])
+        return None
+
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets = {resolve(t) for _, t in imports_of(path)}
+        graph[name] = {t for t in targets if t is not None and t != name and not name.startswith(t + ".")}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected group of two or more modules (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycle() -> None:
+    """No two modules import each other, directly or around a circle (``TYPE_CHECKING`` imports included: a
+    strategy method moved to a file that imports the strategy back is still the strategy's)."""
+    found = cycles(import_graph())
+    assert not found, f"import cycles: {found}"
+
+
+def test_the_cycle_check_finds_a_circle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c"]]
