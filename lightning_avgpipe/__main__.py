@@ -27,6 +27,9 @@ def schedule_command(argv: list[str]) -> int:
     p.add_argument("--advance-forwards", type=int, default=0, help="early forwards k for --schedule advance")
     p.add_argument("--forward-cost", type=float, default=1.0, help="time of one forward in the table")
     p.add_argument("--backward-cost", type=float, default=2.0, help="time of one backward in the table")
+    p.add_argument(
+        "--weight-grad-cost", type=float, help="of it, the weight gradient's (W) under zbh1/zbadvance; default: half"
+    )
     p.add_argument("--latency", type=float, default=0.0, help="time of every message between neighbours")
     p.add_argument("--actions", action="store_true", help="also print the lowered action lists (with comms)")
     p.add_argument("--trace", metavar="PATH", help="write the simulated timeline as a Chrome trace (PATH) and a PNG")
@@ -47,13 +50,18 @@ def schedule_command(argv: list[str]) -> int:
     plan = validate_plan(
         build_plan(args.schedule, args.stages, args.microbatches * args.pipelines, args.advance_forwards)
     )
-    sim = simulate(plan, args.forward_cost, args.backward_cost, latency=args.latency)
+    w = args.weight_grad_cost
+    if w is not None and not 0 < w < args.backward_cost:
+        p.error(f"--weight-grad-cost {w}: must be a positive time below --backward-cost {args.backward_cost}")
+    sim = simulate(plan, args.forward_cost, args.backward_cost, latency=args.latency, weight_grad_cost=w)
+    deferred = f", weight gradients waiting {list(sim.peak_deferred)}" if any(sim.peak_deferred) else ""
     print(
         f"schedule={plan.schedule} stages={plan.num_stages} units={plan.num_units} "
         f"advance_forwards={plan.advance_forwards}: step time {sim.step_time:g}, "
-        f"bubble {sim.bubble_fraction:.1%}, peak stash per stage {list(sim.peak_stash)}"
+        f"bubble {sim.bubble_fraction:.1%}, peak stash per stage {list(sim.peak_stash)}{deferred}"
     )
-    print(timeline_table(sim, resolution=min(args.forward_cost, args.backward_cost)))
+    split = [c for stage in sim.events for e in stage for c in (e.end - e.start,)]
+    print(timeline_table(sim, resolution=min([args.forward_cost, *split])))
     if args.actions:
         print(plan)
     if args.trace:

@@ -11,7 +11,9 @@ class Kind(str, enum.Enum):
     """What an action does. Compute kinds run the stage; the others move tensors between neighbours."""
 
     FORWARD = "F"
-    BACKWARD = "B"
+    BACKWARD = "B"  # the whole backward: input and weight gradients
+    INPUT_GRAD = "I"  # the input gradient alone (what stage - 1 waits for); the weight gradient is queued
+    WEIGHT_GRAD = "W"  # the queued weight gradient (nothing waits for it: it fills idle time)
     SEND_F = "SF"  # send this unit's activations to stage + 1
     RECV_F = "RF"  # post the receive of this unit's activations from stage - 1
     SEND_B = "SB"  # send this unit's input gradients to stage - 1
@@ -19,10 +21,15 @@ class Kind(str, enum.Enum):
 
     @property
     def is_compute(self) -> bool:
-        return self in (Kind.FORWARD, Kind.BACKWARD)
+        return self in (Kind.FORWARD, Kind.BACKWARD, Kind.INPUT_GRAD, Kind.WEIGHT_GRAD)
+
+    @property
+    def sends_grads(self) -> bool:
+        """Whether this compute produces the input gradient stage - 1 receives (``B`` or ``I``)."""
+        return self in (Kind.BACKWARD, Kind.INPUT_GRAD)
 
 
-_PATTERN = re.compile(r"^(\d+)(SF|RF|SB|RB|F|B)(\d+)$")
+_PATTERN = re.compile(r"^(\d+)(SF|RF|SB|RB|F|B|I|W)(\d+)$")
 
 
 @dataclass(frozen=True, order=True)
@@ -60,3 +67,11 @@ def F(stage: int, unit: int) -> Action:  # noqa: N802 - reads like the notation 
 
 def B(stage: int, unit: int) -> Action:  # noqa: N802
     return Action(stage, Kind.BACKWARD, unit)
+
+
+def I(stage: int, unit: int) -> Action:  # noqa: N802, E743
+    return Action(stage, Kind.INPUT_GRAD, unit)
+
+
+def W(stage: int, unit: int) -> Action:  # noqa: N802
+    return Action(stage, Kind.WEIGHT_GRAD, unit)

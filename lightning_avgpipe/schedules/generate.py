@@ -45,26 +45,30 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lightning_avgpipe.schedules.actions import Action, Kind
+from lightning_avgpipe.schedules.zerobubble import split_backward
 
-SCHEDULES: tuple[str, ...] = ("afab", "1f1b", "advance")
+SCHEDULES: tuple[str, ...] = ("afab", "1f1b", "advance", "zbh1", "zbadvance")
+# the schedules that split the backward into I and W (schedules/zerobubble.py), and the order each splits
+SPLIT: dict[str, str] = {"zbh1": "1f1b", "zbadvance": "advance"}
 
 
 def check_schedule_name(schedule: str) -> str:
     """Return the normalised schedule name or raise a ``ValueError`` that lists the valid ones."""
     name = str(schedule).lower().replace("-", "").replace("_", "")
-    aliases = {"gpipe": "afab", "afab": "afab", "1f1b": "1f1b", "advance": "advance"}
+    aliases = {"gpipe": "afab", **{s: s for s in SCHEDULES}}
     if name not in aliases:
         raise ValueError(
             f"schedule={schedule!r} is not a known schedule. Use one of {list(SCHEDULES)} "
             "('afab' = GPipe all-forward-all-backward, '1f1b' = one-forward-one-backward, "
-            "'advance' = AvgPipe's advance forward propagation)."
+            "'advance' = AvgPipe's advance forward propagation, 'zbh1' = 1F1B with the weight gradients deferred "
+            "into its bubbles (zero bubble, H1), 'zbadvance' = the advance forward with them deferred)."
         )
     return aliases[name]
 
 
 def warmup_forwards(schedule: str, num_stages: int, num_units: int, stage: int, advance_forwards: int = 0) -> int:
     """Number of forwards stage ``stage`` runs before its first backward (see the module docstring)."""
-    schedule = check_schedule_name(schedule)
+    schedule = SPLIT.get(check_schedule_name(schedule), check_schedule_name(schedule))
     if schedule == "afab":
         return num_units
     extra = advance_forwards if schedule == "advance" and stage < num_stages - 1 else 0  # none on the last stage
@@ -94,6 +98,19 @@ def max_advance_forwards(num_stages: int, num_units: int) -> int:
     return 0 if num_stages == 1 else max(0, num_units - 2)
 
 
+def compute_orders(
+    schedule: str, num_stages: int, num_units: int, advance_forwards: int = 0, training: bool = True
+) -> list[list[Action]]:
+    """Every stage's compute actions (forwards and backwards, or input and weight gradients), in execution order."""
+    name = check_schedule_name(schedule)
+    base = SPLIT.get(name, name)
+    orders = [compute_order(base, num_stages, num_units, s, advance_forwards, training) for s in range(num_stages)]
+    if name not in SPLIT or not training:
+        return orders
+    cap = max(peak_stash(base, num_stages, num_units, advance_forwards))  # the unsplit schedule's memory peak
+    return split_backward(orders, cap)
+
+
 def compute_order(
     schedule: str, num_stages: int, num_units: int, stage: int, advance_forwards: int = 0, training: bool = True
 ) -> list[Action]:
@@ -101,6 +118,8 @@ def compute_order(
     _check_sizes(num_stages, num_units, advance_forwards)
     if not 0 <= stage < num_stages:
         raise ValueError(f"stage={stage} is outside [0, {num_stages}); pass a stage index below num_stages.")
+    if check_schedule_name(schedule) in SPLIT:
+        return compute_orders(schedule, num_stages, num_units, advance_forwards, training)[stage]
     if not training:
         return [Action(stage, Kind.FORWARD, u) for u in range(num_units)]
     w = warmup_forwards(schedule, num_stages, num_units, stage, advance_forwards)
@@ -115,7 +134,7 @@ def compute_order(
 def _recv_for(action: Action, num_stages: int) -> Action | None:
     if action.kind is Kind.FORWARD and action.stage > 0:
         return Action(action.stage, Kind.RECV_F, action.unit)
-    if action.kind is Kind.BACKWARD and action.stage < num_stages - 1:
+    if action.kind.sends_grads and action.stage < num_stages - 1:
         return Action(action.stage, Kind.RECV_B, action.unit)
     return None
 
@@ -123,7 +142,7 @@ def _recv_for(action: Action, num_stages: int) -> Action | None:
 def _send_for(action: Action, num_stages: int) -> Action | None:
     if action.kind is Kind.FORWARD and action.stage < num_stages - 1:
         return Action(action.stage, Kind.SEND_F, action.unit)
-    if action.kind is Kind.BACKWARD and action.stage > 0:
+    if action.kind.sends_grads and action.stage > 0:
         return Action(action.stage, Kind.SEND_B, action.unit)
     return None
 
@@ -135,7 +154,7 @@ def _forwarded_before(upstream: Sequence[Action]) -> dict[int, list[int]]:
     for a in upstream:
         if a.kind is Kind.FORWARD:
             done.append(a.unit)
-        elif a.kind is Kind.BACKWARD:
+        elif a.kind.sends_grads:
             before[a.unit] = list(done)
     return before
 
@@ -233,12 +252,12 @@ def build_plan(
     """Build the lowered plan of every stage for ``num_units`` units (micro-batches times replicas)."""
     name = check_schedule_name(schedule)
     _check_sizes(num_stages, num_units, advance_forwards)
-    computes = [compute_order(name, num_stages, num_units, s, advance_forwards, training) for s in range(num_stages)]
+    computes = compute_orders(name, num_stages, num_units, advance_forwards, training)
     stages = tuple(
         tuple(lower(computes[s], num_stages, recv_lookahead, computes[s - 1] if s > 0 else None))
         for s in range(num_stages)
     )
-    k = advance_forwards if name == "advance" else 0
+    k = advance_forwards if SPLIT.get(name, name) == "advance" else 0
     return Plan(name, num_stages, num_units, k, training, stages, recv_lookahead)
 
 

@@ -83,7 +83,7 @@ class _NcclModel:
             for c in self.computes[s]:
                 if c.kind is Kind.FORWARD and s > 0:
                     need.append(recv_ops.get(("F", s - 1, c.unit)))
-                elif c.kind is Kind.BACKWARD and s < S - 1:
+                elif c.kind.sends_grads and s < S - 1:
                     need.append(recv_ops.get(("B", s + 1, c.unit)))
                 else:
                     need.append(None)

@@ -35,7 +35,8 @@ class Simulation:
     events: tuple[tuple[Event, ...], ...]  # per stage, in execution order
     step_time: float
     busy: tuple[float, ...]  # per stage: time spent computing
-    peak_stash: tuple[int, ...]  # per stage: most units forwarded and not yet backwarded
+    peak_stash: tuple[int, ...]  # per stage: most units forwarded and not yet finished (B, or W after I)
+    peak_deferred: tuple[int, ...] = ()  # per stage: most units whose weight gradient waits (I done, W not yet)
 
     @property
     def bubble_fraction(self) -> float:
@@ -61,6 +62,7 @@ def simulate(
     latency: float = 0.0,
     transfer_cost: float | Sequence[float] = 0.0,
     backward_transfer_cost: float | Sequence[float] | None = None,
+    weight_grad_cost: float | Sequence[float] | None = None,
 ) -> Simulation:
     """Simulate ``plan`` with per-stage compute costs and a link model.
 
@@ -72,6 +74,8 @@ def simulate(
         transfer_cost: extra time of the message leaving each stage (bytes / bandwidth), one number or per stage.
         backward_transfer_cost: the same for the gradients each stage sends upstream when they differ in size
             from its activations (per stage); ``None``: ``transfer_cost``.
+        weight_grad_cost: time of one unit's weight gradient (``W``) where the backward is split; the input
+            gradient (``I``) takes the rest of ``backward_cost``. ``None``: half of ``backward_cost``.
 
     Raises:
         DeadlockError: when the plan cannot finish; the message says where every stage is stuck.
@@ -81,6 +85,17 @@ def simulate(
     bwd = _per_stage(backward_cost, S, "backward_cost")
     xfer = _per_stage(transfer_cost, S, "transfer_cost")
     xfer_b = xfer if backward_transfer_cost is None else _per_stage(backward_transfer_cost, S, "backward_transfer_cost")
+    wgt = [b / 2 for b in bwd] if weight_grad_cost is None else _per_stage(weight_grad_cost, S, "weight_grad_cost")
+    cost = {
+        Kind.FORWARD: fwd,
+        Kind.BACKWARD: bwd,
+        Kind.INPUT_GRAD: [b - w for b, w in zip(bwd, wgt)],
+        Kind.WEIGHT_GRAD: wgt,
+    }
+    held = {Kind.FORWARD: 1, Kind.BACKWARD: -1, Kind.INPUT_GRAD: 0, Kind.WEIGHT_GRAD: -1}  # units not finished
+    waiting_w = {Kind.INPUT_GRAD: 1, Kind.WEIGHT_GRAD: -1}
+    deferred = [0] * S
+    peak_deferred = [0] * S
     pos = [0] * S
     clock = [0.0] * S
     busy = [0.0] * S
@@ -99,20 +114,22 @@ def simulate(
         elif kind is Kind.SEND_B:
             arrivals[(Kind.BACKWARD, s - 1, u)] = clock[s] + latency + xfer_b[s]
         else:
-            needs_msg = (kind is Kind.FORWARD and s > 0) or (kind is Kind.BACKWARD and s < S - 1)
+            needs_msg = (kind is Kind.FORWARD and s > 0) or (kind.sends_grads and s < S - 1)
             start = clock[s]
             if needs_msg:
-                key = (kind, s, u)
+                key = (Kind.FORWARD if kind is Kind.FORWARD else Kind.BACKWARD, s, u)
                 if key not in arrivals:
                     return False
                 start = max(start, arrivals.pop(key))
-            cost = fwd[s] if kind is Kind.FORWARD else bwd[s]
-            clock[s] = start + cost
-            busy[s] += cost
+            took = cost[kind][s]
+            clock[s] = start + took
+            busy[s] += took
             events[s].append(Event(action, start, clock[s]))
             if plan.training:
-                stash[s] += 1 if kind is Kind.FORWARD else -1
+                stash[s] += held[kind]
                 peak[s] = max(peak[s], stash[s])
+                deferred[s] += waiting_w.get(kind, 0)
+                peak_deferred[s] = max(peak_deferred[s], deferred[s])
         pos[s] += 1
         return True
 
@@ -133,6 +150,7 @@ def simulate(
         step_time=max(clock) if clock else 0.0,
         busy=tuple(busy),
         peak_stash=tuple(peak),
+        peak_deferred=tuple(peak_deferred),
     )
 
 

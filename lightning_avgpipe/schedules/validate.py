@@ -42,13 +42,19 @@ _ORDER = [
     (Kind.FORWARD, Kind.RECV_B),
     (Kind.RECV_B, Kind.BACKWARD),
     (Kind.BACKWARD, Kind.SEND_B),
+    (Kind.FORWARD, Kind.INPUT_GRAD),
+    (Kind.RECV_B, Kind.INPUT_GRAD),
+    (Kind.INPUT_GRAD, Kind.SEND_B),
+    (Kind.INPUT_GRAD, Kind.WEIGHT_GRAD),
 ]
+_SPLIT = (Kind.INPUT_GRAD, Kind.WEIGHT_GRAD)
 
 
 def _wanted(plan: Plan, s: int) -> set[Kind]:
-    """The kinds of action stage ``s`` must run once for every unit."""
+    """The kinds of action stage ``s`` must run once for every unit, besides the backward (``B``, or ``I`` and
+    ``W``: :func:`_backward_errors`)."""
     first, last, training = s == 0, s == plan.num_stages - 1, plan.training
-    wanted = {Kind.FORWARD, *([Kind.BACKWARD] if training else [])}
+    wanted = {Kind.FORWARD}
     if not first:
         wanted |= {Kind.RECV_F, *([Kind.SEND_B] if training else [])}
     if not last:
@@ -70,15 +76,34 @@ def _stage_errors(plan: Plan, s: int) -> list[str]:
             errors.append(f"stage {s}: {a} appears twice")
         seen[(a.kind, a.unit)] = i
     wanted = _wanted(plan, s)
-    for kind in Kind:
+    for kind in (k for k in Kind if k is not Kind.BACKWARD and k not in _SPLIT):
         for u in range(U):
             present = (kind, u) in seen
             if present != (kind in wanted):
                 errors.append(f"stage {s}: {'unexpected' if present else 'missing'} {s}{kind.value}{u}")
+    errors += _backward_errors(plan, s, seen)
     for u in range(U):
         for first, then in _ORDER:
             if (first, u) in seen and (then, u) in seen and seen[(first, u)] > seen[(then, u)]:
                 errors.append(f"stage {s}: {s}{then.value}{u} comes before {s}{first.value}{u}")
+    return errors
+
+
+def _backward_errors(plan: Plan, s: int, seen: dict[tuple[Kind, int], int]) -> list[str]:
+    """In training, each unit's backward once: whole (``B``) or split (``I`` and ``W``), not both; none otherwise."""
+    errors = []
+    for u in range(plan.num_units):
+        whole = (Kind.BACKWARD, u) in seen
+        parts = [(k, u) in seen for k in _SPLIT]
+        if not plan.training:
+            errors += [f"stage {s}: unexpected {s}{k.value}{u}" for k in (Kind.BACKWARD, *_SPLIT) if (k, u) in seen]
+        elif whole and any(parts):
+            errors.append(f"stage {s}: unit {u} has both {s}B{u} and a split backward")
+        elif not whole and not all(parts):
+            missing = (
+                [f"{s}{k.value}{u}" for k, there in zip(_SPLIT, parts) if not there] if any(parts) else [f"{s}B{u}"]
+            )
+            errors.append(f"stage {s}: missing {', '.join(missing)}")
     return errors
 
 
