@@ -20,10 +20,13 @@ from torch import Tensor
 
 from lightning_avgpipe.shards import local
 
+COMPUTE = ("F", "B", "I", "W")  # the kinds of span that run the stage: forward, backward, input and weight grads
+
 
 @dataclass(frozen=True)
 class Span:
-    """One interval on a stage's timeline. ``kind``: "F", "B" (compute), "wait" (blocked on a neighbour), "send"."""
+    """One interval on a stage's timeline. ``kind``: "F", "B", "I", "W" (compute: :data:`COMPUTE`), "wait" (blocked on
+    a neighbour), "send"."""
 
     kind: str
     unit: int
@@ -53,7 +56,7 @@ class StepTrace:
 
     @property
     def compute_time(self) -> float:
-        return sum(s.end - s.start for s in self.spans if s.kind in ("F", "B"))
+        return sum(s.end - s.start for s in self.spans if s.kind in COMPUTE)
 
     @property
     def wait_time(self) -> float:
@@ -138,13 +141,20 @@ def spans_from_simulation(sim: Any) -> list[list[Span]]:
 
 def chrome_trace(timelines: Sequence[Sequence[Span]], names: Sequence[str] | None = None) -> dict[str, Any]:
     """Chrome-trace JSON (opens in Perfetto / chrome://tracing): one track per stage, spans in microseconds."""
-    colours = {"F": "thread_state_running", "B": "rail_load", "wait": "bad", "send": "grey"}
+    colours = {
+        "F": "thread_state_running",
+        "B": "rail_load",
+        "I": "rail_response",
+        "W": "rail_idle",
+        "wait": "bad",
+        "send": "grey",
+    }
     events: list[dict[str, Any]] = []
     for s, spans in enumerate(timelines):
         name = names[s] if names else f"stage {s}"
         events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": s, "args": {"name": name}})
         for span in spans:
-            label = f"{span.kind}{span.unit}" if span.kind in ("F", "B") else span.kind
+            label = f"{span.kind}{span.unit}" if span.kind in COMPUTE else span.kind
             events.append(
                 {
                     "name": label,
@@ -199,7 +209,14 @@ def gantt_png(
     fig = Figure(figsize=(max(8.0, min(24.0, 0.25 * sum(len(t) for t in timelines) / max(1, S) + 6)), 0.6 * S + 1.4))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    style = {"F": ("#9ecae1", None), "B": ("#3182bd", None), "wait": ("#fdd0a2", "///"), "send": ("#d9d9d9", None)}
+    style = {
+        "F": ("#9ecae1", None),
+        "B": ("#3182bd", None),
+        "I": ("#31a354", None),
+        "W": ("#a1d99b", None),
+        "wait": ("#fdd0a2", "///"),
+        "send": ("#d9d9d9", None),
+    }
     for s, spans in enumerate(timelines):
         y = S - 1 - s
         for span in spans:
@@ -215,7 +232,7 @@ def gantt_png(
                 edgecolor="white",
                 linewidth=0.3,
             )
-            if span.kind in ("F", "B") and width > end * scale / 60:
+            if span.kind in COMPUTE and width > end * scale / 60:
                 ax.text(
                     (span.start + span.end) / 2 * scale,
                     y,
@@ -223,7 +240,7 @@ def gantt_png(
                     ha="center",
                     va="center",
                     fontsize=7,
-                    color="black" if span.kind == "F" else "white",
+                    color="white" if span.kind in ("B", "I") else "black",
                 )
     ax.set_yticks(range(S))
     ax.set_yticklabels(list(reversed(names if names else [f"stage {s}" for s in range(S)])))
@@ -232,10 +249,10 @@ def gantt_png(
     handles = [Rectangle((0, 0), 1, 1, color=c, hatch=h) for c, h in style.values()]
     fig.legend(
         handles,
-        ["forward", "backward", "waiting on a neighbour", "send"],
+        ["forward", "backward", "input gradient", "weight gradient", "waiting on a neighbour", "send"],
         loc="lower center",
         fontsize=7,
-        ncols=4,
+        ncols=6,
         frameon=False,
     )
     fig.tight_layout(rect=(0, 0.1, 1, 1))
