@@ -12,6 +12,7 @@ import argparse
 import sys
 
 from lightning_avgpipe.schedules import SCHEDULES, build_plan, simulate, timeline_table, validate_plan
+from lightning_avgpipe.schedules.generate import reads_k
 from lightning_avgpipe.tuning.cli import whatif_command
 
 
@@ -69,7 +70,7 @@ def schedule_command(argv: list[str]) -> int:
 
         from lightning_avgpipe.runtime.trace import spans_from_simulation, write_trace
 
-        title = f"simulated {plan.schedule}" + (f" k={plan.advance_forwards}" if plan.schedule == "advance" else "")
+        title = f"simulated {plan.schedule}" + (f" k={plan.advance_forwards}" if reads_k(plan.schedule) else "")
         title += f", S={plan.num_stages}, units={plan.num_units}"
         json_path, png = write_trace(Path(args.trace), spans_from_simulation(sim), title, time_unit="cost units")
         print(f"trace written to {json_path}" + (f" and {png}" if png else ""))

@@ -133,6 +133,12 @@ class PipelineConfig:
             raise ValueError(
                 f"memory_limit={limit!r} must be a number of bytes, or a fraction in (0, 1] of the device's memory."
             )
+        if self.schedule in ("zbh1", "zbadvance") and self.replica_execution == "batched":
+            raise ValueError(
+                f"schedule={self.schedule!r} with replica_execution='batched' is not supported (the weight gradients "
+                "are deferred per layer, which torch.func.vmap does not allow); use replica_execution='sequential', "
+                "or schedule='1f1b'."
+            )
         spec = check_checkpointing(self.activation_checkpointing)
         object.__setattr__(self, "activation_checkpointing", spec)
         if spec and self.replica_execution == "batched":

@@ -73,9 +73,11 @@ def test_equivalence(tmp_path: Path, devices: int, strategy: dict[str, Any]) -> 
 
 
 @pytest.mark.slow
-def test_adam_clipping_accumulation_scheduler(tmp_path: Path) -> None:
-    """Global-norm clipping, accumulate_grad_batches, an lr scheduler and Adam all keep the arithmetic exact."""
-    strategy = {"num_microbatches": 2, "partition": [2, 4]}
+@pytest.mark.parametrize("schedule", ["1f1b", "zbh1"])
+def test_adam_clipping_accumulation_scheduler(tmp_path: Path, schedule: str) -> None:
+    """Global-norm clipping, accumulate_grad_batches, an lr scheduler and Adam all keep the arithmetic exact (and
+    with the backward split, whose weight gradients land in W, before the clipping sees them)."""
+    strategy = {"num_microbatches": 2, "partition": [2, 4], "schedule": schedule}
     results = run_lightning(
         tmp_path,
         2,

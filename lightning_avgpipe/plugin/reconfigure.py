@@ -7,6 +7,7 @@ from dataclasses import replace
 from typing import Any
 
 from lightning_avgpipe.config import PipelineConfig
+from lightning_avgpipe.schedules.generate import reads_k
 
 
 def next_config(
@@ -42,6 +43,6 @@ def describe(config: PipelineConfig, num_stages: int, num_groups: int) -> str:
         f"AvgPipe: reconfigured to num_microbatches={config.microbatches_for(num_stages)}, "
         f"num_pipelines={config.num_pipelines}"
         + (f", averaging='{config.averaging}'" if config.num_pipelines * num_groups > 1 else "")
-        + (f", advance_forwards={config.advance_forwards}" if config.schedule == "advance" else "")
+        + (f", advance_forwards={config.advance_forwards}" if reads_k(config.schedule) else "")
         + "."
     )

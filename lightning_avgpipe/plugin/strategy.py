@@ -68,7 +68,11 @@ class AvgPipeStrategy(ProcessStrategy):
             ``(S - 1) / (M + S - 1)`` of a step, but each is smaller and runs less efficiently.
         schedule: ``"1f1b"`` keeps at most ``S - s`` micro-batches' activations on stage ``s`` (the default);
             ``"afab"`` (GPipe) keeps all ``M``; ``"advance"`` sits between with ``advance_forwards`` early forwards.
-        advance_forwards: early forwards on every stage but the last for ``schedule="advance"``; 0 is 1F1B.
+            ``"zbh1"`` is 1F1B with the backward split in two, the input gradient first and the weight gradient
+            deferred into the bubbles (zero bubble H1: about a third of 1F1B's bubble at 1F1B's memory peak);
+            ``"zbadvance"`` the advance forward with that split.
+        advance_forwards: early forwards on every stage but the last for ``schedule="advance"`` (or
+            ``"zbadvance"``); 0 is 1F1B.
             ``"auto"`` (the default) starts at 0 and raises k while iterations get faster beyond noise and
             ``memory_limit`` holds, then keeps it (the choice and why are logged).
         memory_limit: a stage's peak for ``advance_forwards="auto"``: bytes, or a fraction (<= 1) of its memory.

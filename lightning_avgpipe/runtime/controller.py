@@ -39,6 +39,7 @@ from lightning_avgpipe.runtime.pipeline import StagePipeline, StepResult
 from lightning_avgpipe.runtime.trace import StepTrace, write_trace
 from lightning_avgpipe.runtime.units import LossFn
 from lightning_avgpipe.schedules import max_advance_forwards
+from lightning_avgpipe.schedules.generate import reads_k
 from lightning_avgpipe.shards import local
 
 # the columns of StepController.figures' (S, 6) table
@@ -126,7 +127,7 @@ class StepController:
         """Whether ``advance_forwards="auto"`` still needs every step's figures."""
         cfg = self.config
         settled = self.k_search is not None and self.k_search.settled
-        return cfg.schedule == "advance" and cfg.advance_forwards == "auto" and not settled
+        return reads_k(cfg.schedule) and cfg.advance_forwards == "auto" and not settled
 
     @property
     def measuring_memory(self) -> bool:
@@ -200,7 +201,7 @@ class StepController:
             if written is not None:
                 also = f" and {written[1]}" if written[1] else ""
                 report.notes.append(f"AvgPipe: timeline of step {step} written to {written[0]}{also}")
-        if self.config.schedule == "advance":
+        if reads_k(self.config.schedule):
             scalars["avgpipe/advance_forwards"] = float(pipe.advance_forwards)
             reason = self.observe_k(table)
             if reason is not None:

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from lightning_avgpipe.errors import loss_of
+from lightning_avgpipe.runtime.deferred import WeightGradQueue
 from lightning_avgpipe.runtime.p2p import Link, flatten_output
 from lightning_avgpipe.runtime.trace import ActivationMeter, StepTrace
 from lightning_avgpipe.schedules.actions import Action, Kind
@@ -41,6 +42,7 @@ class StageExecutor:
         self.is_first = stage == 0
         self.is_last = stage == num_stages - 1
         self.coalesce = coalesce and link is not None
+        self.weight_grads: WeightGradQueue | None = None  # where input-gradient actions queue the weight gradients
         if self.coalesce:
             assert link is not None
             link.always_batch = True
@@ -73,7 +75,8 @@ class StageExecutor:
             stage_fn_for: unit -> the layers that run it (a replica's), instead of the executor's ``stage_fn``.
             trace: filled with this step's timeline (compute, waits on neighbours, sends).
             meter: counts the activation bytes each unit saves for backward (training).
-            after_backward: called with the unit after each backward on this stage (the noise probe).
+            after_backward: called with the unit once its gradients are whole on this stage (after its ``B``, or its
+                ``W``), for the noise probe.
 
         Returns:
             On the last stage, unit -> the head's value (detached in training); elsewhere an empty dict.
@@ -86,6 +89,8 @@ class StageExecutor:
             Kind.SEND_F: run.send_activations,
             Kind.RECV_B: run.recv_grads,
             Kind.BACKWARD: run.backward,
+            Kind.INPUT_GRAD: run.input_grad,
+            Kind.WEIGHT_GRAD: run.weight_grad,
             Kind.SEND_B: run.send_grads,
         }
         with torch.enable_grad() if training else torch.no_grad():
@@ -195,6 +200,28 @@ class _Run:
         self.link.post_grads(u, self.stash[u][1])
 
     def backward(self, u: int) -> None:
+        """The whole backward of unit ``u``: input and weight gradients."""
+        self._backward(u, "B")
+        if self.after_backward is not None:
+            self.after_backward(u)
+
+    def input_grad(self, u: int) -> None:
+        """The input gradient of unit ``u``; its layers' weight gradients wait in the queue for :meth:`weight_grad`
+        (a stage without a queue, or a layer that cannot defer, takes them now: the plan still runs)."""
+        queue = self.executor.weight_grads
+        with queue.deferring(u) if queue is not None else contextlib.nullcontext():
+            self._backward(u, "I")
+
+    def weight_grad(self, u: int) -> None:
+        """The weight gradients unit ``u``'s input gradient queued."""
+        t0 = time.perf_counter()
+        if self.executor.weight_grads is not None:
+            self.executor.weight_grads.run(u)
+        self.note("W", u, t0, time.perf_counter())
+        if self.after_backward is not None:  # the unit's gradients are whole now
+            self.after_backward(u)
+
+    def _backward(self, u: int, label: str) -> None:
         ex = self.executor
         ins, outs = self.stash.pop(u)
         grads = None
@@ -210,11 +237,9 @@ class _Run:
             torch.autograd.backward(outs, grads)
         if not ex.is_first:
             self.input_grads[u] = [t.grad if t.grad is not None else torch.zeros_like(t) for t in ins]
-        self.note("B", u, t1, time.perf_counter())
+        self.note(label, u, t1, time.perf_counter())
         if self.meter is not None:
             self.meter.release(u)
-        if self.after_backward is not None:
-            self.after_backward(u)
 
     def send_grads(self, u: int) -> None:
         t0 = time.perf_counter()

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -30,10 +30,10 @@ from lightning_avgpipe import microbatch
 from lightning_avgpipe.config import PipelineConfig
 from lightning_avgpipe.elastic import ElasticAveraging, average_gradients
 from lightning_avgpipe.errors import check_finite
-from lightning_avgpipe.noise import GradientNorms
 from lightning_avgpipe.optim import ElasticOptimizer, clone_optimizer
 from lightning_avgpipe.replicas import BatchedReplicas
 from lightning_avgpipe.runtime import collectives, units
+from lightning_avgpipe.runtime.deferred import WeightGradQueue
 from lightning_avgpipe.runtime.executor import StageExecutor
 from lightning_avgpipe.runtime.gradnoise import GradientProbe
 from lightning_avgpipe.runtime.p2p import Link
@@ -42,40 +42,14 @@ from lightning_avgpipe.runtime.tensor_parallel import whole_outputs
 from lightning_avgpipe.runtime.ties import TiedGradients, TiedWeights
 from lightning_avgpipe.runtime.topology import Topology
 from lightning_avgpipe.runtime.trace import ActivationMeter, StepTrace
-from lightning_avgpipe.runtime.units import LossFn
+from lightning_avgpipe.runtime.units import LossFn, StepResult, first_input
 from lightning_avgpipe.runtime.zero import ShardedOptimizer, ShardedReference
 from lightning_avgpipe.schedules import Plan, build_plan, validate_plan
+from lightning_avgpipe.schedules.generate import SPLIT, reads_k
 
 # (stage output, micro-batch, its share of the batch) -> anything (evaluation)
 EvalFn = Callable[[Any, Any, float], Any]
 Context = Callable[[], contextlib.AbstractContextManager[Any]]
-
-
-def first_input(batch: Any) -> Any:
-    """The default first-layer input of a micro-batch: ``batch[0]`` of a tuple or list, else the batch itself."""
-    return batch[0] if isinstance(batch, (tuple, list)) else batch
-
-
-@dataclass
-class StepResult:
-    """What one training step produced on this stage.
-
-    Attributes:
-        losses: on the last stage, unit -> that unit's loss as weighted for backward (detached); empty elsewhere.
-        loss: on the last stage, the mean over the N replicas of each replica's batch loss (what is logged).
-        samples: samples in the iteration on this pipeline (the N batches).
-        trace: this stage's timeline of the step (compute, waits, sends; activation peak when measured).
-        divergence: ``(N,)`` relative distances ‖w_n − w_ref‖/‖w_ref‖ over the whole pipeline, when asked for.
-        noise: the step's squared gradient norms at two batch sizes over the whole job, when asked for and the
-            step has two sizes (``runtime/gradnoise.py``); :attr:`StagePipeline.noise_scale` is then updated.
-    """
-
-    losses: dict[int, Tensor]
-    loss: Tensor | None
-    samples: int
-    trace: StepTrace
-    divergence: Tensor | None = None
-    noise: GradientNorms | None = None
 
 
 class StagePipeline:
@@ -215,12 +189,30 @@ class StagePipeline:
             tensor_parallel_size=top.tensor_parallel_size,
         )
         self._params = self.elastic.all_replica_params()
+        self._defer_weight_grads()
         self._tied = TiedGradients(self.ties, self.elastic, self.stage)
         self._replica_fns = [self._stage_function(layers) for layers in self.elastic.replicas]
         self.batched: BatchedReplicas | None = None
         if cfg.replica_execution == "batched" and not self.elastic.trivial:
             self.batched = BatchedReplicas(self.elastic.replicas)
         self.meter = ActivationMeter(self._params)
+
+    @property
+    def splits_backward(self) -> bool:
+        """Whether the schedule splits the backward into input and weight gradients (``zbh1``, ``zbadvance``)."""
+        return self.config.schedule in SPLIT
+
+    def _defer_weight_grads(self) -> None:
+        """Under a schedule that splits the backward, every copy of the stage's layers queues its weight gradients
+        in the executor's one queue (runtime/deferred.py); new replicas join it."""
+        if not self.splits_backward:
+            return
+        queue = self.executor.weight_grads
+        layers = [*self.layers, *(m for replica in self.elastic.replicas for m in replica)]
+        if queue is None:
+            self.executor.weight_grads = WeightGradQueue(layers)
+        else:
+            queue.install(layers)
 
     def _stage_function(self, layers: Sequence[nn.Module]) -> Callable[[Any], Any]:
         """``layers`` applied in order (the checkpointed ones recomputed); under tensor parallelism, checked once per
@@ -383,7 +375,8 @@ class StagePipeline:
         self.elastic.follow_reference()  # frozen layers, eval-mode BatchNorm: as the user's module has them
         before = self._tied.before(replicas) if self.ties else None
         probe = None
-        if noise and accumulate == 1 and GradientProbe.usable(replicas, len(micro)):
+        # the probe reads each unit's gradients when they are whole; a split backward interleaves units' parts
+        if noise and accumulate == 1 and not self.splits_backward and GradientProbe.usable(replicas, len(micro)):
             params = [self.elastic.replica_params(n) for n in range(replicas)] if replicas > 1 else [self.params]
             sizes = [microbatch.batch_size(mb) for mb in micro]
             T = self.topology.tensor_parallel_size
@@ -493,6 +486,6 @@ class StagePipeline:
         cfg = self.config
         return (
             f"{cfg.schedule}"
-            + (f" k={self._k}" if cfg.schedule == "advance" else "")
+            + (f" k={self._k}" if reads_k(cfg.schedule) else "")
             + f", S={self.num_stages}, M={self.num_microbatches}, N={self.num_pipelines}"
         )

@@ -19,7 +19,9 @@ from torch import Tensor
 
 from lightning_avgpipe import microbatch
 from lightning_avgpipe.errors import loss_of
+from lightning_avgpipe.noise import GradientNorms
 from lightning_avgpipe.replicas import BatchedReplicas, select, stack
+from lightning_avgpipe.runtime.trace import StepTrace
 
 # (stage output, micro-batch, its share of all the iteration's samples) -> a scalar loss, or {"loss": ...}
 LossFn = Callable[[Any, Any, float], Any]
@@ -94,3 +96,30 @@ def batched(
         head,
         lambda m: batched_replicas,
     )
+
+
+def first_input(batch: Any) -> Any:
+    """The default first-layer input of a micro-batch: ``batch[0]`` of a tuple or list, else the batch itself."""
+    return batch[0] if isinstance(batch, (tuple, list)) else batch
+
+
+@dataclass
+class StepResult:
+    """What one training step produced on this stage.
+
+    Attributes:
+        losses: on the last stage, unit -> that unit's loss as weighted for backward (detached); empty elsewhere.
+        loss: on the last stage, the mean over the N replicas of each replica's batch loss (what is logged).
+        samples: samples in the iteration on this pipeline (the N batches).
+        trace: this stage's timeline of the step (compute, waits, sends; activation peak when measured).
+        divergence: ``(N,)`` relative distances ‖w_n − w_ref‖/‖w_ref‖ over the whole pipeline, when asked for.
+        noise: the step's squared gradient norms at two batch sizes over the whole job, when asked for and the
+            step has two sizes (``runtime/gradnoise.py``); :attr:`StagePipeline.noise_scale` is then updated.
+    """
+
+    losses: dict[int, Tensor]
+    loss: Tensor | None
+    samples: int
+    trace: StepTrace
+    divergence: Tensor | None = None
+    noise: GradientNorms | None = None

@@ -52,6 +52,12 @@ SCHEDULES: tuple[str, ...] = ("afab", "1f1b", "advance", "zbh1", "zbadvance")
 SPLIT: dict[str, str] = {"zbh1": "1f1b", "zbadvance": "advance"}
 
 
+def reads_k(schedule: str) -> bool:
+    """Whether ``schedule`` runs ``advance_forwards`` early forwards (``advance``, ``zbadvance``)."""
+    name = check_schedule_name(schedule)
+    return SPLIT.get(name, name) == "advance"
+
+
 def check_schedule_name(schedule: str) -> str:
     """Return the normalised schedule name or raise a ``ValueError`` that lists the valid ones."""
     name = str(schedule).lower().replace("-", "").replace("_", "")

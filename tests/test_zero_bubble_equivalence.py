@@ -1,0 +1,150 @@
+"""The split-backward schedules (``zbh1``, ``zbadvance``) train exactly as their unsplit orders do (1F1B, the advance
+forward), and so as plain training with gradient accumulation: on 2 and 4 gloo processes, after every step, for
+uneven partitions, tuples between stages, activation checkpointing, N = 2 replicas with either averaging and the
+advance forward. All cases of one world size run in one launch of its ranks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.helpers.distributed import run_distributed
+from tests.test_runtime_equivalence import reference
+
+STEPS = 3
+UNSPLIT = {"zbh1": "1f1b", "zbadvance": "advance"}
+
+
+def _train(
+    rank: int,
+    world: int,
+    schedule: str,
+    partition: list[int],
+    m: int,
+    n: int = 1,
+    averaging: str = "elastic",
+    checkpointing: Any = False,
+    k: int = 0,
+) -> dict[str, Any]:
+    from lightning_avgpipe.config import PipelineConfig
+    from lightning_avgpipe.runtime.pipeline import StagePipeline
+    from lightning_avgpipe.runtime.topology import Topology
+    from tests.helpers.models import make_batch, make_layers
+
+    layers = make_layers()
+    start = sum(partition[:rank])
+    own = layers[start : start + partition[rank]]
+    cfg = PipelineConfig(
+        num_stages=world,
+        num_microbatches=m,
+        schedule=schedule,
+        advance_forwards=k,
+        num_pipelines=n,
+        averaging=averaging,
+        activation_checkpointing=checkpointing,
+        p2p="eager",
+    )
+    pipe = StagePipeline(own, Topology(rank, world, world), cfg)
+    opt = pipe.optimizer(torch.optim.SGD(pipe.reference_params, lr=0.1, momentum=0.9)) if pipe.params else None
+    losses, queued, ran = [], [], [0]
+    queue = pipe.executor.weight_grads
+    if queue is not None:  # count the weight gradients W computes (none if I took them all)
+        run = queue.run
+
+        def counting(key: Any) -> None:
+            ran[0] += queue.pending(key)
+            run(key)
+
+        queue.run = counting  # type: ignore[method-assign]
+    for step in range(STEPS):
+        if opt is not None:
+            opt.zero_grad()
+        batches = [make_batch(step * n + r) for r in range(n)]
+        result = pipe.train_step(batches, lambda out, batch, share: F.cross_entropy(out, batch[1]))
+        queued.append(queue.pending_bytes() if queue is not None else 0)
+        if opt is not None:
+            opt.step()
+        losses.append(float(result.loss) if result.loss is not None else None)
+    served = len(pipe.executor.weight_grads.patched) if pipe.executor.weight_grads is not None else 0
+    return {
+        "losses": losses,
+        "states": {start + i: {k: v.clone() for k, v in layer.state_dict().items()} for i, layer in enumerate(own)},
+        "queued_after_step": queued,
+        "served": served,
+        "deferred": ran[0],
+    }
+
+
+def _cases(rank: int, world: int, cases: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Each case under its split schedule and under its unsplit order, in the same processes."""
+    out = []
+    for schedule, kwargs in cases:
+        out.append(
+            {
+                "split": _train(rank, world, schedule, **kwargs),
+                "unsplit": _train(rank, world, UNSPLIT[schedule], **kwargs),
+            }
+        )
+    return out
+
+
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "S2-zbh1-even": ("zbh1", {"partition": [3, 3], "m": 4}),
+    "S2-zbh1-uneven": ("zbh1", {"partition": [1, 5], "m": 3}),
+    "S2-zbh1-one-microbatch": ("zbh1", {"partition": [3, 3], "m": 1}),
+    "S2-zbh1-checkpointing": ("zbh1", {"partition": [3, 3], "m": 4, "checkpointing": True}),
+    "S2-zbh1-N2-elastic": ("zbh1", {"partition": [3, 3], "m": 2, "n": 2}),
+    "S2-zbh1-N2-exact": ("zbh1", {"partition": [3, 3], "m": 2, "n": 2, "averaging": "exact"}),
+    "S2-zbadvance-k2": ("zbadvance", {"partition": [3, 3], "m": 4, "k": 2}),
+    "S4-zbh1-uneven": ("zbh1", {"partition": [1, 1, 2, 2], "m": 4}),
+    "S4-zbh1-checkpointing-N2": ("zbh1", {"partition": [2, 1, 1, 2], "m": 4, "n": 2, "checkpointing": ["Linear"]}),
+    "S4-zbadvance-k1": ("zbadvance", {"partition": [2, 1, 1, 2], "m": 6, "k": 1}),
+}
+
+
+@pytest.fixture(scope="module")
+def outcomes() -> dict[str, list[dict[str, Any]]]:
+    results: dict[str, list[dict[str, Any]]] = {}
+    for world in (2, 4):
+        names = [name for name, (_, kw) in CASES.items() if len(kw["partition"]) == world]
+        runs = run_distributed(_cases, world, [CASES[n] for n in names], timeout=300)
+        for i, name in enumerate(names):
+            results[name] = [runs[r][i] for r in range(world)]
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", list(CASES))
+def test_split_schedule_trains_as_its_unsplit_order(outcomes: dict[str, list[dict[str, Any]]], name: str) -> None:
+    ranks = outcomes[name]
+    last = ranks[-1]
+    torch.testing.assert_close(torch.tensor(last["split"]["losses"]), torch.tensor(last["unsplit"]["losses"]))
+    for rank in ranks:
+        for index, state in rank["split"]["states"].items():
+            torch.testing.assert_close(
+                state, rank["unsplit"]["states"][index], msg=lambda m, i=index: f"layer {i}: {m}"
+            )
+        assert rank["split"]["queued_after_step"] == [0] * STEPS  # every W ran within its step
+    assert sum(r["split"]["served"] for r in ranks) > 0
+    # every rank holding a Linear ran its weight gradients in W: one per Linear call, unit and step
+    assert all(r["split"]["deferred"] > 0 for r in ranks if r["split"]["served"]), [
+        r["split"]["deferred"] for r in ranks
+    ]
+    assert all(r["unsplit"]["deferred"] == 0 for r in ranks)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", [n for n, (_, kw) in CASES.items() if kw.get("n", 1) == 1])
+def test_split_schedule_equals_plain_training(outcomes: dict[str, list[dict[str, Any]]], name: str) -> None:
+    """One pipeline: plain single-process training with gradient accumulation over the same micro-batches."""
+    m = CASES[name][1]["m"]
+    ref_losses, ref_states = reference(m, STEPS)
+    torch.testing.assert_close(torch.tensor(outcomes[name][-1]["split"]["losses"]), torch.tensor(ref_losses))
+    for rank in outcomes[name]:
+        for index, state in rank["split"]["states"].items():
+            torch.testing.assert_close(state, ref_states[index])
