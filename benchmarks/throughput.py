@@ -9,6 +9,7 @@ partition and AdamW doing real optimizer steps, with:
 
 - ``ours-1f1b``   this project's ``StageExecutor`` + ``Link`` running ``build_plan("1f1b", ...)``
 - ``ours-afab``   the same runtime running ``build_plan("afab", ...)``
+- ``ours-zbh1``   the same runtime running ``build_plan("zbh1", ...)``: the backward split, weight gradients deferred
 - ``torch-1f1b``  ``torch.distributed.pipelining.Schedule1F1B`` over a hand-built ``PipelineStage`` per rank
 - ``torch-gpipe`` ``torch.distributed.pipelining.ScheduleGPipe`` over the same stages
 - ``single``      the whole model in one process (rank 0, 1 thread) with gradient accumulation over the same
@@ -77,10 +78,11 @@ from benchmarks.harness import run_distributed  # noqa: E402
 from examples.gpt_args import add_model_args, add_partition_arg, check_model_args, model_sizes, partition_of  # noqa: E402
 
 WORLD = 2
-ROWS = ("ours-1f1b", "ours-afab", "torch-1f1b", "torch-gpipe", "single")
+ROWS = ("ours-1f1b", "ours-afab", "ours-zbh1", "torch-1f1b", "torch-gpipe", "single")
 LABELS = {
     "ours-1f1b": "lightning_avgpipe 1F1B (StagePipeline)",
     "ours-afab": "lightning_avgpipe AFAB (StagePipeline)",
+    "ours-zbh1": "lightning_avgpipe ZB-H1 (StagePipeline, weight gradients deferred)",
     "torch-1f1b": "torch.distributed.pipelining Schedule1F1B",
     "torch-gpipe": "torch.distributed.pipelining ScheduleGPipe",
     "single": "single process, grad accumulation",
@@ -503,6 +505,7 @@ def rank_main(rank: int, args: argparse.Namespace, data: Tensor, vocab_size: int
     rows: dict[str, Row] = {
         "ours-1f1b": PipeRow("1f1b", 1, own_copy(), rank, args, batches),
         "ours-afab": PipeRow("afab", 1, own_copy(), rank, args, batches),
+        "ours-zbh1": PipeRow("zbh1", 1, own_copy(), rank, args, batches),
         "torch-1f1b": TorchRow("1f1b", own_copy(), rank, args, batches),
         "torch-gpipe": TorchRow("gpipe", own_copy(), rank, args, batches),
         "single": SingleRow(copy.deepcopy(base), rank, args, batches),

@@ -104,3 +104,11 @@ def test_quoted_schedule_output_is_current(page: str, command: str, output: str)
     assert _lines(proc.stdout) == _lines(output), (
         f"{page}: the output quoted under `{command}` is out of date; paste the current output:\n{proc.stdout}"
     )
+
+
+def test_the_docs_stay_an_evenings_read() -> None:
+    """docs/ at most 130 KB and benchmarks/README.md at most 400 lines (issue 22): what grows must replace prose."""
+    size = sum(p.stat().st_size for p in DOCS.rglob("*") if p.is_file())
+    assert size <= 130_000, f"docs/ is {size} bytes; cut prose to at most 130,000 (a table or the code may do)"
+    lines = len((ROOT / "benchmarks" / "README.md").read_text().splitlines())
+    assert lines <= 400, f"benchmarks/README.md has {lines} lines; history belongs in benchmarks/history/*.json"
