@@ -26,6 +26,9 @@ def schedule_command(argv: list[str]) -> int:
     p.add_argument("--pipelines", type=int, default=1, help="parallel pipelines N (units = N x M)")
     p.add_argument("--schedule", default="1f1b", choices=[*SCHEDULES, "gpipe"])
     p.add_argument("--advance-forwards", type=int, default=0, help="early forwards k for --schedule advance")
+    p.add_argument(
+        "--stages-per-rank", type=int, default=None, help="model chunks v per rank (interleaved: default 2; zbv: 2)"
+    )
     p.add_argument("--forward-cost", type=float, default=1.0, help="time of one forward in the table")
     p.add_argument("--backward-cost", type=float, default=2.0, help="time of one backward in the table")
     p.add_argument(
@@ -48,21 +51,35 @@ def schedule_command(argv: list[str]) -> int:
             p.error(f"{flag} {value}: must be a positive time")
     if not args.latency >= 0:
         p.error(f"--latency {args.latency}: must be >= 0")
-    plan = validate_plan(
-        build_plan(args.schedule, args.stages, args.microbatches * args.pipelines, args.advance_forwards)
-    )
+    try:
+        plan = validate_plan(
+            build_plan(
+                args.schedule,
+                args.stages,
+                args.microbatches * args.pipelines,
+                args.advance_forwards,
+                stages_per_rank=args.stages_per_rank,
+            )
+        )
+    except ValueError as err:
+        p.error(str(err))
+    v = plan.stages_per_rank  # a chunk costs 1/v of a stage: the model's compute is the same as with v = 1
     w = args.weight_grad_cost
     if w is not None and not 0 < w < args.backward_cost:
         p.error(f"--weight-grad-cost {w}: must be a positive time below --backward-cost {args.backward_cost}")
-    sim = simulate(plan, args.forward_cost, args.backward_cost, latency=args.latency, weight_grad_cost=w)
+    sim = simulate(
+        plan, args.forward_cost / v, args.backward_cost / v, latency=args.latency, weight_grad_cost=w and w / v
+    )
     deferred = f", weight gradients waiting {list(sim.peak_deferred)}" if any(sim.peak_deferred) else ""
+    chunks = f" stages_per_rank={v}" if v > 1 else ""
+    unit = f" (in chunks, 1/{v} of a stage)" if v > 1 else ""
     print(
-        f"schedule={plan.schedule} stages={plan.num_stages} units={plan.num_units} "
+        f"schedule={plan.schedule} stages={plan.num_stages}{chunks} units={plan.num_units} "
         f"advance_forwards={plan.advance_forwards}: step time {sim.step_time:g}, "
-        f"bubble {sim.bubble_fraction:.1%}, peak stash per stage {list(sim.peak_stash)}{deferred}"
+        f"bubble {sim.bubble_fraction:.1%}, peak stash per stage{unit} {list(sim.peak_stash)}{deferred}"
     )
     split = [c for stage in sim.events for e in stage for c in (e.end - e.start,)]
-    print(timeline_table(sim, resolution=min([args.forward_cost, *split])))
+    print(timeline_table(sim, resolution=min([args.forward_cost / v, *split]), chunked=v > 1))
     if args.actions:
         print(plan)
     if args.trace:

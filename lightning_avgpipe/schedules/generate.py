@@ -45,11 +45,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lightning_avgpipe.schedules.actions import Action, Kind
+from lightning_avgpipe.schedules.chunks import Layout, chunked_orders, megatron_sequences
 from lightning_avgpipe.schedules.zerobubble import split_backward
 
-SCHEDULES: tuple[str, ...] = ("afab", "1f1b", "advance", "zbh1", "zbadvance")
+SCHEDULES: tuple[str, ...] = ("afab", "1f1b", "advance", "zbh1", "zbadvance", "interleaved", "zbv")
 # the schedules that split the backward into I and W (schedules/zerobubble.py), and the order each splits
 SPLIT: dict[str, str] = {"zbh1": "1f1b", "zbadvance": "advance"}
+# the schedules with several chunks per rank (schedules/chunks.py): their placement, and whether the backward splits
+CHUNKED: dict[str, tuple[str, bool]] = {"interleaved": ("loop", False), "zbv": ("v", True)}
 
 
 def reads_k(schedule: str) -> bool:
@@ -67,7 +70,9 @@ def check_schedule_name(schedule: str) -> str:
             f"schedule={schedule!r} is not a known schedule. Use one of {list(SCHEDULES)} "
             "('afab' = GPipe all-forward-all-backward, '1f1b' = one-forward-one-backward, "
             "'advance' = AvgPipe's advance forward propagation, 'zbh1' = 1F1B with the weight gradients deferred "
-            "into its bubbles (zero bubble, H1), 'zbadvance' = the advance forward with them deferred)."
+            "into its bubbles (zero bubble, H1), 'zbadvance' = the advance forward with them deferred, 'interleaved' = "
+            "1F1B over stages_per_rank chunks per rank placed in a loop, 'zbv' = zero bubble over 2 chunks per rank "
+            "placed in a V)."
         )
     return aliases[name]
 
@@ -137,19 +142,21 @@ def compute_order(
     return order
 
 
-def _recv_for(action: Action, num_stages: int) -> Action | None:
-    if action.kind is Kind.FORWARD and action.stage > 0:
-        return Action(action.stage, Kind.RECV_F, action.unit)
-    if action.kind.sends_grads and action.stage < num_stages - 1:
-        return Action(action.stage, Kind.RECV_B, action.unit)
+def _recv_for(action: Action, layout: Layout) -> Action | None:
+    j = action.stage
+    if action.kind is Kind.FORWARD and j > 0 and layout.crosses(j - 1, j):
+        return Action(j, Kind.RECV_F, action.unit)
+    if action.kind.sends_grads and j < layout.num_chunks - 1 and layout.crosses(j, j + 1):
+        return Action(j, Kind.RECV_B, action.unit)
     return None
 
 
-def _send_for(action: Action, num_stages: int) -> Action | None:
-    if action.kind is Kind.FORWARD and action.stage < num_stages - 1:
-        return Action(action.stage, Kind.SEND_F, action.unit)
-    if action.kind.sends_grads and action.stage > 0:
-        return Action(action.stage, Kind.SEND_B, action.unit)
+def _send_for(action: Action, layout: Layout) -> Action | None:
+    j = action.stage
+    if action.kind is Kind.FORWARD and j < layout.num_chunks - 1 and layout.crosses(j, j + 1):
+        return Action(j, Kind.SEND_F, action.unit)
+    if action.kind.sends_grads and j > 0 and layout.crosses(j - 1, j):
+        return Action(j, Kind.SEND_B, action.unit)
     return None
 
 
@@ -166,7 +173,11 @@ def _forwarded_before(upstream: Sequence[Action]) -> dict[int, list[int]]:
 
 
 def lower(
-    compute: Sequence[Action], num_stages: int, recv_lookahead: int = 1, upstream: Sequence[Action] | None = None
+    compute: Sequence[Action],
+    num_stages: int,
+    recv_lookahead: int = 1,
+    upstream: Sequence[Action] | None = None,
+    layout: Layout | None = None,
 ) -> list[Action]:
     """Add sends and receives to a stage's compute order.
 
@@ -188,17 +199,18 @@ def lower(
     """
     if recv_lookahead not in (0, 1):
         raise ValueError(f"recv_lookahead={recv_lookahead!r} must be 0 (just in time, NCCL) or 1 (one ahead, gloo).")
+    layout = layout or Layout(num_stages)  # several chunks per rank: only what crosses ranks is sent
     out: list[Action] = []
     posted: set[Action] = set()
-    forwarded: set[int] = set()
+    forwarded: set[tuple[int, int]] = set()  # (stage, unit)
     # unit j -> the units the previous stage forwards before its backward of j
     sent_before = _forwarded_before(upstream) if recv_lookahead == 0 and upstream is not None else {}
 
     def post(action: Action) -> None:
-        recv = _recv_for(action, num_stages)
+        recv = _recv_for(action, layout)
         if recv is None or recv in posted:
             return
-        if recv.kind is Kind.RECV_B and recv.unit not in forwarded:
+        if recv.kind is Kind.RECV_B and (recv.stage, recv.unit) not in forwarded:
             return  # a gradient buffer is shaped like the unit's output: post it after that forward
         posted.add(recv)
         out.append(recv)
@@ -209,8 +221,8 @@ def lower(
             post(compute[i + 1])
         out.append(action)
         if action.kind is Kind.FORWARD:
-            forwarded.add(action.unit)
-        send = _send_for(action, num_stages)
+            forwarded.add((action.stage, action.unit))
+        send = _send_for(action, layout)
         if send is not None:
             out.append(send)
             if send.kind is Kind.SEND_B:  # receive what the previous stage sends before it takes this gradient
@@ -231,19 +243,27 @@ class Plan:
     num_units: int
     advance_forwards: int
     training: bool
-    stages: tuple[tuple[Action, ...], ...]
+    stages: tuple[tuple[Action, ...], ...]  # per rank (with one chunk per rank, per stage)
     recv_lookahead: int = 1
+    stages_per_rank: int = 1  # v: the model has num_stages x v stages, v on every rank (schedules/chunks.py)
+    placement: str = "loop"
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.num_stages, self.stages_per_rank, self.placement)
 
     def compute(self, stage: int) -> list[Action]:
-        """Stage ``stage``'s compute actions only."""
+        """Rank ``stage``'s compute actions only."""
         return [a for a in self.stages[stage] if a.kind.is_compute]
 
     def __str__(self) -> str:
+        chunks = f", stages_per_rank={self.stages_per_rank}" if self.stages_per_rank > 1 else ""
         lines = [
-            f"Plan(schedule={self.schedule}, stages={self.num_stages}, units={self.num_units}, "
+            f"Plan(schedule={self.schedule}, stages={self.num_stages}{chunks}, units={self.num_units}, "
             f"advance_forwards={self.advance_forwards}, training={self.training})"
         ]
-        lines += [f"  stage {s}: " + " ".join(str(a) for a in acts) for s, acts in enumerate(self.stages)]
+        name = "rank" if self.stages_per_rank > 1 else "stage"
+        lines += [f"  {name} {s}: " + " ".join(str(a) for a in acts) for s, acts in enumerate(self.stages)]
         return "\n".join(lines)
 
 
@@ -254,10 +274,16 @@ def build_plan(
     advance_forwards: int = 0,
     training: bool = True,
     recv_lookahead: int = 1,
+    stages_per_rank: int | None = None,
 ) -> Plan:
-    """Build the lowered plan of every stage for ``num_units`` units (micro-batches times replicas)."""
+    """Build the lowered plan of every stage for ``num_units`` units (micro-batches times replicas); with
+    ``stages_per_rank`` v (``interleaved``, ``zbv``) the model has ``num_stages x v`` stages and the plan one action
+    list per rank."""
     name = check_schedule_name(schedule)
     _check_sizes(num_stages, num_units, advance_forwards)
+    v = check_stages_per_rank(name, stages_per_rank)
+    if name in CHUNKED:
+        return _chunked_plan(name, num_stages, num_units, v, training, recv_lookahead)
     computes = compute_orders(name, num_stages, num_units, advance_forwards, training)
     stages = tuple(
         tuple(lower(computes[s], num_stages, recv_lookahead, computes[s - 1] if s > 0 else None))
@@ -265,6 +291,36 @@ def build_plan(
     )
     k = advance_forwards if SPLIT.get(name, name) == "advance" else 0
     return Plan(name, num_stages, num_units, k, training, stages, recv_lookahead)
+
+
+def check_stages_per_rank(schedule: str, stages_per_rank: int | None) -> int:
+    """The v ``schedule`` runs: ``stages_per_rank``, or its default (2 for ``interleaved`` and ``zbv``, else 1)."""
+    name = check_schedule_name(schedule)
+    v = stages_per_rank if stages_per_rank is not None else (2 if name in CHUNKED else 1)
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"stages_per_rank={stages_per_rank!r} must be an int >= 1 (model chunks per rank).")
+    if name == "zbv" and v != 2:
+        raise ValueError(f"stages_per_rank={v} with schedule='zbv': ZB-V places exactly 2 chunks per rank (a V).")
+    if name not in CHUNKED and v != 1:
+        raise ValueError(
+            f"stages_per_rank={v} with schedule={name!r}: only 'interleaved' and 'zbv' run several chunks per rank; "
+            "use one of them, or stages_per_rank=1."
+        )
+    return v
+
+
+def _chunked_plan(name: str, S: int, U: int, v: int, training: bool, recv_lookahead: int) -> Plan:
+    """``interleaved`` (loop placement, whole backward) or ``zbv`` (V placement, backward split)."""
+    placement, split = CHUNKED[name]
+    layout = Layout(S, v, placement)
+    if name == "interleaved":  # Megatron's orders; held chunk units: its warm-up, at least unit 0's way to the loss
+        sequences = [megatron_sequences(S, U, v, r) for r in range(S)]
+        caps = [max(2 * (S - r - 1) + (v - 1) * S, (v - 1) * min(S, U)) + 1 for r in range(S)]
+        computes = chunked_orders(S, U, v, placement, split, caps, training, sequences)
+    else:  # ZB-V holds 1F1B's peak memory: S stage-sized units, v S chunks
+        computes = chunked_orders(S, U, v, placement, split, [v * S] * S, training)
+    stages = tuple(tuple(lower(computes[r], S, recv_lookahead, None, layout)) for r in range(S))
+    return Plan(name, S, U, 0, training, stages, recv_lookahead, v, placement)
 
 
 def _check_sizes(num_stages: int, num_units: int, advance_forwards: int) -> None:

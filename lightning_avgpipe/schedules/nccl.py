@@ -73,18 +73,20 @@ class _NcclModel:
     """Each stage's computes in order, each waiting for its receive; each pair of ranks' groups on one stream."""
 
     def __init__(self, plan: Plan, coalesce: bool) -> None:
-        S = plan.num_stages
+        S, layout = plan.num_stages, plan.layout
+        self.layout = layout
         self.computes: list[list[Action]] = [[a for a in acts if a.kind.is_compute] for acts in plan.stages]
         self.streams: dict[tuple[int, int], list[_Group]] = {}  # (rank, peer) -> groups in posting order
         self.needs: list[list[_Op | None]] = []  # stage -> compute -> the receive it waits for
         for s, acts in enumerate(plan.stages):
             recv_ops = self._post(s, acts, coalesce)
             need: list[_Op | None] = []
-            for c in self.computes[s]:
-                if c.kind is Kind.FORWARD and s > 0:
-                    need.append(recv_ops.get(("F", s - 1, c.unit)))
-                elif c.kind.sends_grads and s < S - 1:
-                    need.append(recv_ops.get(("B", s + 1, c.unit)))
+            for c in self.computes[s]:  # what stays on the rank is ready in the rank's own order
+                j = c.stage
+                if c.kind is Kind.FORWARD and j > 0 and layout.crosses(j - 1, j):
+                    need.append(recv_ops.get(("F", j - 1, c.unit)))
+                elif c.kind.sends_grads and j < layout.num_chunks - 1 and layout.crosses(j, j + 1):
+                    need.append(recv_ops.get(("B", j + 1, c.unit)))
                 else:
                     need.append(None)
             self.needs.append(need)
@@ -105,7 +107,7 @@ class _NcclModel:
             msg = _message(a)
             assert msg is not None
             send = a.kind in (Kind.SEND_F, Kind.SEND_B)
-            peer = s + 1 if a.kind in (Kind.SEND_F, Kind.RECV_B) else s - 1
+            peer = self.layout.rank_of(a.stage + (1 if a.kind in (Kind.SEND_F, Kind.RECV_B) else -1))
             op = _Op(send, msg, compute_index if send else None)
             key = (batch_of[id(a)], peer)
             if key not in by_batch:

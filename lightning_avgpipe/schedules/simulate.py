@@ -103,26 +103,32 @@ def simulate(
     peak = [0] * S
     events: list[list[Event]] = [[] for _ in range(S)]
     arrivals: dict[tuple[Kind, int, int], float] = {}  # (kind, destination stage, unit) -> arrival time
+    layout = plan.layout  # several chunks per rank: a stage's output to a stage on the same rank arrives at once
+    last = layout.num_chunks - 1
 
     def step(s: int) -> bool:
         action = plan.stages[s][pos[s]]
-        kind, u = action.kind, action.unit
+        kind, u, j = action.kind, action.unit, action.stage
         if kind in (Kind.RECV_F, Kind.RECV_B):
             pass  # posting a receive never blocks
         elif kind is Kind.SEND_F:
-            arrivals[(Kind.FORWARD, s + 1, u)] = clock[s] + latency + xfer[s]
+            arrivals[(Kind.FORWARD, j + 1, u)] = clock[s] + latency + xfer[s]
         elif kind is Kind.SEND_B:
-            arrivals[(Kind.BACKWARD, s - 1, u)] = clock[s] + latency + xfer_b[s]
+            arrivals[(Kind.BACKWARD, j - 1, u)] = clock[s] + latency + xfer_b[s]
         else:
-            needs_msg = (kind is Kind.FORWARD and s > 0) or (kind.sends_grads and s < S - 1)
+            needs_msg = (kind is Kind.FORWARD and j > 0) or (kind.sends_grads and j < last)
             start = clock[s]
             if needs_msg:
-                key = (Kind.FORWARD if kind is Kind.FORWARD else Kind.BACKWARD, s, u)
+                key = (Kind.FORWARD if kind is Kind.FORWARD else Kind.BACKWARD, j, u)
                 if key not in arrivals:
                     return False
                 start = max(start, arrivals.pop(key))
             took = cost[kind][s]
             clock[s] = start + took
+            if kind is Kind.FORWARD and j < last and not layout.crosses(j, j + 1):
+                arrivals[(Kind.FORWARD, j + 1, u)] = clock[s]
+            elif kind.sends_grads and j > 0 and not layout.crosses(j - 1, j):
+                arrivals[(Kind.BACKWARD, j - 1, u)] = clock[s]
             busy[s] += took
             events[s].append(Event(action, start, clock[s]))
             if plan.training:
@@ -154,8 +160,9 @@ def simulate(
     )
 
 
-def timeline_table(sim: Simulation, resolution: float = 1.0) -> str:
-    """Render a simulation as a per-stage text timeline, one column per ``resolution`` time units."""
+def timeline_table(sim: Simulation, resolution: float = 1.0, chunked: bool = False) -> str:
+    """Render a simulation as a per-stage text timeline, one column per ``resolution`` time units; ``chunked`` (several
+    stages per rank): one row per rank, each action labelled with its stage (``F3.0``: stage 3's forward of unit 0)."""
     slots = max(1, math.ceil(sim.step_time / resolution - 1e-9))
     rows = []
     width = 1
@@ -163,7 +170,8 @@ def timeline_table(sim: Simulation, resolution: float = 1.0) -> str:
     for stage_events in sim.events:
         row = ["."] * slots
         for ev in stage_events:
-            label = f"{ev.action.kind.value}{ev.action.unit}"
+            a = ev.action
+            label = f"{a.kind.value}{a.stage}.{a.unit}" if chunked else f"{a.kind.value}{a.unit}"
             width = max(width, len(label))
             first = int(math.floor(ev.start / resolution + 1e-9))
             last = max(first + 1, int(round(ev.end / resolution)))  # every action gets at least one column
@@ -172,6 +180,6 @@ def timeline_table(sim: Simulation, resolution: float = 1.0) -> str:
                     row[t] = label
         cells.append(row)
     for s, row in enumerate(cells):
-        rows.append(f"stage {s} | " + " ".join(c.ljust(width) for c in row))
+        rows.append(f"{'rank' if chunked else 'stage'} {s} | " + " ".join(c.ljust(width) for c in row))
     header = "time    | " + " ".join(str(t % 10).ljust(width) for t in range(slots))
     return "\n".join([header, *rows])

@@ -1,0 +1,91 @@
+"""Several model chunks per rank: interleaved 1F1B (loop placement) and ZB-V (V placement, backward split) validate
+for S from 2 to 6, M from 1 to 16 and v from 1 to 4, send only what crosses ranks, keep ZB-V at 1F1B's memory, and
+shrink the simulated bubble."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_avgpipe.schedules import Kind, build_plan, plan_errors, simulate
+from lightning_avgpipe.schedules.chunks import Layout, rank_of, stages_of
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_placements() -> None:
+    assert [rank_of(j, 4, "loop") for j in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert [rank_of(j, 4, "v") for j in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+    assert stages_of(1, 4, 2, "v") == [1, 6] and stages_of(1, 4, 3, "loop") == [1, 5, 9]
+    layout = Layout(4, 2, "v")
+    assert layout.num_chunks == 8 and not layout.crosses(3, 4) and layout.crosses(2, 3)
+
+
+@pytest.mark.parametrize("S", range(2, 7))
+def test_every_chunked_plan_validates(S: int) -> None:
+    for U in range(1, 17):
+        for name, vs in (("interleaved", (1, 2, 3, 4)), ("zbv", (2,))):
+            for v in vs:
+                plan = build_plan(name, S, U, stages_per_rank=v)
+                assert plan_errors(plan) == [], (name, S, U, v)
+                assert plan_errors(build_plan(name, S, U, training=False, stages_per_rank=v)) == []
+
+
+@pytest.mark.parametrize(("name", "v"), [("interleaved", 2), ("interleaved", 3), ("zbv", 2)])
+def test_only_what_crosses_ranks_is_sent(name: str, v: int) -> None:
+    plan = build_plan(name, 4, 8, stages_per_rank=v)
+    layout = plan.layout
+    for r, actions in enumerate(plan.stages):
+        assert all(layout.rank_of(a.stage) == r for a in actions)
+        for a in actions:
+            if a.kind is Kind.SEND_F:
+                assert layout.crosses(a.stage, a.stage + 1)
+            if a.kind is Kind.SEND_B:
+                assert layout.crosses(a.stage - 1, a.stage)
+    if name == "zbv":  # the turn of the V and the loss stay on the ranks
+        assert not [a for a in plan.stages[3] if a.kind is Kind.SEND_F and a.stage == 3]
+        assert not [a for a in plan.stages[0] if a.kind is Kind.SEND_F and a.stage == 7]
+
+
+@pytest.mark.parametrize(("S", "U"), [(2, 4), (2, 8), (3, 6), (4, 8), (4, 16), (6, 12)])
+def test_zbv_beats_zbh1_beats_1f1b_at_1f1b_memory(S: int, U: int) -> None:
+    """A chunk costs half a stage (F = 0.5, B = 1): the same model. ZB-V holds at most 1F1B's peak (2S chunks)."""
+    f1b = simulate(build_plan("1f1b", S, U), 1.0, 2.0)
+    zbh1 = simulate(build_plan("zbh1", S, U), 1.0, 2.0)
+    zbv = simulate(build_plan("zbv", S, U), 0.5, 1.0)
+    assert zbv.step_time < zbh1.step_time < f1b.step_time
+    assert max(zbv.peak_stash) <= 2 * max(f1b.peak_stash)
+    assert sum(zbv.busy) == pytest.approx(sum(f1b.busy))
+
+
+def test_interleaving_divides_the_bubble_when_units_fill_the_ranks() -> None:
+    base = simulate(build_plan("1f1b", 4, 4), 1.0, 2.0).bubble_fraction
+    two = simulate(build_plan("interleaved", 4, 4, stages_per_rank=2), 0.5, 1.0).bubble_fraction
+    four = simulate(build_plan("interleaved", 4, 4, stages_per_rank=4), 0.25, 0.5).bubble_fraction
+    assert four < two < base
+
+
+@pytest.mark.parametrize(
+    ("schedule", "v", "match"),
+    [("zbv", 3, "exactly 2 chunks"), ("1f1b", 2, "only 'interleaved' and 'zbv'"), ("interleaved", 0, ">= 1")],
+)
+def test_stages_per_rank_is_checked(schedule: str, v: int, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        build_plan(schedule, 2, 4, stages_per_rank=v)
+
+
+def test_the_schedule_command_prints_zbv_and_its_bubble() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "lightning_avgpipe", "schedule", "--schedule", "zbv", "--stages-per-rank", "2"]
+        + ["--stages", "2", "--microbatches", "4", "--actions"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert "schedule=zbv stages=2 stages_per_rank=2 units=4 advance_forwards=0: step time 12.5, bubble 4.0%" in out
+    assert "rank 0 | F0.0 F0.1" in out and " 3I0 " in out and " 0W3" in out
