@@ -123,6 +123,12 @@ class PipelineConfig:
     def _check_schedule(self) -> None:
         """The schedule, k, the memory limit and activation checkpointing."""
         object.__setattr__(self, "schedule", check_schedule_name(self.schedule))
+        if self.schedule in ("interleaved", "zbv"):
+            raise ValueError(
+                f"schedule={self.schedule!r} runs several model chunks per rank, which the runtime does not run yet: "
+                "its plans can be printed and simulated (python -m lightning_avgpipe schedule --schedule "
+                f"{self.schedule}). Train with schedule='zbh1' (the backward split, one chunk per rank) or '1f1b'."
+            )
         k = self.advance_forwards
         if k != "auto" and not is_int(k, 0):
             raise ValueError(

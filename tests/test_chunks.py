@@ -89,3 +89,11 @@ def test_the_schedule_command_prints_zbv_and_its_bubble() -> None:
     ).stdout
     assert "schedule=zbv stages=2 stages_per_rank=2 units=4 advance_forwards=0: step time 12.5, bubble 4.0%" in out
     assert "rank 0 | F0.0 F0.1" in out and " 3I0 " in out and " 0W3" in out
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
+def test_the_runtime_refuses_chunked_schedules_with_the_fix(schedule: str) -> None:
+    from lightning_avgpipe.config import PipelineConfig
+
+    with pytest.raises(ValueError, match="schedule='zbh1'"):
+        PipelineConfig(schedule=schedule)
