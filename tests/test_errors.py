@@ -98,7 +98,9 @@ def test_more_microbatches_than_samples() -> None:
 
 
 def test_unknown_schedule_lists_valid_ones() -> None:
-    with pytest.raises(ValueError, match=r"schedule='zigzag'.*\['afab', '1f1b', 'advance'\]"):
+    with pytest.raises(
+        ValueError, match=r"schedule='zigzag'.*\['afab', '1f1b', 'advance', 'zbh1', 'zbadvance', 'interleaved', 'zbv'\]"
+    ):
         AvgPipeStrategy(schedule="zigzag")
 
 
