@@ -152,8 +152,14 @@ class Link:
         group: Any = None,
         name: str = "stage",
         stage: int | None = None,
+        tagged: bool = False,
     ) -> None:
         self.prev_rank = prev_rank
+        # Several stages per rank: each stage's messages carry tags of their own, so two stages exchanging with the
+        # same neighbour rank keep separate in-order channels (gloo matches by peer and tag). Activations arriving at
+        # stage j are tagged 2j, gradients arriving at it 2j + 1.
+        j = stage if tagged and stage is not None else None
+        self._tags = (0, 0, 0, 0) if j is None else (2 * j, 2 * (j + 1), 2 * j + 1, 2 * j - 1)
         self.next_rank = next_rank
         self.stage = stage
         # Seconds a receive may wait before the job fails naming the silent neighbour; None: the process group's.
@@ -192,19 +198,19 @@ class Link:
             for (_, handle), work in zip(batch, works):
                 handle.work = work
 
-    def _p2p(self, send: bool, tensor: Tensor, peer: int) -> Any:
+    def _p2p(self, send: bool, tensor: Tensor, peer: int, tag: int = 0) -> Any:
         if self._batch is None and self.always_batch:
             self.begin_batch()
-            handle = self._p2p(send, tensor, peer)
+            handle = self._p2p(send, tensor, peer, tag)
             self.flush_batch()
             return handle
         if self._batch is not None:
             handle = _Deferred(self)
-            op = dist.P2POp(dist.isend if send else dist.irecv, tensor, peer, self.group)
+            op = dist.P2POp(dist.isend if send else dist.irecv, tensor, peer, self.group, tag)
             self._batch.append((op, handle))
             return handle
         try:
-            return (dist.isend if send else dist.irecv)(tensor, peer, group=self.group)
+            return (dist.isend if send else dist.irecv)(tensor, peer, group=self.group, tag=tag)
         except RuntimeError as err:  # a neighbour already gone: posting fails at once
             what = "a transfer (send)" if send else "a transfer (receive)"
             raise self._peer_error(err, what, peer, -1 if peer == self.prev_rank else 1) from err
@@ -220,14 +226,14 @@ class Link:
             for t in flatten_output(value, where):
                 _check_dtype(t, where)
             self._sent_meta[key] = meta
-            self._isend(meta.encode(self.device))
+            self._isend(meta.encode(self.device), tag=self._tags[1])
         elif known != meta:
             raise StageOutputError(
                 f"{where} produced {meta} for an input of the same shapes that earlier gave {known}; activation "
                 "shapes, dtypes and requires-grad flags must follow from the input's shapes."
             )
         for t in flatten_output(value, where):
-            self._isend(t.detach().contiguous())
+            self._isend(t.detach().contiguous(), tag=self._tags[1])
 
     def post_activations(self, unit: int, key: Hashable) -> None:
         """Post the receive of ``unit``'s activations from the previous stage; returns without waiting."""
@@ -240,7 +246,7 @@ class Link:
             self._post_data(inc, self._recv_meta[key])
         else:
             inc.meta_buf = torch.empty(META_LEN, dtype=torch.int64, device=self.device)
-            inc.meta_work = self._p2p(False, inc.meta_buf, self.prev_rank)
+            inc.meta_work = self._p2p(False, inc.meta_buf, self.prev_rank, self._tags[0])
             self._unresolved.append(unit)
 
     def wait_activations(self, unit: int, training: bool) -> Any:
@@ -278,14 +284,14 @@ class Link:
         inc.meta = meta
         inc.bufs = [torch.empty(tm.shape, dtype=tm.dtype, device=self.device) for tm in meta.tensors]
         assert self.prev_rank is not None
-        inc.works = [self._p2p(False, b, self.prev_rank) for b in inc.bufs]
+        inc.works = [self._p2p(False, b, self.prev_rank, self._tags[0]) for b in inc.bufs]
 
     # -- gradients, backward direction ---------------------------------------------------------------------------
     def post_grads(self, unit: int, like: Sequence[Tensor]) -> None:
         """Post the receive of the gradients of ``unit``'s outputs (``like``) from the next stage."""
         assert self.next_rank is not None
         bufs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in like]
-        self._grads_in[unit] = (bufs, [self._p2p(False, b, self.next_rank) for b in bufs])
+        self._grads_in[unit] = (bufs, [self._p2p(False, b, self.next_rank, self._tags[2]) for b in bufs])
 
     def wait_grads(self, unit: int) -> list[Tensor]:
         bufs, works = self._grads_in.pop(unit)
@@ -296,13 +302,13 @@ class Link:
     def send_grads(self, grads: Sequence[Tensor]) -> None:
         assert self.prev_rank is not None
         for g in grads:
-            self._isend(g.contiguous(), dst=self.prev_rank)
+            self._isend(g.contiguous(), dst=self.prev_rank, tag=self._tags[3])
 
     # -- sends -----------------------------------------------------------------------------------------------------
-    def _isend(self, tensor: Tensor, dst: int | None = None) -> None:
+    def _isend(self, tensor: Tensor, dst: int | None = None, tag: int = 0) -> None:
         dst = self.next_rank if dst is None else dst
         assert dst is not None
-        self._sends.append((self._p2p(True, tensor, dst), tensor))
+        self._sends.append((self._p2p(True, tensor, dst, tag), tensor))
 
     def reap_sends(self) -> None:
         """Forget sends that have completed, so their buffers are freed before the end of the step."""

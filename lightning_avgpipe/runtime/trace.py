@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -95,13 +95,13 @@ class ActivationMeter:
     def __init__(self, parameters: Sequence[Tensor] = ()) -> None:
         # parameters are excluded by storage: autograd often saves a view of a weight (``weight.t()``)
         self._params = {local(p).untyped_storage().data_ptr() for p in parameters if p.numel()}
-        self._units: dict[int, int] = {}
-        self._seen: set[tuple[int, int]] = set()
+        self._units: dict[Hashable, int] = {}
+        self._seen: set[tuple[int, Hashable]] = set()
         self.current = 0
         self.peak = 0
 
     @contextlib.contextmanager
-    def unit(self, u: int) -> Iterator[None]:
+    def unit(self, u: Hashable) -> Iterator[None]:
         """Count what the forward of unit ``u`` saves."""
 
         def pack(saved: Tensor) -> Tensor:
@@ -124,7 +124,7 @@ class ActivationMeter:
         finally:
             _PACKERS.pop()
 
-    def release(self, u: int) -> None:
+    def release(self, u: Hashable) -> None:
         """Unit ``u``'s backward ran: its saved tensors are freed."""
         self.current -= self._units.pop(u, 0)
 

@@ -34,7 +34,7 @@ class Units:
     keys: list[Hashable]  # per unit, the transfer metadata key both neighbours compute for it
     inputs: Callable[[int], Any]  # unit -> the first layer's input (first stage)
     head: Callable[[int, Any], Tensor]  # (unit, last stage's output) -> the weighted loss to backpropagate
-    stage_fn_for: Callable[[int], Callable[[Any], Any]]  # unit -> the layers that run it
+    stage_fn_for: Callable[[int, int], Callable[[Any], Any]]  # (stage, unit) -> the layers that run it
 
 
 def sequential(
@@ -58,7 +58,7 @@ def sequential(
         [(key, microbatch.signature(mb)) for mb in micro],
         lambda u: inputs(micro[u]),
         head,
-        lambda u: replica_fns[owner[u]],
+        lambda j, u: replica_fns[owner[u]],
     )
 
 
@@ -94,7 +94,7 @@ def batched(
         [(key, "batched", microbatch.signature(micro[us[0]])) for us in units],
         lambda m: stack([inputs(micro[u]) for u in units[m]]),
         head,
-        lambda m: batched_replicas,
+        lambda j, m: batched_replicas,
     )
 
 
