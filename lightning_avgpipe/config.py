@@ -9,6 +9,7 @@ from typing import Any, Union
 from lightning_avgpipe.checks import is_int, is_number
 from lightning_avgpipe.elastic import check_alpha, check_outer
 from lightning_avgpipe.schedules import check_schedule_name
+from lightning_avgpipe.schedules.generate import check_stages_per_rank
 
 AVERAGING = ("elastic", "exact")  # how the N batches of a step combine (PipelineConfig.averaging)
 Spec = bool | str | tuple[str, ...]  # activation_checkpointing normalised: all, none, "auto" or layer class names
@@ -69,6 +70,7 @@ class PipelineConfig:
     num_microbatches: int | None = None
     schedule: str = "1f1b"
     advance_forwards: int | str = "auto"
+    stages_per_rank: int | None = None
     memory_limit: float | None = None
     partition: str | Sequence[int] = "balanced"
     num_pipelines: int = 1
@@ -123,12 +125,7 @@ class PipelineConfig:
     def _check_schedule(self) -> None:
         """The schedule, k, the memory limit and activation checkpointing."""
         object.__setattr__(self, "schedule", check_schedule_name(self.schedule))
-        if self.schedule in ("interleaved", "zbv"):
-            raise ValueError(
-                f"schedule={self.schedule!r} runs several model chunks per rank, which the runtime does not run yet: "
-                "its plans can be printed and simulated (python -m lightning_avgpipe schedule --schedule "
-                f"{self.schedule}). Train with schedule='zbh1' (the backward split, one chunk per rank) or '1f1b'."
-            )
+        check_stages_per_rank(self.schedule, self.stages_per_rank)
         k = self.advance_forwards
         if k != "auto" and not is_int(k, 0):
             raise ValueError(
@@ -139,7 +136,7 @@ class PipelineConfig:
             raise ValueError(
                 f"memory_limit={limit!r} must be a number of bytes, or a fraction in (0, 1] of the device's memory."
             )
-        if self.schedule in ("zbh1", "zbadvance") and self.replica_execution == "batched":
+        if self.schedule in ("zbh1", "zbadvance", "zbv") and self.replica_execution == "batched":
             raise ValueError(
                 f"schedule={self.schedule!r} with replica_execution='batched' is not supported (the weight gradients "
                 "are deferred per layer, which torch.func.vmap does not allow); use replica_execution='sequential', "
@@ -210,6 +207,12 @@ class PipelineConfig:
     def one_model(self, num_groups: int) -> bool:
         """Whether each stage trains one model (exact averaging, or N·D = 1 with ``num_groups`` = D): no replicas."""
         return self.exact or self.num_pipelines * num_groups == 1
+
+    @property
+    def chunks_per_rank(self) -> int:
+        """v, the model chunks every rank runs: ``stages_per_rank``, or the schedule's default (2 for
+        ``interleaved`` and ``zbv``, else 1)."""
+        return check_stages_per_rank(self.schedule, self.stages_per_rank)
 
     def microbatches_for(self, num_stages: int) -> int:
         return self.num_microbatches if self.num_microbatches is not None else 2 * num_stages

@@ -58,6 +58,7 @@ def test_the_strategy_passes_each_argument_into_its_config(name: str) -> None:
         "num_microbatches": 3,
         "schedule": "advance",
         "advance_forwards": 2,
+        "stages_per_rank": 1,
         "memory_limit": 0.5,
         "partition": [1, 2],
         "num_pipelines": 2,

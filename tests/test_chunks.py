@@ -92,8 +92,10 @@ def test_the_schedule_command_prints_zbv_and_its_bubble() -> None:
 
 
 @pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
-def test_the_runtime_refuses_chunked_schedules_with_the_fix(schedule: str) -> None:
+def test_the_strategy_refuses_chunked_schedules_with_the_fix(schedule: str) -> None:
+    from lightning_avgpipe import AvgPipeStrategy
     from lightning_avgpipe.config import PipelineConfig
 
+    assert PipelineConfig(schedule=schedule).chunks_per_rank == 2  # the step runs them
     with pytest.raises(ValueError, match="schedule='zbh1'"):
-        PipelineConfig(schedule=schedule)
+        AvgPipeStrategy(schedule=schedule)

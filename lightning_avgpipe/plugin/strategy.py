@@ -73,6 +73,9 @@ class AvgPipeStrategy(ProcessStrategy):
             ``"zbadvance"`` the advance forward with that split.
         advance_forwards: early forwards on every stage but the last for ``schedule="advance"`` (or
             ``"zbadvance"``); 0 is 1F1B.
+        stages_per_rank: v, the model chunks every rank runs under ``schedule="interleaved"`` (loop placement) or
+            ``"zbv"`` (2, a V); ``None``: 2 for those, 1 otherwise. The step runs them (``StagePipeline``); through
+            Lightning they are refused for now, naming ``"zbh1"``.
             ``"auto"`` (the default) starts at 0 and raises k while iterations get faster beyond noise and
             ``memory_limit`` holds, then keeps it (the choice and why are logged).
         memory_limit: a stage's peak for ``advance_forwards="auto"``: bytes, or a fraction (<= 1) of its memory.
@@ -137,6 +140,7 @@ class AvgPipeStrategy(ProcessStrategy):
         num_microbatches: int | None = None,
         schedule: str = "1f1b",
         advance_forwards: int | str = "auto",
+        stages_per_rank: int | None = None,
         memory_limit: float | None = None,
         partition: str | list[int] = "balanced",
         num_pipelines: int = 1,
@@ -176,6 +180,12 @@ class AvgPipeStrategy(ProcessStrategy):
         )
         arguments = locals()  # the pipeline's arguments are PipelineConfig's fields, under the same names
         self.config = PipelineConfig(**{f.name: arguments[f.name] for f in fields(PipelineConfig)})
+        if self.config.chunks_per_rank > 1:
+            raise ValueError(
+                f"schedule={self.config.schedule!r} runs {self.config.chunks_per_rank} model chunks per rank, which "
+                "the step runs (StagePipeline) but the strategy does not split a LightningModule into yet. Use "
+                "schedule='zbh1' (the backward split, one chunk per rank) or '1f1b'."
+            )
         self.tensor_parallel_plan = tensor.check_tensor_parallel_args(tensor_parallel_size, tensor_parallel_plan, None)
         # The k the user asked for, kept across fits (a tuner's reconfigure replaces "auto" with a number).
         self.user_advance_forwards: int | str = advance_forwards

@@ -49,12 +49,13 @@ def _lost_results(topology: Topology, src: int, err: RuntimeError) -> PeerFailur
     )
 
 
-def share(topology: Topology, payload: Any) -> Any:
-    """``payload`` from this pipeline's last stage, on every stage."""
+def share(topology: Topology, payload: Any, holder: int = -1) -> Any:
+    """``payload`` from this pipeline's last stage (its rank ``holder``: the last, or rank 0 under ZB-V), on every
+    stage."""
     if topology.num_stages == 1:
         return payload
     box = [payload]
-    src = topology.pipeline_ranks[-1]
+    src = topology.pipeline_ranks[holder]
     try:
         dist.broadcast_object_list(box, src=src, group=topology.pipeline_group)
     except RuntimeError as err:
@@ -62,10 +63,10 @@ def share(topology: Topology, payload: Any) -> Any:
     return box[0]
 
 
-def share_tensor(topology: Topology, tensor: Tensor) -> Tensor:
-    """``tensor`` of this pipeline's last stage, in place on every stage."""
+def share_tensor(topology: Topology, tensor: Tensor, holder: int = -1) -> Tensor:
+    """``tensor`` of this pipeline's last stage (on its rank ``holder``), in place on every stage."""
     if topology.num_stages > 1:
-        src = topology.pipeline_ranks[-1]
+        src = topology.pipeline_ranks[holder]
         try:
             dist.broadcast(tensor, src=src, group=topology.pipeline_group)
         except RuntimeError as err:

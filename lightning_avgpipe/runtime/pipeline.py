@@ -33,6 +33,7 @@ from lightning_avgpipe.errors import check_finite
 from lightning_avgpipe.optim import ElasticOptimizer, clone_optimizer
 from lightning_avgpipe.replicas import BatchedReplicas
 from lightning_avgpipe.runtime import collectives, units
+from lightning_avgpipe.runtime.chunking import ChunkLayout
 from lightning_avgpipe.runtime.deferred import WeightGradQueue
 from lightning_avgpipe.runtime.executor import StageExecutor
 from lightning_avgpipe.runtime.gradnoise import GradientProbe
@@ -45,7 +46,7 @@ from lightning_avgpipe.runtime.trace import ActivationMeter, StepTrace
 from lightning_avgpipe.runtime.units import LossFn, StepResult, first_input
 from lightning_avgpipe.runtime.zero import ShardedOptimizer, ShardedReference
 from lightning_avgpipe.schedules import Plan, build_plan, validate_plan
-from lightning_avgpipe.schedules.generate import SPLIT, reads_k
+from lightning_avgpipe.schedules.generate import reads_k, splits_backward
 
 # (stage output, micro-batch, its share of the batch) -> anything (evaluation)
 EvalFn = Callable[[Any, Any, float], Any]
@@ -65,6 +66,8 @@ class StagePipeline:
         link: the transfers to the neighbouring stages; by default a :class:`~lightning_avgpipe.runtime.Link` over
             the default process group (a benchmark passes one over its own group, or an emulated slow link).
         ties: the weights this stage shares with other stages, whose gradients every step sums over them.
+        chunks: with several stages per rank (``interleaved``, ``zbv``: ``config.chunks_per_rank`` v), the layer
+            counts of this rank's stages in stage order; ``layers`` holds them all, in that order.
 
     What watches and steers the step (k's search, the recompute decision, the figures, traces) is its controller's,
     :class:`~lightning_avgpipe.runtime.controller.StepController`.
@@ -80,6 +83,7 @@ class StagePipeline:
         processes: int = 1,
         link: Link | None = None,
         ties: Sequence[TiedWeights] = (),
+        chunks: Sequence[int] | None = None,
     ) -> None:
         self.layers = list(layers)
         self.topology = topology
@@ -92,10 +96,15 @@ class StagePipeline:
                 "replica_execution='batched' with tensor_parallel_size > 1 is not supported (torch.func.vmap over "
                 "DTensor layers); use replica_execution='sequential', or tensor_parallel_size=1."
             )
-        link = link or collectives.stage_link(topology, self.device)
         self.recompute = layer_mask(self.layers, self.config.activation_checkpointing)  # checkpointed layers
-        stage_fn = self._stage_function(self.layers)
-        self.executor = StageExecutor(topology.stage, topology.num_stages, stage_fn, link, coalesce=self.batched_p2p)
+        self.chunks = ChunkLayout.of(self.config, topology, len(self.layers), chunks)
+        stage_fns = self.chunks.functions(self.layers, self._stage_function)
+        if self.chunks.v == 1:
+            link = link or collectives.stage_link(topology, self.device)
+            fn = stage_fns[topology.stage]
+            self.executor = StageExecutor(topology.stage, topology.num_stages, fn, link, coalesce=self.batched_p2p)
+        else:
+            self.executor = self.chunks.executor(topology, self.device, stage_fns)
         self._start(self.config)
         self._bounds_link_timeout = True
         self.ties = tuple(ties)
@@ -150,11 +159,6 @@ class StagePipeline:
         self._k = int(k)
 
     @property
-    def replica_fns(self) -> list[Callable[[Any], Any]]:
-        """Per replica, its copy of this stage's layers applied in order."""
-        return list(self._replica_fns)
-
-    @property
     def params(self) -> list[nn.Parameter]:
         """Every replica's parameters on this stage (the reference's when N·D = 1): what a step's gradients reach."""
         return list(self._params)
@@ -191,7 +195,7 @@ class StagePipeline:
         self._params = self.elastic.all_replica_params()
         self._defer_weight_grads()
         self._tied = TiedGradients(self.ties, self.elastic, self.stage)
-        self._replica_fns = [self._stage_function(layers) for layers in self.elastic.replicas]
+        self._replica_fns = [self.chunks.functions(layers, self._stage_function) for layers in self.elastic.replicas]
         self.batched: BatchedReplicas | None = None
         if cfg.replica_execution == "batched" and not self.elastic.trivial:
             self.batched = BatchedReplicas(self.elastic.replicas)
@@ -199,8 +203,9 @@ class StagePipeline:
 
     @property
     def splits_backward(self) -> bool:
-        """Whether the schedule splits the backward into input and weight gradients (``zbh1``, ``zbadvance``)."""
-        return self.config.schedule in SPLIT
+        """Whether the schedule splits the backward into input and weight gradients (``zbh1``, ``zbadvance``,
+        ``zbv``)."""
+        return splits_backward(self.config.schedule)
 
     def _defer_weight_grads(self) -> None:
         """Under a schedule that splits the backward, every copy of the stage's layers queues its weight gradients
@@ -278,7 +283,8 @@ class StagePipeline:
         key = (training, units, k)
         if key not in self._plans:
             batched = self.batched_p2p
-            plan = build_plan(self.config.schedule, self.num_stages, units, k, training, int(not batched))
+            v = self.chunks.v
+            plan = build_plan(self.config.schedule, self.num_stages, units, k, training, int(not batched), v)
             self._plans[key] = validate_plan(plan, nccl=batched)
         return self._plans[key]
 
@@ -376,7 +382,8 @@ class StagePipeline:
         before = self._tied.before(replicas) if self.ties else None
         probe = None
         # the probe reads each unit's gradients when they are whole; a split backward interleaves units' parts
-        if noise and accumulate == 1 and not self.splits_backward and GradientProbe.usable(replicas, len(micro)):
+        whole_units = not self.splits_backward and self.chunks.v == 1
+        if noise and accumulate == 1 and whole_units and GradientProbe.usable(replicas, len(micro)):
             params = [self.elastic.replica_params(n) for n in range(replicas)] if replicas > 1 else [self.params]
             sizes = [microbatch.batch_size(mb) for mb in micro]
             T = self.topology.tensor_parallel_size
@@ -414,8 +421,9 @@ class StagePipeline:
         grads = self._params if loss_scale is None else []  # under loss scaling an overflow skips the step instead
         where = f"stage {self.stage} (rank {self.topology.rank})"
         check_finite(where, results, grads, self.elastic.reference_params, param_names or {})
-        if self.link is not None and self._bounds_link_timeout:
-            self.link.timeout = self.config.p2p_timeout  # the first step may be slow; later ones are bounded
+        if self._bounds_link_timeout:
+            for link in self.executor.all_links:
+                link.timeout = self.config.p2p_timeout  # the first step may be slow; later ones are bounded
         loss = None
         if self.is_last and results:
             loss = torch.stack([r.float() for r in results.values()]).sum() * accumulate / replicas
@@ -465,11 +473,11 @@ class StagePipeline:
     # -- what crosses the pipeline (runtime/collectives.py) -------------------------------------------------------
     def share(self, payload: Any) -> Any:
         """``payload`` from this pipeline's last stage, on every stage (collective over the pipeline)."""
-        return collectives.share(self.topology, payload)
+        return collectives.share(self.topology, payload, self.chunks.loss_rank)
 
     def share_tensor(self, tensor: Tensor) -> Tensor:
         """``tensor`` of this pipeline's last stage, in place on every stage (collective over the pipeline)."""
-        return collectives.share_tensor(self.topology, tensor)
+        return collectives.share_tensor(self.topology, tensor, self.chunks.loss_rank)
 
     def gather(self, obj: Any) -> list[Any] | None:
         """``obj`` of every stage of this pipeline, on its first stage (``None`` elsewhere; collective)."""
@@ -479,8 +487,8 @@ class StagePipeline:
     def set_recompute(self, mask: Sequence[bool]) -> None:
         """Checkpoint the layers in ``mask`` from the next step on (every replica's copy of them)."""
         self.recompute = list(mask)
-        self.executor.stage_fn = self._stage_function(self.layers)
-        self._replica_fns = [self._stage_function(layers) for layers in self.elastic.replicas]
+        self.executor.stage_fns = self.chunks.functions(self.layers, self._stage_function)
+        self._replica_fns = [self.chunks.functions(layers, self._stage_function) for layers in self.elastic.replicas]
 
     def describe(self) -> str:
         cfg = self.config

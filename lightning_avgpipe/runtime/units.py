@@ -10,7 +10,7 @@ divided by the gradient accumulation steps.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +46,7 @@ def sequential(
     accumulate: int,
     loss_fn: LossFn,
     inputs: Callable[[Any], Any],
-    replica_fns: Sequence[Callable[[Any], Any]],
+    replica_fns: Sequence[Mapping[int, Callable[[Any], Any]]],
 ) -> Units:
     """Unit ``u`` is micro-batch ``micro[u]`` of replica ``owner[u]``."""
 
@@ -58,7 +58,7 @@ def sequential(
         [(key, microbatch.signature(mb)) for mb in micro],
         lambda u: inputs(micro[u]),
         head,
-        lambda j, u: replica_fns[owner[u]],
+        lambda j, u: replica_fns[owner[u]][j],
     )
 
 

@@ -55,6 +55,13 @@ SPLIT: dict[str, str] = {"zbh1": "1f1b", "zbadvance": "advance"}
 CHUNKED: dict[str, tuple[str, bool]] = {"interleaved": ("loop", False), "zbv": ("v", True)}
 
 
+def splits_backward(schedule: str) -> bool:
+    """Whether ``schedule`` runs each backward as an input gradient and a weight gradient (``zbh1``, ``zbadvance``,
+    ``zbv``)."""
+    name = check_schedule_name(schedule)
+    return name in SPLIT or CHUNKED.get(name, ("", False))[1]
+
+
 def reads_k(schedule: str) -> bool:
     """Whether ``schedule`` runs ``advance_forwards`` early forwards (``advance``, ``zbadvance``)."""
     name = check_schedule_name(schedule)
