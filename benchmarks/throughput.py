@@ -78,11 +78,12 @@ from benchmarks.harness import run_distributed  # noqa: E402
 from examples.gpt_args import add_model_args, add_partition_arg, check_model_args, model_sizes, partition_of  # noqa: E402
 
 WORLD = 2
-ROWS = ("ours-1f1b", "ours-afab", "ours-zbh1", "torch-1f1b", "torch-gpipe", "single")
+ROWS = ("ours-1f1b", "ours-afab", "ours-zbh1", "ours-zbv", "torch-1f1b", "torch-gpipe", "single")
 LABELS = {
     "ours-1f1b": "lightning_avgpipe 1F1B (StagePipeline)",
     "ours-afab": "lightning_avgpipe AFAB (StagePipeline)",
     "ours-zbh1": "lightning_avgpipe ZB-H1 (StagePipeline, weight gradients deferred)",
+    "ours-zbv": "lightning_avgpipe ZB-V (StagePipeline, 2 chunks per rank in a V, weight gradients deferred)",
     "torch-1f1b": "torch.distributed.pipelining Schedule1F1B",
     "torch-gpipe": "torch.distributed.pipelining ScheduleGPipe",
     "single": "single process, grad accumulation",
@@ -187,7 +188,9 @@ class Row:
         return None
 
 
-def _pipeline(schedule: str, own: list[nn.Module], rank: int, args: argparse.Namespace, n: int = 1) -> Any:
+def _pipeline(
+    schedule: str, own: list[nn.Module], rank: int, args: argparse.Namespace, n: int = 1, chunks: Any = None
+) -> Any:
     """This rank's :class:`StagePipeline`, the step the strategy runs (D = 1, alpha = 1/N, synchronous reference)."""
     from lightning_avgpipe.config import PipelineConfig
     from lightning_avgpipe.runtime.pipeline import StagePipeline
@@ -201,7 +204,19 @@ def _pipeline(schedule: str, own: list[nn.Module], rank: int, args: argparse.Nam
         sync_reference=True,
         partition=list(args.partition),
     )
-    return StagePipeline(own, Topology(rank, WORLD, WORLD), cfg)
+    return StagePipeline(own, Topology(rank, WORLD, WORLD), cfg, chunks=chunks)
+
+
+def v_chunks(base: list[nn.Module], rank: int) -> tuple[list[nn.Module], list[int]]:
+    """ZB-V's cut of the model: 2 x WORLD stages of as even layer counts as can be, rank r running stages r and
+    2 WORLD - 1 - r; returns this rank's layers (its stages' in order) and their counts."""
+    from lightning_avgpipe.partition.blockpartition import uniform
+    from lightning_avgpipe.schedules.chunks import stages_of
+
+    sizes = uniform(len(base), 2 * WORLD)
+    bounds = [sum(sizes[:j]) for j in range(len(sizes) + 1)]
+    mine = stages_of(rank, WORLD, 2, "v")
+    return [layer for j in mine for layer in base[bounds[j] : bounds[j + 1]]], [sizes[j] for j in mine]
 
 
 def _lm_loss(out: Tensor, batch: tuple[Tensor, Tensor], share: float) -> Tensor:
@@ -289,9 +304,10 @@ class PipeRow(Row):
         rank: int,
         args: argparse.Namespace,
         batches: list[tuple[Tensor, Tensor]],
+        chunks: Any = None,
     ) -> None:
         self.n, self.batches, self.rank = n, batches, rank
-        self.pipe = _pipeline(schedule, own, rank, args, n)
+        self.pipe = _pipeline(schedule, own, rank, args, n, chunks)
         self.opt = self.pipe.optimizer(_adamw(self.pipe.reference_params, args))
         self._loss: Tensor | None = None
         self.parts: dict[str, list[float]] = {part: [] for part in AVG_PARTS}
@@ -502,10 +518,12 @@ def rank_main(rank: int, args: argparse.Namespace, data: Tensor, vocab_size: int
     def own_copy() -> list[nn.Module]:
         return copy.deepcopy(base)[start : start + count]
 
+    zbv_own, zbv_chunks = v_chunks(copy.deepcopy(base), rank)
     rows: dict[str, Row] = {
         "ours-1f1b": PipeRow("1f1b", 1, own_copy(), rank, args, batches),
         "ours-afab": PipeRow("afab", 1, own_copy(), rank, args, batches),
         "ours-zbh1": PipeRow("zbh1", 1, own_copy(), rank, args, batches),
+        "ours-zbv": PipeRow("zbv", 1, zbv_own, rank, args, batches, zbv_chunks),
         "torch-1f1b": TorchRow("1f1b", own_copy(), rank, args, batches),
         "torch-gpipe": TorchRow("gpipe", own_copy(), rank, args, batches),
         "single": SingleRow(copy.deepcopy(base), rank, args, batches),
@@ -671,7 +689,7 @@ def summarise(args: argparse.Namespace, per_rank: list[dict[str, Any]], vocab_si
         return avg_ideal[name]["per_round"] if name in avg_ideal else ideal_per_round
 
     def loss_of(name: str, i: int) -> float:
-        owner = 0 if name == "single" else WORLD - 1
+        owner = 0 if name in ("single", "ours-zbv") else WORLD - 1  # the rank holding the loss
         value = per_rank[owner]["losses"][name][i]
         assert value is not None, f"{name} has no loss on rank {owner}"
         return float(value)
