@@ -208,12 +208,26 @@ def _pipeline(
 
 
 def v_chunks(base: list[nn.Module], rank: int) -> tuple[list[nn.Module], list[int]]:
-    """ZB-V's cut of the model: 2 x WORLD stages of as even layer counts as can be, rank r running stages r and
-    2 WORLD - 1 - r; returns this rank's layers (its stages' in order) and their counts."""
-    from lightning_avgpipe.partition.blockpartition import uniform
-    from lightning_avgpipe.schedules.chunks import stages_of
+    """ZB-V's cut of the model: 2 x WORLD stages, rank r running stages r and 2 WORLD - 1 - r, cut so that the
+    ranks' parameter counts are as even as can be (a V is not a contiguous split: rank 0 holds both ends); returns
+    this rank's layers (its stages' in order) and their counts."""
+    import itertools
 
-    sizes = uniform(len(base), 2 * WORLD)
+    from lightning_avgpipe.schedules.chunks import rank_of, stages_of
+
+    weights = [sum(p.numel() for p in layer.parameters()) for layer in base]
+    best: tuple[float, float, list[int]] | None = None  # the ranks' largest total, then the stages' largest
+    for cuts in itertools.combinations(range(1, len(base)), 2 * WORLD - 1):
+        bounds = [0, *cuts, len(base)]
+        per_stage = [float(sum(weights[bounds[j] : bounds[j + 1]])) for j in range(2 * WORLD)]
+        per_rank = [0.0] * WORLD
+        for j, w in enumerate(per_stage):
+            per_rank[rank_of(j, WORLD, "v")] += w
+        score = (max(per_rank), max(per_stage), [bounds[j + 1] - bounds[j] for j in range(2 * WORLD)])
+        if best is None or score[:2] < best[:2]:
+            best = score
+    assert best is not None
+    sizes = best[2]
     bounds = [sum(sizes[:j]) for j in range(len(sizes) + 1)]
     mine = stages_of(rank, WORLD, 2, "v")
     return [layer for j in mine for layer in base[bounds[j] : bounds[j + 1]]], [sizes[j] for j in mine]

@@ -25,6 +25,13 @@ from dataclasses import dataclass
 from lightning_avgpipe.schedules.actions import Action, Kind
 
 PLACEMENTS = ("loop", "v")
+# the costs the list schedules place actions by (a forward is 1): what they are for a stage of Linear layers
+PLACEMENT_COSTS: dict[Kind, float] = {
+    Kind.FORWARD: 1.0,
+    Kind.BACKWARD: 2.0,
+    Kind.INPUT_GRAD: 1.0,
+    Kind.WEIGHT_GRAD: 1.0,
+}
 
 
 @dataclass(frozen=True)
@@ -189,7 +196,7 @@ class _ChunkScheduler:
         self.taken[r][0 if kind is Kind.FORWARD else 1] += 1
         if kind is Kind.FORWARD:
             self.out[r].append(Action(j, Kind.FORWARD, u))
-            end = self.free[r] = now + 1.0
+            end = self.free[r] = now + PLACEMENT_COSTS[Kind.FORWARD]
             self.next_f[j] += 1
             self.held[r] += 1
             if j + 1 < self.V:
@@ -199,7 +206,7 @@ class _ChunkScheduler:
             return
         split = self.split
         self.out[r].append(Action(j, Kind.INPUT_GRAD if split else Kind.BACKWARD, u))
-        end = self.free[r] = now + (1.0 if split else 2.0)
+        end = self.free[r] = now + PLACEMENT_COSTS[Kind.INPUT_GRAD if split else Kind.BACKWARD]
         self.next_b[j] += 1
         if split:
             self.queued[r].append(Action(j, Kind.WEIGHT_GRAD, u))
@@ -210,5 +217,5 @@ class _ChunkScheduler:
 
     def finish_weight(self, r: int, now: float) -> None:
         self.out[r].append(self.queued[r].popleft())
-        self.free[r] = now + 1.0
+        self.free[r] = now + PLACEMENT_COSTS[Kind.WEIGHT_GRAD]
         self.held[r] -= 1

@@ -23,6 +23,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from lightning_avgpipe.schedules.actions import Action, Kind
+from lightning_avgpipe.schedules.chunks import PLACEMENT_COSTS
 
 
 def split_backward(orders: Sequence[Sequence[Action]], cap: int) -> list[list[Action]]:
@@ -90,7 +91,7 @@ class _ListScheduler:
 
     def execute(self, s: int, a: Action, start: float) -> None:
         self.out[s].append(a)
-        end = self.free[s] = start + 1.0
+        end = self.free[s] = start + PLACEMENT_COSTS[a.kind]
         if a.kind is Kind.FORWARD:
             self.held[s] += 1
             if s < self.S - 1:
