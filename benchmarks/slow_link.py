@@ -117,10 +117,10 @@ class DelayedLink(Link):
             if peer is not None
         }
 
-    def _p2p(self, send: bool, tensor: Tensor, peer: int) -> Any:
-        if send and self._batch is None and not self.always_batch:
+    def _p2p(self, send: bool, tensor: Tensor, peer: int, tag: int = 0) -> Any:
+        if send and self._batch is None and not self.always_batch and not tag:  # one stage per rank: untagged
             return self.wires[peer].submit(tensor, peer, self.group)
-        return super()._p2p(send, tensor, peer)
+        return super()._p2p(send, tensor, peer, tag)
 
     def close(self) -> None:
         for wire in self.wires.values():

@@ -11,7 +11,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-ROWS = {"ours-1f1b", "ours-afab", "ours-zbh1", "ours-zbv", "torch-1f1b", "torch-gpipe", "single", "avgpipe-N1", "avgpipe-N2"}
+ROWS = {
+    "ours-1f1b",
+    "ours-afab",
+    "ours-zbh1",
+    "ours-zbv",
+    "torch-1f1b",
+    "torch-gpipe",
+    "single",
+    "avgpipe-N1",
+    "avgpipe-N2",
+}
 
 
 def run_script(name: str, *args: str, timeout: float = 140) -> subprocess.CompletedProcess[str]:

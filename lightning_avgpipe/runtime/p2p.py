@@ -206,11 +206,13 @@ class Link:
             return handle
         if self._batch is not None:
             handle = _Deferred(self)
-            op = dist.P2POp(dist.isend if send else dist.irecv, tensor, peer, self.group, tag)
+            fn = dist.isend if send else dist.irecv
+            op = dist.P2POp(fn, tensor, peer, self.group, tag) if tag else dist.P2POp(fn, tensor, peer, self.group)
             self._batch.append((op, handle))
             return handle
         try:
-            return (dist.isend if send else dist.irecv)(tensor, peer, group=self.group, tag=tag)
+            tagged = {"tag": tag} if tag else {}  # one stage per rank: untagged, as before
+            return (dist.isend if send else dist.irecv)(tensor, peer, group=self.group, **tagged)
         except RuntimeError as err:  # a neighbour already gone: posting fails at once
             what = "a transfer (send)" if send else "a transfer (receive)"
             raise self._peer_error(err, what, peer, -1 if peer == self.prev_rank else 1) from err
