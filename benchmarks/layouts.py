@@ -7,7 +7,7 @@ Every layout trains the character GPT of ``examples/char_gpt.py`` (Embed, ``n_la
 weights on the same batches with ``StagePipeline`` and AdamW, on S x T gloo processes: S stages (the partition of
 ``--partition``, default Embed + half the blocks first) whose Blocks' MLPs are split over T ranks by the default
 plan (``runtime/tensor_parallel.py``). Per layout it prints the largest rank's weights + gradients + optimizer state
-(``StagePipeline.static_bytes``) and activation stash (the meter's peak), samples/s, and the first step's loss
+(``runtime/controller.py static_bytes``) and activation stash (the meter's peak), samples/s, and the first step's loss
 (every layout's must equal the 1 x 1 one: the same training).
 
 **These are functional figures.** Up to 4 processes share 2 CPU cores, so samples/s says nothing about speed on

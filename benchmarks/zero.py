@@ -13,7 +13,7 @@ the state whole and once sharded (``runtime/zero.py``):
 
 Per run it prints, on the largest rank, what the stage holds inside the step after the backward (where the
 activations peak): the outer optimization's state (reference + summed update + outer momentum; 0 for exact), the
-optimizer state, and everything static (``StagePipeline.static_bytes``: weights, gradients, states, buffers), then
+optimizer state, and everything static (``static_bytes``: weights, gradients, states, buffers), then
 the ratios sharded / whole and the largest difference of the final weights (the sharded run must train the same).
 
 **Functional figures.** D processes share the machine's cores, so no time is printed; the bytes are what each rank
