@@ -163,11 +163,13 @@ class StepController:
         and the job, taken alike on every rank).
 
         Args:
-            batches, loss_fn: as for :meth:`StagePipeline.train_step`, with ``step_args`` (``divergence``,
-                ``noise``, ``inputs``, ...); ``measure`` is this controller's to set.
+            batches: the N batches, as for :meth:`StagePipeline.train_step`.
+            loss_fn: the loss, as for :meth:`StagePipeline.train_step`.
             step: the training step's number (``global_step``): what ``trace_steps`` names.
             log: whether this step's figures are logged (Lightning's ``log_every_n_steps``).
             optimizers: the step's optimizers, whose states the memory figure counts.
+            **step_args: the rest of :meth:`StagePipeline.train_step`'s arguments (``divergence``, ``noise``,
+                ``inputs``, ...); ``measure`` is this controller's to set.
         """
         now = time.perf_counter()
         measure = self.wants_figures(step, log)
