@@ -37,6 +37,7 @@ def schedule_command(argv: list[str]) -> int:
     p.add_argument("--latency", type=float, default=0.0, help="time of every message between neighbours")
     p.add_argument("--actions", action="store_true", help="also print the lowered action lists (with comms)")
     p.add_argument("--trace", metavar="PATH", help="write the simulated timeline as a Chrome trace (PATH) and a PNG")
+    p.add_argument("--compare", action="store_true", help="a table of every schedule at these sizes and costs instead")
     args = p.parse_args(argv)
     for flag, value, low in (
         ("--stages", args.stages, 1),
@@ -67,6 +68,11 @@ def schedule_command(argv: list[str]) -> int:
     w = args.weight_grad_cost
     if w is not None and not 0 < w < args.backward_cost:
         p.error(f"--weight-grad-cost {w}: must be a positive time below --backward-cost {args.backward_cost}")
+    if args.compare:
+        print(
+            compare_schedules(args.stages, args.microbatches * args.pipelines, args.forward_cost, args.backward_cost, w)
+        )
+        return 0
     sim = simulate(
         plan, args.forward_cost / v, args.backward_cost / v, latency=args.latency, weight_grad_cost=w and w / v
     )
@@ -92,6 +98,25 @@ def schedule_command(argv: list[str]) -> int:
         json_path, png = write_trace(Path(args.trace), spans_from_simulation(sim), title, time_unit="cost units")
         print(f"trace written to {json_path}" + (f" and {png}" if png else ""))
     return 0
+
+
+def compare_schedules(S: int, U: int, forward: float, backward: float, weight: float | None) -> str:
+    """Every schedule at ``S`` ranks and ``U`` units, simulated at one model's costs (a chunk costs 1/v of a stage):
+    step time, bubble, and the most activations a rank holds, in units of one 1F1B stage's micro-batch."""
+    rows = [f"S={S} units={U} forward={forward:g} backward={backward:g}" + (f" weight={weight:g}" if weight else "")]
+    rows.append(f"{'schedule':<16} {'step':>7} {'vs 1f1b':>8} {'bubble':>7} {'peak':>6}")
+    base = simulate(build_plan("1f1b", S, U), forward, backward).step_time
+    for name in SCHEDULES:
+        k = 1 if reads_k(name) else 0
+        plan = build_plan(name, S, U, k)
+        v = plan.stages_per_rank
+        sim = simulate(plan, forward / v, backward / v, weight_grad_cost=weight and weight / v)
+        label = name + (f" k={k}" if k else "") + (f" v={v}" if v > 1 else "")
+        peak = max(sim.peak_stash) / v
+        rows.append(
+            f"{label:<16} {sim.step_time:7.2f} {base / sim.step_time:7.3f}x {sim.bubble_fraction:7.1%} {peak:6.1f}"
+        )
+    return "\n".join(rows)
 
 
 COMMANDS = """lightning_avgpipe commands (python -m lightning_avgpipe COMMAND --help for each):

@@ -99,3 +99,22 @@ def test_the_strategy_refuses_chunked_schedules_with_the_fix(schedule: str) -> N
     assert PipelineConfig(schedule=schedule).chunks_per_rank == 2  # the step runs them
     with pytest.raises(ValueError, match="schedule='zbh1'"):
         AvgPipeStrategy(schedule=schedule)
+
+
+def test_the_schedule_command_compares_every_schedule() -> None:
+    """``schedule --compare``: one row per schedule at one model's costs, 1F1B the base, ZB-V the fastest here."""
+    out = subprocess.run(
+        [sys.executable, "-m", "lightning_avgpipe", "schedule", "--compare", "--stages", "4", "--microbatches", "8"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    rows = {}
+    for line in out.splitlines()[2:]:
+        name, *rest = line.split()
+        rows[name] = [t for t in rest if "=" not in t]  # step, vs 1f1b, bubble, peak (past "k=1", "v=2")
+    assert set(rows) == {"afab", "1f1b", "advance", "zbh1", "zbadvance", "interleaved", "zbv"}
+    assert rows["1f1b"][:2] == ["33.00", "1.000x"] and rows["zbh1"][0] == "27.00"
+    assert min(rows, key=lambda name: float(rows[name][0])) == "zbv"
