@@ -134,7 +134,7 @@ def test_a_config_default_changed_alone_is_caught(monkeypatch: pytest.MonkeyPatc
         test_config_fields_are_the_strategys_pipeline_arguments()
 
 
-def test_strategy_signature_annotations_match_jsonargparse() -> None:
-    """The LightningCLI sees the strategy's signature: every pipeline argument is annotated."""
+def test_every_pipeline_argument_is_annotated() -> None:
+    """The LightningCLI reads the strategy's signature: every pipeline argument carries a type for it."""
     params = inspect.signature(AvgPipeStrategy).parameters
     assert all(params[n].annotation is not inspect.Parameter.empty for n in arguments.config_defaults())

@@ -4,16 +4,11 @@ shrink the simulated bubble."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from lightning_avgpipe.schedules import Kind, build_plan, plan_errors, simulate
 from lightning_avgpipe.schedules.chunks import Layout, rank_of, stages_of
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers.cli import schedule_output
 
 
 def test_placements() -> None:
@@ -78,15 +73,9 @@ def test_stages_per_rank_is_checked(schedule: str, v: int, match: str) -> None:
 
 
 def test_the_schedule_command_prints_zbv_and_its_bubble() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "lightning_avgpipe", "schedule", "--schedule", "zbv", "--stages-per-rank", "2"]
-        + ["--stages", "2", "--microbatches", "4", "--actions"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout
+    out = schedule_output(
+        "--schedule", "zbv", "--stages-per-rank", "2", "--stages", "2", "--microbatches", "4", "--actions"
+    )
     assert "schedule=zbv stages=2 stages_per_rank=2 units=4 advance_forwards=0: step time 12.5, bubble 4.0%" in out
     assert "rank 0 | F0.0 F0.1" in out and " 3I0 " in out and " 0W3" in out
 
@@ -103,14 +92,7 @@ def test_the_strategy_refuses_chunked_schedules_with_the_fix(schedule: str) -> N
 
 def test_the_schedule_command_compares_every_schedule() -> None:
     """``schedule --compare``: one row per schedule at one model's costs, 1F1B the base, ZB-V the fastest here."""
-    out = subprocess.run(
-        [sys.executable, "-m", "lightning_avgpipe", "schedule", "--compare", "--stages", "4", "--microbatches", "8"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout
+    out = schedule_output("--compare", "--stages", "4", "--microbatches", "8")
     rows = {}
     for line in out.splitlines()[2:]:
         name, *rest = line.split()

@@ -5,9 +5,6 @@ each W after its I, hold no more than the unsplit schedule's peak, and shrink th
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -21,8 +18,8 @@ from lightning_avgpipe.schedules import (
     plan_errors,
     simulate,
 )
+from tests.helpers.cli import schedule_output
 
-ROOT = Path(__file__).resolve().parents[1]
 SPLIT_OF = {"zbh1": "1f1b", "zbadvance": "advance"}
 
 
@@ -129,15 +126,7 @@ def test_the_validator_rejects_half_a_split_and_a_backward_twice() -> None:
 
 
 def test_the_schedule_command_prints_the_split_plan_and_its_bubble() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "lightning_avgpipe", "schedule", "--stages", "4", "--microbatches", "8"]
-        + ["--schedule", "zbh1", "--actions"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout
+    out = schedule_output("--stages", "4", "--microbatches", "8", "--schedule", "zbh1", "--actions")
     assert "schedule=zbh1 stages=4 units=8 advance_forwards=0: step time 27, bubble 11.1%" in out
     assert "stage 3 | .  .  .  F0 I0 F1 I1" in out
     assert " 1I0 " in out and " 1W0 " in out

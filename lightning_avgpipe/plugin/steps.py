@@ -51,11 +51,13 @@ class PipelineSteps:
         self.param_names = param_names
         self.results = StepResults(controller.pipeline)  # the step's loss and logs to every stage
         self.stash = GradStash()  # the step's gradients, between training_step and backward
-        self.noise_every = 0  # also measure the noise scale every this many steps (AvgPipeTuner's retune sets it)
 
-    def training_step(self, batch: Any, rest: tuple[Any, ...], precision: Precision, num_pipelines: int) -> Tensor:
+    def training_step(
+        self, batch: Any, rest: tuple[Any, ...], precision: Precision, num_pipelines: int, noise_every: int = 0
+    ) -> Tensor:
         """One training iteration: the pipeline's step over the N batches, the user's ``training_step`` as the loss
-        on the last stage; returns the loss every stage reports (the last stage's, shared)."""
+        on the last stage; returns the loss every stage reports (the last stage's, shared). The noise scale is
+        measured on the logged steps and every ``noise_every`` steps (0: only the logged ones)."""
         module, control, bridge = self.module, self.controller, self.bridge
         pipeline, trainer = control.pipeline, module.trainer
         writes_logs = compat.writes_logs(trainer)
@@ -70,7 +72,7 @@ class PipelineSteps:
                 accumulate=trainer.accumulate_grad_batches,
                 forward_context=precision.train_step_context,
                 divergence=not pipeline.elastic.trivial and writes_logs,
-                noise=writes_logs or compat.every(trainer.global_step, self.noise_every),
+                noise=writes_logs or compat.every(trainer.global_step, noise_every),
                 param_names=self.param_names,
                 loss_scale=loss_scale_of(precision),
             )

@@ -200,7 +200,7 @@ class AvgPipeStrategy(ProcessStrategy):
         self._guard = Guard()
         self._ties: list[TiedWeights] = []  # weights this stage shares with others (tied embedding and head)
         self._param_names: dict[int, str] = {}  # id(parameter) -> its name in the module, for error messages
-        self._noise_every = 0
+        self.noise_every = 0  # also measure the noise scale every this many steps (AvgPipeTuner's retune sets it)
 
     # -- topology ------------------------------------------------------------------------------------------------
 
@@ -252,18 +252,6 @@ class AvgPipeStrategy(ProcessStrategy):
         if self._controller is None:
             raise RuntimeError("AvgPipeStrategy creates the replicas in setup(); they do not exist yet.")
         return self._controller.pipeline.elastic
-
-    @property
-    def noise_every(self) -> int:
-        """Also measure the noise scale every this many steps, besides the logged ones (``AvgPipeTuner``'s retune
-        sets it); 0: only on the logged steps."""
-        return self._steps.noise_every if self._steps is not None else self._noise_every
-
-    @noise_every.setter
-    def noise_every(self, every: int) -> None:
-        self._noise_every = every
-        if self._steps is not None:
-            self._steps.noise_every = every
 
     @property
     def stage_layers(self) -> list[nn.Module]:
@@ -397,7 +385,6 @@ class AvgPipeStrategy(ProcessStrategy):
         self._controller = StepController(pipeline)
         self._param_names = {id(p): n for n, p in self._lightning().named_parameters()}
         self._steps = PipelineSteps(self._lightning(), self._controller, self.bridge, self._param_names)
-        self._steps.noise_every = self._noise_every
         announce_averaging(pipeline)
 
     @override
@@ -464,7 +451,7 @@ class AvgPipeStrategy(ProcessStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self.steps.training_step(args[0], args[1:], self.precision_plugin, self.num_pipelines)
+        return self.steps.training_step(args[0], args[1:], self.precision_plugin, self.num_pipelines, self.noise_every)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:

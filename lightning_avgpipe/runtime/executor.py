@@ -62,7 +62,9 @@ class StageExecutor:
         self.num_stages = num_stages
         self.is_first = 0 in self.stage_fns  # holds the first stage: the inputs come in here
         self.is_last = self.layout.num_chunks - 1 in self.stage_fns  # holds the last stage: the loss is here
-        self.coalesce = coalesce and any(ln is not None for ln in self.links.values())
+        # every stage's link on this rank (a stage with nothing to send has none); read before every action
+        self.all_links: tuple[Link, ...] = tuple(ln for ln in self.links.values() if ln is not None)
+        self.coalesce = coalesce and bool(self.all_links)
         self.weight_grads: WeightGradQueue | None = None  # where input-gradient actions queue the weight gradients
         for ln in self.all_links:
             ln.always_batch = self.coalesce
@@ -80,11 +82,6 @@ class StageExecutor:
     def link(self) -> Link | None:
         """The link of this rank's (first) stage."""
         return self.links[self.stage]
-
-    @property
-    def all_links(self) -> list[Link]:
-        """Every stage's link on this rank (a stage with nothing to send has none)."""
-        return [ln for ln in self.links.values() if ln is not None]
 
     def run(
         self,

@@ -142,9 +142,7 @@ class _ChunkScheduler:
         """When the input of stage ``j``'s forward (or backward) of unit ``u`` is there; ``None``: not yet known."""
         if kind is Kind.FORWARD:
             return 0.0 if j == 0 else self.ready.get((Kind.FORWARD, j, u))
-        if j == self.V - 1:
-            return self.ready.get((Kind.BACKWARD, j, u), None)  # its own forward's end
-        return self.ready.get((Kind.BACKWARD, j, u))
+        return self.ready.get((Kind.BACKWARD, j, u))  # the last stage's: its own forward's end
 
     def candidates(self, r: int, kind: Kind) -> list[tuple[float | None, int, int]]:
         """(input time, stage, unit) of rank ``r``'s next forward or backward on each of its stages, highest stage
