@@ -17,8 +17,11 @@ PartitionSpec = Union[str, Sequence[int]]
 PARTITION_METHODS: tuple[str, ...] = ("balanced", "parameters", "uniform")
 
 
-def check_partition(partition: PartitionSpec, num_layers: int | None = None, num_stages: int | None = None) -> None:
-    """Raise a ``ValueError`` naming the fix when ``partition`` cannot describe ``num_layers`` over ``num_stages``."""
+def check_partition(
+    partition: PartitionSpec, num_layers: int | None = None, num_stages: int | None = None, stages_per_rank: int = 1
+) -> None:
+    """Raise a ``ValueError`` naming the fix when ``partition`` cannot describe ``num_layers`` over ``num_stages``
+    (the model's stages: ranks x ``stages_per_rank``)."""
     if isinstance(partition, str):
         if partition not in PARTITION_METHODS:
             raise ValueError(
@@ -27,8 +30,8 @@ def check_partition(partition: PartitionSpec, num_layers: int | None = None, num
             )
         if num_layers is not None and num_stages is not None and num_layers < num_stages:
             raise ValueError(
-                f"num_stages={num_stages} is more than the {num_layers} layers configure_pipeline() returns; "
-                f"use at most {num_layers} stages or split the model into more layers."
+                f"{_stages(num_stages, stages_per_rank)} is more than the {num_layers} layers configure_pipeline() "
+                f"returns; use at most {num_layers} stages or split the model into more layers."
             )
         return
     sizes = list(partition)
@@ -36,13 +39,21 @@ def check_partition(partition: PartitionSpec, num_layers: int | None = None, num
         raise ValueError(f"partition={sizes!r} must list a positive layer count per stage, for example [3, 5].")
     if num_stages is not None and len(sizes) != num_stages:
         raise ValueError(
-            f"partition={sizes} has {len(sizes)} entries but num_stages={num_stages}; give one layer count per stage."
+            f"partition={sizes} has {len(sizes)} entries but {_stages(num_stages, stages_per_rank)}; give one layer "
+            "count per stage, in stage order."
         )
     if num_layers is not None and sum(sizes) != num_layers:
         raise ValueError(
             f"partition={sizes} sums to {sum(sizes)} layers but configure_pipeline() returns {num_layers}; "
             "make the counts add up to the number of layers."
         )
+
+
+def _stages(num_stages: int, stages_per_rank: int) -> str:
+    """``num_stages=4``, or with several stages per rank ``num_stages=2 x stages_per_rank=2 = 4 stages``."""
+    if stages_per_rank == 1:
+        return f"num_stages={num_stages}"
+    return f"num_stages={num_stages // stages_per_rank} x stages_per_rank={stages_per_rank} = {num_stages} stages"
 
 
 def check_checkpointing(spec: Any) -> Spec:
@@ -116,16 +127,24 @@ class PipelineConfig:
             raise ValueError(
                 f"num_microbatches={m!r} must be an int >= 1 (or None for 2 x num_stages); it splits each batch."
             )
-        if not isinstance(self.partition, str):
-            object.__setattr__(self, "partition", tuple(self.partition))
-        check_partition(self.partition, num_stages=None if isinstance(self.partition, str) else self.num_stages)
         if self.replica_execution not in ("sequential", "batched"):
             raise ValueError(f"replica_execution={self.replica_execution!r} is not one of ['sequential', 'batched'].")
 
     def _check_schedule(self) -> None:
         """The schedule, k, the memory limit and activation checkpointing."""
         object.__setattr__(self, "schedule", check_schedule_name(self.schedule))
-        check_stages_per_rank(self.schedule, self.stages_per_rank)
+        v = check_stages_per_rank(self.schedule, self.stages_per_rank)
+        if v > 1 and (self.tensor_parallel_size > 1 or self.replica_execution == "batched"):
+            raise ValueError(
+                f"schedule={self.schedule!r} ({v} stages per rank) runs with tensor_parallel_size=1 and "
+                "replica_execution='sequential' only; use schedule='zbh1' for one stage per rank."
+            )
+        if not isinstance(self.partition, str):
+            object.__setattr__(self, "partition", tuple(self.partition))
+            model_stages = None if self.num_stages is None else self.num_stages * v
+            check_partition(self.partition, num_stages=model_stages, stages_per_rank=v)
+        else:
+            check_partition(self.partition)
         k = self.advance_forwards
         if k != "auto" and not is_int(k, 0):
             raise ValueError(

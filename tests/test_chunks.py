@@ -81,13 +81,13 @@ def test_the_schedule_command_prints_zbv_and_its_bubble() -> None:
 
 
 @pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
-def test_the_strategy_refuses_chunked_schedules_with_the_fix(schedule: str) -> None:
+def test_the_strategy_takes_chunked_schedules(schedule: str) -> None:
     from lightning_avgpipe import AvgPipeStrategy
-    from lightning_avgpipe.config import PipelineConfig
 
-    assert PipelineConfig(schedule=schedule).chunks_per_rank == 2  # the step runs them
-    with pytest.raises(ValueError, match="schedule='zbh1'"):
-        AvgPipeStrategy(schedule=schedule)
+    strategy = AvgPipeStrategy(schedule=schedule, partition=[1, 2, 1, 2], num_stages=2)
+    assert strategy.config.chunks_per_rank == 2 and strategy.config.partition == (1, 2, 1, 2)
+    with pytest.raises(ValueError, match="stages_per_rank=3 with schedule='zbv'"):
+        AvgPipeStrategy(schedule="zbv", stages_per_rank=3)
 
 
 def test_the_schedule_command_compares_every_schedule() -> None:

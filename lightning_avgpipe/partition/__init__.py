@@ -15,7 +15,11 @@ __all__ = ["PARTITION_METHODS", "LayerCost", "PartitionSpec", "check_partition",
 
 
 def partition_layers(
-    layers: Sequence[nn.Module], num_stages: int, partition: PartitionSpec = "balanced", sample: Any = None
+    layers: Sequence[nn.Module],
+    num_stages: int,
+    partition: PartitionSpec = "balanced",
+    sample: Any = None,
+    stages_per_rank: int = 1,
 ) -> list[int]:
     """Number of consecutive layers per stage.
 
@@ -26,8 +30,9 @@ def partition_layers(
             ``"uniform"``, or an explicit list of layer counts.
         sample: an input for the first layer, used by ``"balanced"``; without one, ``"balanced"`` falls back to
             ``"parameters"``.
+        stages_per_rank: v, when ``num_stages`` counts the model stages of ranks that hold v each (for messages).
     """
-    check_partition(partition, len(layers), num_stages)
+    check_partition(partition, len(layers), num_stages, stages_per_rank)
     if not isinstance(partition, str):
         return list(partition)
     if partition == "uniform":

@@ -9,6 +9,7 @@ those of the unsplit model. The owned layers refuse direct calls from a user ste
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_avgpipe import microbatch
+from lightning_avgpipe.config import check_partition
 from lightning_avgpipe.errors import PipelineContractError
 from lightning_avgpipe.partition import partition_layers
 from lightning_avgpipe.plugin import compat
@@ -42,6 +44,12 @@ class SplitModule:
     # parameter has there (a weight shared by two layers has two) -> that first name
     param_names: list[str] = field(default_factory=list)
     aliases: dict[str, str] = field(default_factory=dict)
+    stages: list[int] = field(default_factory=list)  # this rank's model stages, in order (several: chunks)
+
+    @property
+    def chunk_sizes(self) -> list[int]:
+        """The layer counts of this rank's stages, in stage order (``owned`` holds them all, in that order)."""
+        return [self.partition[j] for j in self.stages]
 
     def names(self) -> dict[str, nn.Module]:
         qualified = {id(m): n for n, m in self.module.named_modules()}
@@ -66,8 +74,11 @@ def already_split(module: nn.Module) -> bool:
     return any(isinstance(m, Elsewhere) for m in module.modules())
 
 
-def split_module(module: nn.Module, layers: list[nn.Module], sizes: list[int], stage: int, guard: Guard) -> SplitModule:
-    """Keep ``layers``' share of ``stage`` (``sizes`` layers per stage) in ``module``; placeholders for the rest."""
+def split_module(
+    module: nn.Module, layers: list[nn.Module], sizes: list[int], stages: Sequence[int], guard: Guard
+) -> SplitModule:
+    """Keep ``layers``' share of ``stages`` (this rank's model stages; ``sizes`` layers per stage) in ``module``;
+    placeholders for the rest. ``owned`` lists the kept layers in stage order."""
     if already_split(module):
         raise ValueError(
             f"This {type(module).__name__} was already split into stages by another AvgPipeStrategy (it holds "
@@ -78,39 +89,34 @@ def split_module(module: nn.Module, layers: list[nn.Module], sizes: list[int], s
     first: dict[int, str] = {}
     aliases = {n: first.setdefault(id(p), n) for n, p in module.named_parameters(remove_duplicate=False)}
     param_names = [n for n, _ in module.named_parameters()]
-    start = sum(sizes[:stage])
-    owned = layers[start : start + sizes[stage]]
+    stage_of = [s for s, size in enumerate(sizes) for _ in range(size)]
+    owned = [layer for layer, s in zip(layers, stage_of) if s in stages]
     qualified = {id(m): n for n, m in module.named_modules()}
-    bounds = [sum(sizes[: s + 1]) for s in range(len(sizes))]
-    for index, layer in enumerate(layers):
-        if start <= index < start + sizes[stage]:
-            continue
-        owner = next(s for s, end in enumerate(bounds) if index < end)
-        for parent, attr in locate(module, layer):
-            setattr(parent, attr, Elsewhere(qualified[id(layer)], owner, guard))
+    for layer, owner in zip(layers, stage_of):
+        if owner not in stages:
+            for parent, attr in locate(module, layer):
+                setattr(parent, attr, Elsewhere(qualified[id(layer)], owner, guard))
     example = getattr(module, "example_input_array", None)
     module.example_input_array = None  # type: ignore[assignment]
     if not any(True for layer in owned for _ in layer.parameters()):
         module._avgpipe_anchor = Anchor()  # a parameter-free stage still builds the user's optimizer
-    split = SplitModule(module, list(owned), list(sizes), full_keys, guard, example, [], param_names, aliases)
+    split = SplitModule(module, owned, list(sizes), full_keys, guard, example, [], param_names, aliases, list(stages))
     split.handles = guard_layers(split.names(), guard)
     return split
 
 
-def check_layer_count(num_layers: int, stages: int) -> None:
-    if num_layers < stages:
-        raise ValueError(
-            f"num_stages={stages} is more than the {num_layers} layers configure_pipeline() returns; use at most "
-            f"{num_layers} stages or split the model into more layers."
-        )
+def check_layer_count(num_layers: int, stages: int, stages_per_rank: int = 1) -> None:
+    """Refuse more model stages (``stages``: ranks x ``stages_per_rank``) than layers."""
+    check_partition("uniform", num_layers, stages, stages_per_rank)
 
 
-def choose_partition(module: nn.Module, layers: list[nn.Module], spec: Any, stages: int) -> list[int]:
-    """Layers per stage: ``spec`` (a list of counts, or ``"balanced"``, ``"parameters"``, ``"uniform"``), or the
-    checkpoint's cut on a resumed ``fit`` (called on one rank: ``"balanced"`` times the layers)."""
-    check_layer_count(len(layers), stages)
+def choose_partition(module: nn.Module, layers: list[nn.Module], spec: Any, stages: int, v: int = 1) -> list[int]:
+    """Layers per model stage (``stages`` of them: ranks x ``v``): ``spec`` (a list of counts, or ``"balanced"``,
+    ``"parameters"``, ``"uniform"``), or the checkpoint's cut on a resumed ``fit`` (called on one rank:
+    ``"balanced"`` times the layers)."""
+    check_layer_count(len(layers), stages, v)
     if not isinstance(spec, str):
-        return partition_layers(layers, stages, list(spec))
+        return partition_layers(layers, stages, list(spec), stages_per_rank=v)
     resumed = _resumed_partition(module, stages, len(layers))
     if resumed is not None:
         return resumed
@@ -120,7 +126,7 @@ def choose_partition(module: nn.Module, layers: list[nn.Module], spec: Any, stag
             "AvgPipe: partition='balanced' profiles layers on `example_input_array`, which this module does not set; "
             "balancing by parameters instead."
         )
-    return partition_layers(layers, stages, spec, sample)
+    return partition_layers(layers, stages, spec, sample, v)
 
 
 def _resumed_partition(module: nn.Module, stages: int, num_layers: int) -> list[int] | None:
@@ -189,9 +195,19 @@ def shared_across_stages(
     return dict(sorted(ties.items()))
 
 
-def announce_shared(shared: dict[tuple[int, ...], list[tuple[str, Any]]]) -> None:
-    """Say which weights several stages share (``shared_across_stages``) and what is done about them."""
+def announce_shared(
+    shared: dict[tuple[int, ...], list[tuple[str, Any]]], rank_of: Callable[[int], int] | None = None
+) -> None:
+    """Say which weights several stages share (``shared_across_stages``) and what is done about them (``rank_of``:
+    the rank of a model stage, with several stages per rank)."""
     for holders, named in shared.items():
+        ranks = {rank_of(s) for s in holders} if rank_of is not None else set(holders)
+        if len(ranks) == 1:
+            rank_zero_info(
+                f"AvgPipe: {', '.join(name for name, _ in named)} shared by the layers of stages {list(holders)}, "
+                f"which rank {min(ranks)} of each pipeline runs: it holds the weight once."
+            )
+            continue
         rank_zero_info(
             f"AvgPipe: {', '.join(name for name, _ in named)} shared by the layers of stages {list(holders)}: each "
             "keeps a copy, and their gradients are summed over those stages every step (the copies stay equal)."

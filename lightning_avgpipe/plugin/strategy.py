@@ -55,6 +55,8 @@ from lightning_avgpipe.runtime.pipeline import StagePipeline
 from lightning_avgpipe.runtime.recompute import check_matches
 from lightning_avgpipe.runtime.ties import TiedWeights, tie_groups
 from lightning_avgpipe.runtime.topology import Topology
+from lightning_avgpipe.schedules.chunks import stages_of
+from lightning_avgpipe.schedules.generate import schedule_layout
 
 
 class AvgPipeStrategy(ProcessStrategy):
@@ -72,12 +74,11 @@ class AvgPipeStrategy(ProcessStrategy):
             deferred into the bubbles (zero bubble H1: about a third of 1F1B's bubble at 1F1B's memory peak);
             ``"zbadvance"`` the advance forward with that split.
         advance_forwards: early forwards on every stage but the last for ``schedule="advance"`` (or
-            ``"zbadvance"``); 0 is 1F1B.
-        stages_per_rank: v, the model chunks every rank runs under ``schedule="interleaved"`` (loop placement) or
-            ``"zbv"`` (2, a V); ``None``: 2 for those, 1 otherwise. The step runs them (``StagePipeline``); through
-            Lightning they are refused for now, naming ``"zbh1"``.
-            ``"auto"`` (the default) starts at 0 and raises k while iterations get faster beyond noise and
-            ``memory_limit`` holds, then keeps it (the choice and why are logged).
+            ``"zbadvance"``); 0 is 1F1B. ``"auto"`` (the default) starts at 0 and raises k while iterations get
+            faster beyond noise and ``memory_limit`` holds, then keeps it (the choice and why are logged).
+        stages_per_rank: v, the model chunks every rank runs under ``schedule="interleaved"`` (loop placement: rank r
+            runs stages r, S + r, ...) or ``"zbv"`` (2, a V: stages r and 2S - 1 - r); ``None``: 2 for those, 1
+            otherwise. The model is cut into S·v stages; a list ``partition`` gives all S·v counts in stage order.
         memory_limit: a stage's peak for ``advance_forwards="auto"``: bytes, or a fraction (<= 1) of its memory.
         partition: ``"balanced"`` evens out profiled forward+backward time (``"parameters"`` without an
             ``example_input_array``); ``"parameters"`` parameter bytes; ``"uniform"`` layer counts; or a list of
@@ -180,12 +181,6 @@ class AvgPipeStrategy(ProcessStrategy):
         )
         arguments = locals()  # the pipeline's arguments are PipelineConfig's fields, under the same names
         self.config = PipelineConfig(**{f.name: arguments[f.name] for f in fields(PipelineConfig)})
-        if self.config.chunks_per_rank > 1:
-            raise ValueError(
-                f"schedule={self.config.schedule!r} runs {self.config.chunks_per_rank} model chunks per rank, which "
-                "the step runs (StagePipeline) but the strategy does not split a LightningModule into yet. Use "
-                "schedule='zbh1' (the backward split, one chunk per rank) or '1f1b'."
-            )
         self.tensor_parallel_plan = tensor.check_tensor_parallel_args(tensor_parallel_size, tensor_parallel_plan, None)
         # The k the user asked for, kept across fits (a tuner's reconfigure replaces "auto" with a number).
         self.user_advance_forwards: int | str = advance_forwards
@@ -346,24 +341,27 @@ class AvgPipeStrategy(ProcessStrategy):
         install_clipping(self.precision_plugin, lambda: self.pipeline, self.root_device)
 
     def _split_module(self, module: pl.LightningModule) -> None:
-        layers, stages = pipeline_layers(module), self.num_stages
-        check_layer_count(len(layers), stages)  # on every rank: none may wait in the broadcast for a failed rank 0
+        layout = schedule_layout(self.config.schedule, self.num_stages, self.config.stages_per_rank)
+        layers, stages, v = pipeline_layers(module), layout.num_chunks, layout.v  # the model's stages: S x v
+        check_layer_count(len(layers), stages, v)  # on every rank: none may wait in the broadcast for a failed rank 0
         check_matches(layers, self.config.activation_checkpointing)
         if self.check_forward:  # every rank checks its own whole copy, so every rank fails alike
             sample = forward_sample(module)
             if sample is not None:
                 check_forward(module, layers, sample)
         # decided on rank 0: "balanced" times the layers, and the ranks' timings would differ
-        sizes = choose_partition(module, layers, self.config.partition, stages) if self.global_rank == 0 else None
+        sizes = choose_partition(module, layers, self.config.partition, stages, v) if self.global_rank == 0 else None
         sizes = self.broadcast(sizes, src=0)
         assert sizes is not None
         shared = shared_across_stages(module, layers, list(sizes))
         tensor.check_model(self.config.tensor_parallel_size, self.tensor_parallel_plan, module, shared)
-        self._ties = tie_groups(shared, self.topology, self.config.timeout)
-        announce_shared(shared)
-        self._split = split_module(module, layers, list(sizes), self.stage, self._guard)
+        self._ties = tie_groups(shared, self.topology, self.config.timeout, layout.rank_of)
+        announce_shared(shared, layout.rank_of)
+        mine = stages_of(self.stage, self.num_stages, v, layout.placement)
+        self._split = split_module(module, layers, list(sizes), mine, self._guard)
+        placed = f" ({v} per rank, {layout.placement} placement)" if v > 1 else ""
         rank_zero_info(
-            f"AvgPipe: {self.num_stages} stages, layers per stage {list(sizes)}, schedule={self.config.schedule}, "
+            f"AvgPipe: {stages} stages{placed}, layers per stage {list(sizes)}, schedule={self.config.schedule}, "
             f"num_microbatches={self.num_microbatches}."
         )
         self._bridge = StepBridge(module, self._guard)
@@ -381,6 +379,7 @@ class AvgPipeStrategy(ProcessStrategy):
             self._process_group_backend,
             self.num_processes,
             ties=self._ties,
+            chunks=self._split.chunk_sizes,
         )
         self._controller = StepController(pipeline)
         self._param_names = {id(p): n for n, p in self._lightning().named_parameters()}

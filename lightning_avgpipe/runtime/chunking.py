@@ -15,7 +15,7 @@ from lightning_avgpipe.runtime.executor import StageExecutor
 from lightning_avgpipe.runtime.p2p import Link
 from lightning_avgpipe.runtime.topology import Topology
 from lightning_avgpipe.schedules.chunks import Layout, stages_of
-from lightning_avgpipe.schedules.generate import CHUNKED
+from lightning_avgpipe.schedules.generate import schedule_layout
 
 
 @dataclass(frozen=True)
@@ -31,17 +31,11 @@ class ChunkLayout:
     def of(
         cls, config: PipelineConfig, topology: Topology, num_layers: int, sizes: Sequence[int] | None
     ) -> ChunkLayout:
-        v = config.chunks_per_rank
-        placement = CHUNKED[config.schedule][0] if config.schedule in CHUNKED else "loop"
-        layout = Layout(topology.num_stages, v, placement)
-        stages = tuple(stages_of(topology.stage, topology.num_stages, v, placement))
+        layout = schedule_layout(config.schedule, topology.num_stages, config.stages_per_rank)
+        v = layout.v
+        stages = tuple(stages_of(topology.stage, topology.num_stages, v, layout.placement))
         if v == 1:
             return cls(layout, topology.stage, stages, (num_layers,))
-        if topology.tensor_parallel_size > 1 or config.replica_execution == "batched":
-            raise ValueError(
-                f"schedule={config.schedule!r} ({v} stages per rank) runs with tensor_parallel_size=1 and "
-                "replica_execution='sequential' only; use schedule='zbh1' for one stage per rank."
-            )
         if sizes is None or len(sizes) != v or sum(sizes) != num_layers or min(sizes) < 1:
             raise ValueError(
                 f"chunks={list(sizes) if sizes is not None else None}: with {v} stages per rank give the layer count "

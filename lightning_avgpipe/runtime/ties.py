@@ -8,7 +8,7 @@ step and they stay bit-identical; a global gradient norm counts each weight once
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -30,22 +30,32 @@ class TiedWeights:
     stays bit-identical to the others: one parameter of the model, as in single-process training.
     """
 
-    stages: tuple[int, ...]  # the stages that hold a copy
+    stages: tuple[int, ...]  # the ranks of the pipeline (stage positions) that hold a copy
     names: tuple[str, ...]  # their names in the module (a tied pair: "embed.weight = head.weight")
     params: tuple[nn.Parameter, ...]  # this stage's copies (the reference's)
     group: Any = None  # the process group of the stages' ranks in this pipeline
 
 
 def tie_groups(
-    shared: dict[tuple[int, ...], list[tuple[str, nn.Parameter]]], topology: Topology, timeout: float = 1800.0
+    shared: dict[tuple[int, ...], list[tuple[str, nn.Parameter]]],
+    topology: Topology,
+    timeout: float = 1800.0,
+    rank_of: Callable[[int], int] | None = None,
 ) -> list[TiedWeights]:
     """A process group per set of stages that share weights, in every pipeline group, and this stage's part of them.
+
+    ``shared``'s keys are model stages; ``rank_of`` maps one to the rank of the pipeline that runs it (with several
+    stages per rank; by default stage s runs on rank s). Stages on one rank hold the weight once: there is nothing to
+    sum, and a set of stages all on one rank makes no group.
 
     Collective: every rank makes every group, in the same order (``shared`` is the same on every rank: found on the
     whole model before the split, sorted by stages).
     """
     mine = []
-    for stages, named in shared.items():
+    for model_stages, named in shared.items():
+        stages = tuple(sorted({rank_of(s) if rank_of is not None else s for s in model_stages}))
+        if len(stages) < 2:
+            continue
         for d in range(topology.num_groups):
             ranks = [d * topology.num_stages + s for s in stages]
             group = dist.new_group(ranks, timeout=timedelta(seconds=timeout))

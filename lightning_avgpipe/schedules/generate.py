@@ -316,6 +316,12 @@ def check_stages_per_rank(schedule: str, stages_per_rank: int | None) -> int:
     return v
 
 
+def schedule_layout(schedule: str, num_ranks: int, stages_per_rank: int | None = None) -> Layout:
+    """Which rank runs which model stage under ``schedule``: ``num_ranks x v`` stages, placed as it places them."""
+    v = check_stages_per_rank(schedule, stages_per_rank)
+    return Layout(num_ranks, v, CHUNKED[schedule][0] if schedule in CHUNKED else "loop")
+
+
 def _chunked_plan(name: str, S: int, U: int, v: int, training: bool, recv_lookahead: int) -> Plan:
     """``interleaved`` (loop placement, whole backward) or ``zbv`` (V placement, backward split)."""
     placement, split = CHUNKED[name]
