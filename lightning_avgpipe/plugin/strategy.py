@@ -82,7 +82,7 @@ class AvgPipeStrategy(ProcessStrategy):
         memory_limit: a stage's peak for ``advance_forwards="auto"``: bytes, or a fraction (<= 1) of its memory.
         partition: ``"balanced"`` evens out profiled forward+backward time (``"parameters"`` without an
             ``example_input_array``); ``"parameters"`` parameter bytes; ``"uniform"`` layer counts; or a list of
-            layer counts per stage, e.g. ``[3, 5]``.
+            layer counts per stage, e.g. ``[3, 5]`` (S·v of them with ``stages_per_rank`` v).
         num_pipelines: N parallel pipelines: every stage holds N replicas, each training on its own batch of the
             DataLoader's size B (an iteration carries N x M micro-batches, a smaller bubble), combined by
             ``averaging``. 1 is plain pipeline training.
