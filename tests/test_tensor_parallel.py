@@ -23,7 +23,8 @@ from tests.helpers.distributed import run_distributed
 STEPS = 3
 M = 2
 BATCH = 8
-CONFIGS = [(1, False), (2, True), (1, True), (2, False)]  # (N, activation checkpointing)
+# (N, activation checkpointing[, schedule]): the backward split (zbh1) defers the sharded weights' gradients too
+CONFIGS = [(1, False), (2, True), (1, True), (2, False), (1, False, "zbh1"), (2, True, "zbh1")]
 
 
 class Block(nn.Module):
@@ -75,7 +76,7 @@ def reference(replicas: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, state
 
 
-def _worker(rank: int, world: int, stages: int, tp: int, configs: list[tuple[int, bool]]) -> list[dict[str, Any]]:
+def _worker(rank: int, world: int, stages: int, tp: int, configs: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
     from lightning_avgpipe.config import PipelineConfig
     from lightning_avgpipe.runtime.pipeline import StagePipeline
     from lightning_avgpipe.runtime.tensor_parallel import parallelize_stage
@@ -85,11 +86,17 @@ def _worker(rank: int, world: int, stages: int, tp: int, configs: list[tuple[int
     sizes = [3, 3] if stages == 2 else [6]
     start = sum(sizes[: top.stage])
     out = []
-    for n, ac in configs:
+    for n, ac, *schedule in configs:
         layers = make_model()
         own = {str(i): layers[i] for i in range(start, start + sizes[top.stage])}
         split = parallelize_stage(own, default_plan(own), top.tensor_mesh)
-        cfg = PipelineConfig(num_stages=stages, num_microbatches=M, num_pipelines=n, activation_checkpointing=ac)
+        cfg = PipelineConfig(
+            num_stages=stages,
+            num_microbatches=M,
+            num_pipelines=n,
+            activation_checkpointing=ac,
+            schedule=schedule[0] if schedule else "1f1b",
+        )
         pipe = StagePipeline(list(own.values()), top, cfg)
         opt = pipe.optimizer(torch.optim.SGD(pipe.reference_params, lr=0.1, momentum=0.9))
         losses = []
@@ -109,8 +116,8 @@ def _worker(rank: int, world: int, stages: int, tp: int, configs: list[tuple[int
     return out
 
 
-def _check(results: list[list[dict[str, Any]]], configs: list[tuple[int, bool]], groups: int) -> None:
-    for c, (n, _ac) in enumerate(configs):
+def _check(results: list[list[dict[str, Any]]], configs: list[tuple[Any, ...]], groups: int) -> None:
+    for c, (n, *_) in enumerate(configs):
         want_losses, want = reference(n * groups)
         for rank_results in results:
             got = rank_results[c]
@@ -125,7 +132,8 @@ def _check(results: list[list[dict[str, Any]]], configs: list[tuple[int, bool]],
 
 @pytest.mark.slow
 def test_two_stages_of_two_shards_match_one_process() -> None:
-    """T = 2, S = 2 (4 ranks): N = 1 and N = 2, activation checkpointing on and off, equal the unsplit model."""
+    """T = 2, S = 2 (4 ranks): N = 1 and N = 2, activation checkpointing on and off, 1F1B and ZB-H1 (the backward
+    split), equal the unsplit model."""
     results = run_distributed(_worker, 4, 2, 2, CONFIGS, timeout=240, what="T=2 S=2")
     _check(results, CONFIGS, groups=1)
     # checkpointing kept only the checkpointed layers' inputs: the stash is smaller on every rank (N = 1 runs)
