@@ -1,7 +1,7 @@
 """The split-backward schedules (``zbh1``, ``zbadvance``) train exactly as their unsplit orders do (1F1B, the advance
 forward), and so as plain training with gradient accumulation: on 2 and 4 gloo processes, after every step, for
-uneven partitions, tuples between stages, activation checkpointing, N = 2 replicas with either averaging and the
-advance forward. All cases of one world size run in one launch of its ranks."""
+uneven partitions, tuples between stages, activation checkpointing, N = 2 replicas with either averaging, the
+advance forward and NCCL's batched transfers. All cases of one world size run in one launch of its ranks."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ def _train(
     checkpointing: Any = False,
     k: int = 0,
     v: int = 1,
+    p2p: str = "eager",
 ) -> dict[str, Any]:
     """``partition``: layers per stage, ``world x v`` of them with ``v`` stages per rank."""
     from torch import nn
@@ -52,7 +53,7 @@ def _train(
         num_pipelines=n,
         averaging=averaging,
         activation_checkpointing=checkpointing,
-        p2p="eager",
+        p2p=p2p,
         stages_per_rank=v if v > 1 else None,
     )
     sizes = [partition[j] for j in mine] if v > 1 else None
@@ -122,6 +123,9 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "S2-zbv-checkpointing-N2": ("zbv", {"partition": [2, 1, 2, 1], "m": 2, "n": 2, "v": 2, "checkpointing": True}),
     "S2-interleaved": ("interleaved", {"partition": [2, 1, 1, 2], "m": 3, "v": 2}),
     "S4-zbv": ("zbv", {"partition": [1] * 8, "m": 4, "v": 2}),
+    # NCCL's form (batched transfers, every pair of ranks posting its messages in one order), here over gloo
+    "S2-zbv-batched-p2p": ("zbv", {"partition": [1, 2, 1, 2], "m": 4, "v": 2, "p2p": "batched"}),
+    "S4-interleaved-batched-p2p": ("interleaved", {"partition": [1] * 8, "m": 6, "v": 2, "p2p": "batched"}),
     "S4-interleaved-exact-N2": ("interleaved", {"partition": [1] * 8, "m": 4, "v": 2, "n": 2, "averaging": "exact"}),
 }
 UNSPLIT.update({"zbv": "1f1b", "interleaved": "1f1b"})

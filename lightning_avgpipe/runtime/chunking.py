@@ -72,9 +72,13 @@ class ChunkLayout:
             out[j] = None if prev is None and nxt is None else Link(prev, nxt, device, name=name, stage=j, tagged=True)
         return out
 
-    def executor(self, topology: Topology, device: torch.device, stage_fns: dict[int, Any]) -> StageExecutor:
-        """The executor of this rank's stages, each with its function and link."""
+    def executor(
+        self, topology: Topology, device: torch.device, stage_fns: dict[int, Any], coalesce: bool = False
+    ) -> StageExecutor:
+        """The executor of this rank's stages, each with its function and link (``coalesce``: NCCL's batches)."""
         links = self.links(topology, device)
         parts = {j: (fn, links[j]) for j, fn in stage_fns.items()}
         first = stage_fns[self.stages[0]]
-        return StageExecutor(topology.stage, topology.num_stages, first, None, layout=self.layout, chunks=parts)
+        return StageExecutor(
+            topology.stage, topology.num_stages, first, None, coalesce, layout=self.layout, chunks=parts
+        )

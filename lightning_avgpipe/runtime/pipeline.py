@@ -104,7 +104,7 @@ class StagePipeline:
             fn = stage_fns[topology.stage]
             self.executor = StageExecutor(topology.stage, topology.num_stages, fn, link, coalesce=self.batched_p2p)
         else:
-            self.executor = self.chunks.executor(topology, self.device, stage_fns)
+            self.executor = self.chunks.executor(topology, self.device, stage_fns, self.batched_p2p)
         self._start(self.config)
         self._bounds_link_timeout = True
         self.ties = tuple(ties)

@@ -241,6 +241,113 @@ def lower(
     return out
 
 
+def lower_in_one_order(computes: Sequence[Sequence[Action]], layout: Layout) -> list[list[Action]]:
+    """The NCCL form (``recv_lookahead=0``) of any ranks' compute orders: two ranks post what passes between them
+    in one order, the order in which an eager run of the plan produces it.
+
+    Every rank's computes are first timed as if run eagerly (each at its placement cost, as soon as its input is
+    there); the messages between two ranks, sorted by when they are produced, are then the order both post. A send
+    goes out right after the compute that makes it, a receive right before the compute that needs it, or earlier
+    where the pair's order puts it before a send of this rank. That every earlier message is produced before a later
+    one is what keeps the in-order streams moving (``schedules/nccl.py`` checks each plan).
+    """
+    finish = _eager_finish(computes, layout)
+    made = sorted(
+        (finish[_message(send)], layout.rank_of(a.stage), send)
+        for ranked in computes
+        for a in ranked
+        if (send := _send_for(a, layout)) is not None
+    )
+    pair_order: dict[tuple[int, int], list[Action]] = {}  # (rank, peer) -> this rank's ops with the peer, in order
+    for _, sender, send in made:
+        recv = _matching_recv(send)
+        peer = layout.rank_of(recv.stage)
+        pair_order.setdefault((sender, peer), []).append(send)
+        pair_order.setdefault((peer, sender), []).append(recv)
+    index = {(pair, op): i for pair, ops in pair_order.items() for i, op in enumerate(ops)}
+    out: list[list[Action]] = []
+    for r, ranked in enumerate(computes):
+        actions: list[Action] = []
+        posted: dict[int, int] = {}  # peer -> how many of the pair's ops this rank has posted
+        for a in ranked:
+            recv = _recv_for(a, layout)
+            if recv is not None:
+                _post_through(recv, r, layout, pair_order, index, posted, actions)
+            actions.append(a)
+            send = _send_for(a, layout)
+            if send is not None:
+                _post_through(send, r, layout, pair_order, index, posted, actions)
+        out.append(actions)
+    return out
+
+
+def _post_through(
+    op: Action,
+    rank: int,
+    layout: Layout,
+    pair_order: dict[tuple[int, int], list[Action]],
+    index: dict[tuple[tuple[int, int], Action], int],
+    posted: dict[int, int],
+    actions: list[Action],
+) -> None:
+    """Append to ``actions`` ``op`` and the receives its pair's order puts before it, not yet posted."""
+    peer = _peer_of(op, layout)
+    end = index[((rank, peer), op)] + 1
+    for earlier in pair_order[(rank, peer)][posted.get(peer, 0) : end]:
+        assert earlier == op or earlier.kind in (Kind.RECV_F, Kind.RECV_B), (earlier, op)  # earlier sends: made
+        actions.append(earlier)
+    posted[peer] = max(posted.get(peer, 0), end)
+
+
+def _message(op: Action) -> tuple[str, int, int]:
+    """What a send or receive carries: ("F" or "B", the stage that computes it, unit)."""
+    if op.kind in (Kind.SEND_F, Kind.SEND_B):
+        return ("F" if op.kind is Kind.SEND_F else "B", op.stage, op.unit)
+    if op.kind is Kind.RECV_F:
+        return ("F", op.stage - 1, op.unit)
+    return ("B", op.stage + 1, op.unit)
+
+
+def _matching_recv(send: Action) -> Action:
+    if send.kind is Kind.SEND_F:
+        return Action(send.stage + 1, Kind.RECV_F, send.unit)
+    return Action(send.stage - 1, Kind.RECV_B, send.unit)
+
+
+def _peer_of(op: Action, layout: Layout) -> int:
+    """The rank on the other end of a send or receive."""
+    ahead = op.kind in (Kind.SEND_F, Kind.RECV_B)
+    return layout.rank_of(op.stage + (1 if ahead else -1))
+
+
+def _eager_finish(computes: Sequence[Sequence[Action]], layout: Layout) -> dict[tuple[str, int, int], float]:
+    """When each message between ranks is made when every rank runs its order eagerly, at the placement costs."""
+    from lightning_avgpipe.schedules.chunks import PLACEMENT_COSTS
+
+    made: dict[tuple[str, int, int], float] = {}
+    free, at = [0.0] * len(computes), [0] * len(computes)
+    moved = True
+    while moved:
+        moved = False
+        for r, ranked in enumerate(computes):
+            while at[r] < len(ranked):
+                a = ranked[at[r]]
+                recv = _recv_for(a, layout)
+                if recv is not None and _message(recv) not in made:
+                    break  # its input is not made yet
+                ready = made[_message(recv)] if recv is not None else 0.0
+                free[r] = max(free[r], ready) + PLACEMENT_COSTS[a.kind]
+                send = _send_for(a, layout)
+                if send is not None:
+                    made[_message(send)] = free[r]
+                at[r] += 1
+                moved = True
+    stuck = [str(ranked[at[r]]) for r, ranked in enumerate(computes) if at[r] < len(ranked)]
+    if stuck:
+        raise ValueError(f"the compute orders wait on each other (stuck at {stuck}); no order of messages exists")
+    return made
+
+
 @dataclass(frozen=True)
 class Plan:
     """Every stage's lowered action list for one iteration: a value that can be printed, compared and simulated."""
@@ -332,7 +439,10 @@ def _chunked_plan(name: str, S: int, U: int, v: int, training: bool, recv_lookah
         computes = chunked_orders(S, U, v, placement, split, caps, training, sequences)
     else:  # ZB-V holds 1F1B's peak memory: S stage-sized units, v S chunks
         computes = chunked_orders(S, U, v, placement, split, [v * S] * S, training)
-    stages = tuple(tuple(lower(computes[r], S, recv_lookahead, None, layout)) for r in range(S))
+    if recv_lookahead == 0:  # NCCL: every pair of ranks posts its messages in one order
+        stages = tuple(tuple(ranked) for ranked in lower_in_one_order(computes, layout))
+    else:
+        stages = tuple(tuple(lower(computes[r], S, recv_lookahead, None, layout)) for r in range(S))
     return Plan(name, S, U, 0, training, stages, recv_lookahead, v, placement)
 
 
