@@ -270,13 +270,13 @@ def lower_in_one_order(computes: Sequence[Sequence[Action]], layout: Layout) -> 
         actions: list[Action] = []
         posted: dict[int, int] = {}  # peer -> how many of the pair's ops this rank has posted
         for a in ranked:
-            recv = _recv_for(a, layout)
-            if recv is not None:
-                _post_through(recv, r, layout, pair_order, index, posted, actions)
+            needed = _recv_for(a, layout)
+            if needed is not None:
+                _post_through(needed, r, layout, pair_order, index, posted, actions)
             actions.append(a)
-            send = _send_for(a, layout)
-            if send is not None:
-                _post_through(send, r, layout, pair_order, index, posted, actions)
+            made_here = _send_for(a, layout)
+            if made_here is not None:
+                _post_through(made_here, r, layout, pair_order, index, posted, actions)
         out.append(actions)
     return out
 
