@@ -21,6 +21,7 @@ from typing import Any
 
 from lightning_avgpipe.noise import effective_batch, efficiency, elastic_factor
 from lightning_avgpipe.schedules import build_plan, simulate
+from lightning_avgpipe.schedules.generate import check_stages_per_rank, reads_k, splits_backward
 
 
 def interpolate(points: Mapping[float, float], x: float) -> float:
@@ -54,12 +55,25 @@ class StageProfile:
     optimizer_state_bytes: float  # one replica's optimizer state
     optimizer_step_s: float  # one replica's optimizer step
     elastic_s: float = 0.0  # one replica's share of the elastic update (pull + reference update)
+    # the backward split (zbh1, zbadvance, zbv): one unit's input gradient (I) and weight gradient (W); empty when
+    # not profiled
+    input_grad_s: dict[float, float] = field(default_factory=dict)
+    weight_grad_s: dict[float, float] = field(default_factory=dict)
 
     def forward(self, b: float) -> float:
         return interpolate(self.forward_s, b)
 
     def backward(self, b: float) -> float:
         return interpolate(self.backward_s, b)
+
+    @property
+    def split_profiled(self) -> bool:
+        """Whether the split backward (I and W) was timed."""
+        return bool(self.input_grad_s) and bool(self.weight_grad_s)
+
+    def split(self, b: float) -> tuple[float, float]:
+        """One unit's (I, W) at micro-batch size ``b`` (profiled; the split costs what it measured over B)."""
+        return interpolate(self.input_grad_s, b), interpolate(self.weight_grad_s, b)
 
     def activations(self, b: float) -> float:
         return interpolate(self.activation_bytes, b)
@@ -135,8 +149,8 @@ class PipelineProfile:
         stages = []
         for s in data["stages"]:
             s = dict(s)
-            for name in ("forward_s", "backward_s", "activation_bytes", "send_bytes"):
-                s[name] = keyed(s[name])
+            for name in ("forward_s", "backward_s", "activation_bytes", "send_bytes", "input_grad_s", "weight_grad_s"):
+                s[name] = keyed(s.get(name, {}))
             stages.append(StageProfile(**s))
         rest = {k: v for k, v in data.items() if k != "stages"}
         if rest.get("bandwidth", 0.0) is None:
@@ -163,6 +177,8 @@ class Prediction:
     averaging: str = "elastic"  # how the N batches combine: "elastic" (the paper's rule) or "exact" (one batch)
     efficiency: float = 1.0  # progress per sample relative to plain training at the user's batch B (noise.py)
     goodput: float = math.nan  # samples_per_sec x efficiency
+    schedule: str = "1f1b"
+    stages_per_rank: int = 1  # v: model chunks per rank (interleaved, zbv)
 
     def __post_init__(self) -> None:
         if math.isnan(self.goodput):
@@ -198,8 +214,14 @@ def predict(
     latency_s: float | None = None,
     bandwidth: float | None = None,
     averaging: str = "elastic",
+    stages_per_rank: int | None = None,
 ) -> Prediction:
     """Iteration time and per-stage peak memory of (M, N) from ``profile``.
+
+    ``schedule`` may be any of ``schedules.SCHEDULES``: one that splits the backward (``zbh1``, ``zbadvance``,
+    ``zbv``) runs on the profiled input- and weight-gradient times (it raises where they were not profiled); one
+    with ``stages_per_rank`` v > 1 (``interleaved``, ``zbv``) cuts each rank's layers into v chunks of equal cost
+    and activations. A unit whose weight gradient waits counts as held whole (an upper bound on its memory).
 
     ``latency_s``/``bandwidth`` override the profiled link (what-if); ``memory_limit`` (bytes) marks the
     setting infeasible when a stage's predicted peak exceeds it. ``averaging="exact"`` runs the same N·M units
@@ -219,8 +241,18 @@ def predict(
     b = profile.batch_size / M
     latency = profile.latency_s if latency_s is None else latency_s
     bw = profile.bandwidth if bandwidth is None else bandwidth
-    fwd = [st.forward(b) for st in profile.stages]
-    bwd = [st.backward(b) for st in profile.stages]
+    v = check_stages_per_rank(schedule, stages_per_rank)
+    fwd = [st.forward(b) / v for st in profile.stages]
+    bwd = [st.backward(b) / v for st in profile.stages]
+    wgt = None
+    if splits_backward(schedule):
+        if not all(st.split_profiled for st in profile.stages):
+            raise ValueError(
+                f"schedule={schedule!r} splits the backward, whose input and weight gradients this profile did not "
+                "time (StageProfile.input_grad_s, weight_grad_s); profile with AvgPipeTuner, which times them."
+            )
+        parts = [st.split(b) for st in profile.stages]
+        bwd, wgt = [(i + w) / v for i, w in parts], [w / v for _, w in parts]
     if not bw > 0:
         raise ValueError(f"bandwidth={bw!r} must be a positive number of bytes per second (math.inf: free transfers).")
     if latency < 0:
@@ -229,9 +261,17 @@ def predict(
     # stage s sends its activations downstream and, upstream, the gradients of its input (stage s-1's output)
     xfer = [0.0 if free or s == S - 1 else profile.stages[s].sent(b) / bw for s in range(S)]
     xfer_b = [0.0 if free or s == 0 else profile.stages[s - 1].sent(b) / bw for s in range(S)]
-    k = advance_forwards if schedule == "advance" else 0
-    plan = build_plan(schedule, S, N * M, k)
-    sim = simulate(plan, fwd, bwd, latency=latency if S > 1 else 0.0, transfer_cost=xfer, backward_transfer_cost=xfer_b)
+    k = advance_forwards if reads_k(schedule) else 0
+    plan = build_plan(schedule, S, N * M, k, stages_per_rank=v)
+    sim = simulate(
+        plan,
+        fwd,
+        bwd,
+        latency=latency if S > 1 else 0.0,
+        transfer_cost=xfer,
+        backward_transfer_cost=xfer_b,
+        weight_grad_cost=wgt,
+    )
     exact = averaging == "exact"
     replicated = N * profile.num_groups > 1 and not exact
     update = max(
@@ -251,7 +291,7 @@ def predict(
     peaks = tuple(
         st.static_bytes(N, profile.num_groups, profile.shard_optimizer_state, exact)
         + max(  # the activations peak in the step; a sharded reference's update comes after them
-            sim.peak_stash[s] * st.activations(b),
+            sim.peak_stash[s] * st.activations(b) / v,
             st.update_bytes(N, profile.num_groups, profile.shard_optimizer_state, exact),
         )
         for s, st in enumerate(profile.stages)
@@ -281,6 +321,8 @@ def predict(
         why_not=why,
         averaging="exact" if exact else "elastic",
         efficiency=eff,
+        schedule=schedule,
+        stages_per_rank=v,
     )
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_avgpipe.schedules import max_advance_forwards
+from lightning_avgpipe.schedules.generate import CHUNKED, reads_k
 from lightning_avgpipe.tuning.model import PipelineProfile, Prediction, divisors, predict
 
 DEFAULT_MAX_PIPELINES = 8
@@ -95,17 +96,23 @@ class TuningTable:
         feasible = [r for r in self.rows if r.feasible]
         top = max(self.value(r) for r in feasible)
         near = [r for r in feasible if self.value(r) >= top * 0.995]
-        self.choice = min(near, key=lambda r: (r.num_pipelines, r.averaging != "exact", r.num_microbatches))
-        self.notes["reason"] = reason(self)
+        self.choice = min(
+            near,
+            key=lambda r: (r.num_pipelines, r.averaging != "exact", r.schedule != self.schedule, r.num_microbatches),
+        )
+        self.notes["reason"] = reason(self) + schedule_reason(self)
         return self.choice
 
-    def row(self, num_microbatches: int, num_pipelines: int, averaging: str | None = None) -> Prediction:
-        for r in self.rows:
+    def row(
+        self, num_microbatches: int, num_pipelines: int, averaging: str | None = None, schedule: str | None = None
+    ) -> Prediction:
+        """The row of (M, N), its averaging and schedule (``None``: any; the strategy's schedule first)."""
+        for r in sorted(self.rows, key=lambda r: r.schedule != self.schedule):
             if (r.num_microbatches, r.num_pipelines) == (num_microbatches, num_pipelines) and (
-                averaging is None or r.averaging == averaging
+                (averaging is None or r.averaging == averaging) and (schedule is None or r.schedule == schedule)
             ):
                 return r
-        raise KeyError((num_microbatches, num_pipelines, averaging))
+        raise KeyError((num_microbatches, num_pipelines, averaging, schedule))
 
     @property
     def objective(self) -> str:
@@ -136,18 +143,23 @@ class TuningTable:
 
     def format(self) -> str:
         """The table as text: one line per (M, N, averaging), the choice marked, then the reason for it."""
+        several = len({r.schedule for r in self.rows}) > 1  # a schedule column where the rows differ in it
         head = (
-            f"{'M':>4} {'N':>3} {'avg':>7} {'k':>3} {'iter ms':>9} {'samples/s':>10} {'eff':>6} {'goodput':>9} "
-            f"{'bubble':>7} {'peak MiB (per stage)':<28}"
+            (f"{'schedule':>11} " if several else "")
+            + f"{'M':>4} {'N':>3} {'avg':>7} {'k':>3} {'iter ms':>9} {'samples/s':>10} {'eff':>6} "
+            + f"{'goodput':>9} {'bubble':>7} {'peak MiB (per stage)':<28}"
         )
         lines = [head]
         order = {"exact": 0, "elastic": 1}
-        for r in sorted(self.rows, key=lambda r: (r.num_pipelines, order.get(r.averaging, 2), r.num_microbatches)):
+        for r in sorted(
+            self.rows, key=lambda r: (r.num_pipelines, order.get(r.averaging, 2), r.schedule, r.num_microbatches)
+        ):
             mark = " <- chosen" if self.choice is not None and r is self.choice else ""
             peaks = "/".join(f"{p / 2**20:.1f}" for p in r.peak_bytes)
             fit = "" if r.feasible else f"  (does not fit: {r.why_not})"
             lines.append(
-                f"{r.num_microbatches:>4} {r.num_pipelines:>3} {r.averaging:>7} {r.advance_forwards:>3} "
+                (f"{r.schedule:>11} " if several else "")
+                + f"{r.num_microbatches:>4} {r.num_pipelines:>3} {r.averaging:>7} {r.advance_forwards:>3} "
                 f"{r.step_time * 1e3:>9.2f} {r.samples_per_sec:>10.1f} {r.efficiency:>6.3f} {r.goodput:>9.1f} "
                 f"{r.bubble_fraction:>6.1%} {peaks:<28}{fit}{mark}"
             )
@@ -168,8 +180,13 @@ def search(
     max_pipelines: int | None = None,
     objective: str = "throughput",
     averaging: Sequence[str] = ("elastic",),
+    schedules: Sequence[str] | None = None,
+    stages_per_rank: int | None = None,
 ) -> TuningTable:
-    """Predict every candidate (M, N, averaging) and choose the best that fits ``memory_limit`` (bytes).
+    """Predict every candidate (schedule, M, N, averaging) and choose the best that fits ``memory_limit`` (bytes).
+
+    ``schedules``: the schedules to weigh (default: ``schedule`` alone); ``stages_per_rank``: v for those that run
+    several chunks per rank (``None``: their default). Ties go to ``schedule``, the one the strategy runs.
 
     ``objective="goodput"`` maximises samples/s x statistical efficiency (the profile's noise scale, ``noise.py``);
     ``"throughput"`` maximises samples/s. ``averaging`` lists the ways to combine N batches to consider
@@ -197,21 +214,20 @@ def search(
     ns = candidate_pipelines(num_pipelines)
     if max_pipelines is not None:
         ns = [n for n in ns if n <= max_pipelines] or [min(ns)]
+    names = list(dict.fromkeys(schedules or [schedule]))
     rows: list[Prediction] = []
     for n in ns:
         any_fit = False
         for avg in averagings if n * profile.num_groups > 1 else averagings[:1]:
-            for m in ms:
-                if schedule == "advance" and advance_forwards == "auto":
-                    options = [
-                        predict(profile, m, n, schedule, k, memory_limit, latency_s, bandwidth, averaging=avg)
-                        for k in _k_candidates(profile.num_stages, m * n)
-                    ]
-                    fits = [p for p in options if p.feasible] or options[:1]
-                    best = min(fits, key=lambda p: (p.step_time, p.advance_forwards))
-                else:
-                    k = int(advance_forwards) if schedule == "advance" else 0
-                    best = predict(profile, m, n, schedule, k, memory_limit, latency_s, bandwidth, averaging=avg)
+            for name, m in ((name, m) for name in names for m in ms):
+                v = stages_per_rank if name in CHUNKED else None
+                ks = [int(advance_forwards)] if advance_forwards != "auto" else _k_candidates(profile.num_stages, m * n)
+                options = [
+                    predict(profile, m, n, name, k, memory_limit, latency_s, bandwidth, avg, v)
+                    for k in (ks if reads_k(name) else [0])
+                ]
+                fits = [p for p in options if p.feasible] or options[:1]
+                best = min(fits, key=lambda p: (p.step_time, p.advance_forwards))
                 rows.append(best)
                 any_fit |= best.feasible
         if num_pipelines is None and not any_fit:
@@ -234,6 +250,8 @@ def search(
         "num_pipelines": ns if num_pipelines is not None else None,
         "memory_limit": memory_limit,
         "schedule": schedule,
+        "schedules": names,
+        "stages_per_rank": stages_per_rank,
         "advance_forwards": advance_forwards,
         "max_pipelines": max_pipelines,
         "averaging": averagings,
@@ -296,3 +314,31 @@ def reason(table: TuningTable) -> str:
         else "N = 1 does not fit"
     )
     return f"N = {c.num_pipelines} with averaging='{c.averaging}': {versus}, {known}."
+
+
+def schedule_reason(table: TuningTable) -> str:
+    """Where several schedules were weighed: the chosen one against the best row of each other, at its M and N."""
+    c = table.choice
+    assert c is not None
+    others = sorted({r.schedule for r in table.rows} - {c.schedule})
+    if not others:
+        return ""
+    parts = []
+    for name in others:
+        same = [
+            r
+            for r in table.rows
+            if r.schedule == name
+            and r.feasible
+            and (r.num_microbatches, r.num_pipelines) == (c.num_microbatches, c.num_pipelines)
+        ]
+        if same:
+            r = max(same, key=table.value)
+            parts.append(f"{table.value(c) / table.value(r):.3f}x '{name}' (bubble {r.bubble_fraction:.0%})")
+        else:
+            parts.append(f"'{name}' does not fit there")
+    v = f", stages_per_rank={c.stages_per_rank}" if c.stages_per_rank > 1 else ""
+    return (
+        f" Schedule '{c.schedule}'{v} (bubble {c.bubble_fraction:.0%}) at M = {c.num_microbatches}, "
+        f"N = {c.num_pipelines}: " + ", ".join(parts) + "."
+    )
