@@ -235,3 +235,14 @@ class PipelineConfig:
 
     def microbatches_for(self, num_stages: int) -> int:
         return self.num_microbatches if self.num_microbatches is not None else 2 * num_stages
+
+
+def check_same_placement(old: PipelineConfig, new: PipelineConfig) -> None:
+    """A running pipeline may change schedule only where the model stays cut as it is: one stage per rank before
+    and after (``1f1b``, ``zbh1``, ``advance``, ...), or the same chunked schedule and v."""
+    if new.chunks_per_rank != old.chunks_per_rank or (new.chunks_per_rank > 1 and new.schedule != old.schedule):
+        raise ValueError(
+            f"reconfigure to schedule={new.schedule!r} ({new.chunks_per_rank} stage(s) per rank) from "
+            f"{old.schedule!r} ({old.chunks_per_rank}): the model is cut for the old placement. Start a new fit with "
+            f"AvgPipeStrategy(schedule={new.schedule!r})."
+        )

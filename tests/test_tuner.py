@@ -21,7 +21,7 @@ from lightning_avgpipe.tuning.model import divisors
 from lightning_avgpipe.tuning.profiler import Snapshot, fit_overhead, measure_link, unit_times
 from lightning_avgpipe.tuning.search import search
 from tests.helpers.launch import ROOT, launch_ranks
-from tests.test_strategy_equivalence import final_state, run_lightning
+from tests.test_strategy_equivalence import assert_matches, final_state, run_lightning
 
 
 # -- the pieces, in process ----------------------------------------------------------------------------------------
@@ -186,6 +186,7 @@ def test_tuner_applies_its_choice_and_reports_the_table(tmp_path: Path) -> None:
     for r in results:  # every rank runs the same setting, the tuner's
         assert r["setting"] == [choice["num_microbatches"], choice["num_pipelines"]]
         assert r["tuner"]["choice"] == choice
+        assert r["schedule"] == choice["schedule"]  # 1F1B, or ZB-H1 where the split predicted more
         assert len(r["losses"]) == 5
         if choice["num_pipelines"] > 1:
             assert r["averaging"] == choice["averaging"]
@@ -210,6 +211,13 @@ def test_tuner_applies_its_choice_and_reports_the_table(tmp_path: Path) -> None:
         assert len(stage["forward_s"]) >= 2  # at least two micro-batch sizes were measured
         assert all(v > 0 for v in stage["forward_s"].values())
         assert stage["param_bytes"] > 0
+        # the split backward was timed too: I and W of every Linear stage, at every size
+        assert stage["input_grad_s"].keys() == stage["forward_s"].keys()
+        assert all(v > 0 for v in [*stage["input_grad_s"].values(), *stage["weight_grad_s"].values()])
+    # one stage per rank: the backward split weighed on and off, and what cutting the model anew would give
+    assert {row["schedule"] for row in table["rows"]} == {"1f1b", "zbh1"}
+    assert "Schedule '" in table["notes"]["reason"]
+    assert set(table["notes"]["other_placements"]) == {"interleaved", "zbv"}
 
 
 @pytest.mark.slow
@@ -546,3 +554,36 @@ def test_tuner_profiles_a_tensor_parallel_layout(tmp_path: Path) -> None:
     assert len(set(choices)) == 1 and [tuple(r["setting"]) for r in results] == choices
     assert results[2]["sharded"] == ["layers.3.bias", "layers.3.weight", "layers.5.bias", "layers.5.weight"]
     assert (tmp_path / "tuning" / "tuning.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_tuner_profiles_a_zbv_strategy_in_its_own_placement(tmp_path: Path) -> None:
+    """Two stages per rank: the profile runs ZB-V itself (its V is the model's cut), the search weighs ZB-V alone,
+    and training under the chosen M equals plain training."""
+    out = tmp_path / "tuning"
+    strategy = {"num_microbatches": 2, "partition": [1, 2, 1, 2], "schedule": "zbv"}
+    results = run_lightning(tmp_path, 2, strategy, steps=4, tuner={"num_pipelines": 1, "output_dir": str(out)})
+    table = json.loads((out / "tuning.json").read_text())
+    assert {(row["schedule"], row["stages_per_rank"]) for row in table["rows"]} == {("zbv", 2)}
+    assert table["profile"]["stages_per_rank"] == 2 and table["notes"]["other_placements"] == {}
+    assert all(v > 0 for stage in table["profile"]["stages"] for v in stage["weight_grad_s"].values())
+    m = results[0]["setting"][0]
+    assert results[0]["schedule"] == "zbv" and m == table["choice"]["num_microbatches"]
+    assert_matches(tmp_path, results, m)
+
+
+def test_candidate_schedules_keep_the_cut() -> None:
+    from lightning_avgpipe.plugin.profiling import candidate_schedules
+    from lightning_avgpipe.tuning.model import PipelineProfile, StageProfile
+
+    def profile(split: bool) -> PipelineProfile:
+        grads = {4.0: 1.0} if split else {}
+        stage = StageProfile({4.0: 1.0}, {4.0: 2.0}, {4.0: 1.0}, {4.0: 1.0}, 1.0, 1.0, 0.0, 0.0, grads, grads)
+        return PipelineProfile([stage, stage], batch_size=8)
+
+    assert candidate_schedules("1f1b", profile(True)) == ["1f1b", "zbh1"]
+    assert candidate_schedules("zbadvance", profile(True)) == ["zbadvance", "advance"]
+    assert candidate_schedules("1f1b", profile(False)) == ["1f1b"]  # the split was not timed: not weighed
+    assert candidate_schedules("afab", profile(True)) == ["afab"]
+    assert candidate_schedules("zbv", profile(True)) == ["zbv"]

@@ -23,6 +23,7 @@ from lightning_avgpipe.plugin import compat
 from lightning_avgpipe.plugin.contract import pipeline_inputs
 from lightning_avgpipe.plugin.data import loader_generators
 from lightning_avgpipe.schedules import simulate
+from lightning_avgpipe.schedules.generate import CHUNKED, SPLIT, reads_k, splits_backward
 from lightning_avgpipe.shards import local
 from lightning_avgpipe.tuning.model import PipelineProfile, StageProfile, checkpointed, microbatch_sizes, predict
 from lightning_avgpipe.tuning.profiler import (
@@ -30,6 +31,7 @@ from lightning_avgpipe.tuning.profiler import (
     Snapshot,
     fit_overhead,
     measure_link,
+    split_times,
     tensor_bytes,
     time_allreduce,
     time_elastic_update,
@@ -134,12 +136,20 @@ def tune(
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         limit = float(t[0])
     # the user's k, not one a previous fit's tuner applied (reconfigure replaces "auto" with a number)
-    k: int | str = strategy.user_advance_forwards if strategy.config.schedule == "advance" else 0
+    k: int | str = strategy.user_advance_forwards if reads_k(strategy.config.schedule) else 0
     # every rank searches the same broadcast profile: a setting that fits nowhere raises on every rank alike
     args = (ms, num_pipelines, limit, strategy.config.schedule, k)
-    options: dict[str, Any] = {"max_pipelines": cap, "objective": objective, "averaging": averaging}
+    options: dict[str, Any] = {
+        "max_pipelines": cap,
+        "objective": objective,
+        "averaging": averaging,
+        "schedules": candidate_schedules(strategy.config.schedule, profile),
+        "stages_per_rank": strategy.config.stages_per_rank,
+    }
     try:
-        return search(profile, *args, **options)
+        table = search(profile, *args, **options)
+        table.notes["other_placements"] = other_placements(table)
+        return table
     except NoFeasibleSettingError as err:
         if strategy.config.activation_checkpointing != "auto" or any(strategy.pipeline.recompute):
             raise
@@ -149,7 +159,52 @@ def tune(
         except NoFeasibleSettingError as again:
             raise NoFeasibleSettingError(f"{err} Even with every layer checkpointed: {again}") from again
     table.notes["activation_checkpointing"] = True  # its profile is the checkpointed one: what training will run
+    table.notes["other_placements"] = other_placements(table)
     return table
+
+
+def candidate_schedules(schedule: str, profile: PipelineProfile) -> list[str]:
+    """The schedules a running fit may switch to, to weigh with its own: the model stays cut as it is, so with one
+    stage per rank the backward split on or off (``1f1b`` and ``zbh1``, ``advance`` and ``zbadvance``) where the
+    profile timed it; with several, its own."""
+    twins = {**SPLIT, **{unsplit: split for split, unsplit in SPLIT.items()}}
+    if schedule not in twins or not all(st.split_profiled for st in profile.stages):
+        return [schedule]
+    return [schedule, twins[schedule]]
+
+
+def other_placements(table: TuningTable) -> dict[str, Any]:
+    """What the schedules that cut the model otherwise (``zbv``, ``interleaved`` at v = 2, from one stage per rank)
+    predict at the choice's M, N and averaging: a fit can't switch to them, a new one can. Said in the setup log
+    where one predicts more than the choice."""
+    choice, profile = table.choice, table.profile
+    if choice is None or profile is None or profile.stages_per_rank > 1:
+        return {}
+    out: dict[str, Any] = {}
+    for name in CHUNKED:
+        if splits_backward(name) and not all(st.split_profiled for st in profile.stages):
+            continue
+        try:
+            r = predict(
+                profile,
+                choice.num_microbatches,
+                choice.num_pipelines,
+                name,
+                memory_limit=table.memory_limit,
+                averaging=choice.averaging,
+            )
+        except ValueError:
+            continue
+        ratio = table.value(r) / table.value(choice)
+        out[name] = {"stages_per_rank": r.stages_per_rank, "ratio": ratio, "feasible": r.feasible, **r.to_dict()}
+        if r.feasible and ratio > 1.03:
+            rank_zero_info(
+                f"AvgPipeTuner: schedule='{name}' ({r.stages_per_rank} stages per rank) predicts {ratio:.2f}x the "
+                f"chosen setting's {'goodput' if table.objective == 'goodput' else 'samples/s'} (bubble "
+                f"{r.bubble_fraction:.0%} against {choice.bubble_fraction:.0%}); it cuts the model anew, which a "
+                f"running fit cannot: start the next one with AvgPipeStrategy(schedule='{name}')."
+            )
+    return out
 
 
 def batch_norm_candidates(
@@ -209,7 +264,8 @@ def profile_pipeline(strategy: AvgPipeStrategy, batch: Any, sizes: Sequence[floa
     """Run the strategy's step at each micro-batch size and measure; rank 0's profile reaches every rank.
 
     Each size runs :meth:`StagePipeline.train_step` itself (1F1B, replica 0 of every stage, the user's
-    ``training_step`` as the loss), as training does, then puts back gradients, buffers, torchmetrics states, RNG
+    ``training_step`` as the loss; then ZB-H1 once, for the split backward's I and W; with several stages per rank the
+    strategy's own schedule), as training does, then puts back gradients, buffers, torchmetrics states, RNG
     states and what the step bridge recorded.
     """
     module = strategy.lightning_module
@@ -236,14 +292,11 @@ def profile_pipeline(strategy: AvgPipeStrategy, batch: Any, sizes: Sequence[floa
     def loss_fn(output: Any, micro: Any, share: float) -> Any:
         return bridge.call_step("training_step", output, micro, share, 0)  # batch_idx 0
 
+    v = pipeline.chunks.v
+    base, split, settings, splits = _variants(strategy, sizes, size)
+    input_grad: dict[float, float] = {}
+    weight_grad: dict[float, float] = {}
     try:
-        settings = []
-        for b in sizes:
-            m = max(1, round(size / b))
-            settings.append(
-                (b, m, strategy.controller.variant(num_microbatches=m, schedule="1f1b", advance_forwards=0))
-            )
-
         # Rounds in which every size takes a turn: a burst of background load then lands on every size alike
         # instead of bending the curve at one of them. A turn is two steps, the first untimed: after a change of
         # shape the first step pays for cold caches (allocator, kernels), which training at one shape does not.
@@ -257,43 +310,57 @@ def profile_pipeline(strategy: AvgPipeStrategy, batch: Any, sizes: Sequence[floa
         user = getattr(user, "user", user)
         reference = elastic.reference_params
         copy_opt = CopyOptimizer(lambda ps: clone_optimizer(user, ps, reference), reference)
-        turns = [(setting, timed) for _ in range(steps) for setting in settings for timed in (False, True)]
-        for (b, _m, probe), timed in turns:
+        split_spans: dict[float, list[Any]] = {b: [] for b in sizes}
+        kinds = ("warm", "timed", "split")  # a size with a split variant takes a third step: that variant, timed
+        turns = [
+            (setting, kind)
+            for _ in range(steps)
+            for setting in settings
+            for kind in kinds[: 2 + (setting[0] in splits)]
+        ]
+
+        def run(probe: Any, measure: bool, noisy: bool) -> Any:
+            return probe.train_step(
+                [batch],
+                loss_fn,
+                inputs=lambda micro: pipeline_inputs(module, micro),
+                forward_context=strategy.precision_plugin.train_step_context,
+                measure=measure,
+                noise=noisy,  # the gradient noise on the untimed turns: it costs the timed ones nothing
+                key="avgpipe-tune",
+            )
+
+        for (b, _m, probe), kind in turns:
             for p in params:
                 p.grad = None
-            hook = None
-            if b not in out_bytes:
-
-                def record(_mod: Any, _in: Any, out: Any, _b: float = b) -> None:  # None: the output is kept
-                    out_bytes.setdefault(_b, tensor_bytes(out))
-
-                hook = last_layer.register_forward_hook(record)
-            try:
-                result = probe.train_step(
-                    [batch],
-                    loss_fn,
-                    inputs=lambda micro: pipeline_inputs(module, micro),
-                    forward_context=strategy.precision_plugin.train_step_context,
-                    measure=True,
-                    noise=not timed,  # the gradient noise on the untimed turns: it costs the timed ones nothing
-                    key="avgpipe-tune",
-                )
-            finally:
-                if hook is not None:
-                    hook.remove()
+            if kind == "split":
+                with pipeline.deferring_weight_grads():
+                    split_spans[b].append(run(splits[b], False, False).trace.spans)
+            else:
+                hook = None if b in out_bytes else last_layer.register_forward_hook(_recorder(out_bytes, b))
+                try:
+                    result = run(probe, True, kind == "warm")
+                finally:
+                    if hook is not None:
+                        hook.remove()
+                if result.noise is not None:
+                    noise.append(result.noise)
+                if kind == "timed":
+                    spans[b].append(result.trace.spans)
+                    step_times[b].append(result.trace.step_time)
+                    peaks[b].append(result.trace.peak_activation_bytes)
             bridge.take_logs()
-            if result.noise is not None:
-                noise.append(result.noise)
             copy_opt.step()
-            if timed:
-                spans[b].append(result.trace.spans)
-                step_times[b].append(result.trace.step_time)
-                peaks[b].append(result.trace.peak_activation_bytes)
         for b, m, probe in settings:
             f, bk = unit_times(spans[b])
-            forward_s[b], backward_s[b] = f, bk
+            i, w = split_times(split_spans[b] if b in splits else spans[b] if split else [])
+            if split == base:  # ZB-V: the whole backward never ran; I + W is what it costs
+                bk = i + w
+            forward_s[b], backward_s[b] = f * v, bk * v
+            if split is not None:
+                input_grad[b], weight_grad[b] = i * v, w * v
             stash = simulate(probe.plan(True, m)).peak_stash[stage]
-            activation[b] = statistics.median(peaks[b]) / max(1, stash)
+            activation[b] = v * statistics.median(peaks[b]) / max(1, stash)
             sent[b] = float(out_bytes.get(b, 0))
             units_seen.append(m)
             residuals.append(statistics.median(step_times[b]))  # the step as this stage saw it; fitted below
@@ -325,6 +392,8 @@ def profile_pipeline(strategy: AvgPipeStrategy, batch: Any, sizes: Sequence[floa
         optimizer_state_bytes=float(state_bytes),
         optimizer_step_s=step_s,
         elastic_s=elastic_s,
+        input_grad_s=input_grad,
+        weight_grad_s=weight_grad,
     )
     stages = _gather_stages(strategy, mine)
     reduce_s = 0.0
@@ -338,6 +407,7 @@ def profile_pipeline(strategy: AvgPipeStrategy, batch: Any, sizes: Sequence[floa
         bandwidth=bandwidth,
         num_groups=strategy.num_groups,
         schedule=strategy.config.schedule,
+        stages_per_rank=v,
         reference_allreduce_s=reduce_s,
         sync_reference=strategy.config.synchronous_reference,
         averaging_period=int(strategy.config.averaging_period),
@@ -349,10 +419,41 @@ def profile_pipeline(strategy: AvgPipeStrategy, batch: Any, sizes: Sequence[floa
     # What the spans miss (posting, copies, waits the model does not see): measured step - the pipeline part of
     # the prediction itself (the simulator with the same latency and transfer costs), per unit
     measured = _max_list(strategy, residuals)
-    sims = [predict(profile, m, 1, schedule="1f1b").pipeline_time for m in units_seen]
+    sims = [predict(profile, m, 1, schedule=base).pipeline_time for m in units_seen]
     a, c = fit_overhead(units_seen, [t - s for t, s in zip(measured, sims)])
     profile.iteration_overhead_s, profile.unit_overhead_s = a + _max_list(strategy, [per_iteration])[0], c
     return strategy.broadcast(profile, src=0)
+
+
+def _variants(
+    strategy: AvgPipeStrategy, sizes: Sequence[float], size: int
+) -> tuple[str, str | None, list[tuple[float, int, Any]], dict[float, Any]]:
+    """What the profile runs: its schedule, the one that splits the backward (or ``None``), a variant per size (size,
+    M, variant) and, where that split is another schedule, its variant per size.
+
+    One stage per rank: 1F1B, and ZB-H1 for the split backward's I and W. Several: the strategy's own schedule (its
+    placement is the model's cut), whose spans are a chunk's; a rank's unit is v of them.
+    """
+    control = strategy.controller
+    v = control.pipeline.chunks.v
+    base = "1f1b" if v == 1 else strategy.config.schedule
+    split = "zbh1" if v == 1 else (base if splits_backward(base) else None)
+    settings, splits = [], {}
+    for b in sizes:
+        m = max(1, round(size / b))
+        settings.append((b, m, control.variant(num_microbatches=m, schedule=base, advance_forwards=0)))
+        if split is not None and split != base:
+            splits[b] = control.variant(num_microbatches=m, schedule=split, advance_forwards=0)
+    return base, split, settings, splits
+
+
+def _recorder(out_bytes: dict[float, int], b: float) -> Any:
+    """A forward hook that keeps the size of the first output it sees under ``b`` (the bytes a stage sends)."""
+
+    def record(_mod: Any, _in: Any, out: Any) -> None:  # None: the output is kept
+        out_bytes.setdefault(b, tensor_bytes(out))
+
+    return record
 
 
 def pooled_noise_scale(measurements: Sequence[GradientNorms]) -> float | None:

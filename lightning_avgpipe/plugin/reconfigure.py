@@ -1,4 +1,4 @@
-"""What ``AvgPipeStrategy.reconfigure`` may change: a new M, N, k or averaging checked against the running job
+"""What ``AvgPipeStrategy.reconfigure`` may change: a new M, N, k, averaging or schedule checked against the running job
 before anything moves, and the line that says what it became."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from lightning_avgpipe.config import PipelineConfig
+from lightning_avgpipe.config import PipelineConfig, check_same_placement
 from lightning_avgpipe.schedules.generate import reads_k
 
 
@@ -21,6 +21,7 @@ def next_config(
     (``num_groups`` D once the pipeline exists, else ``None``) cannot take it: under loss scaling (16-mixed) only one
     model per stage, and with ``keep_optimizers`` one model before and after (its optimizer carries on)."""
     new = replace(old, **changes)
+    check_same_placement(old, new)
     if num_groups is None:
         return new
     if loss_scaling and not new.one_model(num_groups):
@@ -43,6 +44,7 @@ def describe(config: PipelineConfig, num_stages: int, num_groups: int) -> str:
         f"AvgPipe: reconfigured to num_microbatches={config.microbatches_for(num_stages)}, "
         f"num_pipelines={config.num_pipelines}"
         + (f", averaging='{config.averaging}'" if config.num_pipelines * num_groups > 1 else "")
+        + f", schedule={config.schedule!r}"
         + (f", advance_forwards={config.advance_forwards}" if reads_k(config.schedule) else "")
         + "."
     )

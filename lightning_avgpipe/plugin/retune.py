@@ -54,7 +54,9 @@ class Retuner:
     def start(self, trainer: pl.Trainer, strategy: AvgPipeStrategy, table: TuningTable, base: Key) -> None:
         """After the first tune applied ``table.choice``: scale the lr from the user's setting ``base`` to it."""
         assert table.profile is not None and table.choice is not None
-        self.plan = RetunePlan(table.profile, dict(table.notes["search_args"]), setting_key(table.choice))
+        chosen = table.choice.schedule  # a retune moves M and N under the schedule the first tune chose
+        args = dict(table.notes["search_args"], schedule=chosen, schedules=[chosen])
+        self.plan = RetunePlan(table.profile, args, setting_key(table.choice))
         self.plan.advance_forwards = table.choice.advance_forwards
         if base[1] * strategy.num_groups == 1:  # one model either way: only M and N tell settings apart
             base = (base[0], base[1], "exact")

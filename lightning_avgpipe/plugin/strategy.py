@@ -398,8 +398,11 @@ class AvgPipeStrategy(ProcessStrategy):
         advance_forwards: int | str | None = None,
         averaging: str | None = None,
         keep_optimizers: bool = False,
+        schedule: str | None = None,
     ) -> None:
-        """Change M, N, k or the averaging (the tuner calls it in ``on_fit_start``, and between epochs to retune).
+        """Change M, N, k, the averaging or the schedule (the tuner calls it in ``on_fit_start``, and between epochs
+        to retune). A new schedule must keep the model's cut: one stage per rank (``1f1b``, ``zbh1``, ``advance``,
+        ``zbadvance``, ``afab``) or the same chunked schedule.
 
         A new N or averaging that needs replicas re-makes them from the reference and the optimizers
         (``configure_optimizers`` runs again), as does any new N unless ``keep_optimizers``; every rank must call it
@@ -411,6 +414,7 @@ class AvgPipeStrategy(ProcessStrategy):
             "num_pipelines": num_pipelines,
             "advance_forwards": advance_forwards,
             "averaging": averaging,
+            "schedule": schedule,
         }
         old, control = self.config, self._controller
         groups = self.num_groups if control is not None else None

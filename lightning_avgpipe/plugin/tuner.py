@@ -23,6 +23,7 @@ from lightning_avgpipe.plugin.precision import PipelineMixedPrecision
 from lightning_avgpipe.plugin.profiling import tune
 from lightning_avgpipe.plugin.resume import resuming_from
 from lightning_avgpipe.plugin.retune import Retuner, check_retunable
+from lightning_avgpipe.schedules.generate import reads_k
 from lightning_avgpipe.tuning.model import PipelineProfile
 from lightning_avgpipe.tuning.retune import check_lr_scaling, check_retune
 from lightning_avgpipe.tuning.search import (
@@ -49,6 +50,10 @@ class AvgPipeTuner(Callback):
         output_dir: folder for ``tuning.json`` (the table, the profile and the choice) and ``tuning.png`` (the
             heat map); ``None``: ``<trainer.default_root_dir>/tuning``.
         apply: set the chosen (M, N) (and k for ``schedule="advance"``) on the strategy; ``False`` only reports.
+            With one stage per rank the search also weighs the backward split on or off (``"1f1b"`` against
+            ``"zbh1"``, ``"advance"`` against ``"zbadvance"``) and applies the faster; a schedule that would cut the
+            model anew (``"zbv"``, ``"interleaved"``) is predicted in ``tuning.json`` and named in the log where it
+            would win.
         calibrate_steps: with ``apply``, time this many training iterations of the chosen setting (after one
             warm-up iteration) and scale every predicted time in the table by measured / predicted (the model's
             own numbers stay in the JSON as ``raw_rows``; the choice does not change); 0 turns it off. With
@@ -185,12 +190,13 @@ class AvgPipeTuner(Callback):
         choice = table.choice
         assert choice is not None
         if self.apply:
-            k = choice.advance_forwards if strategy.config.schedule == "advance" else None
+            k = choice.advance_forwards if reads_k(choice.schedule) else None
             strategy.reconfigure(
                 num_microbatches=choice.num_microbatches,
                 num_pipelines=choice.num_pipelines,
                 advance_forwards=k,
                 averaging=choice.averaging if choice.num_pipelines * strategy.num_groups > 1 else None,
+                schedule=choice.schedule if choice.schedule != strategy.config.schedule else None,
             )
             if table.notes.get("activation_checkpointing"):  # "auto", and nothing fitted without it
                 strategy.controller.set_recompute([True] * len(strategy.pipeline.layers))
@@ -207,10 +213,10 @@ class AvgPipeTuner(Callback):
             where = " and ".join(str(p) for p in self.files.values())
             rank_zero_info(
                 f"AvgPipeTuner ({self.seconds:.1f} s): predicted iteration time and peak memory per setting\n"
-                f"{table.format()}\nchosen: num_microbatches={choice.num_microbatches}, num_pipelines="
-                f"{choice.num_pipelines}"
+                f"{table.format()}\nchosen: schedule='{choice.schedule}', num_microbatches="
+                f"{choice.num_microbatches}, num_pipelines={choice.num_pipelines}"
                 + (f", averaging='{choice.averaging}'" if choice.num_pipelines * strategy.num_groups > 1 else "")
-                + (f", advance_forwards={choice.advance_forwards}" if strategy.config.schedule == "advance" else "")
+                + (f", advance_forwards={choice.advance_forwards}" if reads_k(choice.schedule) else "")
                 + f", {choice.samples_per_sec:.1f} samples/s predicted"
                 + (
                     f", efficiency {choice.efficiency:.3f}, goodput {choice.goodput:.1f}"

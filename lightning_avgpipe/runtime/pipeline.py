@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_avgpipe import microbatch
-from lightning_avgpipe.config import PipelineConfig
+from lightning_avgpipe.config import PipelineConfig, check_same_placement
 from lightning_avgpipe.elastic import ElasticAveraging, average_gradients
 from lightning_avgpipe.errors import check_finite
 from lightning_avgpipe.optim import ElasticOptimizer, clone_optimizer
@@ -249,9 +249,15 @@ class StagePipeline:
         optimizers with :meth:`optimizer`). Exact averaging under another N trains the same one model: nothing is
         made anew, and the optimizer and its state carry on."""
         old, k = self.config, self._k
+        check_same_placement(old, config)
         self._start(config)
         if config.advance_forwards == old.advance_forwards:
             self._k = k  # where an "auto" search stands carries on
+        if self.splits_backward and self.executor.weight_grads is None:  # now splitting: layers queue their W
+            self._defer_weight_grads()
+        elif not self.splits_backward and self.executor.weight_grads is not None:  # no longer: their own forward
+            self.executor.weight_grads.remove()
+            self.executor.weight_grads = None
         if config.num_pipelines == old.num_pipelines and config.averaging == old.averaging:
             return False
         if self.one_model(old) and self.one_model(config):  # exact under another N: the same one model and optimizer
@@ -259,6 +265,21 @@ class StagePipeline:
         self.elastic.wait()
         self._make_replicas()
         return True
+
+    @contextlib.contextmanager
+    def deferring_weight_grads(self) -> Iterator[None]:
+        """Within it, this stage's layers queue their weight gradients for ``W`` even under a schedule that does not
+        split the backward: a variant that splits it (the tuner profiling ``zbh1``) then times I and W apart."""
+        if self.executor.weight_grads is not None:
+            yield
+            return
+        queue = WeightGradQueue([*self.layers, *(m for replica in self.elastic.replicas for m in replica)])
+        self.executor.weight_grads = queue
+        try:
+            yield
+        finally:
+            queue.remove()
+            self.executor.weight_grads = None
 
     def alone(self, config: PipelineConfig) -> StagePipeline:
         """This stage running replica 0 alone under ``config`` (N = 1, sequential): the same layers, executor and

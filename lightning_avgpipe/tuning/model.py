@@ -120,6 +120,7 @@ class PipelineProfile:
     unit_overhead_s: float = 0.0  # per unit on the critical path, outside the measured compute (posting, copies)
     batch_fetch_s: float = 0.0  # drawing one batch from the DataLoader (an iteration draws N)
     schedule: str = "1f1b"
+    stages_per_rank: int = 1  # v of the profiled schedule (its costs are per rank: v chunks together)
     reference_allreduce_s: float = 0.0  # D > 1: one all-reduce of a stage's reference update over the D groups
     sync_reference: bool = False  # that all-reduce waited for (True) or overlapped with the next step's pipeline
     accumulate: int = 1  # K = accumulate_grad_batches: one optimizer step and elastic update every K iterations
@@ -241,6 +242,8 @@ def predict(
     b = profile.batch_size / M
     latency = profile.latency_s if latency_s is None else latency_s
     bw = profile.bandwidth if bandwidth is None else bandwidth
+    if stages_per_rank is None and schedule == profile.schedule and profile.stages_per_rank > 1:
+        stages_per_rank = profile.stages_per_rank
     v = check_stages_per_rank(schedule, stages_per_rank)
     fwd = [st.forward(b) / v for st in profile.stages]
     bwd = [st.backward(b) / v for st in profile.stages]

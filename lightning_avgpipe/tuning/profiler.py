@@ -53,6 +53,23 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def split_times(steps: Sequence[Sequence[Span]]) -> tuple[float, float]:
+    """Mean time one unit's input gradient (``I``) and weight gradient (``W``) hold the stage, as :func:`unit_times`
+    counts them (a send after ``I`` is charged to it); ``(0, 0)`` where the steps split no backward."""
+    grads: dict[str, list[float]] = {"I": [], "W": []}
+    for spans in steps:
+        last: list[float] | None = None
+        for s in spans:
+            if s.kind in grads:
+                grads[s.kind].append(s.end - s.start)
+                last = grads[s.kind]
+            elif s.kind == "F":
+                last = None
+            elif s.kind == "send" and last is not None:
+                last[-1] += s.end - s.start
+    return (statistics.fmean(grads["I"]) if grads["I"] else 0.0, statistics.fmean(grads["W"]) if grads["W"] else 0.0)
+
+
 def unit_times(steps: Sequence[Sequence[Span]]) -> tuple[float, float]:
     """Mean time one unit's forward and backward hold the stage, over ``steps`` (a stage's spans per step).
 

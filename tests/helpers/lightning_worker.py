@@ -200,6 +200,7 @@ def main(cfg: dict[str, Any]) -> None:
     if isinstance(strategy, AvgPipeStrategy):
         result["setting"] = [strategy.num_microbatches, strategy.num_pipelines]
         result["averaging"] = strategy.config.averaging
+        result["schedule"] = strategy.config.schedule
         top = strategy.topology
         result["environment"] = type(strategy.cluster_environment).__name__
         result["optimizer"] = type(strategy.optimizers[0]).__name__
