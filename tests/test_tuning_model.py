@@ -661,3 +661,49 @@ def test_a_sharded_reference_peaks_at_its_update_when_the_activations_are_small(
     assert predict(sharded, 2, 2).peak_bytes[0] == pytest.approx(2 * (3 * w + o) + w / 2 + w)
     # exact averaging (ZeRO-1): half the optimizer state, no update transient
     assert predict(sharded, 2, 2, averaging="exact").peak_bytes[0] == pytest.approx(2 * w + o / 2 + stash)
+
+
+def _split_profile(num_stages: int = 2) -> PipelineProfile:
+    """Stages whose backward splits into I and W of equal cost (a forward 1 ms, I + W 2 ms), free links."""
+    prof = profile(num_stages, latency_s=0.0, bandwidth=math.inf)
+    for st in prof.stages:
+        st.forward_s = {b: 1e-3 * b for b in (1.0, 2.0, 4.0, 8.0)}
+        st.backward_s = {b: 2e-3 * b for b in st.forward_s}
+        st.input_grad_s = {b: 1e-3 * b for b in st.forward_s}
+        st.weight_grad_s = {b: 1e-3 * b for b in st.forward_s}
+    return prof
+
+
+def test_every_schedule_is_predicted_from_one_profile() -> None:
+    """The split schedules run on I and W; the chunked ones on v chunks of the rank's cost: at S = 2, M = 4 the
+    simulated bubbles order as the schedules promise, ZB-V at 1F1B's memory."""
+    prof = _split_profile()
+    rows = {name: predict(prof, 4, 1, name) for name in ("1f1b", "zbh1", "interleaved", "zbv")}
+    assert rows["zbv"].stages_per_rank == rows["interleaved"].stages_per_rank == 2
+    bubble = {name: r.bubble_fraction for name, r in rows.items()}
+    assert bubble["zbv"] < bubble["zbh1"] < bubble["1f1b"] and bubble["interleaved"] < bubble["1f1b"]
+    assert rows["zbv"].step_time < rows["zbh1"].step_time < rows["1f1b"].step_time
+    assert max(rows["zbv"].peak_bytes) <= max(rows["1f1b"].peak_bytes) * 1.000001
+    with pytest.raises(ValueError, match="did not time"):
+        predict(profile(2), 4, 1, "zbh1")  # no I and W: the split cannot be predicted
+
+
+def test_the_search_weighs_schedules_and_says_why() -> None:
+    table = search(_split_profile(), [4], [1], schedules=["1f1b", "zbh1"])
+    assert table.choice is not None and table.choice.schedule == "zbh1"
+    assert "Schedule 'zbh1'" in table.notes["reason"] and "x '1f1b'" in table.notes["reason"]
+    assert table.format().split()[0] == "schedule"  # a column where the rows' schedules differ
+
+
+def test_whatif_projects_every_schedule(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``whatif --schedules all`` at S = 4, M = 8: every schedule's bubble and peak per rank, from a 2-stage profile."""
+    path = search(_split_profile(), [4], [1]).write_json(tmp_path / "tuning.json")
+    argv = ["whatif", "--profile", str(path), "--stages", "4", "--num-pipelines", "1", "--num-microbatches", "8"]
+    assert main([*argv, "--schedules", "all"]) == 0
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[2:9]}
+    assert set(rows) == {"afab", "1f1b", "advance", "zbh1", "zbadvance", "interleaved", "zbv"}
+    bubble = {name: float(cells[9].rstrip("%")) for name, cells in rows.items()}
+    assert bubble["zbv"] < bubble["zbh1"] < bubble["1f1b"]
+    with pytest.raises(SystemExit):
+        main([*argv, "--schedules", "zigzag"])
+    assert "--schedules zigzag" in capsys.readouterr().err

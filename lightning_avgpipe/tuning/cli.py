@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from lightning_avgpipe.schedules import SCHEDULES
+from lightning_avgpipe.schedules.generate import reads_k, splits_backward
 from lightning_avgpipe.tuning.model import PipelineProfile
 from lightning_avgpipe.tuning.search import NoFeasibleSettingError, search
 from lightning_avgpipe.tuning.whatif import TensorParallel, project
@@ -105,6 +106,14 @@ def _parser() -> argparse.ArgumentParser:
         help="schedule to predict (default: the profiled one)",
     )
     p.add_argument(
+        "--schedules",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="weigh several schedules side by side (bubble and peak per rank of each); 'all': every schedule the "
+        "profile can predict (the split ones where it timed I and W)",
+    )
+    p.add_argument(
         "--advance-forwards",
         default="auto",
         metavar="K|auto",
@@ -133,6 +142,24 @@ def _load_profile(p: argparse.ArgumentParser, value: str) -> PipelineProfile:
         return PipelineProfile.from_dict(data["profile"])
     except (KeyError, TypeError, ValueError) as e:
         p.error(f"--profile {value}: its 'profile' is malformed ({e!r}); re-run the tuner to write a fresh one.")
+
+
+def _schedules(p: argparse.ArgumentParser, names: list[str] | None, profile: PipelineProfile) -> list[str] | None:
+    """``--schedules``: the names, checked; ``all``: every schedule ``profile`` can predict."""
+    if names is None:
+        return None
+    split = all(st.split_profiled for st in profile.stages)
+    if names == ["all"]:
+        return [n for n in SCHEDULES if split or not splits_backward(n)]
+    unknown = [n for n in names if n not in SCHEDULES]
+    if unknown:
+        p.error(f"--schedules {' '.join(names)}: {unknown} not among {list(SCHEDULES)} (or 'all')")
+    if not split and any(splits_backward(n) for n in names):
+        p.error(
+            f"--schedules {' '.join(names)}: this profile did not time the split backward (input_grad_s, "
+            "weight_grad_s); profile with AvgPipeTuner, or leave out zbh1, zbadvance and zbv"
+        )
+    return names
 
 
 def whatif_command(argv: list[str]) -> int:
@@ -189,9 +216,16 @@ def whatif_command(argv: list[str]) -> int:
     if pipelines is not None and len(pipelines) == 1:
         pipelines = pipelines[0]
     limit = None if args.memory_limit_mb is None else args.memory_limit_mb * 2**20
+    schedules = _schedules(p, args.schedules, projected)
     try:
         table = search(
-            projected, args.num_microbatches, pipelines, memory_limit=limit, schedule=args.schedule, advance_forwards=k
+            projected,
+            args.num_microbatches,
+            pipelines,
+            memory_limit=limit,
+            schedule=args.schedule,
+            advance_forwards=k,
+            schedules=schedules,
         )
     except NoFeasibleSettingError as e:
         print(f"whatif: {e}", file=sys.stderr)
@@ -217,7 +251,8 @@ def whatif_command(argv: list[str]) -> int:
     assert c is not None
     print(
         f"choice: num_microbatches={c.num_microbatches} num_pipelines={c.num_pipelines}"
-        + (f" advance_forwards={c.advance_forwards}" if table.schedule == "advance" else "")
+        + (f" schedule={c.schedule}" if schedules else "")
+        + (f" advance_forwards={c.advance_forwards}" if reads_k(c.schedule) else "")
         + f": {c.samples_per_sec:.1f} samples/s, {c.step_time * 1e3:.2f} ms/iteration, "
         f"peak {max(c.peak_bytes) / 2**20:.1f} MiB"
     )

@@ -105,6 +105,8 @@ def project(
     * Activation checkpointing of every layer (``checkpointed_layers``: the model's layer count): a unit keeps each
       layer's input, taken as one boundary-sized activation per layer (L / S' per stage), instead of what the
       layers save, and the backward runs the forward again (backward + forward time).
+    * The split backward's input and weight gradients (where profiled) pool and shrink as the backward does; the
+      recomputed forward of checkpointing runs in I, and T's all-reduces there.
     * Everything else (batch size B per pipeline, schedule, the per-iteration and per-unit overheads, the data
       fetch, ``sync_reference`` and the accumulation) is kept as measured.
 
@@ -137,6 +139,9 @@ def project(
         optimizer_step_s=sum(st.optimizer_step_s for st in old) * share,
         elastic_s=sum(st.elastic_s for st in old) * share,
     )
+    if all(st.split_profiled for st in old):  # the split backward's I and W, pooled as the backward is
+        stage.input_grad_s = _pooled([st.input_grad_s for st in old], share)
+        stage.weight_grad_s = _pooled([st.weight_grad_s for st in old], share)
     latency = profile.latency_s if latency_s is None else float(latency_s)
     bw = profile.bandwidth if bandwidth is None else float(bandwidth)
     tp = tensor or TensorParallel()
@@ -150,6 +155,8 @@ def project(
 
         stage.forward_s = {b: tp.shrink(v) + comm(b) for b, v in stage.forward_s.items()}
         stage.backward_s = {b: tp.shrink(v) + comm(b) for b, v in stage.backward_s.items()}
+        stage.input_grad_s = {b: tp.shrink(v) + comm(b) for b, v in stage.input_grad_s.items()}  # I all-reduces
+        stage.weight_grad_s = {b: tp.shrink(v) for b, v in stage.weight_grad_s.items()}
         stage.activation_bytes = {b: tp.shrink(v) for b, v in stage.activation_bytes.items()}
         stage.param_bytes = tp.shrink(stage.param_bytes)
         stage.optimizer_state_bytes = tp.shrink(stage.optimizer_state_bytes)
@@ -161,6 +168,7 @@ def project(
         per_stage = checkpointed_layers / S_new
         stage.activation_bytes = {b: per_stage * interpolate(sent, b) for b in stage.activation_bytes} if sent else {}
         stage.backward_s = {b: v + interpolate(stage.forward_s, b) for b, v in stage.backward_s.items()}
+        stage.input_grad_s = {b: v + interpolate(stage.forward_s, b) for b, v in stage.input_grad_s.items()}
     reduce = allreduce_seconds(stage.param_bytes, num_groups, latency, bw)
     return PipelineProfile(
         stages=[
@@ -173,6 +181,8 @@ def project(
                 optimizer_state_bytes=stage.optimizer_state_bytes,
                 optimizer_step_s=stage.optimizer_step_s,
                 elastic_s=stage.elastic_s,
+                input_grad_s=dict(stage.input_grad_s),
+                weight_grad_s=dict(stage.weight_grad_s),
             )
             for _ in range(S_new)
         ],
