@@ -202,7 +202,7 @@ def _pipeline(
         schedule=schedule,
         num_pipelines=n,
         sync_reference=True,
-        partition=list(args.partition),
+        partition=list(args.partition) if chunks is None else "balanced",  # chunks: this rank's counts, passed below
     )
     return StagePipeline(own, Topology(rank, WORLD, WORLD), cfg, chunks=chunks)
 
