@@ -12,6 +12,9 @@ partition and AdamW doing real optimizer steps, with:
 - ``ours-zbh1``   the same runtime running ``build_plan("zbh1", ...)``: the backward split, weight gradients deferred
 - ``torch-1f1b``  ``torch.distributed.pipelining.Schedule1F1B`` over a hand-built ``PipelineStage`` per rank
 - ``torch-gpipe`` ``torch.distributed.pipelining.ScheduleGPipe`` over the same stages
+- ``torch-interleaved``, ``torch-interleaved-zb``, ``torch-zbv``: torch's ``ScheduleInterleaved1F1B``,
+                  ``ScheduleInterleavedZeroBubble`` (loop) and ``ScheduleZBVZeroBubble`` (V), two stages per rank, over
+                  the cut ``ours-interleaved`` and ``ours-zbv`` run
 - ``single``      the whole model in one process (rank 0, 1 thread) with gradient accumulation over the same
                   micro-batches; the other rank idles meanwhile
 - ``avgpipe-N``   AvgPipe with N parallel pipelines (``--pipelines``, default 1,2,4): the same executor running
@@ -78,7 +81,19 @@ from benchmarks.harness import run_distributed  # noqa: E402
 from examples.gpt_args import add_model_args, add_partition_arg, check_model_args, model_sizes, partition_of  # noqa: E402
 
 WORLD = 2
-ROWS = ("ours-1f1b", "ours-afab", "ours-zbh1", "ours-zbv", "torch-1f1b", "torch-gpipe", "single")
+ROWS = (
+    "ours-1f1b",
+    "ours-afab",
+    "ours-zbh1",
+    "ours-interleaved",
+    "ours-zbv",
+    "torch-1f1b",
+    "torch-gpipe",
+    "torch-interleaved",
+    "torch-interleaved-zb",
+    "torch-zbv",
+    "single",
+)
 LABELS = {
     "ours-1f1b": "lightning_avgpipe 1F1B (StagePipeline)",
     "ours-afab": "lightning_avgpipe AFAB (StagePipeline)",
@@ -86,6 +101,10 @@ LABELS = {
     "ours-zbv": "lightning_avgpipe ZB-V (StagePipeline, 2 chunks per rank in a V, weight gradients deferred)",
     "torch-1f1b": "torch.distributed.pipelining Schedule1F1B",
     "torch-gpipe": "torch.distributed.pipelining ScheduleGPipe",
+    "ours-interleaved": "lightning_avgpipe interleaved 1F1B (StagePipeline, 2 chunks per rank in a loop)",
+    "torch-interleaved": "torch.distributed.pipelining ScheduleInterleaved1F1B (2 stages per rank, loop)",
+    "torch-interleaved-zb": "torch.distributed.pipelining ScheduleInterleavedZeroBubble (2 stages per rank, loop)",
+    "torch-zbv": "torch.distributed.pipelining ScheduleZBVZeroBubble (2 stages per rank, V)",
     "single": "single process, grad accumulation",
 }
 AVG_PREFIX = "avgpipe-N"
@@ -207,10 +226,11 @@ def _pipeline(
     return StagePipeline(own, Topology(rank, WORLD, WORLD), cfg, chunks=chunks)
 
 
-def v_chunks(base: list[nn.Module], rank: int) -> tuple[list[nn.Module], list[int]]:
-    """ZB-V's cut of the model: 2 x WORLD stages, rank r running stages r and 2 WORLD - 1 - r, cut so that the
-    ranks' parameter counts are as even as can be (a V is not a contiguous split: rank 0 holds both ends); returns
-    this rank's layers (its stages' in order) and their counts."""
+def v_chunks(base: list[nn.Module], rank: int, placement: str = "v") -> tuple[list[nn.Module], list[int]]:
+    """A cut of the model into 2 x WORLD stages placed ``placement`` (``"v"``: rank r runs stages r and 2 WORLD - 1 - r,
+    ZB-V's; ``"loop"``: r and WORLD + r, interleaved 1F1B's), cut so that the ranks' parameter counts are as even as
+    can be; returns this rank's layers (its stages' in order) and their counts. Ours and torch's chunked rows share
+    it."""
     import itertools
 
     from lightning_avgpipe.schedules.chunks import rank_of, stages_of
@@ -222,14 +242,14 @@ def v_chunks(base: list[nn.Module], rank: int) -> tuple[list[nn.Module], list[in
         per_stage = [float(sum(weights[bounds[j] : bounds[j + 1]])) for j in range(2 * WORLD)]
         per_rank = [0.0] * WORLD
         for j, w in enumerate(per_stage):
-            per_rank[rank_of(j, WORLD, "v")] += w
+            per_rank[rank_of(j, WORLD, placement)] += w
         score = (max(per_rank), max(per_stage), [bounds[j + 1] - bounds[j] for j in range(2 * WORLD)])
         if best is None or score[:2] < best[:2]:
             best = score
     assert best is not None
     sizes = best[2]
     bounds = [sum(sizes[:j]) for j in range(len(sizes) + 1)]
-    mine = stages_of(rank, WORLD, 2, "v")
+    mine = stages_of(rank, WORLD, 2, placement)
     return [layer for j in mine for layer in base[bounds[j] : bounds[j + 1]]], [sizes[j] for j in mine]
 
 
@@ -267,6 +287,55 @@ class TorchRow(Row):
             self.schedule.step(target=y, losses=self._losses, return_outputs=False)
         else:  # pragma: no cover - WORLD == 2
             self.schedule.step(return_outputs=False)
+        self.opt.step()
+
+    def loss(self) -> float | None:
+        return float(torch.stack([v.detach() for v in self._losses]).mean()) if self._losses else None
+
+
+class TorchChunkRow(Row):
+    """torch.distributed.pipelining's schedules with two stages per rank: ``ScheduleInterleaved1F1B`` and
+    ``ScheduleInterleavedZeroBubble`` (loop placement), ``ScheduleZBVZeroBubble`` (V placement), over the same cut
+    as our chunked rows (:func:`v_chunks`)."""
+
+    def __init__(
+        self,
+        schedule: str,
+        own: list[nn.Module],
+        sizes: list[int],
+        rank: int,
+        args: argparse.Namespace,
+        batches: list[tuple[Tensor, Tensor]],
+    ) -> None:
+        from torch.distributed import pipelining as pp
+
+        from lightning_avgpipe.schedules.chunks import stages_of
+
+        placement = "v" if schedule == "zbv" else "loop"
+        cls = {
+            "interleaved": pp.ScheduleInterleaved1F1B,
+            "interleaved-zb": pp.ScheduleInterleavedZeroBubble,
+            "zbv": pp.ScheduleZBVZeroBubble,
+        }[schedule]
+        self.batches, self.rank = batches, rank
+        self.mine = stages_of(rank, WORLD, 2, placement)
+        bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+        self.modules = [nn.Sequential(*own[bounds[i] : bounds[i + 1]]) for i in range(len(sizes))]
+        self.opt = _adamw([p for m in self.modules for p in m.parameters()], args)
+        device = torch.device("cpu")
+        stages = [pp.PipelineStage(m, j, 2 * WORLD, device) for m, j in zip(self.modules, self.mine)]
+        self.schedule = cls(stages, n_microbatches=args.microbatches, loss_fn=_ce, scale_grads=True)
+        self._losses: list[Tensor] = []
+
+    def step(self, i: int) -> None:
+        x, y = self.batches[i]
+        self.opt.zero_grad(set_to_none=True)
+        first, last = 0 in self.mine, 2 * WORLD - 1 in self.mine
+        self._losses = []
+        kwargs: dict[str, Any] = {"return_outputs": False}
+        if last:
+            kwargs.update(target=y, losses=self._losses)
+        self.schedule.step(*([x] if first else []), **kwargs)
         self.opt.step()
 
     def loss(self) -> float | None:
@@ -532,14 +601,22 @@ def rank_main(rank: int, args: argparse.Namespace, data: Tensor, vocab_size: int
     def own_copy() -> list[nn.Module]:
         return copy.deepcopy(base)[start : start + count]
 
-    zbv_own, zbv_chunks = v_chunks(copy.deepcopy(base), rank)
+    def chunked(placement: str) -> tuple[list[nn.Module], list[int]]:
+        return v_chunks(copy.deepcopy(base), rank, placement)
+
+    v_own, v_sizes = chunked("v")
+    loop_own, loop_sizes = chunked("loop")
     rows: dict[str, Row] = {
         "ours-1f1b": PipeRow("1f1b", 1, own_copy(), rank, args, batches),
         "ours-afab": PipeRow("afab", 1, own_copy(), rank, args, batches),
         "ours-zbh1": PipeRow("zbh1", 1, own_copy(), rank, args, batches),
-        "ours-zbv": PipeRow("zbv", 1, zbv_own, rank, args, batches, zbv_chunks),
+        "ours-zbv": PipeRow("zbv", 1, v_own, rank, args, batches, v_sizes),
+        "ours-interleaved": PipeRow("interleaved", 1, loop_own, rank, args, batches, loop_sizes),
         "torch-1f1b": TorchRow("1f1b", own_copy(), rank, args, batches),
         "torch-gpipe": TorchRow("gpipe", own_copy(), rank, args, batches),
+        "torch-interleaved": TorchChunkRow("interleaved", *chunked("loop"), rank, args, batches),
+        "torch-interleaved-zb": TorchChunkRow("interleaved-zb", *chunked("loop"), rank, args, batches),
+        "torch-zbv": TorchChunkRow("zbv", *chunked("v"), rank, args, batches),
         "single": SingleRow(copy.deepcopy(base), rank, args, batches),
     }
     for n in args.pipelines:
@@ -703,7 +780,7 @@ def summarise(args: argparse.Namespace, per_rank: list[dict[str, Any]], vocab_si
         return avg_ideal[name]["per_round"] if name in avg_ideal else ideal_per_round
 
     def loss_of(name: str, i: int) -> float:
-        owner = 0 if name in ("single", "ours-zbv") else WORLD - 1  # the rank holding the loss
+        owner = 0 if name in ("single", "ours-zbv", "torch-zbv") else WORLD - 1  # the rank holding the loss (V: 0)
         value = per_rank[owner]["losses"][name][i]
         assert value is not None, f"{name} has no loss on rank {owner}"
         return float(value)
@@ -857,7 +934,7 @@ def format_table(summary: dict[str, Any]) -> str:
         f"{c['world_size']} gloo ranks x 1 thread, partition {c['partition']} | AdamW | "
         f"{c['steps']} timed steps after {c['warmup']} warm-up, interleaved | torch {c['torch']}",
         "",
-        f"{'row':<12} {'samples':>7} {'step ms':>8} {'(min-max)':>11} {'samples/s':>10} {'vs torch 1F1B':>14} "
+        f"{'row':<20} {'samples':>7} {'step ms':>8} {'(min-max)':>11} {'samples/s':>10} {'vs torch 1F1B':>14} "
         f"{'(paired)':>9} {'vs single':>10} {'pipe eff':>9} {'(paired)':>9}",
     ]
 
@@ -867,7 +944,7 @@ def format_table(summary: dict[str, Any]) -> str:
     for r in summary["rows"]:
         spread = f"({r['step_s_min'] * 1e3:.0f}-{r['step_s_max'] * 1e3:.0f})"
         lines.append(
-            f"{r['name']:<12} {r['samples_per_step']:7d} {r['step_s_median'] * 1e3:8.1f} {spread:>11} "
+            f"{r['name']:<20} {r['samples_per_step']:7d} {r['step_s_median'] * 1e3:8.1f} {spread:>11} "
             f"{r['samples_per_s']:10.1f} "
             f"{r['ratio_to_torch_1f1b']:13.3f}x {r['paired_ratio_to_torch_1f1b']:8.3f}x "
             f"{r['speedup_vs_single']:9.3f}x {fmt(r['pipeline_efficiency']):>9} "
