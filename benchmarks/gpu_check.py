@@ -4,7 +4,8 @@
     python benchmarks/gpu_check.py --json runs/gpu_check.json
 
 It prints torch's and CUDA's versions, the device, whether bf16 is supported and NCCL is available, then runs
-``pytest -m gpu`` with a hard timeout. Without CUDA it says so and exits 2: nothing is claimed about GPUs that was
+``pytest -m gpu`` with a hard timeout (among them ``zbh1``, ``interleaved`` and ``zbv`` against 1F1B on CUDA, fp32 and
+bf16). Without CUDA it says so and exits 2: nothing is claimed about GPUs that was
 not run on one.
 """
 

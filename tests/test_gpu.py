@@ -1,5 +1,6 @@
 """On a CUDA device (marked ``gpu``; skipped without one): the strategy on one GPU against plain Lightning on it,
-bf16 and 16-mixed, CUDA memory statistics, activation checkpointing's effect on CUDA memory, and an NCCL group.
+bf16 and 16-mixed, CUDA memory statistics, activation checkpointing's effect on CUDA memory, an NCCL group, and the
+new schedules (the backward split, two stages on one rank) against 1F1B on CUDA.
 
 Run them with ``python benchmarks/gpu_check.py`` (or ``pytest -m gpu``) on a machine with a GPU. A one-GPU
 machine cannot run a multi-rank NCCL pipeline (NCCL needs one device per rank), so the multi-rank paths stay tested
@@ -8,6 +9,7 @@ on gloo only.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 from pathlib import Path
@@ -129,3 +131,43 @@ def test_an_nccl_group_reduces_on_the_gpu() -> None:
         assert t.tolist() == [1.0] * 4
     finally:
         dist.destroy_process_group()
+
+
+def _one_rank_schedules(device: torch.device, dtype: torch.dtype | None) -> dict[str, list[torch.Tensor]]:
+    """Two SGD steps of 8 MLP blocks on one rank under each schedule (S = 1; the chunked ones as 2 stages on it);
+    ``dtype``: autocast's (the deferred weight gradients then use its casts)."""
+    from lightning_avgpipe.config import PipelineConfig
+    from lightning_avgpipe.runtime.pipeline import StagePipeline
+    from lightning_avgpipe.runtime.topology import Topology
+
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256)) for _ in range(8)]
+    batches = [(torch.randn(64, 256, device=device), torch.randn(64, 256, device=device)) for _ in range(2)]
+    out = {}
+    for schedule in ("1f1b", "zbh1", "interleaved", "zbv"):
+        chunked = schedule in ("interleaved", "zbv")
+        cfg = PipelineConfig(num_microbatches=4, schedule=schedule, stages_per_rank=2 if chunked else None)
+        layers = [copy.deepcopy(b).to(device) for b in blocks]
+        pipe = StagePipeline(layers, Topology(0, 1, 1), cfg, device, chunks=[4, 4] if chunked else None)
+        opt = pipe.optimizer(torch.optim.SGD(pipe.reference_params, lr=0.05))
+
+        def context() -> Any:
+            return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+        for batch in batches:
+            opt.zero_grad()
+            pipe.train_step([batch], lambda o, b, share: F.mse_loss(o.float(), b[1]), forward_context=context)
+            opt.step()
+        out[schedule] = [p.detach().clone() for p in pipe.reference_params]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_the_new_schedules_train_as_1f1b_on_a_gpu(dtype: torch.dtype | None) -> None:
+    """The backward split (deferred weight gradients on CUDA tensors, under bf16 autocast too) and two stages on one
+    rank train as 1F1B does: the same weights after two steps."""
+    weights = _one_rank_schedules(torch.device("cuda"), dtype)
+    tol = {} if dtype is None else {"rtol": 2e-2, "atol": 2e-3}
+    for schedule in ("zbh1", "interleaved", "zbv"):
+        for a, b in zip(weights[schedule], weights["1f1b"]):
+            torch.testing.assert_close(a, b, msg=lambda m, s=schedule: f"{s}: {m}", **tol)
