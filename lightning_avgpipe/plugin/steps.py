@@ -7,7 +7,7 @@ nothing of the strategy: the strategy makes one in ``setup`` and calls it from i
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -147,3 +147,32 @@ def announce_averaging(pipeline: StagePipeline) -> None:
             f"AvgPipe: {cfg.num_pipelines} parallel pipelines x {groups} groups, elastic alpha "
             f"{elastic.alpha:g}{outer}, reference update {update}{sharded}."
         )
+
+
+def announce_checkpointing(pipeline: StagePipeline, names: Sequence[str]) -> None:
+    """Say which layers each stage recomputes under ``activation_checkpointing`` (``names``: this rank's layers' names
+    in the module, in the pipeline's order). Collective over the pipeline (every rank calls it); rank 0 prints."""
+    spec = pipeline.config.activation_checkpointing
+    if not spec:
+        return
+    if spec == "auto":
+        rank_zero_info(
+            "AvgPipe: activation_checkpointing='auto': a stage checkpoints its layers once its measured peak exceeds "
+            "memory_limit (decided after the first step, and logged then)."
+        )
+        return
+    every = pipeline.gather([n for n, on in zip(names, pipeline.recompute) if on])
+    if every is None:
+        return
+    where = "rank" if pipeline.chunks.v > 1 else "stage"  # several stages per rank: by the rank that holds them
+    parts = [f"{where} {s}: {_listed(chosen)}" for s, chosen in enumerate(every)]
+    rank_zero_info(f"AvgPipe: activation checkpointing recomputes, per {where}, " + "; ".join(parts) + ".")
+
+
+def _listed(names: Sequence[str]) -> str:
+    """``a, b, c``, or ``a ... z (12 layers)`` for a long list; ``no layer`` for none."""
+    if not names:
+        return "no layer"
+    if len(names) <= 4:
+        return ", ".join(names)
+    return f"{names[0]} ... {names[-1]} ({len(names)} layers)"

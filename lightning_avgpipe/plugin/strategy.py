@@ -49,7 +49,7 @@ from lightning_avgpipe.plugin.split import (
     shared_across_stages,
     split_module,
 )
-from lightning_avgpipe.plugin.steps import PipelineSteps, announce_averaging
+from lightning_avgpipe.plugin.steps import PipelineSteps, announce_averaging, announce_checkpointing
 from lightning_avgpipe.runtime.controller import StepController, memory_limit_bytes
 from lightning_avgpipe.runtime.pipeline import StagePipeline
 from lightning_avgpipe.runtime.recompute import check_matches
@@ -385,6 +385,7 @@ class AvgPipeStrategy(ProcessStrategy):
         self._param_names = {id(p): n for n, p in self._lightning().named_parameters()}
         self._steps = PipelineSteps(self._lightning(), self._controller, self.bridge, self._param_names)
         announce_averaging(pipeline)
+        announce_checkpointing(pipeline, list(self._split.names()))
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
