@@ -707,3 +707,20 @@ def test_whatif_projects_every_schedule(tmp_path: Path, capsys: pytest.CaptureFi
     with pytest.raises(SystemExit):
         main([*argv, "--schedules", "zigzag"])
     assert "--schedules zigzag" in capsys.readouterr().err
+
+
+def test_goodput_without_a_noise_estimate_keeps_the_users_batch() -> None:
+    """No noise scale: every batch would count as equally efficient and the largest N would win on samples/s; the
+    search keeps the user's N instead and says why. With an estimate, N is free again."""
+    prof = _split_profile()
+    prof.noise_scale = None
+    table = search(prof, [4], [1, 2, 4], objective="goodput", averaging=["exact"])
+    faster = max(table.rows, key=lambda r: r.samples_per_sec)
+    assert faster.num_pipelines > 1  # what counting every batch as equally efficient would have chosen
+    assert table.choice is not None and table.choice.num_pipelines == 1 and table.notes["kept_pipelines"] == 1
+    assert "your own batch, kept" in table.notes["reason"]
+    kept = search(prof, [4], [1, 2, 4], objective="goodput", averaging=["exact"], keep_pipelines=2)
+    assert kept.choice is not None and kept.choice.num_pipelines == 2
+    prof.noise_scale = 1e9  # measured, and huge: a larger batch is as efficient, so the faster N wins
+    table = search(prof, [4], [1, 2, 4], objective="goodput", averaging=["exact"])
+    assert table.choice is not None and table.choice.num_pipelines > 1 and "kept_pipelines" not in table.notes

@@ -145,6 +145,7 @@ def tune(
         "averaging": averaging,
         "schedules": candidate_schedules(strategy.config.schedule, profile),
         "stages_per_rank": strategy.config.stages_per_rank,
+        "keep_pipelines": strategy.config.num_pipelines,
     }
     try:
         table = search(profile, *args, **options)

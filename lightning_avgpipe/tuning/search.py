@@ -94,6 +94,14 @@ class TuningTable:
         """Set :attr:`choice` to the feasible row with the most :meth:`value` and its reason; ties (within 0.5%) go to
         fewer pipelines, then one model ("exact") over replicas, then fewer micro-batches."""
         feasible = [r for r in self.rows if r.feasible]
+        if self.objective == "goodput" and self.profile is not None and self.profile.noise_scale is None:
+            # no noise-scale estimate: every batch would count as equally efficient, and the largest N would win on
+            # samples/s alone; the least safe guess, so the user's own batch (their N) is kept instead
+            keep = int(self.notes.get("keep_pipelines", 1))
+            kept = [r for r in feasible if r.num_pipelines == keep]
+            if kept:
+                feasible = kept
+                self.notes["kept_pipelines"] = keep
         top = max(self.value(r) for r in feasible)
         near = [r for r in feasible if self.value(r) >= top * 0.995]
         self.choice = min(
@@ -182,8 +190,12 @@ def search(
     averaging: Sequence[str] = ("elastic",),
     schedules: Sequence[str] | None = None,
     stages_per_rank: int | None = None,
+    keep_pipelines: int = 1,
 ) -> TuningTable:
     """Predict every candidate (schedule, M, N, averaging) and choose the best that fits ``memory_limit`` (bytes).
+
+    ``keep_pipelines``: the N of the user's own batch, which ``"goodput"`` keeps when the profile has no noise-scale
+    estimate (it would otherwise count every batch as equally efficient and take the largest N).
 
     ``schedules``: the schedules to weigh (default: ``schedule`` alone); ``stages_per_rank``: v for those that run
     several chunks per rank (``None``: their default). Ties go to ``schedule``, the one the strategy runs.
@@ -245,6 +257,7 @@ def search(
         )
     table = TuningTable(rows=rows, choice=None, memory_limit=memory_limit, schedule=schedule, profile=profile)
     table.notes["objective"] = objective
+    table.notes["keep_pipelines"] = keep_pipelines
     table.notes["search_args"] = {  # what a retune searches again with (tuning/retune.py)
         "num_microbatches": ms,
         "num_pipelines": ns if num_pipelines is not None else None,
@@ -255,6 +268,7 @@ def search(
         "advance_forwards": advance_forwards,
         "max_pipelines": max_pipelines,
         "averaging": averagings,
+        "keep_pipelines": keep_pipelines,
     }
     table.choose()
     return table
@@ -294,6 +308,12 @@ def reason(table: TuningTable) -> str:
         )
     else:
         known = "with no noise-scale estimate (one micro-batch of one pipeline has one batch size): efficiency 1"
+    if "kept_pipelines" in table.notes:
+        return (
+            f"N = {c.num_pipelines}, your own batch, kept: {known}, and without an estimate the largest N would win on "
+            "samples/s alone, which is the least safe guess. A larger N is weighed once a noise scale is measured "
+            "(retune_every_n_steps measures it in training)."
+        )
     ones = [r for r in feasible if r.num_pipelines == 1]
     more = [r for r in feasible if r.num_pipelines > 1]
     if c.num_pipelines == 1:
