@@ -108,3 +108,33 @@ def test_advance_auto_changes_plans_without_changing_the_arithmetic(tmp_path: Pa
         or results[0]["metrics"]["avgpipe/advance_forwards"] >= 1.0
     )  # it moved past k = 0 or decided, within 10 iterations
     assert_matches(tmp_path, results, 4, steps=10)
+
+
+@pytest.mark.slow
+def test_one_group_reads_the_loader_as_one_device_does(tmp_path: Path) -> None:
+    """D = 1 with Lightning's defaults (no use_distributed_sampler=False): every rank reads the shuffle=False loader
+    in its own order, so the run ends on the weights plain Lightning reaches on one device. With D = 2 Lightning's
+    DistributedSampler shards the data, as under DDP."""
+    from tests.helpers.lit import loader, quiet_trainer
+
+    results = run_lightning(tmp_path / "pipe", 2, {"num_microbatches": 1, "partition": [3, 3]}, steps=4)
+    assert [r["sampler"] for r in results] == ["SequentialSampler"] * 2
+    torch.manual_seed(0)
+    plain = PipeNet()
+    quiet_trainer(tmp_path / "plain", max_steps=4, enable_checkpointing=False).fit(plain, loader(12))
+    state = final_state(tmp_path / "pipe")
+    for key, value in plain.state_dict().items():
+        if key.startswith("layers."):
+            torch.testing.assert_close(state[key], value, msg=lambda m, k=key: f"{k}: {m}")
+    groups = run_lightning(tmp_path / "groups", 4, {"num_stages": 2, "num_microbatches": 2, "partition": [3, 3]}, 2)
+    assert [r["sampler"] for r in groups] == ["DistributedSampler"] * 4
+
+
+@pytest.mark.slow
+def test_a_shuffling_loader_gives_every_stage_the_same_batches(tmp_path: Path) -> None:
+    """DataLoader(shuffle=True) with D = 1 and the ranks' global RNGs apart: the sampler is given one seeded
+    generator on every rank (and the log says so), so both stages read the same batches, epoch after epoch."""
+    results = run_lightning(tmp_path, 2, {"num_microbatches": 2, "partition": [3, 3]}, steps=8, shuffle_default=True)
+    assert results[0]["labels"] == results[1]["labels"] and len(results[0]["labels"]) == 8
+    assert results[0]["labels"][:4] != results[0]["labels"][4:]  # two epochs, two orders
+    assert "draws from a generator seeded 0 on every rank" in results[0]["output"]

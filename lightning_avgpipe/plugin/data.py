@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.utils.data import RandomSampler, SubsetRandomSampler, WeightedRandomSampler
 
 from lightning_avgpipe.tuning.profiler import Snapshot
 
@@ -74,3 +76,20 @@ def peek(loader: Any) -> Any:
         return next(iter(loader), None)
     finally:
         snap.restore()
+
+
+def same_order_on_every_rank(loader: Any) -> int | None:
+    """Every stage of a pipeline must read the same batches (stage 0 the inputs, the last the targets). A sampler
+    that shuffles with the global RNG (``DataLoader(shuffle=True)`` without a generator) would diverge once the
+    ranks' RNGs do (dropout runs on some stages only), so it gets a generator seeded alike on every rank
+    (``PL_GLOBAL_SEED``, else 0, as Lightning's DistributedSampler). Returns that seed, or ``None`` where nothing
+    needed it."""
+    for sampler in (getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+        if (
+            isinstance(sampler, (RandomSampler, SubsetRandomSampler, WeightedRandomSampler))
+            and sampler.generator is None
+        ):
+            seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+            sampler.generator = torch.Generator().manual_seed(seed)
+            return seed
+    return None

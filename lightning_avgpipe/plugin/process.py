@@ -126,8 +126,16 @@ class ProcessStrategy(ScriptLaunchedStrategy):
 
     @property
     def is_distributed(self) -> bool:
-        # Read by Lightning's accelerator connector (hasattr): samplers and sync_dist logging need it.
-        return True
+        # Read by Lightning's accelerator connector (hasattr) when it prepares a loader: True makes it put a
+        # DistributedSampler on it, which shards (and, for training, shuffles) the data as DDP does. That is right
+        # across D > 1 pipeline groups; with one group every rank must read the user's loader as it is (a
+        # shuffle=False loader stays in order, as on one device). sync_dist logging reduces over the D ranks of a
+        # stage, nothing to do for D = 1.
+        return self.data_parallel_size() > 1
+
+    def data_parallel_size(self) -> int:
+        """D, the groups that read different data (before the processes are up: more than one, the safe guess)."""
+        return 2
 
     @property
     def process_group_backend(self) -> str | None:

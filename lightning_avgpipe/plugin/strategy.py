@@ -33,7 +33,7 @@ from lightning_avgpipe.plugin.compat import (
     _sync_ddp_if_available,
 )
 from lightning_avgpipe.plugin.contract import check_forward, pipeline_layers
-from lightning_avgpipe.plugin.data import GroupedBatches
+from lightning_avgpipe.plugin.data import GroupedBatches, same_order_on_every_rank
 from lightning_avgpipe.plugin.gradients import install_clipping
 from lightning_avgpipe.plugin.precision import PipelineMixedPrecision, for_pipeline
 from lightning_avgpipe.plugin.process import ProcessStrategy
@@ -227,6 +227,11 @@ class AvgPipeStrategy(ProcessStrategy):
     def num_groups(self) -> int:
         """D, the pipeline groups (data-parallel degree): world size / stages."""
         return self.topology.num_groups
+
+    @override
+    def data_parallel_size(self) -> int:
+        # D: one group reads the user's loader as it is; D > 1 are sharded by Lightning's DistributedSampler
+        return self._topology.num_groups if self._topology is not None else 2
 
     @property
     def controller(self) -> StepController:
@@ -442,7 +447,17 @@ class AvgPipeStrategy(ProcessStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         # Each training iteration gives every one of the N pipelines its own batch of the user's size B.
         module = self.lightning_module
-        if self.num_pipelines > 1 and module is not None and module.trainer.training:
+        training = module is not None and module.trainer.training
+        if (
+            training and self._topology is not None and self.num_groups == 1
+        ):  # no DistributedSampler: see is_distributed
+            seed = same_order_on_every_rank(dataloader)
+            if seed is not None:
+                rank_zero_info(
+                    f"AvgPipe: the training loader shuffles with the global RNG; every stage of a pipeline must read "
+                    f"the same batches, so its sampler draws from a generator seeded {seed} on every rank."
+                )
+        if self.num_pipelines > 1 and training:
             return GroupedBatches(dataloader, self.num_pipelines)
         return dataloader
 

@@ -86,11 +86,14 @@ class Recorder(pl.Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
         self.finite: list[bool] = []
+        self.labels: list[Any] | None = None
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self.losses.append(float(outputs["loss"]) * trainer.accumulate_grad_batches)
+        if self.labels is not None:  # the batches this rank read (every stage of a pipeline must read the same)
+            self.labels.append(batch[1].tolist())
         # what a callback sees of the module between steps (a sharded reference is whole again here)
         self.finite.append(all(bool(torch.isfinite(local(p.detach())).all()) for p in pl_module.parameters()))
 
@@ -172,6 +175,10 @@ def main(cfg: dict[str, Any]) -> None:
     train_loader = group_loader(cfg, bs) if cfg.get("group_data") else loader(bs)
     if cfg.get("tied"):
         train_loader = token_loader(bs)
+    if cfg.get("shuffle_default"):  # shuffle=True under Lightning's defaults, the ranks' global RNGs apart
+        torch.manual_seed(1000 + int(os.environ.get("LOCAL_RANK", "0")))
+        train_loader = DataLoader(dataset(), batch_size=bs, shuffle=True)
+        rec.labels = []
     if cfg.get("shuffle"):  # the order comes from torch's global RNG (the same seed on every rank)
         pl.seed_everything(cfg.get("seed", 0), verbose=False)
         trainer_kwargs["use_distributed_sampler"] = False
@@ -188,6 +195,7 @@ def main(cfg: dict[str, Any]) -> None:
     result = {
         "threads": threads,
         "losses": rec.losses,
+        "labels": rec.labels,
         "finite_between_steps": rec.finite,
         "metrics": metrics,
         "rank": trainer.global_rank,
@@ -197,6 +205,8 @@ def main(cfg: dict[str, Any]) -> None:
     if scales:
         result["scales"] = scales[0].scales
     strategy = trainer.strategy
+    loader_seen = trainer.train_dataloader
+    result["sampler"] = type(getattr(loader_seen, "sampler", None)).__name__  # what Lightning left on the loader
     if isinstance(strategy, AvgPipeStrategy):
         result["setting"] = [strategy.num_microbatches, strategy.num_pipelines]
         result["averaging"] = strategy.config.averaging

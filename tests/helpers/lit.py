@@ -129,11 +129,7 @@ def reference(
     data = dataset()
     batches = []
     for epoch in range(steps * accumulate * batch_size // len(data) + 1):
-        # Lightning always shuffles training data through DistributedSampler(seed=0), one epoch at a time.
-        order = torch.randperm(len(data), generator=torch.Generator().manual_seed(epoch)).tolist()
-        for start in range(0, len(order), batch_size):
-            idx = order[start : start + batch_size]
-            batches.append((data.tensors[0][idx], data.tensors[1][idx]))
+        batches += epoch_batches(epoch, batch_size, data)
     per_epoch = -(-len(data) // batch_size)
     losses: list[float] = []
     step = 0
@@ -173,10 +169,11 @@ def evaluate(state: dict[str, torch.Tensor], batch_size: int = 12) -> tuple[floa
 def epoch_batches(
     epoch: int, batch_size: int = 12, data: TensorDataset | None = None
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One epoch of training batches (of ``data``, default :func:`dataset`) in the order Lightning's
-    DistributedSampler(seed=0, num_replicas=1) gives."""
+    """One epoch of training batches (of ``data``, default :func:`dataset`) in the order one pipeline group (D = 1)
+    reads them: the loader's own, here ``shuffle=False`` (the strategy puts no DistributedSampler on it), the same
+    every epoch."""
     data = data if data is not None else dataset()
-    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(epoch)).tolist()
+    order = list(range(len(data)))
     return [
         (data.tensors[0][order[i : i + batch_size]], data.tensors[1][order[i : i + batch_size]])
         for i in range(0, len(order), batch_size)
@@ -225,7 +222,7 @@ def train_elastic(
     batch_size: int = 12,
     **averaging: Any,
 ) -> tuple[list[float], Any]:
-    """AvgPipe on one process, as Lightning feeds the strategy: DistributedSampler(seed=0) order, replica n of N
+    """AvgPipe on one process, as Lightning feeds the strategy: the loader's order (D = 1), replica n of N
     taking batch t*N + n, each replica's loss the mean over its micro-batches, its own optimizer, then the elastic
     rule (N = 1: plain training). Returns the per-iteration loss (mean over replicas) and the ``ElasticAveraging``."""
     from lightning_avgpipe.elastic import ElasticAveraging

@@ -99,7 +99,7 @@ def _optimizer(params: Any, lr: float, name: str) -> torch.optim.Optimizer:
 def reference_tied(
     steps: int, m: int, pipelines: int = 1, lr: float = 0.1, optimizer: str = "adam", batch_size: int = 12
 ) -> tuple[list[float], dict[str, Tensor]]:
-    """Single-process training of the tied model, as Lightning feeds it: DistributedSampler(seed=0) order, replica n
+    """Single-process training of the tied model, as Lightning feeds it: the loader's order (D = 1), replica n
     of N taking batch t*N + n, each replica's loss the mean over its micro-batches, then (N > 1) the elastic rule.
     Returns the per-iteration loss (mean over replicas) and the reference's state dict under the module's names."""
     layers = tied_layers()
