@@ -154,7 +154,13 @@ def test_noise_scale_is_measured_and_logged_on_the_steps_lightning_writes_logs(
         return original(self, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(GradientProbe, "finish", spy)
-    trainer.fit(PipeNet(), loader())
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from tests.helpers.lit import dataset
+
+    data = dataset()  # in the shuffled order the seeds below were chosen for (one replica, seed 0)
+    order = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
+    trainer.fit(PipeNet(), DataLoader(data, batch_size=12, sampler=order))
     assert measured == [1, 3, 5]
     strategy = trainer.strategy
     assert isinstance(strategy, AvgPipeStrategy)
