@@ -113,6 +113,20 @@ def test_the_running_setting_is_kept_unless_another_pays_3_percent() -> None:
         assert setting_key(plan.search(1e7).choice) == expected, short
 
 
+def test_a_switch_needs_a_noise_reading_taken_since_the_last_decision() -> None:
+    """A scripted sequence of (noise scale, measurements so far): each decision that saw new readings may switch;
+    one that saw none keeps the running setting, whatever the value says (no flip-flop on a stale reading)."""
+    plan = _plan(ms=(2,))
+    decided = []
+    for value, count in ((1e7, 3), (1.0, 5), (1e7, 5), (1e7, 6)):
+        table = plan.search(value, count)
+        assert table.choice is not None
+        plan.current = setting_key(table.choice)
+        decided.append((plan.current[1], "no noise measurement since the last decision" in table.notes["reason"]))
+    assert decided == [(4, False), (1, False), (1, True), (4, False)]
+    assert plan.noise_seen == 6 and RetunePlan.from_dict(json.loads(json.dumps(plan.to_dict()))).noise_seen == 6
+
+
 def test_the_plan_round_trips_through_json() -> None:
     plan = _plan()
     plan.record(plan.current, [0.01, 0.012, 0.011])
@@ -133,7 +147,9 @@ class ForceNoise(pl.Callback):
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         value = self.values.get(trainer.current_epoch)
         if value is not None:
-            state = {"decay": 0.9, "grad_sq": 1.0, "trace": float(value), "weight": 1.0, "measurements": 5}
+            # a reading newer than the last decision's (a retune switches only on one)
+            count = 5 + 10 * trainer.current_epoch
+            state = {"decay": 0.9, "grad_sq": 1.0, "trace": float(value), "weight": 1.0, "measurements": count}
             trainer.strategy.controller.noise_scale.load_state_dict(state)  # type: ignore[attr-defined]
 
 
@@ -205,6 +221,11 @@ def test_retune_refuses_gradient_accumulation_and_elastic_options(tmp_path: Path
     trainer = quiet_trainer(tmp_path, max_epochs=1, enable_checkpointing=False, strategy=strategy, callbacks=[tuner])
     with pytest.raises(ValueError, match=r"\{'averaging_period': 4\} \(options of elastic averaging\)"):
         trainer.fit(PipeNet(), loader())
+    tuner = AvgPipeTuner(retune_every_n_steps=4, num_pipelines=[1, 2], calibrate_steps=0)
+    strategy = AvgPipeStrategy(num_microbatches=2, schedule="zbh1")  # no unit's gradients whole: no noise reading
+    trainer = quiet_trainer(tmp_path, max_epochs=1, enable_checkpointing=False, strategy=strategy, callbacks=[tuner])
+    with pytest.raises(ValueError, match=r"schedule='zbh1': the noise scale .* Use schedule='1f1b'"):
+        trainer.fit(PipeNet(), loader())
 
 
 @pytest.mark.slow
@@ -227,7 +248,7 @@ def test_two_stages_take_the_same_decisions(tmp_path: Path) -> None:
     )
     a, b = (r["tuner"]["decisions"] for r in results)
     assert len(a) >= 3 and a == b
-    assert any(d["noise_measurements"] > 0 for d in a[1:])  # measured in training (every step here)
+    assert any(d["noise_measurements"] > 0 for d in a[1:]), a  # measured in training (every 4th step here)
     assert results[0]["setting"] == results[1]["setting"] == [2, a[-1]["to"][1]]
     assert len(results[0]["losses"]) == 10
 

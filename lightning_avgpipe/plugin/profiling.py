@@ -101,8 +101,11 @@ def tune(
     profile_steps: int = 3,
     objective: str = "throughput",
     averaging: Sequence[str] = ("elastic",),
+    weigh_split: bool = True,
 ) -> TuningTable:
-    """Profile ``strategy``'s pipeline on one batch and search (M, N, averaging); collective over every rank."""
+    """Profile ``strategy``'s pipeline on one batch and search (M, N, averaging); collective over every rank.
+    ``weigh_split``: also weigh the backward split on or off (not where a retune must go on measuring the noise
+    scale, which a split backward cannot)."""
     batch, fetch_s, batches, last = first_batch(trainer)
     # every stage of every group profiles the same batch
     batch, fetch_s, batches, last = strategy.broadcast((batch, fetch_s, batches, last), src=0)
@@ -143,7 +146,7 @@ def tune(
         "max_pipelines": cap,
         "objective": objective,
         "averaging": averaging,
-        "schedules": candidate_schedules(strategy.config.schedule, profile),
+        "schedules": candidate_schedules(strategy.config.schedule, profile) if weigh_split else None,
         "stages_per_rank": strategy.config.stages_per_rank,
         "keep_pipelines": strategy.config.num_pipelines,
     }

@@ -16,6 +16,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_avgpipe.plugin import compat
+from lightning_avgpipe.schedules.generate import splits_backward
 from lightning_avgpipe.tuning.retune import Key, RetunePlan, lr_exponent, lr_factor, scale_lr, setting_key
 from lightning_avgpipe.tuning.search import TuningTable
 
@@ -30,6 +31,12 @@ def check_retunable(trainer: pl.Trainer, strategy: AvgPipeStrategy, lr_scaling: 
             f"AvgPipeTuner(retune_every_n_steps=...) with accumulate_grad_batches={trainer.accumulate_grad_batches}: "
             "the noise scale it re-decides from is measured on steps of one iteration; use "
             "accumulate_grad_batches=1 (a larger N is the retune's way to a larger batch) or drop retune_every_n_steps."
+        )
+    if splits_backward(strategy.config.schedule) or strategy.config.chunks_per_rank > 1:
+        raise ValueError(
+            f"AvgPipeTuner(retune_every_n_steps=...) with schedule={strategy.config.schedule!r}: the noise scale it "
+            "re-decides from is read from each unit's whole gradients, which a split backward or several stages per "
+            "rank never hold at once. Use schedule='1f1b' (or 'advance'), or drop retune_every_n_steps."
         )
     defaults = {"outer_lr": 1.0, "outer_momentum": 0.0, "averaging_period": 1}  # the paper's rule
     set_ = {k: getattr(strategy.config, k) for k, v in defaults.items() if getattr(strategy.config, k) != v}
@@ -62,6 +69,7 @@ class Retuner:
             base = (base[0], base[1], "exact")
         self._scale_lr(trainer, strategy, base, self.plan.current)
         self._arm(strategy)
+        self.plan.noise_seen = strategy.controller.noise_scale.measurements  # training's own readings count from here
         self._record(trainer, strategy, base, "start", table.choice.goodput)
 
     def _arm(self, strategy: AvgPipeStrategy) -> None:
@@ -88,8 +96,8 @@ class Retuner:
             return
         # every rank decides from rank 0's timings (the noise scale is the same everywhere: it is all-reduced)
         self.plan = RetunePlan.from_dict(strategy.broadcast(self.plan.to_dict(), src=0))
-        noise = strategy.controller.noise_scale.value
-        table = self.plan.search(noise)
+        noise = strategy.controller.noise_scale
+        table = self.plan.search(noise.value, noise.measurements)
         assert table.choice is not None
         old, new = self.plan.current, setting_key(table.choice)
         if new != old:

@@ -51,7 +51,8 @@ class AvgPipeTuner(Callback):
             heat map); ``None``: ``<trainer.default_root_dir>/tuning``.
         apply: set the chosen (M, N) (and k for ``schedule="advance"``) on the strategy; ``False`` only reports.
             With one stage per rank the search also weighs the backward split on or off (``"1f1b"`` against
-            ``"zbh1"``, ``"advance"`` against ``"zbadvance"``) and applies the faster; a schedule that would cut the
+            ``"zbh1"``, ``"advance"`` against ``"zbadvance"``; not with ``retune_every_n_steps``, whose noise scale a
+            split backward cannot measure) and applies the faster; a schedule that would cut the
             model anew (``"zbv"``, ``"interleaved"``) is predicted in ``tuning.json`` and named in the log where it
             would win.
         calibrate_steps: with ``apply``, time this many training iterations of the chosen setting (after one
@@ -185,6 +186,7 @@ class AvgPipeTuner(Callback):
             self.profile_steps,
             objective=self.objective,
             averaging=averaging,
+            weigh_split=self.retune_every_n_steps is None,  # a retune reads the noise scale, which a split hides
         )
         self.table, self.profile = table, table.profile
         choice = table.choice

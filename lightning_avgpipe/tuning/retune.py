@@ -120,6 +120,9 @@ class RetunePlan:
     measured: dict[Key, list[float]] = field(default_factory=dict)
     predicted: dict[Key, float] = field(default_factory=dict)  # the model's raw step time of each measured setting
     decisions: list[dict[str, Any]] = field(default_factory=list)
+    # the noise measurements training had made at the last decision: a switch needs a newer one, taken at the running
+    # setting (a retune that found none keeps the setting instead of deciding again on the reading that chose it)
+    noise_seen: int = 0
 
     def record(self, key: Key, seconds: Sequence[float]) -> None:
         """Add iteration times measured while ``key`` ran (the latest 64 are kept)."""
@@ -135,9 +138,11 @@ class RetunePlan:
         latest = own.get(self.current, next(reversed(own.values()), 1.0) if own else 1.0)
         return own, latest
 
-    def search(self, noise_scale: float | None) -> TuningTable:
+    def search(self, noise_scale: float | None, measurements: int | None = None) -> TuningTable:
         """Every candidate again at ``noise_scale``, with measured step times where a setting ran; the choice keeps
-        the running setting unless another predicts :data:`SWITCH_MARGIN` more goodput."""
+        the running setting unless another predicts :data:`SWITCH_MARGIN` more goodput, and unless
+        ``measurements`` (training's count of noise measurements, ``None``: not counted) has grown since the last
+        decision: a switch rests on a reading taken at the running setting."""
         table = search(replace(self.profile, noise_scale=noise_scale), objective="goodput", **self.search_args)
         raw = list(table.rows)
         own, latest = self.factors()
@@ -145,7 +150,16 @@ class RetunePlan:
         table.raw_rows = raw
         table.choose()
         running = next((r for r in table.rows if setting_key(r) == self.current and r.feasible), None)
-        if (
+        stale = measurements is not None and measurements <= self.noise_seen
+        if measurements is not None:
+            self.noise_seen = max(self.noise_seen, measurements)
+        if running is not None and stale:
+            table.choice = running
+            table.notes["reason"] = (
+                f"Kept num_microbatches={running.num_microbatches}, num_pipelines={running.num_pipelines}: no noise "
+                "measurement since the last decision, so nothing new to decide on (the next retune looks again)."
+            )
+        elif (
             running is not None
             and table.choice is not None
             and table.choice.goodput < running.goodput * (1 + SWITCH_MARGIN)
@@ -168,6 +182,7 @@ class RetunePlan:
             "measured": [[list(k), v] for k, v in self.measured.items()],
             "predicted": [[list(k), v] for k, v in self.predicted.items()],
             "decisions": list(self.decisions),
+            "noise_seen": self.noise_seen,
         }
 
     @classmethod
@@ -183,6 +198,7 @@ class RetunePlan:
             measured={key(k): list(v) for k, v in data["measured"]},
             predicted={key(k): float(v) for k, v in data["predicted"]},
             decisions=list(data["decisions"]),
+            noise_seen=int(data.get("noise_seen", 0)),
         )
 
 
