@@ -78,8 +78,7 @@ def test_16_mixed_with_tensor_parallelism_skips_an_overflow_on_one_shard_everywh
     """T = 2 x S = 2 (4 ranks): an inf gradient on shard 0 of stage 1 only, at step 1, skips that step on every rank
     and halves one shared scale; the weights equal one process with the same scaler (fp16 sums in another order:
     1e-4)."""
-    strategy = {
-        "num_stages": 2,
+    strategy = {  # num_stages left out: 4 devices / T = 2 gives 2 stages (one pipeline group)
         "num_microbatches": M,
         "partition": [3, 3],
         "tensor_parallel_size": 2,
@@ -89,6 +88,9 @@ def test_16_mixed_with_tensor_parallelism_skips_an_overflow_on_one_shard_everywh
     results = run_lightning(tmp_path, 4, strategy, steps=STEPS, fp16=True, **fault)
     scales, ref_state = fp16_reference(STEPS, M, overflow_at=1)
     assert [r["scales"] for r in results] == [scales] * 4
+    out = results[0]["output"]  # the setup log: every stage's split, and a warning for a stage that splits nothing
+    assert "splits, per stage, stage 0: nothing; stage 1: layers.3, layers.5." in out, out[-3000:]
+    assert "tensor_parallel_size=2 splits nothing on stage 0, which holds Fork x1, Join x1, Linear x1:" in out
     state = final_state(tmp_path)
     for key, value in ref_state.items():
         torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-4, msg=lambda m, key=key: f"{key}: {m}")

@@ -188,6 +188,13 @@ def test_default_plan_pairs_linears_and_a_wrong_name_is_refused() -> None:
     attention = nn.ModuleDict({n: nn.Linear(8, 8) for n in ("q", "k", "v", "o")})
     gated = nn.ModuleDict({"gate": nn.Linear(8, 32), "up": nn.Linear(8, 32), "down": nn.Linear(32, 8)})
     assert default_plan({"attn": attention, "mlp": gated}) == {}
+    # a nanoGPT-style block whose attention and MLP Linear layers are siblings: the MLP pair is found among them
+    flat = nn.ModuleDict(
+        {"qkv": nn.Linear(8, 24), "proj": nn.Linear(8, 8), "fc1": nn.Linear(8, 32), "fc2": nn.Linear(32, 8)}
+    )
+    assert sorted(default_plan({"b": flat})) == ["b.fc1", "b.fc2"]
+    flat_gated = nn.ModuleDict({**dict(flat.items()), "gate": nn.Linear(8, 32)})  # another sibling makes h: whole
+    assert default_plan({"b": flat_gated}) == {}
     names = [n for n, _ in nn.Sequential(*copy.deepcopy(layers)).named_modules()]
     check_plan({"*.fc1": None, "2.fc2": None}, names)
     with pytest.raises(ValueError, match=r"'3\.fc3'.*no module of the model"):

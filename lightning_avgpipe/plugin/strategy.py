@@ -65,7 +65,8 @@ class AvgPipeStrategy(ProcessStrategy):
     The result equals plain training with gradient accumulation over the same micro-batches (docs/strategy.md).
 
     Args:
-        num_stages: processes per pipeline; ``None`` uses every device of the job.
+        num_stages: stages per pipeline; ``None`` uses every device of the job (world size / T under tensor
+            parallelism: one pipeline group).
         num_microbatches: micro-batches per batch (``None``: 2 x stages): more shrink the bubble,
             ``(S - 1) / (M + S - 1)`` of a step, but each is smaller and runs less efficiently.
         schedule: ``"1f1b"`` keeps at most ``S - s`` micro-batches' activations on stage ``s`` (the default);
@@ -313,8 +314,8 @@ class AvgPipeStrategy(ProcessStrategy):
         # setup_environment runs on every fit/validate/test/predict: make the groups once per process group
         if self._topology is None or default is None or self._topology_of is not default:
             self._topology_of = default
-            stages = self.config.num_stages or self.world_size
             T = self.config.tensor_parallel_size
+            stages = self.config.num_stages or max(1, self.world_size // T)  # every device a stage's shard (D = 1)
             tensor.check_tensor_parallel_args(T, None, len(self.parallel_devices or []) or None)
             self._topology = Topology.build(
                 self.global_rank, self.world_size, stages, self.config.timeout, T, self.root_device.type

@@ -3,12 +3,14 @@ rank's stage after the split, and the checks that name a mesh or plan that canno
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
+from lightning_avgpipe.runtime import collectives
 from lightning_avgpipe.runtime.pipeline import StagePipeline
 from lightning_avgpipe.runtime.tensor_parallel import check_plan, default_plan, parallelize_stage
 from lightning_avgpipe.runtime.topology import Topology
@@ -94,7 +96,21 @@ def apply(owned: Mapping[str, nn.Module], plan: Mapping[str, Any] | None, topolo
     if topology.tensor_parallel_size == 1:
         return
     split = parallelize_stage(owned, default_plan(owned) if plan is None else plan, topology.tensor_mesh)
-    rank_zero_info(f"AvgPipe: tensor parallelism over {topology.tensor_parallel_size} ranks splits {split}.")
+    found = Counter(type(m).__name__ for layer in owned.values() for m in layer.modules() if not list(m.children()))
+    every = collectives.gather(topology, (split, dict(found)))  # every stage's, on the pipeline's first rank
+    if every is None:
+        return
+    T = topology.tensor_parallel_size
+    lines = [f"stage {s}: {', '.join(names) or 'nothing'}" for s, (names, _) in enumerate(every)]
+    rank_zero_info(f"AvgPipe: tensor parallelism over {T} ranks splits, per stage, " + "; ".join(lines) + ".")
+    for s, (names, kinds) in enumerate(every):
+        if not names:
+            held = ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items())) or "no layers with weights"
+            rank_zero_warn(
+                f"AvgPipe: tensor_parallel_size={T} splits nothing on stage {s}, which holds {held}: its {T} ranks "
+                "all compute the whole stage. The default plan splits a widening nn.Linear and the one reading it "
+                "back (an MLP); give tensor_parallel_plan={...} for the rest (attention by heads, Conv1D)."
+            )
 
 
 def release(topology: Topology | None, pipeline: StagePipeline | None) -> None:

@@ -28,11 +28,11 @@ Plan = Mapping[str, Any]  # module name pattern in the unsplit model -> a Parall
 
 
 def default_plan(named_layers: Mapping[str, nn.Module]) -> dict[str, Any]:
-    """Column-then-row for every module whose ``nn.Linear`` children are exactly two, the first widening
-    (``d -> h``, ``h > d``) and the second reading its output (``h -> ...``): an MLP such as
-    ``Sequential(Linear(d, 4d), GELU(), Linear(4d, d))``, or ``fc1``/``fc2`` of one block. Everything else stays whole
-    on every shard: attention (q, k, v, o: splitting it by heads needs a plan of its own), gated MLPs (three
-    Linear layers), a lone ``Linear``."""
+    """Column-then-row for a widening ``nn.Linear`` (``d -> h``, ``h > d``) and the sibling after it that reads
+    ``h`` back to ``d``: an MLP such as ``Sequential(Linear(d, 4d), GELU(), Linear(4d, d))``, or ``fc1``/``fc2`` of a
+    block, also beside the block's attention Linear layers. Everything else stays whole on every shard: attention
+    (q, k, v, o: splitting it by heads needs a plan of its own), gated MLPs (another sibling also makes ``h``), a lone
+    ``Linear``."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     plan: dict[str, Any] = {}
@@ -47,12 +47,17 @@ def default_plan(named_layers: Mapping[str, nn.Module]) -> dict[str, Any]:
 
 
 def _pair(prefix: str, linears: list[tuple[str, nn.Linear]], plan: dict[str, Any], col: Any, row: Any) -> None:
-    if len(linears) != 2:
-        return
-    (a, first), (b, second) = linears
-    if first.out_features > first.in_features and first.out_features == second.in_features:
-        plan[_join(prefix, a)] = col()
-        plan[_join(prefix, b)] = row()
+    """Pair a widening Linear (d -> h) with the next one, which reads h back to d: the MLP of a block, also where the
+    block keeps its attention's Linear layers beside it (``qkv``, ``proj``, ``fc1``, ``fc2``). Not where another
+    sibling also makes h (a gate: three Linear layers whose outputs meet), which a column split would break."""
+    for (a, first), (b, second) in zip(linears, linears[1:]):
+        h = first.out_features
+        widening = h > first.in_features and second.in_features == h and second.out_features == first.in_features
+        gated = any(m.out_features == h for n, m in linears if n not in (a, b))
+        if widening and (len(linears) == 2 or not gated):
+            plan[_join(prefix, a)] = col()
+            plan[_join(prefix, b)] = row()
+            return
 
 
 def _join(prefix: str, name: str) -> str:
