@@ -41,6 +41,7 @@ def tune_main(argv: list[str]) -> int:
     """
     from lightning_avgpipe.plugin.strategy import AvgPipeStrategy
     from lightning_avgpipe.plugin.tuner import AvgPipeTuner
+    from lightning_avgpipe.schedules.generate import reads_k
 
     p = argparse.ArgumentParser(
         prog="python -m lightning_avgpipe tune",
@@ -84,6 +85,7 @@ def tune_main(argv: list[str]) -> int:
     if ours.output_dir is not None:
         tuner.output_dir = ours.output_dir
     tuner.apply = False
+    tuner.log_table = False  # printed below, once
     tuner.retune_every_n_steps = None  # a retune applies decisions while training; tune only reports the first
     compat.stop_before_training(trainer)  # on_fit_start (the tuner) runs; no training step does
     trainer.num_sanity_val_steps = 0
@@ -94,18 +96,20 @@ def tune_main(argv: list[str]) -> int:
             f"--trainer.strategy.init_args.num_microbatches {c.num_microbatches} "
             f"--trainer.strategy.init_args.num_pipelines {c.num_pipelines}"
         )
-        if tuner.table.schedule == "advance":
+        if c.schedule != tuner.table.schedule:  # the backward split weighed on or off
+            flags += f" --trainer.strategy.init_args.schedule {c.schedule}"
+        if reads_k(c.schedule):
             flags += f" --trainer.strategy.init_args.advance_forwards {c.advance_forwards}"
         print(tuner.table.format())
         print(
-            f"plan: num_microbatches={c.num_microbatches} num_pipelines={c.num_pipelines} schedule="
-            f"{tuner.table.schedule}"
-            + (f" advance_forwards={c.advance_forwards}" if tuner.table.schedule == "advance" else "")
+            f"plan: num_microbatches={c.num_microbatches} num_pipelines={c.num_pipelines} schedule={c.schedule}"
+            + (f" advance_forwards={c.advance_forwards}" if reads_k(c.schedule) else "")
             + f": predicted {c.step_time * 1e3:.1f} ms per iteration, {c.samples_per_sec:.1f} samples/s, peak "
             + "/".join(f"{b / 2**20:.1f}" for b in c.peak_bytes)
             + " MiB per stage"
         )
         print(f"to train with it: python -m lightning_avgpipe fit {' '.join(rest)} {flags}")
+        print("(tune stopped before the first training step)")
         for kind, path in tuner.files.items():
             print(f"{kind}: {path}")
     return 0

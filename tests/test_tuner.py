@@ -314,7 +314,13 @@ def test_tune_command_prints_the_table_without_training(tmp_path: Path) -> None:
     assert "<- chosen" in proc.stdout and "plan: num_microbatches=" in proc.stdout
     assert "--trainer.strategy.init_args.num_pipelines" in proc.stdout
     assert (tmp_path / "out" / "tuning.json").exists()
-    assert "max_steps=0" in proc.stdout + proc.stderr  # stopped before the first training step
+    assert "tune stopped before the first training step" in proc.stdout
+    assert "max_steps=0" not in proc.stdout + proc.stderr  # Lightning's line would read as a setting of the user's
+    assert proc.stdout.count("<- chosen") == 1 and "<- chosen" not in proc.stderr  # the table once
+    plan = next(line for line in proc.stdout.splitlines() if line.startswith("plan:"))
+    schedule = plan.split("schedule=")[1].split()[0].rstrip(":")  # the chosen one, also in the command to train
+    assert schedule in ("1f1b", "zbh1")
+    assert (f"init_args.schedule {schedule}" in proc.stdout) == (schedule != "1f1b")
 
 
 try:

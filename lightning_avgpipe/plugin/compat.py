@@ -47,6 +47,7 @@ Private state of other libraries, not kept here: torchmetrics ``Metric._defaults
 
 from __future__ import annotations
 
+import logging
 import sys
 from typing import Any
 
@@ -163,8 +164,14 @@ def unwrap_optimizer(optimizer: Optimizer) -> Optimizer:
 
 def stop_before_training(trainer: pl.Trainer) -> None:
     """Make the next ``fit`` run its setup and ``on_fit_start`` (the tuner) but no training step: the epoch loop's
-    ``max_steps`` (``trainer.fit_loop.epoch_loop``, a loop's internals) set to 0."""
+    ``max_steps`` (``trainer.fit_loop.epoch_loop``, a loop's internals) set to 0; Lightning's "`max_steps=0`
+    reached" line, which would read as a setting of the user's, is left out of the log."""
     trainer.fit_loop.epoch_loop.max_steps = 0
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_not_max_steps_zero)
+
+
+def _not_max_steps_zero(record: logging.LogRecord) -> bool:
+    return "`max_steps=0` reached" not in record.getMessage()
 
 
 class AfterClosureMixedPrecision(MixedPrecision):

@@ -122,6 +122,7 @@ class AvgPipeTuner(Callback):
         self.profile_steps = profile_steps
         self.output_dir = output_dir
         self.apply = apply
+        self.log_table = True  # the table in the setup log (the tune command prints it itself instead)
         self.table: TuningTable | None = None
         self.profile: PipelineProfile | None = None
         self.seconds: float = 0.0
@@ -214,8 +215,13 @@ class AvgPipeTuner(Callback):
             self.files = _write(table, out)
             where = " and ".join(str(p) for p in self.files.values())
             rank_zero_info(
-                f"AvgPipeTuner ({self.seconds:.1f} s): predicted iteration time and peak memory per setting\n"
-                f"{table.format()}\nchosen: schedule='{choice.schedule}', num_microbatches="
+                f"AvgPipeTuner ({self.seconds:.1f} s): "
+                + (
+                    f"predicted iteration time and peak memory per setting\n{table.format()}\n"
+                    if self.log_table
+                    else ""
+                )
+                + f"chosen: schedule='{choice.schedule}', num_microbatches="
                 f"{choice.num_microbatches}, num_pipelines={choice.num_pipelines}"
                 + (f", averaging='{choice.averaging}'" if choice.num_pipelines * strategy.num_groups > 1 else "")
                 + (f", advance_forwards={choice.advance_forwards}" if reads_k(choice.schedule) else "")

@@ -106,6 +106,12 @@ def _parser() -> argparse.ArgumentParser:
         help="schedule to predict (default: the profiled one)",
     )
     p.add_argument(
+        "--objective",
+        default="goodput",
+        choices=["goodput", "throughput"],
+        help="what the choice maximises, as AvgPipeTuner's objective (default: goodput, as tune)",
+    )
+    p.add_argument(
         "--schedules",
         nargs="+",
         default=None,
@@ -226,6 +232,7 @@ def whatif_command(argv: list[str]) -> int:
             schedule=args.schedule,
             advance_forwards=k,
             schedules=schedules,
+            objective=args.objective,
         )
     except NoFeasibleSettingError as e:
         print(f"whatif: {e}", file=sys.stderr)
