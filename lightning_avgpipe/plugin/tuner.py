@@ -217,7 +217,9 @@ class AvgPipeTuner(Callback):
             rank_zero_info(
                 f"AvgPipeTuner ({self.seconds:.1f} s): "
                 + (
-                    f"predicted iteration time and peak memory per setting\n{table.format()}\n"
+                    "predicted iteration time and peak memory per setting"
+                    + (" (the model's raw figures: calibration rescales them)" if self._calibrating else "")
+                    + f"\n{table.format()}\n"
                     if self.log_table
                     else ""
                 )
@@ -319,7 +321,9 @@ class AvgPipeTuner(Callback):
             self.files = _write(self.table, self._out)
             rank_zero_info(
                 f"AvgPipeTuner: the chosen setting ran {measured * 1e3:.1f} ms per iteration against "
-                f"{predicted * 1e3:.1f} ms predicted (x{factor:.2f}); the table's times are scaled by it."
+                f"{predicted * 1e3:.1f} ms predicted (x{factor:.2f}); the table's times are scaled by it in "
+                f"{' and '.join(str(p) for p in self.files.values()) or 'tuning.json'}: the chosen setting now reads "
+                f"{self.table.choice.samples_per_sec:.1f} samples/s (the raw figures stay there as raw_rows)."
             )
         for logger in trainer.loggers:
             logger.log_metrics(
