@@ -195,8 +195,8 @@ def test_tuner_applies_its_choice_and_reports_the_table(tmp_path: Path) -> None:
     assert table["notes"]["objective"] == "goodput" and table["notes"]["reason"]
     assert table["profile"]["noise_measurements"] > 0
     assert {row["averaging"] for row in table["rows"] if row["num_pipelines"] == 2} == {"exact", "elastic"}
-    out = results[0]["output"]  # one set of numbers, labelled: the log says which figures are raw, which calibrated
-    assert "(the model's raw figures: calibration rescales them)" in out and "the chosen setting now reads" in out
+    log = results[0]["output"]  # one set of numbers, labelled: the log says which figures are raw, which calibrated
+    assert "(the model's raw figures: calibration rescales them)" in log and "the chosen setting now reads" in log
     factor = table["notes"]["calibration_factor"]  # iterations 2-3 of the chosen setting were timed
     assert factor > 0 and table["notes"]["calibration_measured_step_s"] > 0
     for raw, row in zip(table["raw_rows"], table["rows"]):
