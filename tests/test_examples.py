@@ -23,3 +23,12 @@ def test_a_cnn_with_batchnorm_equals_accumulation_over_the_micro_batches(tmp_pat
     worst = float(re.search(r"max \|pipelined - one process .*?\| = ([0-9.e+-]+)", out).group(1))  # type: ignore[union-attr]
     assert worst < 1e-5
     assert "(M x steps = 12)" in out and "'0.2.num_batches_tracked': 12" in out
+
+
+@pytest.mark.timeout(300)
+def test_blocks_that_carry_a_rotary_cache_and_a_mask_in_a_tuple(tmp_path: Path) -> None:
+    """``examples/rotary_tuple.py --check``: blocks taking ``(x, cos, sin, mask)`` and returning it, cut over 2
+    stages (the boolean mask and the cache cross as they are), train as one process with accumulation does."""
+    out = run([sys.executable, str(ROOT / "examples" / "rotary_tuple.py"), "--check"], tmp_path)
+    assert "check: OK" in out, out[-3000:]
+    assert float(re.search(r"accumulation\| = ([0-9.e+-]+)", out).group(1)) < 1e-5  # type: ignore[union-attr]
