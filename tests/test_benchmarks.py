@@ -144,3 +144,13 @@ def test_zero_benchmark_smoke(tmp_path: Path) -> None:
     assert (whole["sharded"], sharded["sharded"]) == (False, True)
     assert sharded["ratio"]["outer"] == pytest.approx(1 / 3, rel=0.02)  # 2/(3D): the slice and the momentum's
     assert sharded["ratio"]["static"] < 1 and sharded["max_weight_diff"] < 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_bubble_benchmark_smoke() -> None:
+    """benchmarks/bubble.py: every schedule's measured bubble beside the simulator's, and the peaks per rank."""
+    out = run_script("bubble.py", "--steps", "1", "--warmup", "1", "--n-layer", "2").stdout
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[1:] if line.strip()}
+    assert set(rows) == {"1f1b", "zbh1", "interleaved", "zbv"}, out
+    assert all(0.0 <= float(cells[2]) < 1.0 for cells in rows.values()), out  # the simulated bubble, a fraction
