@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import RandomSampler, SubsetRandomSampler, WeightedRandomSampler
 
 from lightning_avgpipe.tuning.profiler import Snapshot
@@ -82,8 +83,8 @@ def same_order_on_every_rank(loader: Any) -> int | None:
     """Every stage of a pipeline must read the same batches (stage 0 the inputs, the last the targets). A sampler
     that shuffles with the global RNG (``DataLoader(shuffle=True)`` without a generator) would diverge once the
     ranks' RNGs do (dropout runs on some stages only), so it gets a generator seeded alike on every rank
-    (``PL_GLOBAL_SEED``, else 0, as Lightning's DistributedSampler). Returns that seed, or ``None`` where nothing
-    needed it."""
+    (``PL_GLOBAL_SEED``, else 0, as Lightning's DistributedSampler), and the log says so. Returns that seed, or
+    ``None`` where nothing needed it."""
     for sampler in (getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
         if (
             isinstance(sampler, (RandomSampler, SubsetRandomSampler, WeightedRandomSampler))
@@ -91,5 +92,9 @@ def same_order_on_every_rank(loader: Any) -> int | None:
         ):
             seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
             sampler.generator = torch.Generator().manual_seed(seed)
+            rank_zero_info(
+                f"AvgPipe: the training loader shuffles with the global RNG; every stage of a pipeline must read the "
+                f"same batches, so its sampler draws from a generator seeded {seed} on every rank."
+            )
             return seed
     return None

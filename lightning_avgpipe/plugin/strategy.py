@@ -449,15 +449,8 @@ class AvgPipeStrategy(ProcessStrategy):
         # Each training iteration gives every one of the N pipelines its own batch of the user's size B.
         module = self.lightning_module
         training = module is not None and module.trainer.training
-        if (
-            training and self._topology is not None and self.num_groups == 1
-        ):  # no DistributedSampler: see is_distributed
-            seed = same_order_on_every_rank(dataloader)
-            if seed is not None:
-                rank_zero_info(
-                    f"AvgPipe: the training loader shuffles with the global RNG; every stage of a pipeline must read "
-                    f"the same batches, so its sampler draws from a generator seeded {seed} on every rank."
-                )
+        if training and self._topology is not None and self.num_groups == 1:  # no DistributedSampler put on it
+            same_order_on_every_rank(dataloader)
         if self.num_pipelines > 1 and training:
             return GroupedBatches(dataloader, self.num_pipelines)
         return dataloader

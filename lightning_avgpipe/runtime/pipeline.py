@@ -213,11 +213,14 @@ class StagePipeline:
         if not self.splits_backward:
             return
         queue = self.executor.weight_grads
-        layers = [*self.layers, *(m for replica in self.elastic.replicas for m in replica)]
         if queue is None:
-            self.executor.weight_grads = WeightGradQueue(layers)
+            self.executor.weight_grads = WeightGradQueue(self._every_copy())
         else:
-            queue.install(layers)
+            queue.install(self._every_copy())
+
+    def _every_copy(self) -> list[nn.Module]:
+        """The stage's layers and every replica's copy of them."""
+        return [*self.layers, *(m for replica in self.elastic.replicas for m in replica)]
 
     def _stage_function(self, layers: Sequence[nn.Module]) -> Callable[[Any], Any]:
         """``layers`` applied in order (the checkpointed ones recomputed); under tensor parallelism, checked once per
@@ -273,8 +276,7 @@ class StagePipeline:
         if self.executor.weight_grads is not None:
             yield
             return
-        queue = WeightGradQueue([*self.layers, *(m for replica in self.elastic.replicas for m in replica)])
-        self.executor.weight_grads = queue
+        queue = self.executor.weight_grads = WeightGradQueue(self._every_copy())
         try:
             yield
         finally:

@@ -49,6 +49,25 @@ class Action:
     def __repr__(self) -> str:
         return f"Action({self})"
 
+    @property
+    def message(self) -> tuple[str, int, int] | None:
+        """What a send or receive carries, the same on both ends: ("F" or "B", the stage that computes it, unit);
+        ``None`` for a compute action."""
+        if self.kind in (Kind.SEND_F, Kind.SEND_B):
+            return ("F" if self.kind is Kind.SEND_F else "B", self.stage, self.unit)
+        if self.kind is Kind.RECV_F:
+            return ("F", self.stage - 1, self.unit)
+        if self.kind is Kind.RECV_B:
+            return ("B", self.stage + 1, self.unit)
+        return None
+
+    @property
+    def peer_stage(self) -> int | None:
+        """The stage on the other end of a send or receive (``None`` for a compute action)."""
+        if self.kind.is_compute:
+            return None
+        return self.stage + (1 if self.kind in (Kind.SEND_F, Kind.RECV_B) else -1)
+
     @classmethod
     def parse(cls, text: str) -> Action:
         """Inverse of ``str``: ``Action.parse("1F0") == Action(1, Kind.FORWARD, 0)``."""

@@ -43,9 +43,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from lightning_avgpipe.schedules.actions import Action, Kind
-from lightning_avgpipe.schedules.chunks import Layout, chunked_orders, megatron_sequences
+from lightning_avgpipe.schedules.chunks import PLACEMENT_COSTS, Layout, chunked_orders, megatron_sequences
 from lightning_avgpipe.schedules.zerobubble import split_backward
 
 SCHEDULES: tuple[str, ...] = ("afab", "1f1b", "advance", "zbh1", "zbadvance", "interleaved", "zbv")
@@ -253,7 +254,7 @@ def lower_in_one_order(computes: Sequence[Sequence[Action]], layout: Layout) -> 
     """
     finish = _eager_finish(computes, layout)
     made = sorted(
-        (finish[_message(send)], layout.rank_of(a.stage), send)
+        (finish[send.message], layout.rank_of(a.stage), send)
         for ranked in computes
         for a in ranked
         if (send := _send_for(a, layout)) is not None
@@ -291,21 +292,13 @@ def _post_through(
     actions: list[Action],
 ) -> None:
     """Append to ``actions`` ``op`` and the receives its pair's order puts before it, not yet posted."""
-    peer = _peer_of(op, layout)
+    assert op.peer_stage is not None
+    peer = layout.rank_of(op.peer_stage)
     end = index[((rank, peer), op)] + 1
     for earlier in pair_order[(rank, peer)][posted.get(peer, 0) : end]:
         assert earlier == op or earlier.kind in (Kind.RECV_F, Kind.RECV_B), (earlier, op)  # earlier sends: made
         actions.append(earlier)
     posted[peer] = max(posted.get(peer, 0), end)
-
-
-def _message(op: Action) -> tuple[str, int, int]:
-    """What a send or receive carries: ("F" or "B", the stage that computes it, unit)."""
-    if op.kind in (Kind.SEND_F, Kind.SEND_B):
-        return ("F" if op.kind is Kind.SEND_F else "B", op.stage, op.unit)
-    if op.kind is Kind.RECV_F:
-        return ("F", op.stage - 1, op.unit)
-    return ("B", op.stage + 1, op.unit)
 
 
 def _matching_recv(send: Action) -> Action:
@@ -314,17 +307,9 @@ def _matching_recv(send: Action) -> Action:
     return Action(send.stage - 1, Kind.RECV_B, send.unit)
 
 
-def _peer_of(op: Action, layout: Layout) -> int:
-    """The rank on the other end of a send or receive."""
-    ahead = op.kind in (Kind.SEND_F, Kind.RECV_B)
-    return layout.rank_of(op.stage + (1 if ahead else -1))
-
-
-def _eager_finish(computes: Sequence[Sequence[Action]], layout: Layout) -> dict[tuple[str, int, int], float]:
+def _eager_finish(computes: Sequence[Sequence[Action]], layout: Layout) -> dict[Any, float]:
     """When each message between ranks is made when every rank runs its order eagerly, at the placement costs."""
-    from lightning_avgpipe.schedules.chunks import PLACEMENT_COSTS
-
-    made: dict[tuple[str, int, int], float] = {}
+    made: dict[Any, float] = {}  # Action.message -> when it is made
     free, at = [0.0] * len(computes), [0] * len(computes)
     moved = True
     while moved:
@@ -333,13 +318,13 @@ def _eager_finish(computes: Sequence[Sequence[Action]], layout: Layout) -> dict[
             while at[r] < len(ranked):
                 a = ranked[at[r]]
                 recv = _recv_for(a, layout)
-                if recv is not None and _message(recv) not in made:
+                if recv is not None and recv.message not in made:
                     break  # its input is not made yet
-                ready = made[_message(recv)] if recv is not None else 0.0
+                ready = made[recv.message] if recv is not None else 0.0
                 free[r] = max(free[r], ready) + PLACEMENT_COSTS[a.kind]
                 send = _send_for(a, layout)
                 if send is not None:
-                    made[_message(send)] = free[r]
+                    made[send.message] = free[r]
                 at[r] += 1
                 moved = True
     stuck = [str(ranked[at[r]]) for r, ranked in enumerate(computes) if at[r] < len(ranked)]

@@ -49,18 +49,6 @@ class _Group:
     ops: list[_Op] = field(default_factory=list)
 
 
-def _message(a: Action) -> tuple[str, int, int] | None:
-    if a.kind is Kind.SEND_F:
-        return ("F", a.stage, a.unit)
-    if a.kind is Kind.RECV_F:
-        return ("F", a.stage - 1, a.unit)
-    if a.kind is Kind.SEND_B:
-        return ("B", a.stage, a.unit)
-    if a.kind is Kind.RECV_B:
-        return ("B", a.stage + 1, a.unit)
-    return None
-
-
 def nccl_deadlock(plan: Plan, coalesce: bool = True) -> str | None:
     """``None`` if ``plan`` finishes under the NCCL model, else a message saying where each stage is stuck."""
     model = _NcclModel(plan, coalesce)
@@ -104,10 +92,10 @@ class _NcclModel:
             if a.kind.is_compute:
                 compute_index += 1
                 continue
-            msg = _message(a)
-            assert msg is not None
+            msg, other = a.message, a.peer_stage
+            assert msg is not None and other is not None
             send = a.kind in (Kind.SEND_F, Kind.SEND_B)
-            peer = self.layout.rank_of(a.stage + (1 if a.kind in (Kind.SEND_F, Kind.RECV_B) else -1))
+            peer = self.layout.rank_of(other)
             op = _Op(send, msg, compute_index if send else None)
             key = (batch_of[id(a)], peer)
             if key not in by_batch:
