@@ -15,6 +15,9 @@ partition and AdamW doing real optimizer steps, with:
 - ``torch-interleaved``, ``torch-interleaved-zb``, ``torch-zbv``: torch's ``ScheduleInterleaved1F1B``,
                   ``ScheduleInterleavedZeroBubble`` (loop) and ``ScheduleZBVZeroBubble`` (V), two stages per rank, over
                   the cut ``ours-interleaved`` and ``ours-zbv`` run
+- ``ours-zbv-placed``: ``ours-zbv`` with its plan placed by the measured costs (``schedule_costs``: one unit's F, I
+                  and W, summed over the ranks, from three traced steps of a copy before the timed rounds), as
+                  ``AvgPipeTuner`` places it from its profile
 - ``single``      the whole model in one process (rank 0, 1 thread) with gradient accumulation over the same
                   micro-batches; the other rank idles meanwhile
 - ``avgpipe-N``   AvgPipe with N parallel pipelines (``--pipelines``, default 1,2,4): the same executor running
@@ -87,6 +90,7 @@ ROWS = (
     "ours-zbh1",
     "ours-interleaved",
     "ours-zbv",
+    "ours-zbv-placed",
     "torch-1f1b",
     "torch-gpipe",
     "torch-interleaved",
@@ -99,6 +103,7 @@ LABELS = {
     "ours-afab": "lightning_avgpipe AFAB (StagePipeline)",
     "ours-zbh1": "lightning_avgpipe ZB-H1 (StagePipeline, weight gradients deferred)",
     "ours-zbv": "lightning_avgpipe ZB-V (StagePipeline, 2 chunks per rank in a V, weight gradients deferred)",
+    "ours-zbv-placed": "lightning_avgpipe ZB-V placed by the measured F, I, W (schedule_costs)",
     "torch-1f1b": "torch.distributed.pipelining Schedule1F1B",
     "torch-gpipe": "torch.distributed.pipelining ScheduleGPipe",
     "ours-interleaved": "lightning_avgpipe interleaved 1F1B (StagePipeline, 2 chunks per rank in a loop)",
@@ -208,7 +213,13 @@ class Row:
 
 
 def _pipeline(
-    schedule: str, own: list[nn.Module], rank: int, args: argparse.Namespace, n: int = 1, chunks: Any = None
+    schedule: str,
+    own: list[nn.Module],
+    rank: int,
+    args: argparse.Namespace,
+    n: int = 1,
+    chunks: Any = None,
+    costs: tuple[float, float, float] | None = None,
 ) -> Any:
     """This rank's :class:`StagePipeline`, the step the strategy runs (D = 1, alpha = 1/N, synchronous reference)."""
     from lightning_avgpipe.config import PipelineConfig
@@ -222,6 +233,7 @@ def _pipeline(
         num_pipelines=n,
         sync_reference=True,
         partition=list(args.partition) if chunks is None else "balanced",  # chunks: this rank's counts, passed below
+        schedule_costs=costs,
     )
     return StagePipeline(own, Topology(rank, WORLD, WORLD), cfg, chunks=chunks)
 
@@ -251,6 +263,24 @@ def v_chunks(base: list[nn.Module], rank: int, placement: str = "v") -> tuple[li
     bounds = [sum(sizes[:j]) for j in range(len(sizes) + 1)]
     mine = stages_of(rank, WORLD, 2, placement)
     return [layer for j in mine for layer in base[bounds[j] : bounds[j + 1]]], [sizes[j] for j in mine]
+
+
+def measured_costs(
+    own: list[nn.Module], sizes: list[int], rank: int, args: argparse.Namespace, batch: tuple[Tensor, Tensor]
+) -> tuple[float, float, float]:
+    """One unit's (F, I, W) in seconds, summed over the ranks: the medians of three traced ZB-V steps of a copy of
+    ``own`` (after one untimed) on ``batch``, what the tuner's profile would give ``schedule_costs``."""
+    row = PipeRow("zbv", 1, copy.deepcopy(own), rank, args, [batch], sizes)
+    seen: dict[str, list[float]] = {kind: [] for kind in ("F", "I", "W")}
+    for i in range(4):
+        trace = row.pipe.train_step([batch], _lm_loss, measure=True).trace
+        row.opt.zero_grad(set_to_none=True)
+        for kind in seen if i else ():
+            seen[kind].append(sum(s.end - s.start for s in trace.spans if s.kind == kind) / args.microbatches)
+    mine = torch.tensor([statistics.median(seen[k]) for k in ("F", "I", "W")], dtype=torch.float64)
+    dist.all_reduce(mine)
+    f, i, w = (float(v) for v in mine)
+    return f, i, w
 
 
 def _lm_loss(out: Tensor, batch: tuple[Tensor, Tensor], share: float) -> Tensor:
@@ -388,9 +418,10 @@ class PipeRow(Row):
         args: argparse.Namespace,
         batches: list[tuple[Tensor, Tensor]],
         chunks: Any = None,
+        costs: tuple[float, float, float] | None = None,
     ) -> None:
         self.n, self.batches, self.rank = n, batches, rank
-        self.pipe = _pipeline(schedule, own, rank, args, n, chunks)
+        self.pipe = _pipeline(schedule, own, rank, args, n, chunks, costs)
         self.opt = self.pipe.optimizer(_adamw(self.pipe.reference_params, args))
         self._loss: Tensor | None = None
         self.parts: dict[str, list[float]] = {part: [] for part in AVG_PARTS}
@@ -606,11 +637,13 @@ def rank_main(rank: int, args: argparse.Namespace, data: Tensor, vocab_size: int
 
     v_own, v_sizes = chunked("v")
     loop_own, loop_sizes = chunked("loop")
+    costs = measured_costs(v_own, v_sizes, rank, args, batches[0])
     rows: dict[str, Row] = {
         "ours-1f1b": PipeRow("1f1b", 1, own_copy(), rank, args, batches),
         "ours-afab": PipeRow("afab", 1, own_copy(), rank, args, batches),
         "ours-zbh1": PipeRow("zbh1", 1, own_copy(), rank, args, batches),
         "ours-zbv": PipeRow("zbv", 1, v_own, rank, args, batches, v_sizes),
+        "ours-zbv-placed": PipeRow("zbv", 1, chunked("v")[0], rank, args, batches, v_sizes, costs),
         "ours-interleaved": PipeRow("interleaved", 1, loop_own, rank, args, batches, loop_sizes),
         "torch-1f1b": TorchRow("1f1b", own_copy(), rank, args, batches),
         "torch-gpipe": TorchRow("gpipe", own_copy(), rank, args, batches),
@@ -780,7 +813,8 @@ def summarise(args: argparse.Namespace, per_rank: list[dict[str, Any]], vocab_si
         return avg_ideal[name]["per_round"] if name in avg_ideal else ideal_per_round
 
     def loss_of(name: str, i: int) -> float:
-        owner = 0 if name in ("single", "ours-zbv", "torch-zbv") else WORLD - 1  # the rank holding the loss (V: 0)
+        v_rows = ("single", "ours-zbv", "ours-zbv-placed", "torch-zbv")
+        owner = 0 if name in v_rows else WORLD - 1  # the rank holding the loss (V: 0)
         value = per_rank[owner]["losses"][name][i]
         assert value is not None, f"{name} has no loss on rank {owner}"
         return float(value)

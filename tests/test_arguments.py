@@ -59,6 +59,7 @@ def test_the_strategy_passes_each_argument_into_its_config(name: str) -> None:
         "schedule": "advance",
         "advance_forwards": 2,
         "stages_per_rank": 1,
+        "schedule_costs": (1.0, 1.1, 0.6),
         "memory_limit": 0.5,
         "partition": [1, 2],
         "num_pipelines": 2,
@@ -79,8 +80,9 @@ def test_the_strategy_passes_each_argument_into_its_config(name: str) -> None:
         "shard_optimizer_state": True,
     }
     assert set(values) == set(arguments.config_defaults())
+    needs = {"schedule_costs": {"schedule": "zbv"}}  # an argument only some schedules take
     value = values[name]
-    strategy = AvgPipeStrategy(**{name: value})
+    strategy = AvgPipeStrategy(**{name: value}, **needs.get(name, {}))
     got = getattr(strategy.config, name)
     assert got == (tuple(value) if isinstance(value, list) else value)
     assert got != arguments.config_defaults()[name]

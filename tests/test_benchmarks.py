@@ -16,6 +16,7 @@ ROWS = {
     "ours-afab",
     "ours-zbh1",
     "ours-zbv",
+    "ours-zbv-placed",
     "ours-interleaved",
     "torch-1f1b",
     "torch-gpipe",

@@ -27,8 +27,16 @@ from tests.test_strategy_equivalence import assert_matches, final_state, run_lig
         {"num_microbatches": 2, "schedule": "zbv", "partition": [2, 1, 2, 1], "activation_checkpointing": True},
         {"num_microbatches": 4, "schedule": "interleaved", "partition": [1, 1, 1, 3], "activation_checkpointing": True},
         {"num_microbatches": 4, "schedule": "zbh1", "partition": [1, 5], "activation_checkpointing": ["Linear"]},
+        {"num_microbatches": 4, "schedule": "zbv", "partition": [1, 2, 1, 2], "schedule_costs": [1.0, 1.5, 0.4]},
     ],
-    ids=["zbv-uneven", "interleaved-uneven", "zbv-checkpointing", "interleaved-checkpointing", "zbh1-checkpointing"],
+    ids=[
+        "zbv-uneven",
+        "interleaved-uneven",
+        "zbv-checkpointing",
+        "interleaved-checkpointing",
+        "zbh1-checkpointing",
+        "zbv-placed-by-costs",
+    ],
 )
 def test_chunked_schedules_equal_plain_training(tmp_path: Path, strategy: dict[str, Any]) -> None:
     results = run_lightning(tmp_path, 2, strategy)
@@ -36,6 +44,8 @@ def test_chunked_schedules_equal_plain_training(tmp_path: Path, strategy: dict[s
     v = 1 if strategy["schedule"] == "zbh1" else 2
     out = results[0]["output"]
     assert f"AvgPipe: {2 * v} stages" in out, out[-2000:]
+    if "schedule_costs" in strategy:  # another order of the same actions (tests/test_chunks.py), said in the log
+        assert "placed by F:I:W = 1:1.5:0.4" in out, out[-2000:]
     if strategy.get("activation_checkpointing"):  # the setup log says which layers every rank recomputes
         assert ("rank 0: " if v > 1 else "stage 0: ") in out.split("activation checkpointing recomputes")[1], out
     else:

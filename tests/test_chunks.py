@@ -104,3 +104,45 @@ def test_the_schedule_command_compares_every_schedule() -> None:
     assert set(rows) == {"afab", "1f1b", "advance", "zbh1", "zbadvance", "interleaved", "zbv"}
     assert rows["1f1b"][:2] == ["33.00", "1.000x"] and rows["zbh1"][0] == "27.00"
     assert min(rows, key=lambda name: float(rows[name][0])) == "zbv"
+
+
+MEASURED = (13.5, 15.1, 8.5)  # one unit's F, I, W (ms) on the 8-block GPT (benchmarks/bubble.py, 2026-12-02)
+
+
+@pytest.mark.parametrize("costs", [MEASURED, (1.0, 2.0, 1.0), (1.0, 0.5, 2.0)], ids=["measured", "slow-I", "slow-W"])
+def test_plans_placed_by_measured_costs_validate(costs: tuple[float, float, float]) -> None:
+    for S in (2, 3, 4, 6):
+        for U in (1, 2, 5, 8, 16):
+            for name, v in (("zbv", 2), ("interleaved", 2), ("interleaved", 3)):
+                plan = build_plan(name, S, U, stages_per_rank=v, costs=costs)
+                assert plan_errors(plan) == [], (name, S, U, v, costs)
+                nccl = build_plan(name, S, U, recv_lookahead=0, stages_per_rank=v, costs=costs)
+                assert plan_errors(nccl, nccl=True) == [], (name, S, U, v, costs)
+                assert nccl.compute(0) == plan.compute(0)
+                if name == "zbv":  # still 1F1B's memory
+                    assert max(simulate(plan, 1.0, 2.0).peak_stash) <= 2 * S
+
+
+@pytest.mark.parametrize("U", [4, 8])
+def test_a_zbv_plan_placed_by_its_costs_idles_less_at_those_costs(U: int) -> None:
+    """I and W are seldom equal: placed by unit costs, ZB-V leaves slots a plan placed by the real ratio fills."""
+    f, i, w = MEASURED
+    unit = simulate(build_plan("zbv", 2, U), f / 2, (i + w) / 2, weight_grad_cost=w / 2)
+    placed = build_plan("zbv", 2, U, costs=MEASURED)
+    fitted = simulate(placed, f / 2, (i + w) / 2, weight_grad_cost=w / 2)
+    assert fitted.step_time < 0.99 * unit.step_time, (fitted.step_time, unit.step_time)  # 2.4% at U = 4, 6% at 8
+    assert placed.costs == MEASURED and "placed by F:I:W = 1:1.12:0.63" in str(placed)
+
+
+def test_only_the_chunked_schedules_take_costs() -> None:
+    from lightning_avgpipe import AvgPipeStrategy
+
+    with pytest.raises(ValueError, match=r"schedule_costs=\(1.0, 1.0, 1.0\) with schedule='zbh1'.*fixed orders"):
+        build_plan("zbh1", 2, 4, costs=(1.0, 1.0, 1.0))
+    with pytest.raises(ValueError, match=r"schedule_costs=.*with schedule='1f1b'.*Drop schedule_costs"):
+        AvgPipeStrategy(schedule_costs=(1.0, 1.2, 0.6))
+    with pytest.raises(ValueError, match=r"schedule_costs=\(1.0, -1.0, 0.6\) must be .*three positive numbers"):
+        AvgPipeStrategy(schedule="zbv", schedule_costs=(1.0, -1.0, 0.6))
+    with pytest.raises(ValueError, match=r"schedule_costs=\(1.0, 2.0\) must be"):
+        AvgPipeStrategy(schedule="zbv", schedule_costs=(1.0, 2.0))
+    assert AvgPipeStrategy(schedule="interleaved", schedule_costs=[2, 3, 1]).config.schedule_costs == (2.0, 3.0, 1.0)

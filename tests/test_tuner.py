@@ -582,6 +582,9 @@ def test_the_tuner_profiles_a_zbv_strategy_in_its_own_placement(tmp_path: Path) 
     assert all(v > 0 for stage in table["profile"]["stages"] for v in stage["weight_grad_s"].values())
     m = results[0]["setting"][0]
     assert results[0]["schedule"] == "zbv" and m == table["choice"]["num_microbatches"]
+    costs = table["choice"]["schedule_costs"]  # the plan is placed by the profiled F, I, W, and the log says so
+    assert len(costs) == 3 and all(c > 0 for c in costs)
+    assert "placed by F:I:W = 1:" in results[0]["output"], results[0]["output"][-3000:]
     assert_matches(tmp_path, results, m)
 
 

@@ -38,6 +38,12 @@ def next_config(
     return new
 
 
+def placed_by(costs: tuple[float, float, float]) -> str:
+    """``placed by F:I:W = 1:1.12:0.63``: the measured costs a chunked plan was placed by, scaled to F = 1."""
+    f = costs[0]
+    return "placed by F:I:W = " + ":".join(f"{c / f:.3g}" for c in costs)
+
+
 def describe(config: PipelineConfig, num_stages: int, num_groups: int) -> str:
     """The log line of a reconfigure."""
     return (
@@ -46,5 +52,6 @@ def describe(config: PipelineConfig, num_stages: int, num_groups: int) -> str:
         + (f", averaging='{config.averaging}'" if config.num_pipelines * num_groups > 1 else "")
         + f", schedule={config.schedule!r}"
         + (f", advance_forwards={config.advance_forwards}" if reads_k(config.schedule) else "")
+        + (f", {placed_by(config.schedule_costs)}" if config.schedule_costs is not None else "")
         + "."
     )

@@ -37,7 +37,7 @@ from lightning_avgpipe.plugin.data import GroupedBatches, same_order_on_every_ra
 from lightning_avgpipe.plugin.gradients import install_clipping
 from lightning_avgpipe.plugin.precision import PipelineMixedPrecision, for_pipeline
 from lightning_avgpipe.plugin.process import ProcessStrategy
-from lightning_avgpipe.plugin.reconfigure import describe, next_config
+from lightning_avgpipe.plugin.reconfigure import describe, next_config, placed_by
 from lightning_avgpipe.plugin.split import (
     SplitModule,
     announce_shared,
@@ -80,6 +80,9 @@ class AvgPipeStrategy(ProcessStrategy):
         stages_per_rank: v, the model chunks every rank runs under ``schedule="interleaved"`` (loop placement: rank r
             runs stages r, S + r, ...) or ``"zbv"`` (2, a V: stages r and 2S - 1 - r); ``None``: 2 for those, 1
             otherwise. The model is cut into S·v stages; a list ``partition`` gives all S·v counts in stage order.
+        schedule_costs: one unit's measured (forward, input gradient, weight gradient) times, in any unit, that
+            ``"interleaved"`` and ``"zbv"`` place their actions by (``None``: equal; I and W seldom are, and a plan
+            placed by the real ratio idles less). ``AvgPipeTuner`` sets them from its profile.
         memory_limit: a stage's peak for ``advance_forwards="auto"``: bytes, or a fraction (<= 1) of its memory.
         partition: ``"balanced"`` evens out profiled forward+backward time (``"parameters"`` without an
             ``example_input_array``); ``"parameters"`` parameter bytes; ``"uniform"`` layer counts; or a list of
@@ -143,6 +146,7 @@ class AvgPipeStrategy(ProcessStrategy):
         schedule: str = "1f1b",
         advance_forwards: int | str = "auto",
         stages_per_rank: int | None = None,
+        schedule_costs: tuple[float, float, float] | None = None,
         memory_limit: float | None = None,
         partition: str | list[int] = "balanced",
         num_pipelines: int = 1,
@@ -368,7 +372,8 @@ class AvgPipeStrategy(ProcessStrategy):
         placed = f" ({v} per rank, {layout.placement} placement)" if v > 1 else ""
         rank_zero_info(
             f"AvgPipe: {stages} stages{placed}, layers per stage {list(sizes)}, schedule={self.config.schedule}, "
-            f"num_microbatches={self.num_microbatches}."
+            f"num_microbatches={self.num_microbatches}"
+            + (f", {placed_by(self.config.schedule_costs)}." if self.config.schedule_costs is not None else ".")
         )
         self._bridge = StepBridge(module, self._guard)
         metrics_sync_over(module, self.topology.stage_group)  # mirrored on every stage: one group per stage syncs
@@ -406,10 +411,11 @@ class AvgPipeStrategy(ProcessStrategy):
         averaging: str | None = None,
         keep_optimizers: bool = False,
         schedule: str | None = None,
+        schedule_costs: tuple[float, float, float] | None = None,
     ) -> None:
         """Change M, N, k, the averaging or the schedule (the tuner calls it in ``on_fit_start``, and between epochs
         to retune). A new schedule must keep the model's cut: one stage per rank (``1f1b``, ``zbh1``, ``advance``,
-        ``zbadvance``, ``afab``) or the same chunked schedule.
+        ``zbadvance``, ``afab``) or the same chunked schedule, which ``schedule_costs`` may place anew.
 
         A new N or averaging that needs replicas re-makes them from the reference and the optimizers
         (``configure_optimizers`` runs again), as does any new N unless ``keep_optimizers``; every rank must call it
@@ -422,6 +428,7 @@ class AvgPipeStrategy(ProcessStrategy):
             "advance_forwards": advance_forwards,
             "averaging": averaging,
             "schedule": schedule,
+            "schedule_costs": schedule_costs,
         }
         old, control = self.config, self._controller
         groups = self.num_groups if control is not None else None

@@ -21,6 +21,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_avgpipe.checks import is_int, is_number
 from lightning_avgpipe.plugin.precision import PipelineMixedPrecision
 from lightning_avgpipe.plugin.profiling import tune
+from lightning_avgpipe.plugin.reconfigure import placed_by
 from lightning_avgpipe.plugin.resume import resuming_from
 from lightning_avgpipe.plugin.retune import Retuner, check_retunable
 from lightning_avgpipe.schedules.generate import reads_k
@@ -200,6 +201,7 @@ class AvgPipeTuner(Callback):
                 advance_forwards=k,
                 averaging=choice.averaging if choice.num_pipelines * strategy.num_groups > 1 else None,
                 schedule=choice.schedule if choice.schedule != strategy.config.schedule else None,
+                schedule_costs=choice.schedule_costs,
             )
             if table.notes.get("activation_checkpointing"):  # "auto", and nothing fitted without it
                 strategy.controller.set_recompute([True] * len(strategy.pipeline.layers))
@@ -227,6 +229,7 @@ class AvgPipeTuner(Callback):
                 f"{choice.num_microbatches}, num_pipelines={choice.num_pipelines}"
                 + (f", averaging='{choice.averaging}'" if choice.num_pipelines * strategy.num_groups > 1 else "")
                 + (f", advance_forwards={choice.advance_forwards}" if reads_k(choice.schedule) else "")
+                + (f", {placed_by(choice.schedule_costs)}" if choice.schedule_costs is not None else "")
                 + f", {choice.samples_per_sec:.1f} samples/s predicted"
                 + (
                     f", efficiency {choice.efficiency:.3f}, goodput {choice.goodput:.1f}"

@@ -307,7 +307,8 @@ class StagePipeline:
         if key not in self._plans:
             batched = self.batched_p2p
             v = self.chunks.v
-            plan = build_plan(self.config.schedule, self.num_stages, units, k, training, int(not batched), v)
+            costs = self.config.schedule_costs
+            plan = build_plan(self.config.schedule, self.num_stages, units, k, training, int(not batched), v, costs)
             self._plans[key] = validate_plan(plan, nccl=batched)
         return self._plans[key]
 

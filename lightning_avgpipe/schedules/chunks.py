@@ -10,11 +10,12 @@ With ``v`` chunks per rank the model is cut into ``S x v`` stages, and rank ``r`
 An action's ``stage`` is the stage (``0 .. S v - 1``); a plan holds one action list per rank. Between stages on one
 rank nothing is sent: the output stays on the rank.
 
-:func:`chunked_orders` places every rank's computes by list scheduling on a unit-cost clock (F = 1, B = 2, or
-I = W = 1 where the backward is split): at each free moment a rank runs the ready backward of its highest stage (it
-unblocks the most), else a ready forward of its highest stage while it holds fewer than ``cap`` unfinished units,
-else a queued weight gradient, else it waits. ``cap`` is the memory in chunk units: ``v x S`` for ZB-V (1F1B's peak,
-S stage-sized units on rank 0), Megatron's warm-up plus one for interleaved 1F1B.
+:func:`chunked_orders` places every rank's computes by list scheduling on a clock of action costs: unit costs
+(F = 1, B = 2, or I = W = 1 where the backward is split), or measured ones (:func:`placement_costs`; I and W are
+seldom equal, and a plan placed by their real ratio idles less). At each free moment a rank runs the ready backward
+of its highest stage (it unblocks the most), else a ready forward of its highest stage while it holds fewer than
+``cap`` unfinished units, else a queued weight gradient, else it waits. ``cap`` is the memory in chunk units:
+``v x S`` for ZB-V (1F1B's peak, S stage-sized units on rank 0), Megatron's warm-up plus one for interleaved 1F1B.
 """
 
 from __future__ import annotations
@@ -32,6 +33,22 @@ PLACEMENT_COSTS: dict[Kind, float] = {
     Kind.INPUT_GRAD: 1.0,
     Kind.WEIGHT_GRAD: 1.0,
 }
+
+
+def placement_costs(forward: float, input_grad: float, weight_grad: float) -> dict[Kind, float]:
+    """The costs to place actions by, from one unit's forward, input-gradient and weight-gradient times (any unit),
+    scaled so a forward is 1; the whole backward is ``input_grad + weight_grad``."""
+    values = {"forward": forward, "input_grad": input_grad, "weight_grad": weight_grad}
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise ValueError(f"{name}={value!r} must be a positive time; give the measured (F, I, W) of one unit.")
+    f = float(forward)
+    return {
+        Kind.FORWARD: 1.0,
+        Kind.BACKWARD: (input_grad + weight_grad) / f,
+        Kind.INPUT_GRAD: input_grad / f,
+        Kind.WEIGHT_GRAD: weight_grad / f,
+    }
 
 
 @dataclass(frozen=True)
@@ -76,15 +93,17 @@ def chunked_orders(
     caps: list[int],
     training: bool = True,
     sequences: list[tuple[list[Action], list[Action]]] | None = None,
+    costs: dict[Kind, float] | None = None,
 ) -> list[list[Action]]:
     """Every rank's compute actions, in execution order (see the module docstring). With ``sequences`` (per rank,
-    its forwards and its backwards in order) a rank takes the next of each in that order, as they become ready."""
+    its forwards and its backwards in order) a rank takes the next of each in that order, as they become ready;
+    ``costs``: what each kind of action costs (:func:`placement_costs`; ``None``: ``PLACEMENT_COSTS``)."""
     if not training:  # evaluation: each unit down the stages, in unit order on every rank
         return [
             [Action(s, Kind.FORWARD, u) for u in range(num_units) for s in stages_of(r, num_ranks, v, placement)]
             for r in range(num_ranks)
         ]
-    return _ChunkScheduler(num_ranks, num_units, v, placement, split, caps, sequences).run()
+    return _ChunkScheduler(num_ranks, num_units, v, placement, split, caps, sequences, costs).run()
 
 
 def megatron_sequences(num_ranks: int, num_units: int, v: int, rank: int) -> tuple[list[Action], list[Action]]:
@@ -107,8 +126,10 @@ class _ChunkScheduler:
         split: bool,
         caps: list[int],
         sequences: list[tuple[list[Action], list[Action]]] | None = None,
+        costs: dict[Kind, float] | None = None,
     ) -> None:
         self.S, self.U, self.V, self.split, self.caps = S, U, S * v, split, caps
+        self.costs = PLACEMENT_COSTS if costs is None else costs
         self.sequences = sequences
         self.taken = [[0, 0] for _ in range(S)]  # with sequences: forwards and backwards taken per rank
         self.placement = placement
@@ -194,7 +215,7 @@ class _ChunkScheduler:
         self.taken[r][0 if kind is Kind.FORWARD else 1] += 1
         if kind is Kind.FORWARD:
             self.out[r].append(Action(j, Kind.FORWARD, u))
-            end = self.free[r] = now + PLACEMENT_COSTS[Kind.FORWARD]
+            end = self.free[r] = now + self.costs[Kind.FORWARD]
             self.next_f[j] += 1
             self.held[r] += 1
             if j + 1 < self.V:
@@ -204,7 +225,7 @@ class _ChunkScheduler:
             return
         split = self.split
         self.out[r].append(Action(j, Kind.INPUT_GRAD if split else Kind.BACKWARD, u))
-        end = self.free[r] = now + PLACEMENT_COSTS[Kind.INPUT_GRAD if split else Kind.BACKWARD]
+        end = self.free[r] = now + self.costs[Kind.INPUT_GRAD if split else Kind.BACKWARD]
         self.next_b[j] += 1
         if split:
             self.queued[r].append(Action(j, Kind.WEIGHT_GRAD, u))
@@ -215,5 +236,5 @@ class _ChunkScheduler:
 
     def finish_weight(self, r: int, now: float) -> None:
         self.out[r].append(self.queued[r].popleft())
-        self.free[r] = now + PLACEMENT_COSTS[Kind.WEIGHT_GRAD]
+        self.free[r] = now + self.costs[Kind.WEIGHT_GRAD]
         self.held[r] -= 1

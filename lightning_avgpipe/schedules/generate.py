@@ -46,7 +46,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_avgpipe.schedules.actions import Action, Kind
-from lightning_avgpipe.schedules.chunks import PLACEMENT_COSTS, Layout, chunked_orders, megatron_sequences
+from lightning_avgpipe.schedules.chunks import (
+    PLACEMENT_COSTS,
+    Layout,
+    chunked_orders,
+    megatron_sequences,
+    placement_costs,
+)
 from lightning_avgpipe.schedules.zerobubble import split_backward
 
 SCHEDULES: tuple[str, ...] = ("afab", "1f1b", "advance", "zbh1", "zbadvance", "interleaved", "zbv")
@@ -242,17 +248,20 @@ def lower(
     return out
 
 
-def lower_in_one_order(computes: Sequence[Sequence[Action]], layout: Layout) -> list[list[Action]]:
+def lower_in_one_order(
+    computes: Sequence[Sequence[Action]], layout: Layout, costs: dict[Kind, float] | None = None
+) -> list[list[Action]]:
     """The NCCL form (``recv_lookahead=0``) of any ranks' compute orders: two ranks post what passes between them
     in one order, the order in which an eager run of the plan produces it.
 
-    Every rank's computes are first timed as if run eagerly (each at its placement cost, as soon as its input is
-    there); the messages between two ranks, sorted by when they are produced, are then the order both post. A send
-    goes out right after the compute that makes it, a receive right before the compute that needs it, or earlier
-    where the pair's order puts it before a send of this rank. That every earlier message is produced before a later
-    one is what keeps the in-order streams moving (``schedules/nccl.py`` checks each plan).
+    Every rank's computes are first timed as if run eagerly (each at its placement cost, ``costs`` or
+    ``PLACEMENT_COSTS``, as soon as its input is there); the messages between two ranks, sorted by when they are
+    produced, are then the order both post. A send goes out right after the compute that makes it, a receive right
+    before the compute that needs it, or earlier where the pair's order puts it before a send of this rank. That
+    every earlier message is produced before a later one is what keeps the in-order streams moving
+    (``schedules/nccl.py`` checks each plan).
     """
-    finish = _eager_finish(computes, layout)
+    finish = _eager_finish(computes, layout, PLACEMENT_COSTS if costs is None else costs)
     made = sorted(
         (finish[send.message], layout.rank_of(a.stage), send)
         for ranked in computes
@@ -307,8 +316,8 @@ def _matching_recv(send: Action) -> Action:
     return Action(send.stage - 1, Kind.RECV_B, send.unit)
 
 
-def _eager_finish(computes: Sequence[Sequence[Action]], layout: Layout) -> dict[Any, float]:
-    """When each message between ranks is made when every rank runs its order eagerly, at the placement costs."""
+def _eager_finish(computes: Sequence[Sequence[Action]], layout: Layout, costs: dict[Kind, float]) -> dict[Any, float]:
+    """When each message between ranks is made when every rank runs its order eagerly, at ``costs``."""
     made: dict[Any, float] = {}  # Action.message -> when it is made
     free, at = [0.0] * len(computes), [0] * len(computes)
     moved = True
@@ -321,7 +330,7 @@ def _eager_finish(computes: Sequence[Sequence[Action]], layout: Layout) -> dict[
                 if recv is not None and recv.message not in made:
                     break  # its input is not made yet
                 ready = made[recv.message] if recv is not None else 0.0
-                free[r] = max(free[r], ready) + PLACEMENT_COSTS[a.kind]
+                free[r] = max(free[r], ready) + costs[a.kind]
                 send = _send_for(a, layout)
                 if send is not None:
                     made[send.message] = free[r]
@@ -346,6 +355,7 @@ class Plan:
     recv_lookahead: int = 1
     stages_per_rank: int = 1  # v: the model has num_stages x v stages, v on every rank (schedules/chunks.py)
     placement: str = "loop"
+    costs: tuple[float, float, float] | None = None  # the (F, I, W) a chunked plan was placed by; None: unit costs
 
     @property
     def layout(self) -> Layout:
@@ -357,6 +367,8 @@ class Plan:
 
     def __str__(self) -> str:
         chunks = f", stages_per_rank={self.stages_per_rank}" if self.stages_per_rank > 1 else ""
+        if self.costs is not None:
+            chunks += ", placed by F:I:W = " + ":".join(f"{c / self.costs[0]:.3g}" for c in self.costs)
         lines = [
             f"Plan(schedule={self.schedule}, stages={self.num_stages}{chunks}, units={self.num_units}, "
             f"advance_forwards={self.advance_forwards}, training={self.training})"
@@ -374,15 +386,22 @@ def build_plan(
     training: bool = True,
     recv_lookahead: int = 1,
     stages_per_rank: int | None = None,
+    costs: tuple[float, float, float] | None = None,
 ) -> Plan:
     """Build the lowered plan of every stage for ``num_units`` units (micro-batches times replicas); with
     ``stages_per_rank`` v (``interleaved``, ``zbv``) the model has ``num_stages x v`` stages and the plan one action
-    list per rank."""
+    list per rank, its actions placed by ``costs``: one unit's measured (forward, input gradient, weight gradient)
+    times (``None``: unit costs). The other schedules have fixed orders, and refuse ``costs``."""
     name = check_schedule_name(schedule)
     _check_sizes(num_stages, num_units, advance_forwards)
     v = check_stages_per_rank(name, stages_per_rank)
     if name in CHUNKED:
-        return _chunked_plan(name, num_stages, num_units, v, training, recv_lookahead)
+        return _chunked_plan(name, num_stages, num_units, v, training, recv_lookahead, costs)
+    if costs is not None:
+        raise ValueError(
+            f"schedule_costs={costs!r} with schedule={name!r}: only 'interleaved' and 'zbv' place their actions by "
+            "costs; the other schedules have fixed orders. Drop schedule_costs, or use one of those two."
+        )
     computes = compute_orders(name, num_stages, num_units, advance_forwards, training)
     stages = tuple(
         tuple(lower(computes[s], num_stages, recv_lookahead, computes[s - 1] if s > 0 else None))
@@ -414,21 +433,29 @@ def schedule_layout(schedule: str, num_ranks: int, stages_per_rank: int | None =
     return Layout(num_ranks, v, CHUNKED[schedule][0] if schedule in CHUNKED else "loop")
 
 
-def _chunked_plan(name: str, S: int, U: int, v: int, training: bool, recv_lookahead: int) -> Plan:
+def _chunked_plan(
+    name: str, S: int, U: int, v: int, training: bool, recv_lookahead: int, costs: tuple[float, float, float] | None
+) -> Plan:
     """``interleaved`` (loop placement, whole backward) or ``zbv`` (V placement, backward split)."""
     placement, split = CHUNKED[name]
     layout = Layout(S, v, placement)
+    if costs is not None and (not isinstance(costs, (tuple, list)) or len(costs) != 3):
+        raise ValueError(
+            f"schedule_costs={costs!r} must be three times: one unit's (forward, input_grad, weight_grad), measured."
+        )
+    timed = None if costs is None else placement_costs(*costs)
     if name == "interleaved":  # Megatron's orders; held chunk units: its warm-up, at least unit 0's way to the loss
         sequences = [megatron_sequences(S, U, v, r) for r in range(S)]
         caps = [max(2 * (S - r - 1) + (v - 1) * S, (v - 1) * min(S, U)) + 1 for r in range(S)]
-        computes = chunked_orders(S, U, v, placement, split, caps, training, sequences)
+        computes = chunked_orders(S, U, v, placement, split, caps, training, sequences, timed)
     else:  # ZB-V holds 1F1B's peak memory: S stage-sized units, v S chunks
-        computes = chunked_orders(S, U, v, placement, split, [v * S] * S, training)
+        computes = chunked_orders(S, U, v, placement, split, [v * S] * S, training, costs=timed)
     if recv_lookahead == 0:  # NCCL: every pair of ranks posts its messages in one order
-        stages = tuple(tuple(ranked) for ranked in lower_in_one_order(computes, layout))
+        stages = tuple(tuple(ranked) for ranked in lower_in_one_order(computes, layout, timed))
     else:
         stages = tuple(tuple(lower(computes[r], S, recv_lookahead, None, layout)) for r in range(S))
-    return Plan(name, S, U, 0, training, stages, recv_lookahead, v, placement)
+    kept = None if costs is None else tuple(float(c) for c in costs)
+    return Plan(name, S, U, 0, training, stages, recv_lookahead, v, placement, kept)
 
 
 def _check_sizes(num_stages: int, num_units: int, advance_forwards: int) -> None:

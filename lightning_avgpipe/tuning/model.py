@@ -21,7 +21,7 @@ from typing import Any
 
 from lightning_avgpipe.noise import effective_batch, efficiency, elastic_factor
 from lightning_avgpipe.schedules import build_plan, simulate
-from lightning_avgpipe.schedules.generate import check_stages_per_rank, reads_k, splits_backward
+from lightning_avgpipe.schedules.generate import CHUNKED, check_stages_per_rank, reads_k, splits_backward
 
 
 def interpolate(points: Mapping[float, float], x: float) -> float:
@@ -180,6 +180,7 @@ class Prediction:
     goodput: float = math.nan  # samples_per_sec x efficiency
     schedule: str = "1f1b"
     stages_per_rank: int = 1  # v: model chunks per rank (interleaved, zbv)
+    schedule_costs: tuple[float, float, float] | None = None  # a chunked plan's (F, I, W): what it was placed by
 
     def __post_init__(self) -> None:
         if math.isnan(self.goodput):
@@ -203,6 +204,21 @@ class Prediction:
             if not math.isfinite(out[key]):
                 out[key] = None
         return out
+
+
+def placing_costs(profile: PipelineProfile, schedule: str, b: float) -> tuple[float, float, float] | None:
+    """What a chunked schedule (``interleaved``, ``zbv``) places its actions by at micro-batch size ``b``: one unit's
+    (F, I, W) over all stages, as profiled (``schedule_costs``); ``None`` for the fixed-order schedules. Without a
+    profiled split, I and W are each half the backward (only their sum, B, places ``interleaved``)."""
+    if schedule not in CHUNKED:
+        return None
+    f = sum(st.forward(b) for st in profile.stages)
+    if all(st.split_profiled for st in profile.stages):
+        parts = [st.split(b) for st in profile.stages]
+        i, w = sum(p[0] for p in parts), sum(p[1] for p in parts)
+    else:
+        i = w = sum(st.backward(b) for st in profile.stages) / 2
+    return (round(f, 9), round(i, 9), round(w, 9)) if f > 0 and i > 0 and w > 0 else None
 
 
 def predict(
@@ -265,7 +281,8 @@ def predict(
     xfer = [0.0 if free or s == S - 1 else profile.stages[s].sent(b) / bw for s in range(S)]
     xfer_b = [0.0 if free or s == 0 else profile.stages[s - 1].sent(b) / bw for s in range(S)]
     k = advance_forwards if reads_k(schedule) else 0
-    plan = build_plan(schedule, S, N * M, k, stages_per_rank=v)
+    costs = placing_costs(profile, schedule, b)
+    plan = build_plan(schedule, S, N * M, k, stages_per_rank=v, costs=costs)
     sim = simulate(
         plan,
         fwd,
@@ -326,6 +343,7 @@ def predict(
         efficiency=eff,
         schedule=schedule,
         stages_per_rank=v,
+        schedule_costs=costs,
     )
 
 
