@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Subset
 from lightning_avgpipe import AvgPipeStrategy, AvgPipeTuner
 from lightning_avgpipe.runtime.shutdown import native_threads
 from lightning_avgpipe.shards import is_dtensor, local
-from tests.helpers.lit import PipeNet, dataset, loader
+from tests.helpers.lit import AliasedNet, PipeNet, dataset, loader
 from tests.helpers.tied import TiedLM, token_loader
 
 
@@ -125,7 +125,8 @@ def main(cfg: dict[str, Any]) -> None:
     out = Path(cfg["out"])
     who: dict[str, int] = {}
     atexit.register(exit_probe, out, who)
-    model = TiedLM(**cfg.get("model", {})) if cfg.get("tied") else PipeNet(**cfg.get("model", {}))
+    kind = TiedLM if cfg.get("tied") else AliasedNet if cfg.get("aliased") else PipeNet
+    model = kind(**cfg.get("model", {}))
     if cfg.get("example_input"):  # lets partition="balanced" profile the layers
         model.example_input_array = torch.zeros(2, 8)
     rec = Recorder()
@@ -193,6 +194,7 @@ def main(cfg: dict[str, Any]) -> None:
     # what could still run at interpreter exit (a daemon thread inside a C++ call there aborts the process)
     threads = sorted(t.name for t in threading.enumerate() if t is not threading.main_thread())
     result = {
+        "parameters": sum(p.numel() for p in model.parameters()),  # what this rank holds (a placeholder holds none)
         "threads": threads,
         "losses": rec.losses,
         "labels": rec.labels,

@@ -98,6 +98,31 @@ class PipeNet(L.LightningModule):
         return build_optimizer(self.parameters(), self.hparams.lr, self.hparams.optimizer, self.hparams.scheduler)
 
 
+class _Wrap(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+class AliasedNet(PipeNet):
+    """PipeNet that keeps its whole model (``self.layers``, as a user keeps a library model to call its ``generate()``)
+    beside wrappers around those layers, which ``configure_pipeline()`` returns: every layer has two names,
+    ``layers.i`` first (registered first) and ``wrapped.i.inner``."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.wrapped = nn.Sequential(*(_Wrap(layer) for layer in self.layers))
+
+    def configure_pipeline(self) -> nn.Sequential:
+        return self.wrapped
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.wrapped(x)
+
+
 def build_optimizer(params: Any, lr: float, name: str, scheduler: bool) -> Any:
     params = list(params)
     opt = {
