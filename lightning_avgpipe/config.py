@@ -148,8 +148,9 @@ class PipelineConfig:
                     f"schedule_costs={costs!r} must be one unit's measured (forward, input_grad, weight_grad) times, "
                     "three positive numbers in any unit, for example (1.0, 1.1, 0.6)."
                 )
-            build_plan(self.schedule, 2, 1, stages_per_rank=v, costs=tuple(costs))  # refuses a fixed-order schedule
-            object.__setattr__(self, "schedule_costs", tuple(float(c) for c in costs))
+            times = (float(costs[0]), float(costs[1]), float(costs[2]))
+            build_plan(self.schedule, 2, 1, stages_per_rank=v, costs=times)  # refuses a fixed-order schedule
+            object.__setattr__(self, "schedule_costs", times)
         if not isinstance(self.partition, str):
             object.__setattr__(self, "partition", tuple(self.partition))
             model_stages = None if self.num_stages is None else self.num_stages * v

@@ -454,7 +454,7 @@ def _chunked_plan(
         stages = tuple(tuple(ranked) for ranked in lower_in_one_order(computes, layout, timed))
     else:
         stages = tuple(tuple(lower(computes[r], S, recv_lookahead, None, layout)) for r in range(S))
-    kept = None if costs is None else tuple(float(c) for c in costs)
+    kept = None if costs is None else (float(costs[0]), float(costs[1]), float(costs[2]))
     return Plan(name, S, U, 0, training, stages, recv_lookahead, v, placement, kept)
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader, Subset
+from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from lightning_avgpipe import AvgPipeStrategy, AvgPipeTuner
 from lightning_avgpipe.runtime.shutdown import native_threads
@@ -120,6 +120,28 @@ def exit_probe(out: Path, who: dict[str, int]) -> None:
         (out / f"rank{who['rank']}.exit.json").write_text(json.dumps({"threads": native_threads()}))
 
 
+def training_loader(cfg: dict[str, Any], bs: int, rec: Any, trainer_kwargs: dict[str, Any]) -> DataLoader:
+    """The loader ``cfg`` asks for (in order, as one pipeline group reads it, unless told otherwise)."""
+    train_loader = group_loader(cfg, bs) if cfg.get("group_data") else loader(bs)
+    if cfg.get("tied"):
+        train_loader = token_loader(bs)
+    if cfg.get("shuffle_default"):  # shuffle=True under Lightning's defaults, the ranks' global RNGs apart
+        torch.manual_seed(1000 + int(os.environ.get("LOCAL_RANK", "0")))
+        train_loader = DataLoader(dataset(), batch_size=bs, shuffle=True)
+        rec.labels = []
+    if cfg.get("resumable") is not None:  # shuffled by epoch: torchdata's StatefulDataLoader, or a plain one
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        kind = StatefulDataLoader if cfg["resumable"] else DataLoader
+        by_epoch = DistributedSampler(dataset(), num_replicas=1, rank=0, shuffle=True, seed=3)
+        train_loader = kind(dataset(), batch_size=bs, sampler=by_epoch)
+    if cfg.get("shuffle"):  # the order comes from torch's global RNG (the same seed on every rank)
+        pl.seed_everything(cfg.get("seed", 0), verbose=False)
+        trainer_kwargs["use_distributed_sampler"] = False
+        train_loader = DataLoader(dataset(), batch_size=bs, shuffle=True)
+    return train_loader
+
+
 def main(cfg: dict[str, Any]) -> None:
     torch.set_num_threads(1)
     out = Path(cfg["out"])
@@ -173,17 +195,7 @@ def main(cfg: dict[str, Any]) -> None:
     bs = cfg.get("batch_size", 12)
     if cfg.get("group_data"):
         trainer_kwargs["use_distributed_sampler"] = False
-    train_loader = group_loader(cfg, bs) if cfg.get("group_data") else loader(bs)
-    if cfg.get("tied"):
-        train_loader = token_loader(bs)
-    if cfg.get("shuffle_default"):  # shuffle=True under Lightning's defaults, the ranks' global RNGs apart
-        torch.manual_seed(1000 + int(os.environ.get("LOCAL_RANK", "0")))
-        train_loader = DataLoader(dataset(), batch_size=bs, shuffle=True)
-        rec.labels = []
-    if cfg.get("shuffle"):  # the order comes from torch's global RNG (the same seed on every rank)
-        pl.seed_everything(cfg.get("seed", 0), verbose=False)
-        trainer_kwargs["use_distributed_sampler"] = False
-        train_loader = DataLoader(dataset(), batch_size=bs, shuffle=True)
+    train_loader = training_loader(cfg, bs, rec, trainer_kwargs)
     trainer = pl.Trainer(**trainer_kwargs)
     trainer.fit(
         model, train_loader, loader(bs) if cfg.get("limit_val_batches") else None, ckpt_path=cfg.get("ckpt_path")
