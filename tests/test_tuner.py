@@ -79,6 +79,36 @@ def test_fit_overhead_recovers_a_line_and_clamps() -> None:
     assert fit_overhead([4], [0.003]) == (0.003, 0.0)
 
 
+def test_cpu_share_sees_a_process_competing_for_the_core() -> None:
+    """Two busy processes on one core get about half of it each: the tuner's busy-machine probe reads that."""
+    import time
+
+    from lightning_avgpipe.plugin.profiling import busy_machine
+    from lightning_avgpipe.tuning.profiler import cpu_share
+
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("needs os.sched_setaffinity (Linux)")
+    before = os.sched_getaffinity(0)
+    core = min(before)
+    hog = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import os, time; os.sched_setaffinity(0, {{{core}}}); t = time.time()\nwhile time.time() - t < 30: pass",
+        ]
+    )
+    try:
+        os.sched_setaffinity(0, {core})
+        time.sleep(0.2)  # the hog is up and pinned
+        share = cpu_share(0.5)
+    finally:
+        os.sched_setaffinity(0, before)
+        hog.kill()
+        hog.wait()
+    assert share < 0.75, share
+    assert "this machine is busy: a profiling process got" in busy_machine(share) and busy_machine(0.97) == ""
+
+
 def test_measure_link_needs_two_stages() -> None:
     assert measure_link(0, [0], 1024, torch.device("cpu")) == (0.0, math.inf)
 
@@ -224,6 +254,10 @@ def test_tuner_applies_its_choice_and_reports_the_table(tmp_path: Path) -> None:
     assert {row["schedule"] for row in table["rows"]} == {"1f1b", "zbh1"}
     assert "Schedule '" in table["notes"]["reason"]
     assert set(table["notes"]["other_placements"]) == {"interleaved", "zbv"}
+    # how much of a core the profile got, and whether that made it a busy machine (then said in the log, too)
+    assert 0 < profile["cpu_share"] <= 1
+    busy = table["notes"]["busy_machine"]
+    assert (busy != "") == (profile["cpu_share"] < 0.85) and (busy in log)
 
 
 @pytest.mark.slow

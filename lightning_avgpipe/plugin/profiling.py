@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torchmetrics import Metric
 
 from lightning_avgpipe import microbatch
@@ -27,8 +27,10 @@ from lightning_avgpipe.schedules.generate import CHUNKED, SPLIT, reads_k, splits
 from lightning_avgpipe.shards import local
 from lightning_avgpipe.tuning.model import PipelineProfile, StageProfile, checkpointed, microbatch_sizes, predict
 from lightning_avgpipe.tuning.profiler import (
+    BUSY_BELOW,
     CopyOptimizer,
     Snapshot,
+    cpu_share,
     fit_overhead,
     measure_link,
     split_times,
@@ -130,6 +132,9 @@ def tune(
                 "pipeline group and an iteration takes one per pipeline."
             )
     profile = profile_pipeline(strategy, batch, microbatch_sizes(size, ms), profile_steps)
+    busy = busy_machine(profile.cpu_share)
+    if busy:
+        rank_zero_warn(busy)
     profile.batch_fetch_s = fetch_s
     profile.accumulate = int(trainer.accumulate_grad_batches)
     limit = memory_limit if memory_limit is not None else strategy.config.memory_limit
@@ -153,6 +158,7 @@ def tune(
     try:
         table = search(profile, *args, **options)
         table.notes["other_placements"] = other_placements(table)
+        table.notes["busy_machine"] = busy
         return table
     except NoFeasibleSettingError as err:
         if strategy.config.activation_checkpointing != "auto" or any(strategy.pipeline.recompute):
@@ -164,7 +170,20 @@ def tune(
             raise NoFeasibleSettingError(f"{err} Even with every layer checkpointed: {again}") from again
     table.notes["activation_checkpointing"] = True  # its profile is the checkpointed one: what training will run
     table.notes["other_placements"] = other_placements(table)
+    table.notes["busy_machine"] = busy
     return table
+
+
+def busy_machine(share: float) -> str:
+    """What to tell the user when the profile's processes got less than ``BUSY_BELOW`` of a core ("" otherwise)."""
+    if share >= BUSY_BELOW:
+        return ""
+    return (
+        f"AvgPipeTuner: this machine is busy: a profiling process got {share:.0%} of a core (other processes compete "
+        "for the CPUs), so the predicted times are that much slower, and less steady, than a quiet machine's. The "
+        "sizes and schedules were profiled in turns, so the load slows them alike and the choice stands; tune again "
+        "on a quiet machine for times to plan with."
+    )
 
 
 def candidate_schedules(schedule: str, profile: PipelineProfile) -> list[str]:
@@ -316,12 +335,7 @@ def profile_pipeline(strategy: AvgPipeStrategy, batch: Any, sizes: Sequence[floa
         copy_opt = CopyOptimizer(lambda ps: clone_optimizer(user, ps, reference), reference)
         split_spans: dict[float, list[Any]] = {b: [] for b in sizes}
         kinds = ("warm", "timed", "split")  # a size with a split variant takes a third step: that variant, timed
-        turns = [
-            (setting, kind)
-            for _ in range(steps)
-            for setting in settings
-            for kind in kinds[: 2 + (setting[0] in splits)]
-        ]
+        turns = [(setting, kind) for setting in settings for kind in kinds[: 2 + (setting[0] in splits)]]
 
         def run(probe: Any, measure: bool, noisy: bool) -> Any:
             return probe.train_step(
@@ -334,7 +348,8 @@ def profile_pipeline(strategy: AvgPipeStrategy, batch: Any, sizes: Sequence[floa
                 key="avgpipe-tune",
             )
 
-        for (b, _m, probe), kind in turns:
+        shares: list[float] = []  # how much of a core this process gets: before every round, and at the end
+        for (b, _m, probe), kind in _rounds(turns, steps, shares):
             for p in params:
                 p.grad = None
             if kind == "split":
@@ -355,6 +370,7 @@ def profile_pipeline(strategy: AvgPipeStrategy, batch: Any, sizes: Sequence[floa
                     peaks[b].append(result.trace.peak_activation_bytes)
             bridge.take_logs()
             copy_opt.step()
+        shares.append(cpu_share())
         for b, m, probe in settings:
             f, bk = unit_times(spans[b])
             i, w = split_times(split_spans[b] if b in splits else spans[b] if split else [])
@@ -420,6 +436,7 @@ def profile_pipeline(strategy: AvgPipeStrategy, batch: Any, sizes: Sequence[floa
         shard_optimizer_state=bool(strategy.config.shard_optimizer_state),
     )
     profile.noise_scale, profile.noise_measurements = pooled_noise_scale(noise), len(noise)
+    profile.cpu_share = round(-_max_over(strategy, -min(shares)), 3)  # the least any rank got
     # What the spans miss (posting, copies, waits the model does not see): measured step - the pipeline part of
     # the prediction itself (the simulator with the same latency and transfer costs), per unit
     measured = _max_list(strategy, residuals)
@@ -427,6 +444,13 @@ def profile_pipeline(strategy: AvgPipeStrategy, batch: Any, sizes: Sequence[floa
     a, c = fit_overhead(units_seen, [t - s for t, s in zip(measured, sims)])
     profile.iteration_overhead_s, profile.unit_overhead_s = a + _max_list(strategy, [per_iteration])[0], c
     return strategy.broadcast(profile, src=0)
+
+
+def _rounds(turns: list[Any], steps: int, shares: list[float]) -> Iterator[Any]:
+    """``turns``, ``steps`` times over; before each round, the share of a core this process gets (into ``shares``)."""
+    for _ in range(steps):
+        shares.append(cpu_share())
+        yield from turns
 
 
 def _variants(

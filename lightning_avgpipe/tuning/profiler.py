@@ -44,6 +44,19 @@ def tensor_bytes(obj: Any) -> int:
     return 0
 
 
+BUSY_BELOW = 0.85  # a profile whose processes got less of a core than this ran on a busy machine
+
+
+def cpu_share(seconds: float = 0.05) -> float:
+    """The share of a core this thread got over about ``seconds`` of pure Python work: its CPU time over the wall
+    time (about 1.0 on a core of its own; about 0.5 with another busy process on it). One thread's work, so it
+    reads the same whatever torch's thread count."""
+    wall0, cpu0 = time.perf_counter(), time.thread_time()
+    while time.perf_counter() - wall0 < seconds:
+        sum(range(2000))
+    return min(1.0, (time.thread_time() - cpu0) / max(time.perf_counter() - wall0, 1e-9))
+
+
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return sum(tensor_bytes(state) for state in optimizer.state.values())
 
