@@ -11,7 +11,8 @@ before a loaded tune and killed after it. Per run: the share of a core the profi
 ``cpu_share`` probe, and whether it said the machine was busy), the choice, the chosen row's raw predicted iteration
 time, and how far the predicted ratios between candidates moved: for every row, its samples/s over the best row's,
 against the same ratio in the quiet run (the largest and the median relative change over rows). The targets (issue
-23, item 4): the quiet run's choice in every loaded run, the ratios within 10%.
+23, item 4): the quiet run's choice in every loaded run, the ratios within 10%. ``--quiet-runs`` more quiet tunes
+show how far the figures move without load, against the same first run.
 """
 
 from __future__ import annotations
@@ -28,12 +29,14 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-HOG = "import time\nend = time.time() + {seconds}\nwhile time.time() < end:\n    pass\n"
+# a busy loop that ends with its time, or with this script (a parent killed without cleaning up)
+HOG = "import os, time\nend = time.time() + {seconds}\nwhile time.time() < end and os.getppid() == {parent}:\n    pass"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=5, help="loaded tunes")
+    p.add_argument("--quiet-runs", type=int, default=2, help="quiet tunes: the first the reference, the rest noise")
     p.add_argument("--hogs", type=int, default=2, help="CPU-bound processes running beside each loaded tune")
     p.add_argument("--config", default="examples/char_gpt.yaml")
     p.add_argument("--num-pipelines", default="1", help="the tune's --num-pipelines")
@@ -43,7 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="1 loaded run, 1 hog, fewer sizes: a smoke run")
     args = p.parse_args(argv)
     if args.quick:
-        args.runs, args.hogs, args.profile_steps = 1, 1, 1
+        args.runs, args.quiet_runs, args.hogs, args.profile_steps = 1, 1, 1, 1
     return args
 
 
@@ -77,6 +80,7 @@ def summary(quiet: dict[str, Any], table: dict[str, Any]) -> dict[str, Any]:
     moved = [abs(now[k] / base[k] - 1) for k in base if k in now]
     chosen = table["choice"]
     return {
+        "choice_in_quiet_table": base.get(key(chosen), 0.0),  # its samples/s as the quiet run predicts it, of the best
         "cpu_share": table["profile"].get("cpu_share"),
         "busy_said": bool(table["notes"].get("busy_machine")),
         "choice": list(key(chosen)),
@@ -92,15 +96,27 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     extra = ["--num-microbatches", "2,4,8"] if args.quick else []
     runs: list[dict[str, Any]] = []
+    quiet_noise: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         quiet = tune(args, Path(tmp) / "quiet", extra)
         print(
             f"quiet: cpu_share {quiet['profile'].get('cpu_share')}, choice {list(key(quiet['choice']))}, "
             f"{quiet['choice']['step_time'] * 1e3:.1f} ms predicted, {quiet['wall_s']:.0f} s"
         )
+        for i in range(1, args.quiet_runs):  # the same, quiet again: how far noise alone moves the figures
+            again = summary(quiet, tune(args, Path(tmp) / f"quiet{i}", extra))
+            quiet_noise.append(again)
+            print(
+                f"quiet {i + 1}: cpu_share {again['cpu_share']}, choice {again['choice']} "
+                f"({'same' if again['same_choice'] else 'OTHER'}: "
+                f"{again['choice_in_quiet_table']:.3f} of the first's best), "
+                f"ratios moved max {again['ratio_change_max']:.1%} "
+                f"median {again['ratio_change_median']:.1%}"
+            )
         for i in range(args.runs):
             hogs = [
-                subprocess.Popen([sys.executable, "-c", HOG.format(seconds=args.timeout)]) for _ in range(args.hogs)
+                subprocess.Popen([sys.executable, "-c", HOG.format(seconds=args.timeout, parent=os.getpid())])
+                for _ in range(args.hogs)
             ]
             try:
                 table = tune(args, Path(tmp) / f"loaded{i}", extra)
@@ -112,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
             r = runs[-1]
             print(
                 f"loaded {i + 1} ({args.hogs} hogs): cpu_share {r['cpu_share']}, busy said {r['busy_said']}, choice "
-                f"{r['choice']} ({'same' if r['same_choice'] else 'OTHER'}), {r['chosen_step_ms']:.1f} ms predicted "
+                f"{r['choice']} ({'same' if r['same_choice'] else 'OTHER'}: "
+                f"{r['choice_in_quiet_table']:.3f} of the quiet best), "
+                f"{r['chosen_step_ms']:.1f} ms predicted "
                 f"({r['chosen_step_ms'] / (quiet['choice']['step_time'] * 1e3):.2f}x quiet), ratios moved max "
                 f"{r['ratio_change_max']:.1%} median {r['ratio_change_median']:.1%}, {r['wall_s']:.0f} s"
             )
@@ -121,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"same choice in {same} of {len(runs)} loaded runs: {'PASS' if same == len(runs) else 'MISS'} (all)")
     print(f"ratios between candidates moved at most {worst:.1%}: {'PASS' if worst <= 0.10 else 'MISS'} (<= 10%)")
     print(f"busy machine said in {sum(r['busy_said'] for r in runs)} of {len(runs)} loaded runs")
+    worst_pick = min(r["choice_in_quiet_table"] for r in runs)
+    print(f"every loaded choice at {worst_pick:.3f} or more of the quiet run's best predicted samples/s")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         quiet_figures = {"cpu_share": quiet["profile"].get("cpu_share"), "choice": list(key(quiet["choice"]))}

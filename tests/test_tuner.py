@@ -8,6 +8,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,32 @@ def test_unit_times_charge_sends_to_the_compute_before_them() -> None:
     assert bwd == pytest.approx(0.0215)  # mean of 0.023 and 0.020
 
 
+def test_on_a_busy_machine_units_are_timed_by_the_cpu_time_charged_to_them() -> None:
+    """Wall time stretched by other processes (the wait and the second forward), CPU time as the compute took it."""
+    from lightning_avgpipe.runtime.trace import StepTrace
+    from lightning_avgpipe.tuning.profiler import split_times
+
+    spans = [
+        Span("F", 0, 0.0, 0.010, cpu=0.008),
+        Span("send", 0, 0.010, 0.012, cpu=0.002),
+        Span("wait", 1, 0.012, 0.050, cpu=0.0001),
+        Span("F", 1, 0.050, 0.080, cpu=0.010),
+        Span("I", 0, 0.080, 0.090, cpu=0.006),
+        Span("W", 0, 0.090, 0.120, cpu=0.004),
+    ]
+    assert unit_times([spans], cpu=True) == pytest.approx((0.010, 0.0))  # (0.008 + 0.002 + 0.010) / 2
+    assert unit_times([spans]) == pytest.approx((0.021, 0.0))
+    assert split_times([spans], cpu=True) == pytest.approx((0.006, 0.004))
+    trace = StepTrace(0)  # each span is charged the process's CPU time since the one before it
+    t0 = time.perf_counter()
+    sum(range(300_000))
+    trace.add("F", 0, t0, time.perf_counter())
+    trace.add("wait", 1, time.perf_counter(), time.perf_counter())
+    trace.finish()
+    first, second = trace.spans
+    assert first.cpu > 0.002 and second.cpu < first.cpu and trace.step_cpu >= first.cpu + second.cpu
+
+
 def test_unit_times_are_means_so_a_slow_unit_counts() -> None:
     # three units of 2 ms and one of 10 ms: a step pays 16 ms, so 4 ms per unit (a median would say 2 ms)
     spans = [Span("F", u, 0.1 * u, 0.1 * u + d) for u, d in enumerate((0.002, 0.002, 0.010, 0.002))]
@@ -81,8 +108,6 @@ def test_fit_overhead_recovers_a_line_and_clamps() -> None:
 
 def test_cpu_share_sees_a_process_competing_for_the_core() -> None:
     """Two busy processes on one core get about half of it each: the tuner's busy-machine probe reads that."""
-    import time
-
     from lightning_avgpipe.plugin.profiling import busy_machine
     from lightning_avgpipe.tuning.profiler import cpu_share
 
@@ -107,6 +132,7 @@ def test_cpu_share_sees_a_process_competing_for_the_core() -> None:
         hog.wait()
     assert share < 0.75, share
     assert "this machine is busy: a profiling process got" in busy_machine(share) and busy_machine(0.97) == ""
+    assert "timed by their CPU time" in busy_machine(share, "cpu")
 
 
 def test_measure_link_needs_two_stages() -> None:
@@ -258,6 +284,7 @@ def test_tuner_applies_its_choice_and_reports_the_table(tmp_path: Path) -> None:
     assert 0 < profile["cpu_share"] <= 1
     busy = table["notes"]["busy_machine"]
     assert (busy != "") == (profile["cpu_share"] < 0.85) and (busy in log)
+    assert profile["clock"] == ("cpu" if busy else "wall")  # busy, on CPU with a thread per rank: timed by CPU time
 
 
 @pytest.mark.slow

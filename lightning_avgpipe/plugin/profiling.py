@@ -22,6 +22,7 @@ from lightning_avgpipe.optim import clone_optimizer
 from lightning_avgpipe.plugin import compat
 from lightning_avgpipe.plugin.contract import pipeline_inputs
 from lightning_avgpipe.plugin.data import loader_generators
+from lightning_avgpipe.runtime.trace import COMPUTE
 from lightning_avgpipe.schedules import simulate
 from lightning_avgpipe.schedules.generate import CHUNKED, SPLIT, reads_k, splits_backward
 from lightning_avgpipe.shards import local
@@ -132,7 +133,7 @@ def tune(
                 "pipeline group and an iteration takes one per pipeline."
             )
     profile = profile_pipeline(strategy, batch, microbatch_sizes(size, ms), profile_steps)
-    busy = busy_machine(profile.cpu_share)
+    busy = busy_machine(profile.cpu_share, profile.clock)
     if busy:
         rank_zero_warn(busy)
     profile.batch_fetch_s = fetch_s
@@ -174,15 +175,19 @@ def tune(
     return table
 
 
-def busy_machine(share: float) -> str:
+def busy_machine(share: float, clock: str = "wall") -> str:
     """What to tell the user when the profile's processes got less than ``BUSY_BELOW`` of a core ("" otherwise)."""
     if share >= BUSY_BELOW:
         return ""
-    return (
-        f"AvgPipeTuner: this machine is busy: a profiling process got {share:.0%} of a core (other processes compete "
-        "for the CPUs), so the predicted times are that much slower, and less steady, than a quiet machine's. The "
-        "sizes and schedules were profiled in turns, so the load slows them alike and the choice stands; tune again "
-        "on a quiet machine for times to plan with."
+    said = f"AvgPipeTuner: this machine is busy: a profiling process got {share:.0%} of a core (other processes "
+    if clock == "cpu":
+        return said + (
+            "compete for the CPUs). The stages were timed by their CPU time, which the load does not stretch, so the "
+            "predictions are a quiet machine's; training on this busy machine will run slower than predicted."
+        )
+    return said + (
+        "compete for the CPUs), and the predicted times are a busy machine's: slower and less steady than a quiet "
+        "one's. Tune again on a quiet machine for figures to plan with."
     )
 
 
@@ -325,6 +330,7 @@ def profile_pipeline(strategy: AvgPipeStrategy, batch: Any, sizes: Sequence[floa
         # shape the first step pays for cold caches (allocator, kernels), which training at one shape does not.
         spans: dict[float, list[Any]] = {b: [] for b in sizes}
         step_times: dict[float, list[float]] = {b: [] for b in sizes}
+        outside: dict[float, list[float]] = {b: [] for b in sizes}  # CPU seconds of a step outside the charged spans
         peaks: dict[float, list[int]] = {b: [] for b in sizes}
         out_bytes: dict[float, int] = {}
         # Between steps the optimizer of a copy of the stage steps, as the real one does between iterations (it
@@ -367,13 +373,18 @@ def profile_pipeline(strategy: AvgPipeStrategy, batch: Any, sizes: Sequence[floa
                 if kind == "timed":
                     spans[b].append(result.trace.spans)
                     step_times[b].append(result.trace.step_time)
+                    outside[b].append(result.trace.step_cpu - sum(s.cpu for s in result.trace.spans if charged(s)))
                     peaks[b].append(result.trace.peak_activation_bytes)
             bridge.take_logs()
             copy_opt.step()
         shares.append(cpu_share())
+        share = -_max_over(strategy, -min(shares))  # the least share of a core any rank got
+        timed = [s for b in sizes for step in spans[b] for s in step if s.kind in COMPUTE]
+        work = sum(s.cpu for s in timed) / max(sum(s.end - s.start for s in timed), 1e-9)
+        cpu = cpu_clock(strategy, share, work)
         for b, m, probe in settings:
-            f, bk = unit_times(spans[b])
-            i, w = split_times(split_spans[b] if b in splits else spans[b] if split else [])
+            f, bk = unit_times(spans[b], cpu)
+            i, w = split_times(split_spans[b] if b in splits else spans[b] if split else [], cpu)
             if split == base:  # ZB-V: the whole backward never ran; I + W is what it costs
                 bk = i + w
             forward_s[b], backward_s[b] = f * v, bk * v
@@ -383,24 +394,25 @@ def profile_pipeline(strategy: AvgPipeStrategy, batch: Any, sizes: Sequence[floa
             activation[b] = v * statistics.median(peaks[b]) / max(1, stash)
             sent[b] = float(out_bytes.get(b, 0))
             units_seen.append(m)
-            residuals.append(statistics.median(step_times[b]))  # the step as this stage saw it; fitted below
+            # the step as this stage saw it, fitted below; by CPU time, what it spent outside the units' spans
+            residuals.append(statistics.median(outside[b] if cpu else step_times[b]))
         # The strategy's own per-iteration collectives (the loss and logs from the last stage, the step figures)
         extra = []
         for _ in range(3):
-            t0 = time.perf_counter()
+            t0 = time.process_time() if cpu else time.perf_counter()
             pipeline.share((torch.zeros(()), []) if pipeline.is_last else None)
-            extra.append(time.perf_counter() - t0)
+            extra.append((time.process_time() if cpu else time.perf_counter()) - t0)
         per_iteration = statistics.median(extra)
     finally:
         snap.restore()
-    step_s, state_bytes = copy_opt.median(), copy_opt.state_bytes()
+    step_s, state_bytes = copy_opt.median(cpu), copy_opt.state_bytes()
     del copy_opt
     elastic_s = time_elastic_update(pipeline.layers, device)
     link_bytes = int(max(sent.values())) if sent else 4
     group = top.pipeline_group
     if S > 1:
         link_bytes = int(_max_over(strategy, float(link_bytes)))
-        latency, bandwidth = measure_link(stage, top.pipeline_ranks, link_bytes, device, group)
+        latency, bandwidth = measure_link(stage, top.pipeline_ranks, link_bytes, device, group, least=cpu)
     else:
         latency, bandwidth = 0.0, float("inf")
     mine = StageProfile(
@@ -436,14 +448,29 @@ def profile_pipeline(strategy: AvgPipeStrategy, batch: Any, sizes: Sequence[floa
         shard_optimizer_state=bool(strategy.config.shard_optimizer_state),
     )
     profile.noise_scale, profile.noise_measurements = pooled_noise_scale(noise), len(noise)
-    profile.cpu_share = round(-_max_over(strategy, -min(shares)), 3)  # the least any rank got
+    profile.cpu_share, profile.clock = round(share, 3), "cpu" if cpu else "wall"
     # What the spans miss (posting, copies, waits the model does not see): measured step - the pipeline part of
     # the prediction itself (the simulator with the same latency and transfer costs), per unit
     measured = _max_list(strategy, residuals)
-    sims = [predict(profile, m, 1, schedule=base).pipeline_time for m in units_seen]
+    sims = [0.0 if cpu else predict(profile, m, 1, schedule=base).pipeline_time for m in units_seen]
     a, c = fit_overhead(units_seen, [t - s for t, s in zip(measured, sims)])
     profile.iteration_overhead_s, profile.unit_overhead_s = a + _max_list(strategy, [per_iteration])[0], c
     return strategy.broadcast(profile, src=0)
+
+
+def charged(span: Any) -> bool:
+    """Whether a span's time is charged to a unit's compute (``unit_times``): compute, and the sends after it."""
+    return span.kind in (*COMPUTE, "send")
+
+
+def cpu_clock(strategy: AvgPipeStrategy, share: float, work: float) -> bool:
+    """Whether the profile times by the process's CPU time: on a busy machine (``share`` below ``BUSY_BELOW``), on
+    CPU devices with one thread per process on every rank, where CPU time is the compute's own and the load does not
+    stretch it, and where the compute is this process's CPU work: its CPU time over its wall time (``work``) at least
+    half the share of a core it got (a layer that waits, for I/O or another device, takes wall time only).
+    Elsewhere (a GPU's kernels, several threads) wall time, busy or not."""
+    alone = strategy.root_device.type == "cpu" and torch.get_num_threads() == 1 and work >= share / 2
+    return share < BUSY_BELOW and _max_over(strategy, 0.0 if alone else 1.0) == 0.0
 
 
 def _rounds(turns: list[Any], steps: int, shares: list[float]) -> Iterator[Any]:

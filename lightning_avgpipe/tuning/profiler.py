@@ -66,7 +66,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def split_times(steps: Sequence[Sequence[Span]]) -> tuple[float, float]:
+def took(span: Span, cpu: bool = False) -> float:
+    """How long ``span`` held the stage: wall time, or (``cpu``) the process's CPU time charged to it."""
+    return span.cpu if cpu else span.end - span.start
+
+
+def split_times(steps: Sequence[Sequence[Span]], cpu: bool = False) -> tuple[float, float]:
     """Mean time one unit's input gradient (``I``) and weight gradient (``W``) hold the stage, as :func:`unit_times`
     counts them (a send after ``I`` is charged to it); ``(0, 0)`` where the steps split no backward."""
     grads: dict[str, list[float]] = {"I": [], "W": []}
@@ -74,16 +79,16 @@ def split_times(steps: Sequence[Sequence[Span]]) -> tuple[float, float]:
         last: list[float] | None = None
         for s in spans:
             if s.kind in grads:
-                grads[s.kind].append(s.end - s.start)
+                grads[s.kind].append(took(s, cpu))
                 last = grads[s.kind]
             elif s.kind == "F":
                 last = None
             elif s.kind == "send" and last is not None:
-                last[-1] += s.end - s.start
+                last[-1] += took(s, cpu)
     return (statistics.fmean(grads["I"]) if grads["I"] else 0.0, statistics.fmean(grads["W"]) if grads["W"] else 0.0)
 
 
-def unit_times(steps: Sequence[Sequence[Span]]) -> tuple[float, float]:
+def unit_times(steps: Sequence[Sequence[Span]], cpu: bool = False) -> tuple[float, float]:
     """Mean time one unit's forward and backward hold the stage, over ``steps`` (a stage's spans per step).
 
     The mean, not the median: a step's compute is the sum of its units', and the occasional slow unit (a cache
@@ -92,6 +97,8 @@ def unit_times(steps: Sequence[Sequence[Span]]) -> tuple[float, float]:
 
     A send right after a compute is charged to it: on gloo an ``isend`` copies the tensor before returning, so
     it takes the stage's time like compute does (``wait`` spans are not charged: the simulator makes its own).
+    ``cpu``: the process's CPU time charged to each span instead of its wall time (what a busy machine does not
+    stretch).
     """
     fwd: list[float] = []
     bwd: list[float] = []
@@ -99,13 +106,13 @@ def unit_times(steps: Sequence[Sequence[Span]]) -> tuple[float, float]:
         last: list[float] | None = None
         for s in spans:
             if s.kind == "F":
-                fwd.append(s.end - s.start)
+                fwd.append(took(s, cpu))
                 last = fwd
             elif s.kind == "B":
-                bwd.append(s.end - s.start)
+                bwd.append(took(s, cpu))
                 last = bwd
             elif s.kind == "send" and last is not None:
-                last[-1] += s.end - s.start
+                last[-1] += took(s, cpu)
     return (statistics.fmean(fwd) if fwd else 0.0, statistics.fmean(bwd) if bwd else 0.0)
 
 
@@ -127,21 +134,24 @@ class CopyOptimizer:
                 c.grad = torch.randn_like(c) * 1e-3
         self.optimizer = make_optimizer(self.copies) if self.copies else None
         self.times: list[float] = []
+        self.cpu_times: list[float] = []
 
     def step(self) -> float:
         if self.optimizer is None:
             return 0.0
         _sync(self.device)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         self.optimizer.step()
         _sync(self.device)
         elapsed = time.perf_counter() - t0
         self.times.append(elapsed)
+        self.cpu_times.append(time.process_time() - c0)
         return elapsed
 
-    def median(self) -> float:
-        """Median step time, the first (which creates the state) left out."""
-        timed = self.times[1:] or self.times
+    def median(self, cpu: bool = False) -> float:
+        """Median step time (``cpu``: the process's CPU time), the first (which creates the state) left out."""
+        times = self.cpu_times if cpu else self.times
+        timed = times[1:] or times
         return statistics.median(timed) if timed else 0.0
 
     def state_bytes(self) -> int:
@@ -167,9 +177,16 @@ def time_elastic_update(layers: Sequence[nn.Module], device: torch.device, repea
 
 
 def measure_link(
-    stage: int, ranks: Sequence[int], nbytes: int, device: torch.device, group: Any = None, repeats: int = 5
+    stage: int,
+    ranks: Sequence[int],
+    nbytes: int,
+    device: torch.device,
+    group: Any = None,
+    repeats: int = 5,
+    least: bool = False,
 ) -> tuple[float, float]:
-    """(latency seconds, bytes per second) between neighbouring stages: a ping-pong of 4 bytes and of ``nbytes``.
+    """(latency seconds, bytes per second) between neighbouring stages: a ping-pong of 4 bytes and of ``nbytes``,
+    the median of ``repeats`` (``least``: the fastest, what a busy machine's scheduling added least to).
 
     Every stage of the pipeline calls it (pairs take turns, in stage order). Returns the median over the pairs.
     """
@@ -199,7 +216,7 @@ def measure_link(
                 _sync(device)
                 if r:
                     samples.append((time.perf_counter() - t0) / 2)
-            times.append(statistics.median(samples))
+            times.append(min(samples) if least else statistics.median(samples))
         if stage == s:
             per_pair.append(times)
     if per_pair:
