@@ -32,3 +32,16 @@ def test_blocks_that_carry_a_rotary_cache_and_a_mask_in_a_tuple(tmp_path: Path) 
     out = run([sys.executable, str(ROOT / "examples" / "rotary_tuple.py"), "--check"], tmp_path)
     assert "check: OK" in out, out[-3000:]
     assert float(re.search(r"accumulation\| = ([0-9.e+-]+)", out).group(1)) < 1e-5  # type: ignore[union-attr]
+
+
+@pytest.mark.timeout(300)
+def test_a_hugging_face_gpt2_with_tied_weights(tmp_path: Path) -> None:
+    """``examples/hf_gpt2_tied.py --check``: GPT2LMHeadModel (random tiny config) through wrappers equals its own
+    forward, trains over 2 stages as one process with accumulation does, keeps wte and lm_head one tensor, and
+    checkpoints the trained weights under its second path (``gpt.*``) too."""
+    pytest.importorskip("transformers")
+    out = run([sys.executable, str(ROOT / "examples" / "hf_gpt2_tied.py"), "--check"], tmp_path)
+    assert "check: OK" in out, out[-3000:]
+    assert float(re.search(r"accumulation\| = ([0-9.e+-]+)", out).group(1)) < 1e-5  # type: ignore[union-attr]
+    assert "tied: embedding and head equal True; gpt.* equal to layers.* True" in out
+    assert "reaches layers of the pipeline by a second path: gpt.transformer.wte is layers.0.wte" in out, out[-3000:]

@@ -73,11 +73,15 @@ def test_equivalence(tmp_path: Path, devices: int, strategy: dict[str, Any]) -> 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["1f1b", "zbh1"])
-def test_adam_clipping_accumulation_scheduler(tmp_path: Path, schedule: str) -> None:
+@pytest.mark.parametrize(
+    ("schedule", "partition"),
+    [("1f1b", [2, 4]), ("zbh1", [2, 4]), ("zbv", [1, 2, 1, 2]), ("interleaved", [2, 1, 1, 2])],
+)
+def test_adam_clipping_accumulation_scheduler(tmp_path: Path, schedule: str, partition: list[int]) -> None:
     """Global-norm clipping, accumulate_grad_batches, an lr scheduler and Adam all keep the arithmetic exact (and
-    with the backward split, whose weight gradients land in W, before the clipping sees them)."""
-    strategy = {"num_microbatches": 2, "partition": [2, 4], "schedule": schedule}
+    with the backward split, whose weight gradients land in W, before the clipping sees them; and with two stages
+    per rank, whose norms the rank sums before the ranks do)."""
+    strategy = {"num_microbatches": 2, "partition": partition, "schedule": schedule}
     results = run_lightning(
         tmp_path,
         2,
