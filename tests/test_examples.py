@@ -45,3 +45,18 @@ def test_a_hugging_face_gpt2_with_tied_weights(tmp_path: Path) -> None:
     assert float(re.search(r"accumulation\| = ([0-9.e+-]+)", out).group(1)) < 1e-5  # type: ignore[union-attr]
     assert "tied: embedding and head equal True; gpt.* equal to layers.* True" in out
     assert "reaches layers of the pipeline by a second path: gpt.transformer.wte is layers.0.wte" in out, out[-3000:]
+
+
+@pytest.mark.timeout(420)
+def test_a_hugging_face_llama_split_by_its_own_tensor_parallel_plan(tmp_path: Path) -> None:
+    """``examples/hf_llama_tp.py --check``: LlamaForCausalLM (random tiny config) over 2 stages x 2 shards, with no
+    plan given: the strategy follows the model's config.base_model_tp_plan (q, k, v, o, gate, up, down of every
+    block, on both stages) and trains as one process with accumulation does."""
+    pytest.importorskip("transformers")
+    out = run([sys.executable, str(ROOT / "examples" / "hf_llama_tp.py"), "--check"], tmp_path)
+    assert "check: OK" in out, out[-3000:]
+    assert "tensor parallelism follows the Hugging Face model's config.base_model_tp_plan" in out
+    split = out.split("splits, per stage, ")[1].split("\n")[0]
+    for stage, block in ((0, 1), (1, 3)):
+        names = [f"layers.{block}.layer.{m}" for m in ("self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj")]
+        assert f"stage {stage}: " in split and all(n in split for n in names), split

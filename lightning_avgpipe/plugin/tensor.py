@@ -12,7 +12,7 @@ from torch import nn
 
 from lightning_avgpipe.runtime import collectives
 from lightning_avgpipe.runtime.pipeline import StagePipeline
-from lightning_avgpipe.runtime.tensor_parallel import check_plan, default_plan, parallelize_stage
+from lightning_avgpipe.runtime.tensor_parallel import check_plan, default_plan, hugging_face_plan, parallelize_stage
 from lightning_avgpipe.runtime.topology import Topology
 from lightning_avgpipe.shards import is_dtensor, release_meshes
 
@@ -90,12 +90,17 @@ def check_model(size: int, plan: Mapping[str, Any] | None, module: nn.Module, ti
         check_plan(plan, [n for n, _ in module.named_modules()])
 
 
-def apply(owned: Mapping[str, nn.Module], plan: Mapping[str, Any] | None, topology: Topology) -> None:
+def apply(
+    owned: Mapping[str, nn.Module], plan: Mapping[str, Any] | None, topology: Topology, root: nn.Module | None = None
+) -> None:
     """With T > 1, split this stage's layers (``owned``: name in the model -> layer) across its tensor group by
-    ``plan`` (checked beforehand, :func:`check_model`), or by the default plan, and say what was split."""
+    ``plan`` (checked beforehand, :func:`check_model`); without one, by the plan of a Hugging Face model that
+    ``root`` (the LightningModule) holds, else by the default plan; and say what was split."""
     if topology.tensor_parallel_size == 1:
         return
-    split = parallelize_stage(owned, default_plan(owned) if plan is None else plan, topology.tensor_mesh)
+    if plan is None:
+        plan = choose_plan(owned, root)
+    split = parallelize_stage(owned, plan, topology.tensor_mesh)
     found = Counter(type(m).__name__ for layer in owned.values() for m in layer.modules() if not list(m.children()))
     every = collectives.gather(topology, (split, dict(found)))  # every stage's, on the pipeline's first rank
     if every is None:
@@ -111,6 +116,21 @@ def apply(owned: Mapping[str, nn.Module], plan: Mapping[str, Any] | None, topolo
                 "all compute the whole stage. The default plan splits a widening nn.Linear and the one reading it "
                 "back (an MLP); give tensor_parallel_plan={...} for the rest (attention by heads, Conv1D)."
             )
+
+
+def choose_plan(owned: Mapping[str, nn.Module], root: nn.Module | None) -> dict[str, Any]:
+    """A Hugging Face model's own plan where ``root`` holds one (``config.base_model_tp_plan``), said in the log;
+    else the default plan."""
+    if root is not None:
+        plan, left = hugging_face_plan(root, owned)
+        if plan or left:
+            rank_zero_info(
+                "AvgPipe: tensor parallelism follows the Hugging Face model's config.base_model_tp_plan"
+                + (f"; left whole (styles this strategy does not apply): {', '.join(left)}" if left else "")
+                + "."
+            )
+            return plan
+    return default_plan(owned)
 
 
 def release(topology: Topology | None, pipeline: StagePipeline | None) -> None:

@@ -46,6 +46,37 @@ def default_plan(named_layers: Mapping[str, nn.Module]) -> dict[str, Any]:
     return plan
 
 
+def hugging_face_plan(root: nn.Module, named_layers: Mapping[str, nn.Module]) -> tuple[dict[str, Any], list[str]]:
+    """The plan a Hugging Face model inside ``root`` declares (``config.base_model_tp_plan``: patterns relative to
+    its base model, ``"colwise"`` or ``"rowwise"``), keyed by the names of the same modules under ``named_layers``;
+    and the entries left whole, each with its style (one this strategy does not apply). Empty where ``root`` holds
+    no such model, or where this stage holds none of its planned modules."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    wanted: dict[int, str] = {}  # id(module) -> its style
+    left: list[str] = []
+    for m in root.modules():
+        declared = getattr(getattr(m, "config", None), "base_model_tp_plan", None)
+        base = getattr(m, "base_model", None)
+        if not isinstance(declared, Mapping) or not declared or not isinstance(base, nn.Module):
+            continue
+        names = list(base.named_modules())
+        for pattern, style in declared.items():
+            if style not in styles:
+                left.append(f"{pattern} ({style})")
+                continue
+            for name, sub in names:
+                if fnmatch.fnmatchcase(name, pattern):
+                    wanted.setdefault(id(sub), style)
+    plan: dict[str, Any] = {}
+    for prefix, layer in named_layers.items():
+        for name, sub in layer.named_modules():
+            if id(sub) in wanted:
+                plan[_join(prefix, name)] = styles[wanted[id(sub)]]()
+    return plan, left
+
+
 def _pair(prefix: str, linears: list[tuple[str, nn.Linear]], plan: dict[str, Any], col: Any, row: Any) -> None:
     """Pair a widening Linear (d -> h) with the next one, which reads h back to d: the MLP of a block, also where the
     block keeps its attention's Linear layers beside it (``qkv``, ``proj``, ``fc1``, ``fc2``). Not where another
