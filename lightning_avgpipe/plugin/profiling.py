@@ -355,7 +355,7 @@ def profile_pipeline(strategy: AvgPipeStrategy, batch: Any, sizes: Sequence[floa
             )
 
         shares: list[float] = []  # how much of a core this process gets: before every round, and at the end
-        for (b, _m, probe), kind in _rounds(turns, steps, shares):
+        for (b, _m, probe), kind in _rounds(turns, steps, shares, top.pipeline_group):
             for p in params:
                 p.grad = None
             if kind == "split":
@@ -377,8 +377,9 @@ def profile_pipeline(strategy: AvgPipeStrategy, batch: Any, sizes: Sequence[floa
                     peaks[b].append(result.trace.peak_activation_bytes)
             bridge.take_logs()
             copy_opt.step()
-        shares.append(cpu_share())
-        share = -_max_over(strategy, -min(shares))  # the least share of a core any rank got
+        shares.append(probe_together(top.pipeline_group))
+        # each rank's median over its probes (a single preemption in 50 ms reads as a busy machine), the least rank's
+        share = -_max_over(strategy, -statistics.median(shares))
         timed = [s for b in sizes for step in spans[b] for s in step if s.kind in COMPUTE]
         work = sum(s.cpu for s in timed) / max(sum(s.end - s.start for s in timed), 1e-9)
         cpu = cpu_clock(strategy, share, work)
@@ -473,11 +474,22 @@ def cpu_clock(strategy: AvgPipeStrategy, share: float, work: float) -> bool:
     return share < BUSY_BELOW and _max_over(strategy, 0.0 if alone else 1.0) == 0.0
 
 
-def _rounds(turns: list[Any], steps: int, shares: list[float]) -> Iterator[Any]:
-    """``turns``, ``steps`` times over; before each round, the share of a core this process gets (into ``shares``)."""
+def _rounds(turns: list[Any], steps: int, shares: list[float], group: Any) -> Iterator[Any]:
+    """``turns``, ``steps`` times over; before each round, the share of a core this process gets (into ``shares``),
+    every rank of ``group`` probing at once, none stepping meanwhile (a step beside a probe would be timed busy)."""
     for _ in range(steps):
-        shares.append(cpu_share())
+        shares.append(probe_together(group))
         yield from turns
+
+
+def probe_together(group: Any) -> float:
+    """:func:`cpu_share` on every rank of ``group`` at once, between two barriers."""
+    if dist.is_initialized():
+        dist.barrier(group=group)
+    share = cpu_share()
+    if dist.is_initialized():
+        dist.barrier(group=group)
+    return share
 
 
 def _variants(

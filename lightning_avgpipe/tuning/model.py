@@ -131,7 +131,7 @@ class PipelineProfile:
     outer_lr: float = 1.0
     outer_momentum: float = 0.0
     shard_optimizer_state: bool = False  # ZeRO-1 over the D groups (runtime/zero.py): what a stage holds per rank
-    cpu_share: float = 1.0  # the least share of a core a profiling process got (profiler.cpu_share): < 0.85 is busy
+    cpu_share: float = 1.0  # the share of a core the profile's processes got (profiler.cpu_share): < 0.85 is busy
     clock: str = "wall"  # what timed the stages: "wall", or "cpu" (the processes' CPU time, on a busy CPU machine)
 
     @property
