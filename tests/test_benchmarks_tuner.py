@@ -76,3 +76,19 @@ def test_tuner_accuracy_benchmark_smoke(tmp_path: Path) -> None:
     assert len(report["tuners"]) == report["config"]["repeats"] and summary["pick"] in summary["picks"]
     rows = report["tuners"][0]["table"]["rows"]
     assert {(r["num_microbatches"], r["num_pipelines"]) for r in rows} == set(cells)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_tuner_load_benchmark_smoke(tmp_path: Path) -> None:
+    """``benchmarks/tuner_load.py --quick``: a quiet tune and one beside a CPU hog, compared; no timing assertions."""
+    out = tmp_path / "tuner_load.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "tuner_load.py"), "--quick", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "same choice in" in proc.stdout and "busy machine said in" in proc.stdout
+    report = json.loads(out.read_text())
+    (run,) = report["runs"]
+    assert 0 < run["cpu_share"] <= 1 and run["busy_said"] == (run["cpu_share"] < 0.85)
+    assert 0 < run["choice_in_quiet_table"] <= 1 and run["ratio_change_max"] >= run["ratio_change_median"] >= 0
