@@ -108,7 +108,7 @@ def test_fit_overhead_recovers_a_line_and_clamps() -> None:
 
 def test_cpu_share_sees_a_process_competing_for_the_core() -> None:
     """Two busy processes on one core get about half of it each: the tuner's busy-machine probe reads that."""
-    from lightning_avgpipe.plugin.profiling import busy_machine
+    from lightning_avgpipe.tuning.busy import busy_machine
     from lightning_avgpipe.tuning.profiler import cpu_share
 
     if not hasattr(os, "sched_setaffinity"):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
@@ -26,12 +26,11 @@ from lightning_avgpipe.runtime.trace import COMPUTE
 from lightning_avgpipe.schedules import simulate
 from lightning_avgpipe.schedules.generate import CHUNKED, SPLIT, reads_k, splits_backward
 from lightning_avgpipe.shards import local
+from lightning_avgpipe.tuning.busy import busy_machine, charged, cpu_clock, probe_together, rounds
 from lightning_avgpipe.tuning.model import PipelineProfile, StageProfile, checkpointed, microbatch_sizes, predict
 from lightning_avgpipe.tuning.profiler import (
-    BUSY_BELOW,
     CopyOptimizer,
     Snapshot,
-    cpu_share,
     fit_overhead,
     measure_link,
     split_times,
@@ -173,22 +172,6 @@ def tune(
     table.notes["other_placements"] = other_placements(table)
     table.notes["busy_machine"] = busy
     return table
-
-
-def busy_machine(share: float, clock: str = "wall") -> str:
-    """What to tell the user when the profile's processes got less than ``BUSY_BELOW`` of a core ("" otherwise)."""
-    if share >= BUSY_BELOW:
-        return ""
-    said = f"AvgPipeTuner: this machine is busy: a profiling process got {share:.0%} of a core (other processes "
-    if clock == "cpu":
-        return said + (
-            "compete for the CPUs). The stages were timed by their CPU time, which the load does not stretch, so the "
-            "predictions are a quiet machine's; training on this busy machine will run slower than predicted."
-        )
-    return said + (
-        "compete for the CPUs), and the predicted times are a busy machine's: slower and less steady than a quiet "
-        "one's. Tune again on a quiet machine for figures to plan with."
-    )
 
 
 def candidate_schedules(schedule: str, profile: PipelineProfile) -> list[str]:
@@ -355,7 +338,7 @@ def profile_pipeline(strategy: AvgPipeStrategy, batch: Any, sizes: Sequence[floa
             )
 
         shares: list[float] = []  # how much of a core this process gets: before every round, and at the end
-        for (b, _m, probe), kind in _rounds(turns, steps, shares, top.pipeline_group):
+        for (b, _m, probe), kind in rounds(turns, steps, shares, top.pipeline_group):
             for p in params:
                 p.grad = None
             if kind == "split":
@@ -382,7 +365,7 @@ def profile_pipeline(strategy: AvgPipeStrategy, batch: Any, sizes: Sequence[floa
         share = -_max_over(strategy, -statistics.median(shares))
         timed = [s for b in sizes for step in spans[b] for s in step if s.kind in COMPUTE]
         work = sum(s.cpu for s in timed) / max(sum(s.end - s.start for s in timed), 1e-9)
-        cpu = cpu_clock(strategy, share, work)
+        cpu = cpu_clock(device, share, work, top.pipeline_group)
         for b, m, probe in settings:
             f, bk = unit_times(spans[b], cpu)
             i, w = split_times(split_spans[b] if b in splits else spans[b] if split else [], cpu)
@@ -457,39 +440,6 @@ def profile_pipeline(strategy: AvgPipeStrategy, batch: Any, sizes: Sequence[floa
     a, c = fit_overhead(units_seen, [t - s for t, s in zip(measured, sims)])
     profile.iteration_overhead_s, profile.unit_overhead_s = a + _max_list(strategy, [per_iteration])[0], c
     return strategy.broadcast(profile, src=0)
-
-
-def charged(span: Any) -> bool:
-    """Whether a span's time is charged to a unit's compute (``unit_times``): compute, and the sends after it."""
-    return span.kind in (*COMPUTE, "send")
-
-
-def cpu_clock(strategy: AvgPipeStrategy, share: float, work: float) -> bool:
-    """Whether the profile times by the process's CPU time: on a busy machine (``share`` below ``BUSY_BELOW``), on
-    CPU devices with one thread per process on every rank, where CPU time is the compute's own and the load does not
-    stretch it, and where the compute is this process's CPU work: its CPU time over its wall time (``work``) at least
-    half the share of a core it got (a layer that waits, for I/O or another device, takes wall time only).
-    Elsewhere (a GPU's kernels, several threads) wall time, busy or not."""
-    alone = strategy.root_device.type == "cpu" and torch.get_num_threads() == 1 and work >= share / 2
-    return share < BUSY_BELOW and _max_over(strategy, 0.0 if alone else 1.0) == 0.0
-
-
-def _rounds(turns: list[Any], steps: int, shares: list[float], group: Any) -> Iterator[Any]:
-    """``turns``, ``steps`` times over; before each round, the share of a core this process gets (into ``shares``),
-    every rank of ``group`` probing at once, none stepping meanwhile (a step beside a probe would be timed busy)."""
-    for _ in range(steps):
-        shares.append(probe_together(group))
-        yield from turns
-
-
-def probe_together(group: Any) -> float:
-    """:func:`cpu_share` on every rank of ``group`` at once, between two barriers."""
-    if dist.is_initialized():
-        dist.barrier(group=group)
-    share = cpu_share()
-    if dist.is_initialized():
-        dist.barrier(group=group)
-    return share
 
 
 def _variants(

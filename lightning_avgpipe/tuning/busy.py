@@ -1,0 +1,65 @@
+"""A busy machine, for the tuner's profile: how much of a core the profiling processes get, what to tell the user, and
+whether to time the stages by CPU time, which other processes' load does not stretch (docs/tuning.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_avgpipe.runtime.trace import COMPUTE
+from lightning_avgpipe.tuning.profiler import BUSY_BELOW, cpu_share
+
+
+def busy_machine(share: float, clock: str = "wall") -> str:
+    """What to tell the user when the profile's processes got less than ``BUSY_BELOW`` of a core ("" otherwise)."""
+    if share >= BUSY_BELOW:
+        return ""
+    said = f"AvgPipeTuner: this machine is busy: a profiling process got {share:.0%} of a core (other processes "
+    if clock == "cpu":
+        return said + (
+            "compete for the CPUs). The stages were timed by their CPU time, which the load does not stretch, so the "
+            "predictions are a quiet machine's; training on this busy machine will run slower than predicted."
+        )
+    return said + (
+        "compete for the CPUs), and the predicted times are a busy machine's: slower and less steady than a quiet "
+        "one's. Tune again on a quiet machine for figures to plan with."
+    )
+
+
+def charged(span: Any) -> bool:
+    """Whether a span's time is charged to a unit's compute (``unit_times``): compute, and the sends after it."""
+    return span.kind in (*COMPUTE, "send")
+
+
+def cpu_clock(device: torch.device, share: float, work: float, group: Any) -> bool:
+    """Whether the profile times by the process's CPU time: on a busy machine (``share`` below ``BUSY_BELOW``), on
+    CPU devices with one thread per process on every rank, where CPU time is the compute's own and the load does not
+    stretch it, and where the compute is this process's CPU work: its CPU time over its wall time (``work``) at least
+    half the share of a core it got (a layer that waits, for I/O or another device, takes wall time only).
+    Elsewhere (a GPU's kernels, several threads) wall time, busy or not."""
+    alone = device.type == "cpu" and torch.get_num_threads() == 1 and work >= share / 2
+    flag = torch.tensor([0.0 if alone else 1.0], dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)  # every rank of the pipeline alike
+    return share < BUSY_BELOW and float(flag[0]) == 0.0
+
+
+def rounds(turns: list[Any], steps: int, shares: list[float], group: Any) -> Iterator[Any]:
+    """``turns``, ``steps`` times over; before each round, the share of a core this process gets (into ``shares``),
+    every rank of ``group`` probing at once, none stepping meanwhile (a step beside a probe would be timed busy)."""
+    for _ in range(steps):
+        shares.append(probe_together(group))
+        yield from turns
+
+
+def probe_together(group: Any) -> float:
+    """:func:`cpu_share` on every rank of ``group`` at once, between two barriers."""
+    if dist.is_initialized():
+        dist.barrier(group=group)
+    share = cpu_share()
+    if dist.is_initialized():
+        dist.barrier(group=group)
+    return share
