@@ -8,8 +8,8 @@ from typing import Any, Union
 
 from lightning_avgpipe.checks import is_int, is_number
 from lightning_avgpipe.elastic import check_alpha, check_outer
-from lightning_avgpipe.schedules import build_plan, check_schedule_name
-from lightning_avgpipe.schedules.generate import check_stages_per_rank
+from lightning_avgpipe.schedules import check_schedule_name
+from lightning_avgpipe.schedules.generate import check_schedule_costs, check_stages_per_rank
 
 AVERAGING = ("elastic", "exact")  # how the N batches of a step combine (PipelineConfig.averaging)
 Spec = bool | str | tuple[str, ...]  # activation_checkpointing normalised: all, none, "auto" or layer class names
@@ -140,17 +140,7 @@ class PipelineConfig:
                 f"schedule={self.schedule!r} ({v} stages per rank) runs with tensor_parallel_size=1 and "
                 "replica_execution='sequential' only; use schedule='zbh1' for one stage per rank."
             )
-        if self.schedule_costs is not None:
-            costs = self.schedule_costs
-            three = isinstance(costs, (list, tuple)) and len(costs) == 3
-            if not three or not all(is_number(c) and 0 < c < float("inf") for c in costs):
-                raise ValueError(
-                    f"schedule_costs={costs!r} must be one unit's measured (forward, input_grad, weight_grad) times, "
-                    "three positive numbers in any unit, for example (1.0, 1.1, 0.6)."
-                )
-            times = (float(costs[0]), float(costs[1]), float(costs[2]))
-            build_plan(self.schedule, 2, 1, stages_per_rank=v, costs=times)  # refuses a fixed-order schedule
-            object.__setattr__(self, "schedule_costs", times)
+        object.__setattr__(self, "schedule_costs", check_schedule_costs(self.schedule, self.schedule_costs))
         if not isinstance(self.partition, str):
             object.__setattr__(self, "partition", tuple(self.partition))
             model_stages = None if self.num_stages is None else self.num_stages * v

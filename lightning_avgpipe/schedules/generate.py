@@ -45,6 +45,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_avgpipe.checks import is_number
 from lightning_avgpipe.schedules.actions import Action, Kind
 from lightning_avgpipe.schedules.chunks import (
     PLACEMENT_COSTS,
@@ -395,13 +396,9 @@ def build_plan(
     name = check_schedule_name(schedule)
     _check_sizes(num_stages, num_units, advance_forwards)
     v = check_stages_per_rank(name, stages_per_rank)
+    costs = check_schedule_costs(name, costs)
     if name in CHUNKED:
         return _chunked_plan(name, num_stages, num_units, v, training, recv_lookahead, costs)
-    if costs is not None:
-        raise ValueError(
-            f"schedule_costs={costs!r} with schedule={name!r}: only 'interleaved' and 'zbv' place their actions by "
-            "costs; the other schedules have fixed orders. Drop schedule_costs, or use one of those two."
-        )
     computes = compute_orders(name, num_stages, num_units, advance_forwards, training)
     stages = tuple(
         tuple(lower(computes[s], num_stages, recv_lookahead, computes[s - 1] if s > 0 else None))
@@ -409,6 +406,25 @@ def build_plan(
     )
     k = advance_forwards if SPLIT.get(name, name) == "advance" else 0
     return Plan(name, num_stages, num_units, k, training, stages, recv_lookahead)
+
+
+def check_schedule_costs(schedule: str, costs: Any) -> tuple[float, float, float] | None:
+    """``schedule_costs`` as three floats (``None`` stays): one unit's measured (forward, input gradient, weight
+    gradient) times, which only the chunked schedules place their actions by."""
+    if costs is None:
+        return None
+    three = isinstance(costs, (list, tuple)) and len(costs) == 3
+    if not three or not all(is_number(c) and 0 < c < float("inf") for c in costs):
+        raise ValueError(
+            f"schedule_costs={costs!r} must be one unit's measured (forward, input_grad, weight_grad) times, "
+            "three positive numbers in any unit, for example (1.0, 1.1, 0.6)."
+        )
+    if schedule not in CHUNKED:
+        raise ValueError(
+            f"schedule_costs={costs!r} with schedule={schedule!r}: only 'interleaved' and 'zbv' place their actions "
+            "by costs; the other schedules have fixed orders. Drop schedule_costs, or use one of those two."
+        )
+    return float(costs[0]), float(costs[1]), float(costs[2])
 
 
 def check_stages_per_rank(schedule: str, stages_per_rank: int | None) -> int:
@@ -439,10 +455,6 @@ def _chunked_plan(
     """``interleaved`` (loop placement, whole backward) or ``zbv`` (V placement, backward split)."""
     placement, split = CHUNKED[name]
     layout = Layout(S, v, placement)
-    if costs is not None and (not isinstance(costs, (tuple, list)) or len(costs) != 3):
-        raise ValueError(
-            f"schedule_costs={costs!r} must be three times: one unit's (forward, input_grad, weight_grad), measured."
-        )
     timed = None if costs is None else placement_costs(*costs)
     if name == "interleaved":  # Megatron's orders; held chunk units: its warm-up, at least unit 0's way to the loss
         sequences = [megatron_sequences(S, U, v, r) for r in range(S)]
@@ -454,8 +466,7 @@ def _chunked_plan(
         stages = tuple(tuple(ranked) for ranked in lower_in_one_order(computes, layout, timed))
     else:
         stages = tuple(tuple(lower(computes[r], S, recv_lookahead, None, layout)) for r in range(S))
-    kept = None if costs is None else (float(costs[0]), float(costs[1]), float(costs[2]))
-    return Plan(name, S, U, 0, training, stages, recv_lookahead, v, placement, kept)
+    return Plan(name, S, U, 0, training, stages, recv_lookahead, v, placement, costs)
 
 
 def _check_sizes(num_stages: int, num_units: int, advance_forwards: int) -> None:
