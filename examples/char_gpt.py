@@ -56,7 +56,7 @@ class Embed(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.n_head = cfg.n_head
+        self.n_head, self.n_embd = cfg.n_head, cfg.n_embd  # widths read from here: tensor parallelism sets a shard's
         self.ln1 = nn.LayerNorm(cfg.n_embd)
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
@@ -67,11 +67,11 @@ class Block(nn.Module):
         self.p = cfg.dropout
 
     def forward(self, x: Tensor) -> Tensor:  # (B, T, C) -> (B, T, C)
-        b, t, c = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))  # (B, nh, T, hs)
+        b, t, _ = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(self.n_embd, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, -1).transpose(1, 2) for z in (q, k, v))  # (B, nh, T, hs)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.p if self.training else 0.0)
-        x = x + self.drop(self.proj(y.transpose(1, 2).reshape(b, t, c)))
+        x = x + self.drop(self.proj(y.transpose(1, 2).reshape(b, t, -1)))
         return x + self.drop(self.mlp(self.ln2(x)))
 
 

@@ -68,7 +68,7 @@ class Head(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
-def tiny_gpt2(vocab: int, block: int) -> nn.Module:
+def tiny_gpt2(vocab: int, block: int, tie: bool = True) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
@@ -80,7 +80,7 @@ def tiny_gpt2(vocab: int, block: int) -> nn.Module:
         resid_pdrop=0.0,
         embd_pdrop=0.0,
         attn_pdrop=0.0,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tie,
         attn_implementation="sdpa",
     )
     return GPT2LMHeadModel(config)

@@ -60,3 +60,21 @@ def test_a_hugging_face_llama_split_by_its_own_tensor_parallel_plan(tmp_path: Pa
     for stage, block in ((0, 1), (1, 3)):
         names = [f"layers.{block}.layer.{m}" for m in ("self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj")]
         assert f"stage {stage}: " in split and all(n in split for n in names), split
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("model", ["char", "gpt2"])
+def test_a_gpt_split_by_heads_with_the_default_plan(tmp_path: Path, model: str) -> None:
+    """``examples/gpt_tp.py --check``: over 2 stages x 2 shards with no plan given, the char GPT's nanoGPT-style blocks
+    (fused ``qkv``, ``proj``, MLP) and Hugging Face GPT-2's (Conv1D ``c_attn``, ``c_proj``, ``c_fc``) are split by
+    heads and MLP pairs on both stages, and train as one process with accumulation does."""
+    if model == "gpt2":
+        pytest.importorskip("transformers")
+    out = run([sys.executable, str(ROOT / "examples" / "gpt_tp.py"), "--model", model, "--check"], tmp_path)
+    assert "check: OK" in out, out[-3000:]
+    assert float(re.search(r"accumulation\| = ([0-9.e+-]+)", out).group(1)) < 1e-5  # type: ignore[union-attr]
+    split = out.split("splits, per stage, ")[1].split("\n")[0]
+    parts = ("", ".mlp.0", ".mlp.2") if model == "char" else (".block.attn", ".block.mlp.c_fc", ".block.mlp.c_proj")
+    for stage, block in ((0, 1), (1, 4)):
+        assert f"stage {stage}: " in split and all(f"layers.{block}{p}" in split for p in parts), split
+    assert "left attention whole" not in out

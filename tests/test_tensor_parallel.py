@@ -25,6 +25,13 @@ M = 2
 BATCH = 8
 # (N, activation checkpointing[, schedule]): the backward split (zbh1) defers the sharded weights' gradients too
 CONFIGS = [(1, False), (2, True), (1, True), (2, False), (1, False, "zbh1"), (2, True, "zbh1")]
+# attention split by heads (fused qkv, Conv1D, grouped-query; one left whole), in the same launch
+ATTENTION = [
+    ("attention", 1, False),
+    ("attention", 2, True),
+    ("attention", 1, True, "zbh1"),
+    ("attention-torch", 1, False),
+]
 
 
 class Block(nn.Module):
@@ -40,9 +47,139 @@ class Block(nn.Module):
         return x + self.fc2(torch.relu(self.fc1(self.norm(x))))
 
 
-def make_model(seed: int = 0, width: int = 8, inputs: int = 6, classes: int = 4) -> list[nn.Module]:
+class Conv1D(nn.Module):
+    """Hugging Face's ``Conv1D`` (transformers.pytorch_utils), as GPT-2 uses it: a Linear with its weight (in, out)."""
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.3)
+        self.bias = nn.Parameter(torch.randn(nf) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        size_out = x.size()[:-1] + (self.nf,)
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(size_out)
+
+
+class NanoBlock(nn.Module):
+    """A nanoGPT-style block, attention and MLP Linear layers side by side (``qkv``, ``proj``, ``fc1``, ``fc2``),
+    reading its widths from its attributes: the default plan splits attention by heads and the MLP."""
+
+    def __init__(self, width: int, n_head: int = 2) -> None:
+        super().__init__()
+        self.n_head, self.n_embd = n_head, width
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.fc1, self.fc2 = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, L, _ = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(self.n_embd, dim=2)
+        q, k, v = (t.view(B, L, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, L, -1)
+        x = x + self.proj(y)
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class GPT2Attention(nn.Module):
+    """Hugging Face GPT-2's attention: a fused ``c_attn`` and ``c_proj`` as Conv1D, ``split_size``, ``num_heads``,
+    ``head_dim`` attributes; it returns (output, weights)."""
+
+    def __init__(self, width: int, heads: int = 2) -> None:
+        super().__init__()
+        self.embed_dim = self.split_size = width
+        self.num_heads, self.head_dim = heads, width // heads
+        self.c_attn, self.c_proj = Conv1D(3 * width, width), Conv1D(width, width)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        q, k, v = self.c_attn(x).split(self.split_size, dim=2)
+        q, k, v = (t.view(*t.shape[:-1], -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+        return self.c_proj(y.reshape(*y.shape[:-2], -1)), None
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.attn = GPT2Attention(width)
+        self.mlp = nn.ModuleDict({"c_fc": Conv1D(4 * width, width), "c_proj": Conv1D(width, 4 * width)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))[0]
+        return x + self.mlp["c_proj"](F.gelu(self.mlp["c_fc"](self.ln2(x))))
+
+
+class GQABlock(nn.Module):
+    """Separate q, k, v and o, 4 query heads over 2 key/value heads (grouped-query attention)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_key_value_heads, self.head_dim = 4, 2, width // 4
+        self.q, self.k, self.v = (nn.Linear(width, n * width // 4) for n in (4, 2, 2))
+        self.o = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, L, _ = x.shape
+        q = self.q(x).view(B, L, self.num_heads, self.head_dim).transpose(1, 2)
+        k, v = (t(x).view(B, L, self.num_key_value_heads, self.head_dim).transpose(1, 2) for t in (self.k, self.v))
+        rep = self.num_heads // self.num_key_value_heads
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, L, -1)
+        return x + self.o(y)
+
+
+class CausalSelfAttention(nn.Module):
+    """nanoGPT's own attention: it reads its widths from its input (``C // self.n_head``, ``view(B, T, C)``), so a
+    shard's heads cannot run it; the default plan tries, and leaves it whole."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.n_head, self.n_embd = 2, width
+        self.c_attn, self.c_proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).contiguous().view(B, T, C)
+        return x + self.c_proj(y)
+
+
+class Tokens(nn.Module):
+    """(batch, 6) features -> (batch, 4 tokens, width)."""
+
+    def __init__(self, inputs: int, width: int) -> None:
+        super().__init__()
+        self.width = width
+        self.embed = nn.Linear(inputs, 4 * width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.embed(x).view(x.shape[0], 4, self.width)
+
+
+class Pool(nn.Module):
+    def __init__(self, width: int, classes: int) -> None:
+        super().__init__()
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x.mean(1))
+
+
+def make_model(seed: int = 0, width: int = 8, inputs: int = 6, classes: int = 4, kind: str = "mlp") -> list[nn.Module]:
     torch.manual_seed(seed)
+    if kind == "attention":  # blocks 1-4: nanoGPT-style, GPT-2 (Conv1D), grouped-query, nanoGPT's own attention
+        blocks = [NanoBlock(width), GPT2Block(width), GQABlock(width), CausalSelfAttention(width)]
+        return [Tokens(inputs, width), *blocks, Pool(width, classes)]
     return [nn.Linear(inputs, width), Block(width), Block(width), Block(width), Block(width), nn.Linear(width, classes)]
+
+
+# what the default plan splits in each model (blocks 1-4); the last attention is left whole, and says why
+SPLIT = {
+    "mlp": {f"{i}.{fc}" for i in range(1, 5) for fc in ("fc1", "fc2")},
+    "attention": {"1", "1.fc1", "1.fc2", "2.attn", "2.mlp.c_fc", "2.mlp.c_proj", "3"},
+}
 
 
 def batch(step: int, replica: int, replicas: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,11 +187,11 @@ def batch(step: int, replica: int, replicas: int) -> tuple[torch.Tensor, torch.T
     return torch.randn(BATCH, 6, generator=g), torch.randint(0, 4, (BATCH,), generator=g)
 
 
-def reference(replicas: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference(replicas: int, kind: str = "mlp") -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process: ``replicas`` = N x D copies of the unsplit model, each its own SGD, tied by the elastic rule."""
     from lightning_avgpipe.elastic import ElasticAveraging
 
-    layers = make_model()
+    layers = make_model(kind=kind)
     elastic = ElasticAveraging(layers, num_replicas=replicas)
     opts = [torch.optim.SGD(elastic.replica_params(r), lr=0.1, momentum=0.9) for r in range(replicas)]
     losses = []
@@ -77,6 +214,8 @@ def reference(replicas: int) -> tuple[list[float], dict[str, torch.Tensor]]:
 
 
 def _worker(rank: int, world: int, stages: int, tp: int, configs: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
     from lightning_avgpipe.config import PipelineConfig
     from lightning_avgpipe.runtime.pipeline import StagePipeline
     from lightning_avgpipe.runtime.tensor_parallel import parallelize_stage
@@ -86,10 +225,17 @@ def _worker(rank: int, world: int, stages: int, tp: int, configs: list[tuple[Any
     sizes = [3, 3] if stages == 2 else [6]
     start = sum(sizes[: top.stage])
     out = []
-    for n, ac, *schedule in configs:
-        layers = make_model()
+    for kind, n, ac, *schedule in [c if isinstance(c[0], str) else ("mlp", *c) for c in configs]:
+        layers = make_model(kind=kind.removesuffix("-torch"))
         own = {str(i): layers[i] for i in range(start, start + sizes[top.stage])}
-        split = parallelize_stage(own, default_plan(own), top.tensor_mesh)
+        plan = default_plan(own)
+        if kind.endswith("-torch"):  # torch's styles named for the Conv1D layers: split as Conv1D's layout needs
+            plan = {
+                k: {"Column": ColwiseParallel(), "Row": RowwiseParallel()}.get(type(v).__name__, v)
+                for k, v in plan.items()
+            }
+        left: list[str] = []
+        split = parallelize_stage(own, plan, top.tensor_mesh, left)
         cfg = PipelineConfig(
             num_stages=stages,
             num_microbatches=M,
@@ -112,30 +258,36 @@ def _worker(rank: int, world: int, stages: int, tp: int, configs: list[tuple[Any
         link = pipe.link  # only shard 0 of a stage talks to the neighbouring stages: one copy crosses a boundary
         talks = getattr(link, "inner", None) is not None
         out.append({"losses": losses, "state": state, "split": split, "shard": top.tensor_rank, "peak": peak})
+        out[-1]["left"] = left
         out[-1]["talks"] = talks
     return out
 
 
 def _check(results: list[list[dict[str, Any]]], configs: list[tuple[Any, ...]], groups: int) -> None:
-    for c, (n, *_) in enumerate(configs):
-        want_losses, want = reference(n * groups)
+    for c, config in enumerate(configs):
+        kind, n = config[:2] if isinstance(config[0], str) else ("mlp", config[0])
+        want_losses, want = reference(n * groups, kind.removesuffix("-torch"))
         for rank_results in results:
             got = rank_results[c]
             for key, value in got["state"].items():
                 torch.testing.assert_close(value, want[key], rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
             if got["losses"][0] is not None and groups == 1:  # the last stage's loss: its group's N replicas
                 torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want_losses))
+        assert {name for r in results for name in r[c]["split"]} == SPLIT[kind.removesuffix("-torch")]
+        if kind.startswith(
+            "attention"
+        ):  # nanoGPT's own attention (block 4, stage 1): tried, found wrong split, left whole
+            left = {note for r in results for note in r[c]["left"]}
+            assert len(left) == 1 and next(iter(left)).startswith("4 (its forward failed split (RuntimeError"), left
     assert [r[0]["talks"] for r in results] == [r[0]["shard"] == 0 for r in results]
-    split = {name for r in results for name in r[0]["split"]}
-    assert split == {f"{i}.{fc}" for i in range(1, 5) for fc in ("fc1", "fc2")}
 
 
 @pytest.mark.slow
 def test_two_stages_of_two_shards_match_one_process() -> None:
     """T = 2, S = 2 (4 ranks): N = 1 and N = 2, activation checkpointing on and off, 1F1B and ZB-H1 (the backward
     split), equal the unsplit model."""
-    results = run_distributed(_worker, 4, 2, 2, CONFIGS, timeout=240, what="T=2 S=2")
-    _check(results, CONFIGS, groups=1)
+    results = run_distributed(_worker, 4, 2, 2, CONFIGS + ATTENTION, timeout=300, what="T=2 S=2")
+    _check(results, CONFIGS + ATTENTION, groups=1)
     # checkpointing kept only the checkpointed layers' inputs: the stash is smaller on every rank (N = 1 runs)
     for rank_results in results:
         assert rank_results[2]["peak"] < rank_results[0]["peak"]
@@ -195,6 +347,14 @@ def test_default_plan_pairs_linears_and_a_wrong_name_is_refused() -> None:
     assert sorted(default_plan({"b": flat})) == ["b.fc1", "b.fc2"]
     flat_gated = nn.ModuleDict({**dict(flat.items()), "gate": nn.Linear(8, 32)})  # another sibling makes h: whole
     assert default_plan({"b": flat_gated}) == {}
+    # attention by heads: a block with inline attention, GPT-2's (Conv1D, its MLP too), grouped-query, nanoGPT's own
+    # (planned, and tried on the shards before it is kept: see test_two_stages_of_two_shards_match_one_process)
+    attention_plan = default_plan({str(i): layer for i, layer in enumerate(make_model(kind="attention"))})
+    assert {k: type(v).__name__ for k, v in attention_plan.items()} == {
+        "1": "Heads", "1.fc1": "ColwiseParallel", "1.fc2": "RowwiseParallel",
+        "2.attn": "Heads", "2.mlp.c_fc": "Column", "2.mlp.c_proj": "Row",
+        "3": "Heads", "4": "Heads",
+    }  # fmt: skip
     names = [n for n, _ in nn.Sequential(*copy.deepcopy(layers)).named_modules()]
     check_plan({"*.fc1": None, "2.fc2": None}, names)
     with pytest.raises(ValueError, match=r"'3\.fc3'.*no module of the model"):
@@ -244,8 +404,8 @@ def test_strategy_arguments_for_tensor_parallelism_are_checked() -> None:
         check_tensor_parallel_args(2, {"fc1": "sideways"}, 4)
     with pytest.raises(ValueError, match="tensor_parallel_size=1; set tensor_parallel_size=2"):
         AvgPipeStrategy(tensor_parallel_plan={"fc1": "colwise"})
-    plan = check_tensor_parallel_args(2, {"a": "colwise", "b": ColwiseParallel()}, 4)
-    assert plan is not None and all(type(s).__name__ == "ColwiseParallel" for s in plan.values())
+    plan = check_tensor_parallel_args(2, {"a": "colwise", "b": ColwiseParallel(), "c": "heads"}, 4)
+    assert plan is not None and [type(s).__name__ for s in plan.values()] == ["ColwiseParallel"] * 2 + ["Heads"]
     with pytest.raises(ValueError, match="tensor_parallel_size=0 must be an int >= 1"):
         AvgPipeStrategy(tensor_parallel_size=0)
     with pytest.raises(ValueError, match="tied embedding and head"):

@@ -124,9 +124,10 @@ class AvgPipeStrategy(ProcessStrategy):
         tensor_parallel_size: T, the ranks that split every layer of a stage (DTensor; docs/parallelism.md). The
             job is a D x S x T mesh, T innermost: T must divide the devices of a node.
         tensor_parallel_plan: module name (patterns allowed) -> ``ColwiseParallel()``/``RowwiseParallel()`` (or
-            ``"colwise"``/``"rowwise"``); None: a Hugging Face model's own ``config.base_model_tp_plan`` where the
-            module holds one, else a module whose only two ``nn.Linear`` children widen then narrow (an MLP) splits
-            them column- then row-wise, and everything else (attention among it) stays whole.
+            ``"colwise"``/``"rowwise"``; ``"heads"`` for an attention module); None: a Hugging Face model's own
+            ``config.base_model_tp_plan`` where the module holds one, else attention by whole heads (tried on the
+            shards first, left whole with a warning where that changes its output) and MLP pairs (a widening
+            Linear or Conv1D, then the one reading it back) column- then row-wise; the rest stays whole.
         shard_optimizer_state: ZeRO-1 over the D groups (docs/parallelism.md#sharded-optimizer-state). With
             ``averaging="exact"`` each group keeps and steps the optimizer state of a 1/D part of every stage; with
             elastic averaging each keeps a 1/D slice of the reference, the summed update and the outer momentum,

@@ -18,7 +18,7 @@ from lightning_avgpipe.shards import is_dtensor, release_meshes
 
 __all__ = ["apply", "check_combinations", "check_model", "check_plan", "check_tensor_parallel_args", "release"]
 
-STYLE_NAMES = ("colwise", "rowwise")
+STYLE_NAMES = ("colwise", "rowwise", "heads")
 
 
 def check_tensor_parallel_args(size: int, plan: Any, devices_per_node: int | None) -> dict[str, Any] | None:
@@ -42,7 +42,8 @@ def check_tensor_parallel_args(size: int, plan: Any, devices_per_node: int | Non
     if not isinstance(plan, Mapping) or not all(isinstance(k, str) for k in plan):
         raise ValueError(
             f"tensor_parallel_plan={plan!r} must map module names of the model (patterns allowed, such as "
-            "'blocks.*.mlp.fc1') to ColwiseParallel()/RowwiseParallel() or 'colwise'/'rowwise'."
+            "'blocks.*.mlp.fc1') to ColwiseParallel()/RowwiseParallel() or 'colwise'/'rowwise' (an attention "
+            "module: 'heads')."
         )
     if size == 1:
         raise ValueError(
@@ -50,10 +51,13 @@ def check_tensor_parallel_args(size: int, plan: Any, devices_per_node: int | Non
         )
     from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
+    from lightning_avgpipe.runtime.head_parallel import Heads
+
+    named = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "heads": Heads}
     out: dict[str, Any] = {}
     for name, style in plan.items():
         if isinstance(style, str) and style in STYLE_NAMES:
-            style = ColwiseParallel() if style == "colwise" else RowwiseParallel()
+            style = named[style]()
         if not isinstance(style, ParallelStyle):
             raise ValueError(
                 f"tensor_parallel_plan[{name!r}]={style!r} is not a ParallelStyle; use ColwiseParallel(), "
@@ -100,21 +104,29 @@ def apply(
         return
     if plan is None:
         plan = choose_plan(owned, root)
-    split = parallelize_stage(owned, plan, topology.tensor_mesh)
+    left: list[str] = []
+    split = parallelize_stage(owned, plan, topology.tensor_mesh, left)
     found = Counter(type(m).__name__ for layer in owned.values() for m in layer.modules() if not list(m.children()))
-    every = collectives.gather(topology, (split, dict(found)))  # every stage's, on the pipeline's first rank
+    every = collectives.gather(topology, (split, dict(found), left))  # every stage's, on the pipeline's first rank
     if every is None:
         return
     T = topology.tensor_parallel_size
-    lines = [f"stage {s}: {', '.join(names) or 'nothing'}" for s, (names, _) in enumerate(every)]
+    lines = [f"stage {s}: {', '.join(names) or 'nothing'}" for s, (names, _, _) in enumerate(every)]
     rank_zero_info(f"AvgPipe: tensor parallelism over {T} ranks splits, per stage, " + "; ".join(lines) + ".")
-    for s, (names, kinds) in enumerate(every):
+    for s, (_, _, whole) in enumerate(every):
+        if whole:
+            rank_zero_warn(
+                f"AvgPipe: tensor parallelism left attention whole on stage {s}: {'; '.join(whole)}. Its {T} ranks "
+                "compute it whole. Split by heads needs a forward that takes its widths from the module's attributes "
+                "(n_head, head_dim), not from its input's shape; or give tensor_parallel_plan for it."
+            )
+    for s, (names, kinds, _) in enumerate(every):
         if not names:
             held = ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items())) or "no layers with weights"
             rank_zero_warn(
                 f"AvgPipe: tensor_parallel_size={T} splits nothing on stage {s}, which holds {held}: its {T} ranks "
-                "all compute the whole stage. The default plan splits a widening nn.Linear and the one reading it "
-                "back (an MLP); give tensor_parallel_plan={...} for the rest (attention by heads, Conv1D)."
+                "all compute the whole stage. The default plan splits attention by heads and MLP pairs (a widening "
+                "Linear or Conv1D and the one reading it back); give tensor_parallel_plan={...} for the rest."
             )
 
 

@@ -2,10 +2,10 @@
 stage boundary once per tensor group (docs/parallelism.md#tensor-parallelism).
 
 A plan maps module names of the unsplit model (``fnmatch`` patterns, as ``parallelize_module`` takes) to
-``torch.distributed.tensor.parallel`` styles. Each stage applies the entries that name its modules, on its tensor
-group's one-dimensional mesh (:func:`parallelize_stage`). With the default plan (:func:`default_plan`), every
-``nn.Linear`` whose output feeds the next ``nn.Linear`` of the same layer is split column-wise and that next one
-row-wise (Megatron's MLP: one all-reduce per pair, the pair's output whole on every shard).
+``torch.distributed.tensor.parallel`` styles, or :class:`~.head_parallel.Heads` for an attention. Each stage applies
+the entries that name its modules, on its tensor group's one-dimensional mesh (:func:`parallelize_stage`). The
+default plan (:func:`default_plan`) splits attention by heads and MLP pairs (Megatron's block: one all-reduce per
+pair, the pair's output whole on every shard).
 
 A stage's input and output are whole on every shard of its tensor group, so one copy crosses each boundary: shard 0
 of a stage sends to shard 0 of the next and broadcasts what it receives to its group (:class:`TensorParallelLink`);
@@ -22,27 +22,36 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_avgpipe.runtime.head_parallel import Column, Heads, Row, find_attention, is_conv1d, linear_like, widths
 from lightning_avgpipe.runtime.p2p import META_LEN, Link, OutputMeta, StageOutputError
 
 Plan = Mapping[str, Any]  # module name pattern in the unsplit model -> a ParallelStyle
 
 
 def default_plan(named_layers: Mapping[str, nn.Module]) -> dict[str, Any]:
-    """Column-then-row for a widening ``nn.Linear`` (``d -> h``, ``h > d``) and the sibling after it that reads
-    ``h`` back to ``d``: an MLP such as ``Sequential(Linear(d, 4d), GELU(), Linear(4d, d))``, or ``fc1``/``fc2`` of a
-    block, also beside the block's attention Linear layers. Everything else stays whole on every shard: attention
-    (q, k, v, o: splitting it by heads needs a plan of its own), gated MLPs (another sibling also makes ``h``), a lone
-    ``Linear``."""
+    """Attention by heads and MLP pairs. A module with a head count (``n_head``, ``num_heads``, ...), a fused ``qkv``
+    (d -> 3d) or ``q``, ``k``, ``v`` children and a projection back gets :class:`~.head_parallel.Heads` (tried on
+    the shards before it is kept). Among the other ``nn.Linear``/``Conv1D`` children of one module, a widening one
+    (``d -> h``, ``h > d``) and the next, which reads ``h`` back to ``d``, go column-wise then row-wise (Megatron's
+    MLP: one all-reduce per pair). Everything else stays whole on every shard: gated MLPs (another sibling also makes
+    ``h``), a lone Linear."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     plan: dict[str, Any] = {}
     for prefix, layer in named_layers.items():
-        siblings: dict[str, list[tuple[str, nn.Linear]]] = {}
+        taken: set[str] = set()
         for n, m in layer.named_modules():
-            if isinstance(m, nn.Linear):
+            found = find_attention(m, 1)
+            if isinstance(found, tuple) and not any(n.startswith(t + ".") or n == t for t in taken):
+                plan[_join(prefix, n)] = Heads()
+                taken |= {_join(n, c) for c in [*found[0], found[1]]}
+        siblings: dict[str, list[tuple[str, nn.Module]]] = {}
+        for n, m in layer.named_modules():
+            if linear_like(m) and n not in taken:
                 siblings.setdefault(n.rpartition(".")[0], []).append((n, m))
         for linears in siblings.values():
-            _pair(prefix, linears, plan, ColwiseParallel, RowwiseParallel)
+            conv = any(is_conv1d(m) for _, m in linears)
+            _pair(prefix, linears, plan, Column if conv else ColwiseParallel, Row if conv else RowwiseParallel)
     return plan
 
 
@@ -77,14 +86,14 @@ def hugging_face_plan(root: nn.Module, named_layers: Mapping[str, nn.Module]) ->
     return plan, left
 
 
-def _pair(prefix: str, linears: list[tuple[str, nn.Linear]], plan: dict[str, Any], col: Any, row: Any) -> None:
+def _pair(prefix: str, linears: list[tuple[str, nn.Module]], plan: dict[str, Any], col: Any, row: Any) -> None:
     """Pair a widening Linear (d -> h) with the next one, which reads h back to d: the MLP of a block, also where the
     block keeps its attention's Linear layers beside it (``qkv``, ``proj``, ``fc1``, ``fc2``). Not where another
     sibling also makes h (a gate: three Linear layers whose outputs meet), which a column split would break."""
     for (a, first), (b, second) in zip(linears, linears[1:]):
-        h = first.out_features
-        widening = h > first.in_features and second.in_features == h and second.out_features == first.in_features
-        gated = any(m.out_features == h for n, m in linears if n not in (a, b))
+        (d, h), (h2, d2) = widths(first), widths(second)
+        widening = h > d and h2 == h and d2 == d
+        gated = any(widths(m)[1] == h for n, m in linears if n not in (a, b))
         if widening and (len(linears) == 2 or not gated):
             plan[_join(prefix, a)] = col()
             plan[_join(prefix, b)] = row()
@@ -107,18 +116,31 @@ def check_plan(plan: Plan, module_names: Sequence[str]) -> None:
             )
 
 
-def parallelize_stage(named_layers: Mapping[str, nn.Module], plan: Plan, mesh: Any) -> list[str]:
+def parallelize_stage(
+    named_layers: Mapping[str, nn.Module], plan: Plan, mesh: Any, left: list[str] | None = None
+) -> list[str]:
     """Apply the entries of ``plan`` that name modules of this stage's layers (keyed by their names in the unsplit
-    model) on ``mesh``; returns the names of the modules split."""
-    from torch.distributed.tensor.parallel import parallelize_module
+    model) on ``mesh``; returns the names of the modules split, and adds to ``left`` each attention left whole, with
+    why. torch's ``ColwiseParallel``/``RowwiseParallel`` on a Hugging Face ``Conv1D`` split it as its own layout
+    needs."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     done = []
     for prefix, layer in named_layers.items():
         for name, module in list(layer.named_modules()):
             full = _join(prefix, name)
             style = next((s for pattern, s in plan.items() if fnmatch.fnmatchcase(full, pattern)), None)
-            if style is not None:
-                parallelize_module(module, mesh, style)
+            if style is None:
+                continue
+            if isinstance(style, Heads):
+                style = Heads()  # one per module: it says why it left this one whole
+            elif is_conv1d(module) and type(style) in (ColwiseParallel, RowwiseParallel):
+                style = Column() if type(style) is ColwiseParallel else Row()
+            parallelize_module(module, mesh, style)
+            if isinstance(style, Heads) and style.left:
+                if left is not None:
+                    left.append(f"{full} ({style.left})")
+            else:
                 done.append(full)
     return done
 

@@ -1,0 +1,256 @@
+"""Attention split by heads, and Hugging Face's ``Conv1D`` split at all (docs/parallelism.md#tensor-parallelism).
+
+Megatron's split, run on local shards: a column-wise layer keeps whole heads' rows of its output (a fused ``qkv``
+keeps the same heads of q, k and v: ``_StridedShard(split_factor=3)``, so ``DTensor.full_tensor()`` and the
+checkpoint see the unsplit weight), the output projection keeps the matching input columns, and two autograd
+functions carry the all-reduces: the input of a column-wise layer is summed over the group in the backward, the
+output of a row-wise one in the forward. The layers' own widths and the attention's head counts are set to the
+shard's (``nf``, ``out_features``, ``n_head``, ``num_heads``, ``split_size``, ``embed_dim``, ...).
+
+An attention is split only when it is proven to stay right: :class:`Heads` runs the module on a random input before
+and after the split, on every shard alike, and puts everything back (and says why) when the outputs differ or the
+split one raises. nanoGPT's attention, which reads its widths from its input (``C // self.n_head``), is left whole
+that way; one that reads them from its attributes, as Hugging Face's GPT-2 does, is split.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.tensor.parallel import ParallelStyle
+
+HEAD_COUNTS = ("n_head", "num_heads", "num_attention_heads", "n_heads")
+KV_HEAD_COUNTS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "n_kv_head", "n_query_groups")
+WIDTHS = ("embed_dim", "n_embd", "split_size", "all_head_size", "inner_dim", "hidden_size", "d_model")
+TRIAL_SHAPE = (2, 5)  # (batch, sequence) of the random input an attention is tried on
+
+
+def is_conv1d(m: nn.Module) -> bool:
+    """Hugging Face's ``Conv1D`` by its shape: a weight (in, ``nf``) and forward ``x @ weight + bias``."""
+    w = getattr(m, "weight", None)
+    return (
+        type(m).__name__ == "Conv1D" and isinstance(w, Tensor) and w.dim() == 2 and getattr(m, "nf", None) == w.shape[1]
+    )
+
+
+def linear_like(m: nn.Module) -> bool:
+    return (isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward) or is_conv1d(m)
+
+
+def widths(m: nn.Module) -> tuple[int, int]:
+    """(in, out) features of a Linear or a Conv1D."""
+    w: Tensor = m.weight  # type: ignore[assignment]
+    return (int(w.shape[0]), int(w.shape[1])) if is_conv1d(m) else (int(w.shape[1]), int(w.shape[0]))
+
+
+class _CopyToGroup(torch.autograd.Function):
+    """Identity forward; the gradient summed over the tensor group (the input of a column-wise layer)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None]:
+        g = g.contiguous().clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    """The partial outputs of a row-wise layer summed over the tensor group; identity backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None]:
+        return g, None
+
+
+def _matmul(x: Tensor, w: Tensor, b: Tensor | None, transposed: bool) -> Tensor:
+    if not transposed:
+        return F.linear(x, w, b)
+    flat = x.reshape(-1, x.shape[-1])  # Conv1D's own arithmetic
+    y = flat @ w if b is None else torch.addmm(b, flat, w)
+    return y.view(*x.shape[:-1], w.shape[1])
+
+
+def _column_forward(transposed: bool, self: nn.Module, x: Tensor) -> Tensor:
+    w, b = self.weight, self.bias  # DTensors
+    bias = b.to_local() if b is not None else None  # type: ignore[union-attr,operator]
+    return _matmul(_CopyToGroup.apply(x, w.device_mesh.get_group()), w.to_local(), bias, transposed)  # type: ignore[union-attr,operator]
+
+
+def _row_forward(transposed: bool, self: nn.Module, x: Tensor) -> Tensor:
+    w, b = self.weight, self.bias  # DTensors
+    y = _matmul(x, w.to_local(), None, transposed)  # type: ignore[union-attr,operator]
+    y = _ReduceFromGroup.apply(y, w.device_mesh.get_group())  # type: ignore[union-attr,operator]
+    return y if b is None else y + b.to_local()  # type: ignore[union-attr,operator]
+
+
+def split_column(m: nn.Module, mesh: Any, chunks: int = 1) -> None:
+    """``m``'s output features over ``mesh``: each shard keeps its part of each of ``chunks`` equal blocks (q, k, v
+    of a fused projection), its bias alike; ``out_features``/``nf`` become the shard's."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    transposed = is_conv1d(m)
+    out_dim = 1 if transposed else 0
+    place = (lambda d: _StridedShard(d, split_factor=chunks)) if chunks > 1 else Shard
+    _distribute(m, "weight", distribute_tensor, mesh, place(out_dim))
+    if m.bias is not None:
+        _distribute(m, "bias", distribute_tensor, mesh, place(0))
+    T = mesh.size()
+    if transposed:
+        m.nf //= T
+    else:
+        m.out_features //= T
+    m.forward = types.MethodType(functools.partial(_column_forward, transposed), m)  # type: ignore[method-assign]
+
+
+def split_row(m: nn.Module, mesh: Any) -> None:
+    """``m``'s input features over ``mesh`` (its input is the shard's part), the outputs summed; the bias whole."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    transposed = is_conv1d(m)
+    _distribute(m, "weight", distribute_tensor, mesh, Shard(0 if transposed else 1))
+    if m.bias is not None:
+        _distribute(m, "bias", distribute_tensor, mesh, Replicate())
+    if not transposed:
+        m.in_features //= mesh.size()
+    m.forward = types.MethodType(functools.partial(_row_forward, transposed), m)  # type: ignore[method-assign]
+
+
+def _distribute(m: nn.Module, name: str, distribute_tensor: Any, mesh: Any, placement: Any) -> None:
+    p = getattr(m, name)
+    d = distribute_tensor(p.detach(), mesh, [placement], src_data_rank=None)
+    m.register_parameter(name, nn.Parameter(d, requires_grad=p.requires_grad))
+
+
+def find_attention(m: nn.Module, T: int) -> tuple[list[str], str, int] | str | None:
+    """``m``'s attention layers: (the column-wise names, the output projection's name, how many blocks the column
+    ones fuse), a reason it cannot be split over ``T`` shards, or None where ``m`` is no attention (it needs a head
+    count attribute, a fused ``qkv`` (d -> 3d) or ``q``, ``k``, ``v`` children, and a projection back to d)."""
+    heads = next((getattr(m, a) for a in HEAD_COUNTS if isinstance(getattr(m, a, None), int)), None)
+    if not heads:
+        return None
+    layers = [(n, c) for n, c in m.named_children() if linear_like(c)]
+    for i, (name, c) in enumerate(layers):
+        d, out = widths(c)
+        if out == 3 * d:  # fused q, k, v
+            proj = next((n for n, p in layers[i + 1 :] if widths(p) == (d, d)), None)
+            if proj is not None:
+                return _divides(heads, heads, T, m) or ([name], proj, 3)
+        group = layers[i : i + 3]
+        if len(group) == 3 and all(widths(p)[0] == d for _, p in group):
+            q_out, k_out, v_out = (widths(p)[1] for _, p in group)
+            head_dim = q_out // heads
+            proj = next((n for n, p in layers[i + 3 :] if widths(p) == (q_out, d)), None)
+            if proj is not None and q_out % heads == 0 and k_out == v_out and k_out % head_dim == 0:
+                return _divides(heads, k_out // head_dim, T, m) or ([n for n, _ in group], proj, 1)
+    return None
+
+
+def _divides(heads: int, kv_heads: int, T: int, m: nn.Module) -> str | None:
+    if heads % T or kv_heads % T:
+        return f"its {heads} heads ({kv_heads} for keys and values) do not divide over {T} shards"
+    return None
+
+
+class Column(ParallelStyle):
+    """Column-wise for a Linear or a Hugging Face ``Conv1D`` (torch's ``ColwiseParallel`` takes no Conv1D)."""
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        split_column(module, device_mesh)
+        return module
+
+
+class Row(ParallelStyle):
+    """Row-wise for a Linear or a Hugging Face ``Conv1D``."""
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        split_row(module, device_mesh)
+        return module
+
+
+class Heads(ParallelStyle):
+    """A ``ParallelStyle`` for an attention module (found by :func:`find_attention`): q, k, v column-wise by whole
+    heads, the output projection row-wise, the module's head counts and widths set to the shard's; tried first, and
+    left whole where that changes its output (``self.left`` then says why)."""
+
+    def __init__(self) -> None:
+        self.left: str | None = None
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        mesh = device_mesh
+        T = mesh.size()
+        found = find_attention(module, T)
+        if not isinstance(found, tuple):
+            self.left = found or "no attention found (a head count attribute, q/k/v or a fused qkv, a projection)"
+            return module
+        columns, proj, chunks = found
+        p = next(iter(module.parameters()))
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(*TRIAL_SHAPE, widths(getattr(module, columns[0]))[0], generator=g).to(p.device, p.dtype)
+        training = module.training
+        module.eval()
+        saved = {n: (dict(getattr(module, n)._parameters), is_conv1d(getattr(module, n))) for n in [*columns, proj]}
+        attrs = {
+            a: getattr(module, a)
+            for a in (*HEAD_COUNTS, *KV_HEAD_COUNTS, *WIDTHS)
+            if type(getattr(module, a, None)) is int
+        }
+        sizes = {widths(getattr(module, n))[1] for n in columns} | {widths(getattr(module, columns[0]))[1] // chunks}
+        split = False
+        try:
+            with torch.no_grad():
+                want = _first(module(x))
+                split = True
+                for n in columns:
+                    split_column(getattr(module, n), mesh, chunks)
+                split_row(getattr(module, proj), mesh)
+                for a, v in attrs.items():
+                    if a in HEAD_COUNTS or a in KV_HEAD_COUNTS or v in sizes:
+                        setattr(module, a, v // T)
+                got = _first(module(x))
+            ok = got.shape == want.shape and bool(torch.allclose(got, want, rtol=1e-4, atol=1e-5))
+            why = "splitting its heads changed its output"
+        except Exception as e:  # every shard runs the same code on the same input: they fail alike
+            which = "split" if split else "on hidden states alone"
+            ok, why = False, f"its forward failed {which} ({type(e).__name__}: {str(e)[:120]})"
+        agreed = torch.tensor([1.0 if ok else 0.0], device=x.device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=mesh.get_group())
+        module.train(training)
+        if agreed.item() < 1:
+            for n, (params, transposed) in saved.items():
+                layer = getattr(module, n)
+                layer._parameters.update(params)
+                vars(layer).pop("forward", None)
+                if transposed:
+                    layer.nf = widths(layer)[1]
+                else:
+                    layer.in_features, layer.out_features = widths(layer)
+            for a, v in attrs.items():
+                setattr(module, a, v)
+            self.left = why
+        return module
+
+
+def _first(y: Any) -> Tensor:
+    """The first tensor of a module's output (an attention may return (output, weights))."""
+    while isinstance(y, (tuple, list)):
+        y = y[0]
+    if not isinstance(y, Tensor):
+        raise TypeError(f"the output is a {type(y).__name__}, not a tensor")
+    return y
