@@ -4,6 +4,7 @@ optimizer state."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -203,3 +204,16 @@ def test_sharded_optimizer_state_trains_as_one_device_and_saves_the_whole_state(
     mid = tmp_path / "zero" / "every" / f"epoch=0-step={STEPS}.ckpt"
     trainer, resumed = _fit(tmp_path / "resumed", 2 * STEPS, str(mid))
     _close(resumed.state_dict(), plain.state_dict())
+    # the setup log: every group's share of every stage (flat slices: a half each, to a few elements)
+    out = results[0]["output"]
+    said = r"over 2 groups by flat slices \(Adam steps each element alone\); each group keeps, of a stage's: "
+    shares = re.search(said + r"stage 0: group 0 ([0-9.]+)%, group 1 ([0-9.]+)%\.", out)
+    assert shares is not None and all(abs(float(v) - 50) < 0.5 for v in shares.groups()), out[-3000:]
+    # resumed sharded again: the whole saved state cut into each group's slices
+    run_lightning(
+        tmp_path / "zero_resumed", 2, strategy, steps=2 * STEPS, model=model, trainer=PLAIN_ORDER, ckpt_path=str(mid)
+    )
+    _close(
+        {k: v for k, v in torch.load(tmp_path / "zero_resumed" / "final.ckpt")["state_dict"].items() if "layers." in k},
+        plain.state_dict(),
+    )

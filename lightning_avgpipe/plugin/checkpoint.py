@@ -18,6 +18,7 @@ from lightning_avgpipe.microbatch import to_cpu
 from lightning_avgpipe.optim import ElasticOptimizer, hyperparameters, source_groups
 from lightning_avgpipe.plugin import compat
 from lightning_avgpipe.runtime.pipeline import StagePipeline
+from lightning_avgpipe.runtime.zero import ShardedOptimizer
 from lightning_avgpipe.shards import full, like, to_local_tree
 
 
@@ -103,9 +104,11 @@ def named_groups(optimizer: Optimizer, pipeline: StagePipeline, names: Names) ->
 
     else:
         user = optimizer
+        # ZeRO-1 by flat slices: the slices gathered into whole tensors (collective over the stage group)
+        whole = optimizer.whole_state() if isinstance(optimizer, ShardedOptimizer) else user.state
 
         def state_of(p: Any) -> Any:
-            return user.state.get(p, {})
+            return whole.get(p, {})
 
     return [
         {

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
+import torch.distributed as dist
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
@@ -23,6 +24,7 @@ from lightning_avgpipe.plugin.gradients import GradStash
 from lightning_avgpipe.plugin.precision import loss_scale_of
 from lightning_avgpipe.runtime.controller import StepController, StepReport
 from lightning_avgpipe.runtime.pipeline import StagePipeline
+from lightning_avgpipe.runtime.zero import ShardedOptimizer
 
 # the precision plugin's context around each evaluation hook's forwards
 EVAL_CONTEXTS = {
@@ -147,6 +149,28 @@ def announce_averaging(pipeline: StagePipeline) -> None:
             f"AvgPipe: {cfg.num_pipelines} parallel pipelines x {groups} groups, elastic alpha "
             f"{elastic.alpha:g}{outer}, reference update {update}{sharded}."
         )
+
+
+def announce_sharding(pipeline: StagePipeline, optimizer: Any) -> None:
+    """Say how ``shard_optimizer_state`` splits each stage's optimizer state over the D groups: every group's share
+    of every stage (collective over the job: every rank calls it at setup; rank 0 prints)."""
+    if not isinstance(optimizer, ShardedOptimizer):
+        return
+    top = pipeline.topology
+    mine, whole, how = optimizer.share()
+    rows: list[Any] | None = [None] * top.world_size if top.rank == 0 else None
+    dist.gather_object((top.stage, top.group_index, top.tensor_rank, mine, whole, how), rows, dst=0)
+    if rows is None:
+        return
+    stages: dict[int, list[str]] = {}
+    for stage, group, shard, part, total, _ in sorted(rows):
+        if shard == 0:  # a stage's tensor shards split alike
+            stages.setdefault(stage, []).append(f"group {group} {part / max(total, 1):.1%}")
+    listed = "; ".join(f"stage {s}: {', '.join(shares)}" for s, shares in sorted(stages.items()))
+    rank_zero_info(
+        f"AvgPipe: shard_optimizer_state splits the optimizer state over {top.num_groups} groups by {rows[0][5]}; "
+        f"each group keeps, of a stage's: {listed}."
+    )
 
 
 def announce_checkpointing(pipeline: StagePipeline, names: Sequence[str]) -> None:

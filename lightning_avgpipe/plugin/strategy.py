@@ -49,7 +49,7 @@ from lightning_avgpipe.plugin.split import (
     shared_across_stages,
     split_module,
 )
-from lightning_avgpipe.plugin.steps import PipelineSteps, announce_averaging, announce_checkpointing
+from lightning_avgpipe.plugin.steps import PipelineSteps, announce_averaging, announce_checkpointing, announce_sharding
 from lightning_avgpipe.runtime.controller import StepController, memory_limit_bytes
 from lightning_avgpipe.runtime.pipeline import StagePipeline
 from lightning_avgpipe.runtime.recompute import check_matches
@@ -404,6 +404,7 @@ class AvgPipeStrategy(ProcessStrategy):
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
         self.optimizers = [self.pipeline.optimizer(self.optimizers[0])]
+        announce_sharding(self.pipeline, self.optimizers[0])
 
     def reconfigure(
         self,

@@ -3,15 +3,17 @@
 With ``averaging="exact"`` the D groups train one model: after the gradient average every group holds the same
 gradients, and every group would run the same optimizer step on the same weights, each keeping the whole optimizer
 state (Adam: two tensors the size of the weights). Sharded, each of the D ranks that hold a stage (its stage group)
-owns a part of the stage's parameters, whole tensors balanced by size; it keeps the optimizer state of its part
-only and steps only it (the others' gradients are set to ``None``, which ``torch.optim`` skips), then every owner
-broadcasts its updated part to the group. The weights after a step are those of the unsharded run; the optimizer
-state per rank is about 1/D of it.
+keeps the optimizer state of a part of the stage and steps only it. For torch.optim's elementwise optimizers the
+part is a 1/D flat slice of each parameter group (across tensors), and an all-gather shares the updated slices;
+for any other, whole tensors balanced by size, each broadcast by its owner. The weights after a step are those of
+the unsharded run; the optimizer state per rank is 1/D of it (a few elements of padding), or about 1/D by tensors.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,7 +24,7 @@ from torch.optim import Optimizer
 
 from lightning_avgpipe.elastic import ElasticAveraging, sum_sq
 from lightning_avgpipe.optim import WrappedOptimizer
-from lightning_avgpipe.shards import local, locals_, set_local
+from lightning_avgpipe.shards import like, local, locals_, set_local
 
 # torch >= 2.13 names them *_single and deprecates the older names
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -41,8 +43,67 @@ def assign(params: Sequence[nn.Parameter], parts: int) -> list[int]:
     return owner
 
 
+def elementwise(optimizer: Optimizer) -> bool:
+    """Whether ``optimizer`` updates every element from that element alone (torch.optim's SGD and the Adam family,
+    exactly those classes: a subclass may read whole tensors), so a flat slice across tensors steps as they would."""
+    from torch import optim
+
+    kinds = (optim.SGD, optim.Adam, optim.AdamW, optim.Adamax, optim.NAdam, optim.RAdam, optim.RMSprop, optim.Adagrad)
+    return type(optimizer) in kinds
+
+
+class _Bucket:
+    """The parameters of one group of the user's optimizer (one dtype) as one flat tensor, cut in D equal slices;
+    ``param`` is this rank's slice, the parameter its optimizer steps."""
+
+    def __init__(self, source: int, params: list[nn.Parameter], parts: int, index: int) -> None:
+        self.source, self.params = source, params
+        self.numel = sum(local(p).numel() for p in params)
+        self.slice = -(-self.numel // parts)  # each rank's share, the last one short (padded in the gather)
+        lo, hi = index * self.slice, min((index + 1) * self.slice, self.numel)
+        self.length = max(0, hi - lo)
+        self.pieces: list[tuple[int, int, int, int]] = []  # (parameter, start in it, start in the slice, length)
+        offset = 0
+        for i, p in enumerate(params):
+            n = local(p).numel()
+            a, b = max(lo, offset), min(hi, offset + n)
+            if a < b:
+                self.pieces.append((i, a - offset, a - lo, b - a))
+            offset += n
+        first = local(params[0])
+        self.param = nn.Parameter(torch.zeros(self.length, dtype=first.dtype, device=first.device))
+
+    def take(self, of: Callable[[nn.Parameter], Tensor | None], into: Tensor) -> None:
+        """Copy this rank's slice of ``of(parameter)`` (a local tensor) into ``into``; zeros where it is None."""
+        for i, start, at, length in self.pieces:
+            t = of(self.params[i])
+            if t is None:
+                into[at : at + length].zero_()
+            else:
+                into[at : at + length].copy_(t.reshape(-1)[start : start + length])
+
+    def gather(self, part: Tensor, group: Any, parts: int) -> list[Tensor]:
+        """Every rank's slice of a flat tensor like ``part``, put together and cut into the parameters' shapes."""
+        padded = torch.zeros(self.slice, dtype=part.dtype, device=part.device)
+        padded[: part.numel()].copy_(part)
+        whole = torch.empty(self.slice * parts, dtype=part.dtype, device=part.device)
+        _ALL_GATHER(whole, padded, group=group)
+        out, offset = [], 0
+        for p in self.params:
+            t = local(p)
+            out.append(whole[offset : offset + t.numel()].view(t.shape))
+            offset += t.numel()
+        return out
+
+
 class ShardedOptimizer(WrappedOptimizer):
-    """The user's optimizer, stepping only this rank's part of the parameters; the parts are then broadcast.
+    """The user's optimizer, stepping only this rank's part of the parameters; the parts are then shared.
+
+    An elementwise optimizer (:func:`elementwise`) is balanced by flat slices: each group of its parameters is one
+    flat tensor, each rank steps a 1/D slice of it (a copy of its optimizer over that slice, the user's
+    hyperparameters copied in before every step, as lr schedulers change them), and an all-gather puts the slices
+    back. Any other optimizer (LAMB and Adafactor read whole tensors) keeps whole tensors, each to one owner, the
+    largest first to the least loaded, and broadcasts them.
 
     Args:
         user: the optimizer built over the stage's parameters (its ``param_groups`` and lr schedulers stay its own).
@@ -61,9 +122,53 @@ class ShardedOptimizer(WrappedOptimizer):
         self.ranks = list(ranks)
         self.index = index
         self.owner = assign(self.params, len(self.ranks))
+        self.buckets = self._buckets() if elementwise(user) else []
+        self.flat = bool(self.buckets)
+        self.inner: Optimizer | None = None
+        self._warned = False
+        if self.flat:
+            groups = [
+                {**{k: v for k, v in user.param_groups[b.source].items() if k != "params"}, "params": [b.param]}
+                for b in self.buckets
+            ]
+            accepted = inspect.signature(type(user)).parameters
+            self.inner = type(user)(groups, **{k: v for k, v in user.defaults.items() if k in accepted})
+            self._scatter_state()  # state the user's optimizer made at construction (Adagrad's sums)
+
+    def _buckets(self) -> list[_Bucket]:
+        mine = {id(p) for p in self.params}
+        buckets = []
+        for g, group in enumerate(self.user.param_groups):
+            by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+            for p in group["params"]:
+                if id(p) in mine and p.requires_grad:
+                    by_dtype.setdefault(local(p).dtype, []).append(p)
+            for ps in by_dtype.values():
+                if not all(local(p).is_contiguous() for p in ps):
+                    return []  # a view across tensors needs them contiguous: whole tensors then
+                buckets.append(_Bucket(g, ps, len(self.ranks), self.index))
+        return buckets
+
+    def share(self) -> tuple[int, int, str]:
+        """(elements of optimizer state this rank keeps per kind of state, of the stage's, how it is split)."""
+        if self.flat:
+            how = f"flat slices ({type(self.user).__name__} steps each element alone)"
+            return sum(b.length for b in self.buckets), sum(b.numel for b in self.buckets), how
+        mine = sum(local(p).numel() for p in self.mine())
+        how = f"whole tensors ({type(self.user).__name__} is not one of torch.optim's elementwise optimizers)"
+        return mine, sum(local(p).numel() for p in self.params), how
 
     def mine(self) -> list[nn.Parameter]:
         return [p for p, d in zip(self.params, self.owner) if d == self.index]
+
+    @property  # type: ignore[override]
+    def state(self) -> Any:  # type: ignore[override]
+        """This rank's state: its slices' (flat), else the user's optimizer's (its whole tensors)."""
+        return self.inner.state if self.inner is not None else self.user.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        (self.inner or self.user).state = value
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.user.zero_grad(set_to_none=set_to_none)
@@ -73,12 +178,43 @@ class ShardedOptimizer(WrappedOptimizer):
         if closure is not None:  # the training step, its backwards and clipping (all gradients present)
             with torch.enable_grad():
                 loss = closure()
+        if self.inner is not None:
+            self._step_slices()
+            return loss
         for p, d in zip(self.params, self.owner):
             if d != self.index:
                 p.grad = None  # another rank's part: torch.optim skips it and keeps no state for it
         self.user.step()
         self.broadcast()
         return loss
+
+    @torch.no_grad()
+    def _step_slices(self) -> None:
+        assert self.inner is not None
+        for b, group in zip(self.buckets, self.inner.param_groups):
+            group.update({k: v for k, v in self.user.param_groups[b.source].items() if k != "params"})
+            b.take(
+                lambda p: local(p.detach()), b.param.data
+            )  # the weights as they are now (a checkpoint may have loaded them)
+            if not any(p.grad is not None for p in b.params):  # no gradient in the group: torch.optim skips it
+                b.param.grad = None
+                continue
+            if not self._warned and any(p.grad is None for p in b.params):
+                self._warned = True
+                warnings.warn(
+                    "AvgPipe: shard_optimizer_state=True: a parameter without a gradient this step steps with a zero "
+                    "gradient in its flat slice (torch.optim would skip it; momentum and weight decay still apply).",
+                    stacklevel=2,
+                )
+            grad = torch.empty_like(b.param)
+            b.take(lambda p: None if p.grad is None else local(p.grad), grad)
+            b.param.grad = grad
+        self.inner.step()
+        for b in self.buckets:
+            b.param.grad = None
+            gathered = b.gather(b.param.detach(), self.group, len(self.ranks))
+            for p, whole in zip(b.params, gathered):
+                local(p.detach()).copy_(whole)
 
     @torch.no_grad()
     def broadcast(self) -> None:
@@ -95,8 +231,49 @@ class ShardedOptimizer(WrappedOptimizer):
                     t.copy_(flat[offset : offset + t.numel()].view_as(t))
                     offset += t.numel()
 
+    @torch.no_grad()
+    def whole_state(self) -> dict[Tensor, dict[str, Any]]:
+        """Every parameter's whole optimizer state, the slices gathered (collective over the stage group; a
+        tensor-parallel parameter's as a DTensor of its shards); whole tensors: the user's own state."""
+        if self.inner is None:
+            return dict(self.user.state)
+        out: dict[Tensor, dict[str, Any]] = {p: {} for b in self.buckets for p in b.params}
+        for b in self.buckets:
+            for k, v in sorted(self.inner.state.get(b.param, {}).items()):
+                if isinstance(v, Tensor) and v.dim() == 1 and v.numel() == b.length:
+                    for p, t in zip(b.params, b.gather(v, self.group, len(self.ranks))):
+                        out[p][k] = like(t.clone(), p)
+                else:  # a scalar (Adam's step), alike on every slice
+                    for p in b.params:
+                        out[p][k] = v.clone() if isinstance(v, Tensor) else v
+        return {p: st for p, st in out.items() if st}
+
+    @torch.no_grad()
+    def _scatter_state(self) -> None:
+        """Move the user's optimizer's whole state (just loaded, or made at construction) into this rank's slices."""
+        assert self.inner is not None
+        for b in self.buckets:
+            states = [self.user.state.get(p, {}) for p in b.params]
+            if not any(states):
+                continue
+            mine: dict[str, Any] = {}
+            for k in states[0]:
+                v = states[0][k]
+                if isinstance(v, Tensor) and v.dim() > 0:
+                    part = torch.zeros(b.length, dtype=local(v).dtype, device=b.param.device)
+                    for i, start, at, length in b.pieces:
+                        part[at : at + length].copy_(local(states[i][k]).reshape(-1)[start : start + length])
+                    mine[k] = part
+                else:
+                    mine[k] = v.clone() if isinstance(v, Tensor) else v
+            self.inner.state[b.param] = mine
+        self.user.state.clear()
+
     def drop_foreign_state(self) -> None:
         """Forget the state of parameters another rank owns (after loading a whole state dict)."""
+        if self.inner is not None:
+            self._scatter_state()
+            return
         for p, d in zip(self.params, self.owner):
             if d != self.index:
                 self.user.state.pop(p, None)
@@ -108,14 +285,23 @@ class ShardedOptimizer(WrappedOptimizer):
         )
 
     def state_dict(self) -> dict[str, Any]:
-        return self.user.state_dict()
+        """The user's optimizer's state dict, whole (flat slices: gathered, collective over the stage group)."""
+        if self.inner is None:
+            return self.user.state_dict()
+        whole = self.whole_state()
+        self.user.state.update(whole)
+        try:
+            return self.user.state_dict()
+        finally:
+            self.user.state.clear()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.user.load_state_dict(state_dict)
         self.drop_foreign_state()
 
     def __repr__(self) -> str:
-        return f"ShardedOptimizer({type(self.user).__name__}, part {self.index} of {len(self.ranks)})"
+        how = "flat slice" if self.flat else "part"
+        return f"ShardedOptimizer({type(self.user).__name__}, {how} {self.index} of {len(self.ranks)})"
 
 
 class ShardedReference(ElasticAveraging):
