@@ -149,6 +149,21 @@ def test_zero_benchmark_smoke(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
+def test_zero_benchmark_on_the_digits_mlp(tmp_path: Path) -> None:
+    """benchmarks/zero.py --model mlp: the digits MLP over 2 stages x D = 2, exact: flat slices keep half the AdamW
+    state on each stage; by whole tensors the stage whose 256 x 256 weight is most of it keeps almost all of it."""
+    out = tmp_path / "zero.json"
+    args = ["--model", "mlp", "--groups", "2", "--averaging", "exact", "--steps", "2", "--json", str(out)]
+    run_script("zero.py", *args)
+    rows = {(r["sharded"], r["stage"]): r for r in json.loads(out.read_text())["rows"]}
+    for stage in (0, 1):
+        assert rows[True, stage]["ratio"]["state"] == pytest.approx(0.5, abs=0.01)
+        assert rows[True, stage]["max_weight_diff"] == 0.0
+    assert rows["tensors", 1]["ratio"]["state"] > 0.9
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
 def test_bubble_benchmark_smoke() -> None:
     """benchmarks/bubble.py: every schedule's measured bubble beside the simulator's, and the peaks per rank."""
     out = run_script("bubble.py", "--steps", "1", "--warmup", "1", "--n-layer", "2").stdout
