@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rows.append(row)
         print(
             f"{S:>4}x{T} {S * T:>5} {row['static_mb']:>10.3f} {row['stash_mb']:>9.3f} {row['samples_per_sec']:>10.1f} "
-            f"{loss:>11.6f}  {len(row['split_modules'])} Linear layers"
+            f"{loss:>11.6f}  {len(row['split_modules'])} modules"
         )
     base = rows[0]
     for row in rows[1:]:

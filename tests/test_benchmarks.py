@@ -128,7 +128,8 @@ def test_layouts_benchmark_smoke(tmp_path: Path) -> None:
     assert "FUNCTIONAL" in proc.stdout and "not a measurement" in proc.stdout
     one, two = json.loads(out.read_text())["rows"]
     assert one["first_loss"] == pytest.approx(two["first_loss"], rel=1e-5)
-    assert two["static_mb"] < one["static_mb"] and len(two["split_modules"]) == 4  # 2 blocks x (fc, proj)
+    assert two["static_mb"] < one["static_mb"] and len(two["split_modules"]) == 6  # 2 blocks x (attention, MLP pair)
+    assert {"1", "1.mlp.0", "1.mlp.2"} <= set(two["split_modules"])
     assert [(p["S"], p["T"]) for p in json.loads(out.read_text())["projection"]][:2] == [(1, 1), (2, 1)]
 
 
