@@ -40,7 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hogs", type=int, default=2, help="CPU-bound processes running beside each loaded tune")
     p.add_argument("--config", default="examples/char_gpt.yaml")
     p.add_argument("--num-pipelines", default="1", help="the tune's --num-pipelines")
-    p.add_argument("--profile-steps", type=int, default=2)
+    p.add_argument("--profile-steps", type=int, default=3, help="the tune's --profile-steps (its default: 3)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one tune may take")
     p.add_argument("--json", type=Path, default=None, help="also write everything here")
     p.add_argument("--quick", action="store_true", help="1 loaded run, 1 hog, fewer sizes: a smoke run")
