@@ -130,13 +130,13 @@ class GQABlock(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    """nanoGPT's own attention: it reads its widths from its input (``C // self.n_head``, ``view(B, T, C)``), so a
-    shard's heads cannot run it; the default plan tries, and leaves it whole."""
+    """nanoGPT's own attention (its layers as GPT-2's Conv1D): it reads its widths from its input (``C //
+    self.n_head``, ``view(B, T, C)``), so a shard's heads cannot run it; the default plan tries, and puts it back."""
 
     def __init__(self, width: int) -> None:
         super().__init__()
         self.n_head, self.n_embd = 2, width
-        self.c_attn, self.c_proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.c_attn, self.c_proj = Conv1D(3 * width, width), Conv1D(width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.size()

@@ -104,8 +104,9 @@ def named_groups(optimizer: Optimizer, pipeline: StagePipeline, names: Names) ->
 
     else:
         user = optimizer
-        # ZeRO-1 by flat slices: the slices gathered into whole tensors (collective over the stage group)
-        whole = optimizer.whole_state() if isinstance(optimizer, ShardedOptimizer) else user.state
+        # ZeRO-1 by flat slices: the slices gathered into whole tensors on group 0's rank (collective over the stage
+        # group); the other groups send their parameters' names without a state
+        whole = optimizer.whole_state(everywhere=False) if isinstance(optimizer, ShardedOptimizer) else user.state
 
         def state_of(p: Any) -> Any:
             return whole.get(p, {})

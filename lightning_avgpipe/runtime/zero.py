@@ -82,18 +82,30 @@ class _Bucket:
             else:
                 into[at : at + length].copy_(t.reshape(-1)[start : start + length])
 
-    def gather(self, part: Tensor, group: Any, parts: int) -> list[Tensor]:
-        """Every rank's slice of a flat tensor like ``part``, put together and cut into the parameters' shapes."""
+    def gather(self, part: Tensor, group: Any, parts: int, dst: int | None = None) -> list[Tensor]:
+        """Every rank's slice of a flat tensor like ``part``, put together and cut into the parameters' shapes: on
+        every rank, or (``dst``: a global rank) on that one only (``[]`` elsewhere)."""
         padded = torch.zeros(self.slice, dtype=part.dtype, device=part.device)
         padded[: part.numel()].copy_(part)
         whole = torch.empty(self.slice * parts, dtype=part.dtype, device=part.device)
-        _ALL_GATHER(whole, padded, group=group)
+        if dst is None:
+            _ALL_GATHER(whole, padded, group=group)
+        else:
+            receiving = dist.get_rank() == dst
+            dist.gather(padded, list(whole.chunk(parts)) if receiving else None, dst=dst, group=group)
+            if not receiving:
+                return []
         out, offset = [], 0
         for p in self.params:
             t = local(p)
             out.append(whole[offset : offset + t.numel()].view(t.shape))
             offset += t.numel()
         return out
+
+
+def _sliced(value: Any, bucket: _Bucket) -> bool:
+    """Whether a state value is a flat tensor over the bucket's slice (Adam's moments), not a scalar (its step)."""
+    return isinstance(value, Tensor) and value.dim() == 1 and value.numel() == bucket.length
 
 
 class ShardedOptimizer(WrappedOptimizer):
@@ -122,6 +134,7 @@ class ShardedOptimizer(WrappedOptimizer):
         self.ranks = list(ranks)
         self.index = index
         self.owner = assign(self.params, len(self.ranks))
+        self.whole_because = f"{type(user).__name__} is not one of torch.optim's elementwise optimizers"
         self.buckets = self._buckets() if elementwise(user) else []
         self.flat = bool(self.buckets)
         self.inner: Optimizer | None = None
@@ -136,16 +149,19 @@ class ShardedOptimizer(WrappedOptimizer):
             self._scatter_state()  # state the user's optimizer made at construction (Adagrad's sums)
 
     def _buckets(self) -> list[_Bucket]:
+        """Every parameter of the stage in the user's groups (frozen ones too: a gradient decides at each step), a
+        bucket per group and dtype; none where a parameter is not contiguous (a slice across tensors copies them)."""
         mine = {id(p) for p in self.params}
         buckets = []
         for g, group in enumerate(self.user.param_groups):
             by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
             for p in group["params"]:
-                if id(p) in mine and p.requires_grad:
+                if id(p) in mine:
                     by_dtype.setdefault(local(p).dtype, []).append(p)
             for ps in by_dtype.values():
                 if not all(local(p).is_contiguous() for p in ps):
-                    return []  # a view across tensors needs them contiguous: whole tensors then
+                    self.whole_because = "a parameter is not contiguous"
+                    return []
                 buckets.append(_Bucket(g, ps, len(self.ranks), self.index))
         return buckets
 
@@ -155,7 +171,7 @@ class ShardedOptimizer(WrappedOptimizer):
             how = f"flat slices ({type(self.user).__name__} steps each element alone)"
             return sum(b.length for b in self.buckets), sum(b.numel for b in self.buckets), how
         mine = sum(local(p).numel() for p in self.mine())
-        how = f"whole tensors ({type(self.user).__name__} is not one of torch.optim's elementwise optimizers)"
+        how = f"whole tensors ({self.whole_because})"
         return mine, sum(local(p).numel() for p in self.params), how
 
     def mine(self) -> list[nn.Parameter]:
@@ -191,30 +207,42 @@ class ShardedOptimizer(WrappedOptimizer):
     @torch.no_grad()
     def _step_slices(self) -> None:
         assert self.inner is not None
+        kept: list[tuple[_Bucket, int, int]] = []  # slice ranges of parameters without a gradient: torch.optim skips
         for b, group in zip(self.buckets, self.inner.param_groups):
             group.update({k: v for k, v in self.user.param_groups[b.source].items() if k != "params"})
-            b.take(
-                lambda p: local(p.detach()), b.param.data
-            )  # the weights as they are now (a checkpoint may have loaded them)
+            b.take(lambda p: local(p.detach()), b.param.data)  # the weights as they are (a checkpoint may load them)
             if not any(p.grad is not None for p in b.params):  # no gradient in the group: torch.optim skips it
                 b.param.grad = None
                 continue
-            if not self._warned and any(p.grad is None for p in b.params):
-                self._warned = True
-                warnings.warn(
-                    "AvgPipe: shard_optimizer_state=True: a parameter without a gradient this step steps with a zero "
-                    "gradient in its flat slice (torch.optim would skip it; momentum and weight decay still apply).",
-                    stacklevel=2,
-                )
             grad = torch.empty_like(b.param)
             b.take(lambda p: None if p.grad is None else local(p.grad), grad)
             b.param.grad = grad
+            kept += [(b, at, length) for i, _, at, length in b.pieces if b.params[i].grad is None]
+        if kept and not self._warned:
+            self._warned = True
+            warnings.warn(
+                "AvgPipe: shard_optimizer_state=True: a parameter without a gradient keeps its weights and optimizer "
+                "state, as torch.optim skips it, but shares its flat slice's step count (Adam's bias correction).",
+                stacklevel=2,
+            )
+        before = [(b, at, n, b.param.detach()[at : at + n].clone(), self._slice_state(b, at, n)) for b, at, n in kept]
         self.inner.step()
+        self.user._opt_called = True  # type: ignore[attr-defined]  # lr schedulers check the user's optimizer stepped
+        for b, at, n, weights, state in before:
+            b.param.detach()[at : at + n].copy_(weights)
+            for k, v in state.items():
+                self.inner.state[b.param][k][at : at + n].copy_(v)
         for b in self.buckets:
             b.param.grad = None
             gathered = b.gather(b.param.detach(), self.group, len(self.ranks))
             for p, whole in zip(b.params, gathered):
                 local(p.detach()).copy_(whole)
+
+    def _slice_state(self, b: _Bucket, at: int, n: int) -> dict[str, Tensor]:
+        """Copies of the elements ``at : at + n`` of the slice's tensor states (none before its first step)."""
+        assert self.inner is not None
+        state = self.inner.state.get(b.param, {})
+        return {k: v[at : at + n].clone() for k, v in state.items() if _sliced(v, b)}
 
     @torch.no_grad()
     def broadcast(self) -> None:
@@ -232,40 +260,61 @@ class ShardedOptimizer(WrappedOptimizer):
                     offset += t.numel()
 
     @torch.no_grad()
-    def whole_state(self) -> dict[Tensor, dict[str, Any]]:
+    def whole_state(self, everywhere: bool = True) -> dict[Tensor, dict[str, Any]]:
         """Every parameter's whole optimizer state, the slices gathered (collective over the stage group; a
-        tensor-parallel parameter's as a DTensor of its shards); whole tensors: the user's own state."""
+        tensor-parallel parameter's as a DTensor of its shards): on every rank, or (``everywhere=False``) on group
+        0's only, ``{}`` on the others (a checkpoint needs one copy). Whole tensors: the user's own state."""
         if self.inner is None:
             return dict(self.user.state)
+        dst = None if everywhere else self.ranks[0]
         out: dict[Tensor, dict[str, Any]] = {p: {} for b in self.buckets for p in b.params}
         for b in self.buckets:
             for k, v in sorted(self.inner.state.get(b.param, {}).items()):
-                if isinstance(v, Tensor) and v.dim() == 1 and v.numel() == b.length:
-                    for p, t in zip(b.params, b.gather(v, self.group, len(self.ranks))):
+                if _sliced(v, b):
+                    for p, t in zip(b.params, b.gather(v, self.group, len(self.ranks), dst)):
                         out[p][k] = like(t.clone(), p)
                 else:  # a scalar (Adam's step), alike on every slice
                     for p in b.params:
                         out[p][k] = v.clone() if isinstance(v, Tensor) else v
+        if not everywhere and self.index != 0:
+            return {}
         return {p: st for p, st in out.items() if st}
 
     @torch.no_grad()
     def _scatter_state(self) -> None:
-        """Move the user's optimizer's whole state (just loaded, or made at construction) into this rank's slices."""
+        """Move the user's optimizer's whole state (just loaded, or made at construction) into this rank's slices.
+        Parameters without a state (never stepped) get zeros; step counts that differ within a group take the
+        largest (one slice has one count), which the log says."""
         assert self.inner is not None
         for b in self.buckets:
             states = [self.user.state.get(p, {}) for p in b.params]
             if not any(states):
+                self.inner.state.pop(b.param, None)
                 continue
             mine: dict[str, Any] = {}
-            for k in states[0]:
-                v = states[0][k]
-                if isinstance(v, Tensor) and v.dim() > 0:
-                    part = torch.zeros(b.length, dtype=local(v).dtype, device=b.param.device)
+            for k in dict.fromkeys(k for st in states for k in st):
+                values = [st.get(k) for st in states]
+                shaped = [v for v in values if isinstance(v, Tensor) and v.dim() > 0]
+                if shaped:
+                    part = torch.zeros(b.length, dtype=local(shaped[0]).dtype, device=b.param.device)
                     for i, start, at, length in b.pieces:
-                        part[at : at + length].copy_(local(states[i][k]).reshape(-1)[start : start + length])
+                        if isinstance(values[i], Tensor) and values[i].dim() > 0:
+                            part[at : at + length].copy_(local(values[i]).reshape(-1)[start : start + length])
                     mine[k] = part
-                else:
-                    mine[k] = v.clone() if isinstance(v, Tensor) else v
+                    continue
+                present = [v for v in values if v is not None]
+                if not present:  # SGD's momentum_buffer without momentum
+                    mine[k] = None
+                    continue
+                scalars = [float(v) for v in present if isinstance(v, (Tensor, int, float))]
+                if len(set(scalars)) > 1:
+                    warnings.warn(
+                        f"AvgPipe: shard_optimizer_state=True: the loaded '{k}' differs between the parameters of one "
+                        f"group ({min(scalars):g} to {max(scalars):g}); their flat slice takes the largest.",
+                        stacklevel=2,
+                    )
+                top = max(present, key=lambda v: float(v) if isinstance(v, (Tensor, int, float)) else 0.0)
+                mine[k] = top.clone() if isinstance(top, Tensor) else top
             self.inner.state[b.param] = mine
         self.user.state.clear()
 
@@ -285,7 +334,8 @@ class ShardedOptimizer(WrappedOptimizer):
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """The user's optimizer's state dict, whole (flat slices: gathered, collective over the stage group)."""
+        """The user's optimizer's state dict, whole. Flat slices: gathered, a collective over the stage group, so
+        every rank of it must call it (not rank 0 alone)."""
         if self.inner is None:
             return self.user.state_dict()
         whole = self.whole_state()
