@@ -10,7 +10,9 @@ shard's (``nf``, ``out_features``, ``n_head``, ``num_heads``, ``split_size``, ``
 An attention is split only when it is proven to stay right: :class:`Heads` runs the module on a random input before
 and after the split, on every shard alike, and puts everything back (and says why) when the outputs differ or the
 split one raises. nanoGPT's attention, which reads its widths from its input (``C // self.n_head``), is left whole
-that way; one that reads them from its attributes, as Hugging Face's GPT-2 does, is split.
+that way; one that reads them from its attributes, as Hugging Face's GPT-2 does, is split. The trial feeds hidden
+states alone: a module whose other inputs carry one tensor per head (T5's position bias from an earlier layer, ALiBi
+slopes passed in) is not tried with them, and needs a plan of its own.
 """
 
 from __future__ import annotations
