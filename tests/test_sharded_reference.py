@@ -1,5 +1,5 @@
 """The elastic reference sharded over D pipeline groups (``shard_optimizer_state=True`` with elastic averaging;
-``runtime/zero.py`` ShardedReference): the same training as the whole reference, 1/D of the reference, the summed
+``runtime/sharded_reference.py``): the same training as the whole reference, 1/D of the reference, the summed
 update and the outer momentum held during the step, and the module whole between steps."""
 
 from __future__ import annotations

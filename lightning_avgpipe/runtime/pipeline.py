@@ -39,12 +39,13 @@ from lightning_avgpipe.runtime.executor import StageExecutor
 from lightning_avgpipe.runtime.gradnoise import GradientProbe
 from lightning_avgpipe.runtime.p2p import Link
 from lightning_avgpipe.runtime.recompute import layer_mask, stage_function
+from lightning_avgpipe.runtime.sharded_reference import ShardedReference
 from lightning_avgpipe.runtime.tensor_parallel import whole_outputs
 from lightning_avgpipe.runtime.ties import TiedGradients, TiedWeights
 from lightning_avgpipe.runtime.topology import Topology
 from lightning_avgpipe.runtime.trace import ActivationMeter, StepTrace
 from lightning_avgpipe.runtime.units import LossFn, StepResult, first_input
-from lightning_avgpipe.runtime.zero import ShardedOptimizer, ShardedReference
+from lightning_avgpipe.runtime.zero import ShardedOptimizer
 from lightning_avgpipe.schedules import Plan, build_plan, validate_plan
 from lightning_avgpipe.schedules.generate import reads_k, splits_backward
 

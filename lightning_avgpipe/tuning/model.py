@@ -102,7 +102,8 @@ class StageProfile:
         self, num_pipelines: int, num_groups: int = 1, sharded: bool = False, exact: bool = False
     ) -> float:
         """What the update holds for a moment after the backward, beyond :meth:`static_bytes`: a sharded elastic
-        reference sums and gathers one stage's worth of weights (``runtime/zero.py``); nothing otherwise."""
+        reference sums and gathers one stage's worth of weights (``runtime/sharded_reference.py``); nothing
+        otherwise."""
         elastic_sharded = sharded and num_groups > 1 and not exact and num_pipelines * num_groups > 1
         return self.param_bytes if elastic_sharded else 0.0
 
