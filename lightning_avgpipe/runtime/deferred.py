@@ -116,7 +116,7 @@ def _servable(*tensors: Any) -> bool:
     return all(t is None or (isinstance(t, Tensor) and not is_dtensor(t)) for t in tensors)
 
 
-def _is_conv1d(m: nn.Module) -> bool:
+def is_conv1d(m: nn.Module) -> bool:
     """Hugging Face's ``Conv1D`` by its shape: ``weight`` (in, ``nf``), ``bias``, forward ``x @ weight + bias``."""
     w = getattr(m, "weight", None)
     return (
@@ -131,7 +131,7 @@ def _is_conv1d(m: nn.Module) -> bool:
 def _patched_forward(m: nn.Module, queue: WeightGradQueue) -> Callable[[Tensor], Tensor] | None:
     """The forward that goes through the Functions, bound to ``m`` (so a deep copy of ``m`` runs its own weights
     through the same queue), or ``None`` for a module they do not serve."""
-    if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward or _is_conv1d(m):
+    if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward or is_conv1d(m):
         transposed = not isinstance(m, nn.Linear)
 
         def linear(self: nn.Module, x: Tensor) -> Tensor:

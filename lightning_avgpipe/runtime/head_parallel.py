@@ -29,19 +29,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from lightning_avgpipe.runtime.deferred import is_conv1d
+
 HEAD_COUNTS = ("n_head", "num_heads", "num_attention_heads", "n_heads")
 KV_HEAD_COUNTS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "n_kv_head", "n_query_groups")
 WIDTHS = ("embed_dim", "n_embd", "split_size", "all_head_size", "inner_dim", "hidden_size", "d_model")
 TRIAL_SHAPE = (2, 5)  # (batch, sequence) of the random input an attention is tried on
 _LAYER_WIDTHS = ("nf", "in_features", "out_features")  # a split layer's own widths, put back with it
-
-
-def is_conv1d(m: nn.Module) -> bool:
-    """Hugging Face's ``Conv1D`` by its shape: a weight (in, ``nf``) and forward ``x @ weight + bias``."""
-    w = getattr(m, "weight", None)
-    return (
-        type(m).__name__ == "Conv1D" and isinstance(w, Tensor) and w.dim() == 2 and getattr(m, "nf", None) == w.shape[1]
-    )
 
 
 def linear_like(m: nn.Module) -> bool:

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_avgpipe.runtime.head_parallel import Column, Heads, Row, find_attention, is_conv1d, linear_like, widths
+from lightning_avgpipe.runtime.deferred import is_conv1d
+from lightning_avgpipe.runtime.head_parallel import Column, Heads, Row, find_attention, linear_like, widths
 from lightning_avgpipe.runtime.p2p import META_LEN, Link, OutputMeta, StageOutputError
 
 Plan = Mapping[str, Any]  # module name pattern in the unsplit model -> a ParallelStyle
