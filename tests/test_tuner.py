@@ -8,6 +8,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from torch import nn
 
 from lightning_avgpipe.runtime.trace import Span
 from lightning_avgpipe.schedules import build_plan, simulate
+from lightning_avgpipe.tuning.busy import BUSY_ROUNDS
 from lightning_avgpipe.tuning.model import divisors
 from lightning_avgpipe.tuning.profiler import Snapshot, fit_overhead, measure_link, unit_times
 from lightning_avgpipe.tuning.search import search
@@ -90,6 +92,50 @@ def test_on_a_busy_machine_units_are_timed_by_the_cpu_time_charged_to_them() -> 
     trace.finish()
     first, second = trace.spans
     assert first.cpu > 0.002 and second.cpu < first.cpu and trace.step_cpu >= first.cpu + second.cpu
+
+
+def test_the_cpu_time_charged_to_a_span_is_the_stage_threads_own() -> None:
+    """A thread beside the stage (gloo's, here one running matrix products, which free the GIL) is not charged to the
+    stage's spans: the process's CPU time would charge it, the more the smaller the unit."""
+    from lightning_avgpipe.runtime.trace import StepTrace
+
+    stop = threading.Event()
+
+    def beside() -> None:
+        a = torch.randn(256, 256)
+        while not stop.is_set():
+            a @ a
+
+    thread = threading.Thread(target=beside, daemon=True)
+    thread.start()
+    try:
+        time.sleep(0.05)
+        trace = StepTrace(0)
+        own0, process0, t0 = time.thread_time(), time.process_time(), time.perf_counter()
+        end = t0 + 0.2
+        while time.perf_counter() < end:
+            sum(range(1000))
+        trace.add("F", 0, t0, time.perf_counter())
+        own, process = time.thread_time() - own0, time.process_time() - process0
+    finally:
+        stop.set()
+        thread.join()
+    if process < own + 0.05:
+        pytest.skip(f"the thread beside got no core of its own ({process - own:.3f} s of CPU in 0.2 s)")
+    assert trace.spans[0].cpu <= own + 0.002 and trace.spans[0].cpu < process - 0.04
+
+
+@pytest.mark.parametrize("first, expected", [(0.4, 3 * BUSY_ROUNDS), (0.97, 3)])
+def test_a_busy_first_probe_runs_more_rounds(monkeypatch: pytest.MonkeyPatch, first: float, expected: int) -> None:
+    from lightning_avgpipe.tuning import busy
+
+    probes = iter([first, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0])  # only the first probe decides
+    monkeypatch.setattr(busy, "probe_together", lambda group: next(probes))
+    shares: list[float] = []
+    ran = list(busy.rounds(["a", "b"], 3, shares, None, BUSY_ROUNDS * 3))
+    assert ran == ["a", "b"] * expected and len(shares) == expected
+    said = busy.busy_machine(0.4, "cpu", expected, 3)
+    assert ("ran 6 rounds instead of 3" in said) == (expected == 6) and "timed by their CPU time" in said
 
 
 def test_unit_times_are_means_so_a_slow_unit_counts() -> None:
@@ -285,6 +331,7 @@ def test_tuner_applies_its_choice_and_reports_the_table(tmp_path: Path) -> None:
     busy = table["notes"]["busy_machine"]
     assert (busy != "") == (profile["cpu_share"] < 0.85) and (busy in log)
     assert profile["clock"] == ("cpu" if busy else "wall")  # busy, on CPU with a thread per rank: timed by CPU time
+    assert profile["rounds"] in (3, 3 * BUSY_ROUNDS)  # the tuner's 3 rounds, or more where the first probe was busy
 
 
 @pytest.mark.slow

@@ -26,7 +26,7 @@ from lightning_avgpipe.runtime.trace import COMPUTE
 from lightning_avgpipe.schedules import simulate
 from lightning_avgpipe.schedules.generate import CHUNKED, SPLIT, reads_k, splits_backward
 from lightning_avgpipe.shards import local
-from lightning_avgpipe.tuning.busy import busy_machine, charged, cpu_clock, probe_together, rounds
+from lightning_avgpipe.tuning.busy import BUSY_ROUNDS, busy_machine, charged, cpu_clock, probe_together, rounds
 from lightning_avgpipe.tuning.model import PipelineProfile, StageProfile, checkpointed, microbatch_sizes, predict
 from lightning_avgpipe.tuning.profiler import (
     CopyOptimizer,
@@ -132,7 +132,7 @@ def tune(
                 "pipeline group and an iteration takes one per pipeline."
             )
     profile = profile_pipeline(strategy, batch, microbatch_sizes(size, ms), profile_steps)
-    busy = busy_machine(profile.cpu_share, profile.clock)
+    busy = busy_machine(profile.cpu_share, profile.clock, profile.rounds, profile_steps)
     if busy:
         rank_zero_warn(busy)
     profile.batch_fetch_s = fetch_s
@@ -338,7 +338,8 @@ def profile_pipeline(strategy: AvgPipeStrategy, batch: Any, sizes: Sequence[floa
             )
 
         shares: list[float] = []  # how much of a core this process gets: before every round, and at the end
-        for (b, _m, probe), kind in rounds(turns, steps, shares, top.pipeline_group):
+        # on a busy machine (the first probe says so) twice the rounds: each timing is noisier there
+        for (b, _m, probe), kind in rounds(turns, steps, shares, top.pipeline_group, BUSY_ROUNDS * steps, device):
             for p in params:
                 p.grad = None
             if kind == "split":
@@ -383,9 +384,9 @@ def profile_pipeline(strategy: AvgPipeStrategy, batch: Any, sizes: Sequence[floa
         # The strategy's own per-iteration collectives (the loss and logs from the last stage, the step figures)
         extra = []
         for _ in range(3):
-            t0 = time.process_time() if cpu else time.perf_counter()
+            t0 = time.thread_time() if cpu else time.perf_counter()
             pipeline.share((torch.zeros(()), []) if pipeline.is_last else None)
-            extra.append((time.process_time() if cpu else time.perf_counter()) - t0)
+            extra.append((time.thread_time() if cpu else time.perf_counter()) - t0)
         per_iteration = statistics.median(extra)
     finally:
         snap.restore()
@@ -433,6 +434,7 @@ def profile_pipeline(strategy: AvgPipeStrategy, batch: Any, sizes: Sequence[floa
     )
     profile.noise_scale, profile.noise_measurements = pooled_noise_scale(noise), len(noise)
     profile.cpu_share, profile.clock = round(share, 3), "cpu" if cpu else "wall"
+    profile.rounds = len(shares) - 1  # a probe before each round and one at the end
     # What the spans miss (posting, copies, waits the model does not see): measured step - the pipeline part of
     # the prediction itself (the simulator with the same latency and transfer costs), per unit
     measured = _max_list(strategy, residuals)

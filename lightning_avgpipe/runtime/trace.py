@@ -32,33 +32,34 @@ class Span:
     unit: int
     start: float
     end: float
-    cpu: float = 0.0  # the process's CPU seconds since the previous span ended (the span and what led to it)
+    cpu: float = 0.0  # the stage thread's CPU seconds since the previous span ended (the span and what led to it)
 
 
 @dataclass
 class StepTrace:
     """One stage's step: spans relative to the step start (seconds), and activation memory. Each span also carries
-    the process's CPU time since the previous one, which a busy machine does not stretch as it stretches wall time
-    (the tuner's profile reads it there)."""
+    the CPU time of the thread that runs the stage since the previous one, which a busy machine does not stretch as it
+    stretches wall time (the tuner's profile reads it there). The thread's, not the process's: the communication
+    library's threads run beside the stage and would charge each unit their time, the more the smaller the unit."""
 
     stage: int
     spans: list[Span] = field(default_factory=list)
     start: float = field(default_factory=time.perf_counter)
     end: float = 0.0
     peak_activation_bytes: int = 0
-    cpu_start: float = field(default_factory=time.process_time)
+    cpu_start: float = field(default_factory=time.thread_time)
     cpu_end: float = 0.0
-    cpu_mark: float = -1.0  # the process's CPU time when the last span was added (-1: none yet)
+    cpu_mark: float = -1.0  # the thread's CPU time when the last span was added (-1: none yet)
 
     def add(self, kind: str, unit: int, t0: float, t1: float) -> None:
-        now = time.process_time()
+        now = time.thread_time()
         since = now - (self.cpu_start if self.cpu_mark < 0 else self.cpu_mark)
         self.cpu_mark = now
         self.spans.append(Span(kind, unit, t0 - self.start, t1 - self.start, since))
 
     def finish(self) -> None:
         self.end = time.perf_counter()
-        self.cpu_end = time.process_time()
+        self.cpu_end = time.thread_time()
 
     @property
     def step_time(self) -> float:
@@ -66,7 +67,7 @@ class StepTrace:
 
     @property
     def step_cpu(self) -> float:
-        """The process's CPU seconds over the step."""
+        """The stage thread's CPU seconds over the step."""
         return max(0.0, self.cpu_end - self.cpu_start)
 
     @property

@@ -12,19 +12,25 @@ import torch.distributed as dist
 from lightning_avgpipe.runtime.trace import COMPUTE
 from lightning_avgpipe.tuning.profiler import BUSY_BELOW, cpu_share
 
+BUSY_ROUNDS = 2  # on a busy machine the profile runs this many times its rounds
 
-def busy_machine(share: float, clock: str = "wall") -> str:
-    """What to tell the user when the profile's processes got less than ``BUSY_BELOW`` of a core ("" otherwise)."""
+
+def busy_machine(share: float, clock: str = "wall", rounds: int = 0, steps: int = 0) -> str:
+    """What to tell the user when the profile's processes got less than ``BUSY_BELOW`` of a core ("" otherwise);
+    ``rounds`` the profile ran of the ``steps`` asked (more: the first probe found the machine busy)."""
     if share >= BUSY_BELOW:
         return ""
     said = f"AvgPipeTuner: this machine is busy: a profiling process got {share:.0%} of a core (other processes "
+    said += "compete for the CPUs)"
+    if rounds > steps:
+        said += f"; the profile ran {rounds} rounds instead of {steps} (each timing is noisier)"
     if clock == "cpu":
         return said + (
-            "compete for the CPUs). The stages were timed by their CPU time, which the load does not stretch, so the "
+            ". The stages were timed by their CPU time, which the load does not stretch, so the "
             "predictions are a quiet machine's; training on this busy machine will run slower than predicted."
         )
     return said + (
-        "compete for the CPUs), and the predicted times are a busy machine's: slower and less steady than a quiet "
+        ", and the predicted times are a busy machine's: slower and less steady than a quiet "
         "one's. Tune again on a quiet machine for figures to plan with."
     )
 
@@ -35,9 +41,10 @@ def charged(span: Any) -> bool:
 
 
 def cpu_clock(device: torch.device, share: float, work: float, group: Any) -> bool:
-    """Whether the profile times by the process's CPU time: on a busy machine (``share`` below ``BUSY_BELOW``), on
-    CPU devices with one thread per process on every rank, where CPU time is the compute's own and the load does not
-    stretch it, and where the compute is this process's CPU work: its CPU time over its wall time (``work``) at least
+    """Whether the profile times by the stage thread's CPU time: on a busy machine (``share`` below ``BUSY_BELOW``), on
+    CPU devices where torch computes on one thread per process on every rank (the stage's own: its CPU time is the
+    compute's, and the load does not stretch it), and where the compute is that thread's CPU work: its CPU time over its
+    wall time (``work``) at least
     half the share of a core it got (a layer that waits, for I/O or another device, takes wall time only).
     Elsewhere (a GPU's kernels, several threads) wall time, busy or not."""
     alone = device.type == "cpu" and torch.get_num_threads() == 1 and work >= share / 2
@@ -47,12 +54,31 @@ def cpu_clock(device: torch.device, share: float, work: float, group: Any) -> bo
     return share < BUSY_BELOW and float(flag[0]) == 0.0
 
 
-def rounds(turns: list[Any], steps: int, shares: list[float], group: Any) -> Iterator[Any]:
+def rounds(
+    turns: list[Any], steps: int, shares: list[float], group: Any, busy_steps: int = 0, device: Any = "cpu"
+) -> Iterator[Any]:
     """``turns``, ``steps`` times over; before each round, the share of a core this process gets (into ``shares``),
-    every rank of ``group`` probing at once, none stepping meanwhile (a step beside a probe would be timed busy)."""
-    for _ in range(steps):
+    every rank of ``group`` probing at once, none stepping meanwhile (a step beside a probe would be timed busy).
+
+    ``busy_steps``: how many rounds to run instead when the first probe finds the machine busy (the least share over
+    the ranks below ``BUSY_BELOW``, so every rank decides alike). Load makes each timing noisier; more rounds give the
+    medians back their steadiness."""
+    total, i = steps, 0
+    while i < total:
         shares.append(probe_together(group))
+        if i == 0 and busy_steps > steps and least_share(shares[0], group, device) < BUSY_BELOW:
+            total = busy_steps
         yield from turns
+        i += 1
+
+
+def least_share(share: float, group: Any, device: Any = "cpu") -> float:
+    """The least of ``share`` over the ranks of ``group`` (``share`` itself without a process group)."""
+    if not dist.is_initialized():
+        return share
+    t = torch.tensor([share], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return float(t[0])
 
 
 def probe_together(group: Any) -> float:

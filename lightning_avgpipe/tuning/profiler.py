@@ -67,7 +67,7 @@ def _sync(device: torch.device) -> None:
 
 
 def took(span: Span, cpu: bool = False) -> float:
-    """How long ``span`` held the stage: wall time, or (``cpu``) the process's CPU time charged to it."""
+    """How long ``span`` held the stage: wall time, or (``cpu``) the stage thread's CPU time charged to it."""
     return span.cpu if cpu else span.end - span.start
 
 
@@ -97,7 +97,7 @@ def unit_times(steps: Sequence[Sequence[Span]], cpu: bool = False) -> tuple[floa
 
     A send right after a compute is charged to it: on gloo an ``isend`` copies the tensor before returning, so
     it takes the stage's time like compute does (``wait`` spans are not charged: the simulator makes its own).
-    ``cpu``: the process's CPU time charged to each span instead of its wall time (what a busy machine does not
+    ``cpu``: the stage thread's CPU time charged to each span instead of its wall time (what a busy machine does not
     stretch).
     """
     fwd: list[float] = []
@@ -140,16 +140,16 @@ class CopyOptimizer:
         if self.optimizer is None:
             return 0.0
         _sync(self.device)
-        t0, c0 = time.perf_counter(), time.process_time()
+        t0, c0 = time.perf_counter(), time.thread_time()
         self.optimizer.step()
         _sync(self.device)
         elapsed = time.perf_counter() - t0
         self.times.append(elapsed)
-        self.cpu_times.append(time.process_time() - c0)
+        self.cpu_times.append(time.thread_time() - c0)
         return elapsed
 
     def median(self, cpu: bool = False) -> float:
-        """Median step time (``cpu``: the process's CPU time), the first (which creates the state) left out."""
+        """Median step time (``cpu``: the thread's CPU time), the first (which creates the state) left out."""
         times = self.cpu_times if cpu else self.times
         timed = times[1:] or times
         return statistics.median(timed) if timed else 0.0
