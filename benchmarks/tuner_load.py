@@ -36,7 +36,9 @@ HOG = "import os, time\nend = time.time() + {seconds}\nwhile time.time() < end a
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=5, help="loaded tunes")
-    p.add_argument("--quiet-runs", type=int, default=2, help="quiet tunes: the first the reference, the rest noise")
+    p.add_argument(
+        "--quiet-runs", type=int, default=3, help="quiet tunes: the first the reference, all of them the noise floor"
+    )
     p.add_argument("--hogs", type=int, default=2, help="CPU-bound processes running beside each loaded tune")
     p.add_argument("--config", default="examples/char_gpt.yaml")
     p.add_argument("--num-pipelines", default="1", help="the tune's --num-pipelines")
@@ -75,9 +77,21 @@ def ratios(table: dict[str, Any]) -> dict[tuple[Any, ...], float]:
     return {key(r): r["samples_per_sec"] / best for r in rows}
 
 
+def median_ratios(tables: list[dict[str, Any]]) -> dict[tuple[Any, ...], float]:
+    """Per row, the median of its ratio over ``tables``: the quiet machine's ratios with one run's noise averaged
+    out (with several quiet runs)."""
+    each = [ratios(t) for t in tables]
+    return {k: statistics.median(r[k] for r in each if k in r) for k in each[0]}
+
+
+def moved(base: dict[tuple[Any, ...], float], table: dict[str, Any]) -> list[float]:
+    now = ratios(table)
+    return [abs(now[k] / base[k] - 1) for k in base if k in now]
+
+
 def summary(quiet: dict[str, Any], table: dict[str, Any]) -> dict[str, Any]:
-    base, now = ratios(quiet), ratios(table)
-    moved = [abs(now[k] / base[k] - 1) for k in base if k in now]
+    base = ratios(quiet)
+    change = moved(base, table)
     chosen = table["choice"]
     return {
         "choice_in_quiet_table": base.get(key(chosen), 0.0),  # its samples/s as the quiet run predicts it, of the best
@@ -86,8 +100,11 @@ def summary(quiet: dict[str, Any], table: dict[str, Any]) -> dict[str, Any]:
         "choice": list(key(chosen)),
         "same_choice": key(chosen) == key(quiet["choice"]),
         "chosen_step_ms": chosen["step_time"] * 1e3,
-        "ratio_change_max": max(moved),
-        "ratio_change_median": statistics.median(moved),
+        "ratio_change_max": max(change),
+        "ratio_change_median": statistics.median(change),
+        "timing_noise": table["profile"].get("timing_noise"),
+        "tie_window": table["notes"].get("tie_window"),
+        "rounds": table["profile"].get("rounds"),
         "wall_s": table["wall_s"],
     }
 
@@ -97,19 +114,23 @@ def main(argv: list[str] | None = None) -> int:
     extra = ["--num-microbatches", "2,4,8"] if args.quick else []
     runs: list[dict[str, Any]] = []
     quiet_noise: list[dict[str, Any]] = []
+    quiet_extra: list[dict[str, Any]] = []
+    loaded_all: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         quiet = tune(args, Path(tmp) / "quiet", extra)
         print(
             f"quiet: cpu_share {quiet['profile'].get('cpu_share')}, choice {list(key(quiet['choice']))}, "
-            f"{quiet['choice']['step_time'] * 1e3:.1f} ms predicted, {quiet['wall_s']:.0f} s"
+            f"{quiet['choice']['step_time'] * 1e3:.1f} ms predicted, timing noise "
+            f"{quiet['profile'].get('timing_noise', 0):.1%}, {quiet['wall_s']:.0f} s"
         )
         for i in range(1, args.quiet_runs):  # the same, quiet again: how far noise alone moves the figures
-            again = summary(quiet, tune(args, Path(tmp) / f"quiet{i}", extra))
+            quiet_extra.append(tune(args, Path(tmp) / f"quiet{i}", extra))
+            again = summary(quiet, quiet_extra[-1])
             quiet_noise.append(again)
             print(
                 f"quiet {i + 1}: cpu_share {again['cpu_share']}, choice {again['choice']} "
                 f"({'same' if again['same_choice'] else 'OTHER'}: "
-                f"{again['choice_in_quiet_table']:.3f} of the first's best), "
+                f"{again['choice_in_quiet_table']:.3f} of the first's best), timing noise {again['timing_noise']:.1%}, "
                 f"ratios moved max {again['ratio_change_max']:.1%} "
                 f"median {again['ratio_change_median']:.1%}"
             )
@@ -124,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                 for hog in hogs:
                     hog.kill()
                     hog.wait()
+            loaded_all.append(table)
             runs.append(summary(quiet, table))
             r = runs[-1]
             print(
@@ -134,6 +156,20 @@ def main(argv: list[str] | None = None) -> int:
                 f"({r['chosen_step_ms'] / (quiet['choice']['step_time'] * 1e3):.2f}x quiet), ratios moved max "
                 f"{r['ratio_change_max']:.1%} median {r['ratio_change_median']:.1%}, {r['wall_s']:.0f} s"
             )
+    # against the quiet runs' median ratios: each quiet run's own distance from it is the noise floor
+    quiet_tables, loaded_tables = [quiet, *quiet_extra], loaded_all
+    if len(quiet_tables) >= 2:
+        floor = median_ratios(quiet_tables)
+        quiet_moves = [max(moved(floor, t)) for t in quiet_tables]
+        loaded_moves = [max(moved(floor, t)) for t in loaded_tables]
+        print(
+            f"against the median of the {len(quiet_tables)} quiet runs' ratios: quiet runs moved at most "
+            f"{', '.join(f'{m:.1%}' for m in quiet_moves)}; loaded runs {', '.join(f'{m:.1%}' for m in loaded_moves)}"
+        )
+        for r, m in zip(runs, loaded_moves):
+            r["ratio_change_max_vs_quiet_median"] = m
+    quiet_choices = sorted({str(list(key(t["choice"]))) for t in quiet_tables})
+    print(f"quiet runs chose: {', '.join(quiet_choices)}")
     same = sum(r["same_choice"] for r in runs)
     worst = max(r["ratio_change_max"] for r in runs)
     print(f"same choice in {same} of {len(runs)} loaded runs: {'PASS' if same == len(runs) else 'MISS'} (all)")

@@ -138,6 +138,24 @@ def test_a_busy_first_probe_runs_more_rounds(monkeypatch: pytest.MonkeyPatch, fi
     assert ("ran 6 rounds instead of 3" in said) == (expected == 6) and "timed by their CPU time" in said
 
 
+def test_timing_noise_is_the_median_relative_standard_error_of_a_sizes_step_compute() -> None:
+    from lightning_avgpipe.tuning.busy import timing_noise
+
+    def step(*computes: float) -> list[Span]:  # compute spans, each followed by an uncharged wait of 1 s
+        spans, t = [], 0.0
+        for u, d in enumerate(computes):
+            spans += [Span("F", u, t, t + d, cpu=d / 2), Span("wait", u, t + d, t + d + 1.0)]
+            t += d + 1.0
+        return spans
+
+    steady = [step(0.004, 0.006), step(0.005, 0.005), step(0.006, 0.004)]  # 10 ms of compute every step
+    noisy = [step(0.009), step(0.011)]  # 9 and 11 ms: a standard error of 1 ms over 2 steps, 10% of 10 ms
+    assert timing_noise([steady]) == pytest.approx(0.0, abs=1e-9) and timing_noise([noisy]) == pytest.approx(0.1)
+    assert timing_noise([steady, noisy]) == pytest.approx(0.05)  # the median over sizes
+    assert timing_noise([noisy], cpu=True) == pytest.approx(0.1)  # by CPU time: the same spread, halved times
+    assert timing_noise([[step(0.01)]]) == 0.0  # one step: nothing to measure
+
+
 def test_unit_times_are_means_so_a_slow_unit_counts() -> None:
     # three units of 2 ms and one of 10 ms: a step pays 16 ms, so 4 ms per unit (a median would say 2 ms)
     spans = [Span("F", u, 0.1 * u, 0.1 * u + d) for u, d in enumerate((0.002, 0.002, 0.010, 0.002))]
@@ -332,6 +350,9 @@ def test_tuner_applies_its_choice_and_reports_the_table(tmp_path: Path) -> None:
     assert (busy != "") == (profile["cpu_share"] < 0.85) and (busy in log)
     assert profile["clock"] == ("cpu" if busy else "wall")  # busy, on CPU with a thread per rank: timed by CPU time
     assert profile["rounds"] in (3, 3 * BUSY_ROUNDS)  # the tuner's 3 rounds, or more where the first probe was busy
+    assert profile["timing_noise"] > 0 and table["notes"]["tie_window"] == pytest.approx(
+        min(0.10, max(0.005, 2 * profile["timing_noise"])), abs=1e-4
+    )
 
 
 @pytest.mark.slow

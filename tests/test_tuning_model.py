@@ -190,6 +190,26 @@ def test_search_ties_go_to_fewer_pipelines() -> None:
     assert (table.choice.num_pipelines, table.choice.num_microbatches) == (1, 2)
 
 
+@pytest.mark.parametrize(
+    "noise, keep, chosen", [(0.0, 4, 8), (0.02, 4, 8), (0.04, 4, 4), (0.5, 4, 4), (0.04, None, 8), (0.5, 2, 8)]
+)
+def test_the_users_setting_is_kept_within_the_profiles_timing_noise(
+    noise: float, keep: int | None, chosen: int
+) -> None:
+    """M = 8 predicts 6.7% more samples/s than M = 4 here: where the profile's timings are that noisy (a rerun could
+    swap them), the user's own M = 4 is kept, and said; a wider gap (M = 2: 26% behind) never is, nor is any M where
+    the user set none."""
+    prof = profile(latency_s=1e-3)
+    prof.timing_noise = noise
+    table = search(prof, num_microbatches=[1, 2, 4, 8], num_pipelines=1, keep_microbatches=keep)
+    rate = {r.num_microbatches: r.samples_per_sec for r in table.rows}
+    assert rate[8] / rate[4] == pytest.approx(1.067, abs=0.001) and rate[8] / rate[2] > 1.3
+    assert table.choice is not None and table.choice.num_microbatches == chosen
+    assert table.notes["tie_window"] == pytest.approx(min(0.10, max(0.005, 2 * noise)))
+    said = "Your own setting (M = 4, N = 1, 1f1b) was kept: the best row (M = 8, N = 1, 1f1b) predicts 6.7% more"
+    assert (said in table.notes["reason"]) == (chosen == 4)
+
+
 def test_memory_limit_excludes_settings() -> None:
     prof = profile()
     free = search(prof, num_pipelines=4)

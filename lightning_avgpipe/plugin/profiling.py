@@ -26,7 +26,15 @@ from lightning_avgpipe.runtime.trace import COMPUTE
 from lightning_avgpipe.schedules import simulate
 from lightning_avgpipe.schedules.generate import CHUNKED, SPLIT, reads_k, splits_backward
 from lightning_avgpipe.shards import local
-from lightning_avgpipe.tuning.busy import BUSY_ROUNDS, busy_machine, charged, cpu_clock, probe_together, rounds
+from lightning_avgpipe.tuning.busy import (
+    BUSY_ROUNDS,
+    busy_machine,
+    charged,
+    cpu_clock,
+    probe_together,
+    rounds,
+    timing_noise,
+)
 from lightning_avgpipe.tuning.model import PipelineProfile, StageProfile, checkpointed, microbatch_sizes, predict
 from lightning_avgpipe.tuning.profiler import (
     CopyOptimizer,
@@ -154,6 +162,7 @@ def tune(
         "schedules": candidate_schedules(strategy.config.schedule, profile) if weigh_split else None,
         "stages_per_rank": strategy.config.stages_per_rank,
         "keep_pipelines": strategy.config.num_pipelines,
+        "keep_microbatches": _users_microbatches(strategy),
     }
     try:
         table = search(profile, *args, **options)
@@ -172,6 +181,12 @@ def tune(
     table.notes["other_placements"] = other_placements(table)
     table.notes["busy_machine"] = busy
     return table
+
+
+def _users_microbatches(strategy: AvgPipeStrategy) -> int | None:
+    """The strategy's M where it is a number (not ``"auto"``): the setting the tuner keeps within its noise."""
+    m = strategy.config.num_microbatches
+    return m if isinstance(m, int) and not isinstance(m, bool) else None
 
 
 def candidate_schedules(schedule: str, profile: PipelineProfile) -> list[str]:
@@ -367,6 +382,7 @@ def profile_pipeline(strategy: AvgPipeStrategy, batch: Any, sizes: Sequence[floa
         timed = [s for b in sizes for step in spans[b] for s in step if s.kind in COMPUTE]
         work = sum(s.cpu for s in timed) / max(sum(s.end - s.start for s in timed), 1e-9)
         cpu = cpu_clock(device, share, work, top.pipeline_group)
+        noise_here = _max_over(strategy, timing_noise([spans[b] for b in sizes], cpu))
         for b, m, probe in settings:
             f, bk = unit_times(spans[b], cpu)
             i, w = split_times(split_spans[b] if b in splits else spans[b] if split else [], cpu)
@@ -435,6 +451,7 @@ def profile_pipeline(strategy: AvgPipeStrategy, batch: Any, sizes: Sequence[floa
     profile.noise_scale, profile.noise_measurements = pooled_noise_scale(noise), len(noise)
     profile.cpu_share, profile.clock = round(share, 3), "cpu" if cpu else "wall"
     profile.rounds = len(shares) - 1  # a probe before each round and one at the end
+    profile.timing_noise = round(noise_here, 4)
     # What the spans miss (posting, copies, waits the model does not see): measured step - the pipeline part of
     # the prediction itself (the simulator with the same latency and transfer costs), per unit
     measured = _max_list(strategy, residuals)

@@ -3,6 +3,7 @@ whether to time the stages by CPU time, which other processes' load does not str
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Iterator
 from typing import Any
 
@@ -10,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_avgpipe.runtime.trace import COMPUTE
-from lightning_avgpipe.tuning.profiler import BUSY_BELOW, cpu_share
+from lightning_avgpipe.tuning.profiler import BUSY_BELOW, cpu_share, took
 
 BUSY_ROUNDS = 2  # on a busy machine the profile runs this many times its rounds
 
@@ -89,3 +90,16 @@ def probe_together(group: Any) -> float:
     if dist.is_initialized():
         dist.barrier(group=group)
     return share
+
+
+def timing_noise(per_size: list[list[Any]], cpu: bool = False) -> float:
+    """How far a profile's timings can be trusted: for each micro-batch size (its timed steps' spans, one list per
+    step), the relative standard error of a step's compute (the charged spans, by wall or CPU time) over the steps;
+    the median over the sizes (0 where no size has two steps). Two predictions closer than about twice this are one
+    measurement's noise apart."""
+    errors = []
+    for steps in per_size:
+        totals = [sum(took(s, cpu) for s in step if charged(s)) for step in steps]
+        if len(totals) >= 2 and statistics.fmean(totals) > 0:
+            errors.append(statistics.stdev(totals) / statistics.fmean(totals) / len(totals) ** 0.5)
+    return statistics.median(errors) if errors else 0.0

@@ -134,6 +134,7 @@ class PipelineProfile:
     shard_optimizer_state: bool = False  # ZeRO-1 over the D groups (runtime/zero.py): what a stage holds per rank
     cpu_share: float = 1.0  # the share of a core the profile's processes got (profiler.cpu_share): < 0.85 is busy
     clock: str = "wall"  # what timed the stages: "wall", or "cpu" (the stage threads' CPU time, on a busy CPU machine)
+    timing_noise: float = 0.0  # relative standard error of a size's timed step compute (busy.timing_noise)
     rounds: int = 0  # the profile's timed rounds (every micro-batch size once each): busy.BUSY_ROUNDS x more when busy
 
     @property

@@ -92,7 +92,10 @@ class TuningTable:
 
     def choose(self) -> Prediction:
         """Set :attr:`choice` to the feasible row with the most :meth:`value` and its reason; ties (within 0.5%) go to
-        fewer pipelines, then one model ("exact") over replicas, then fewer micro-batches."""
+        fewer pipelines, then one model ("exact") over replicas, then the strategy's schedule, then fewer
+        micro-batches. The user's own setting (``notes["keep_microbatches"]`` and ``keep_pipelines``, the strategy's
+        schedule) is kept where the best row beats it by less than :func:`tie_window` of the profile's timing noise:
+        a rerun of the profile could swap the two."""
         feasible = [r for r in self.rows if r.feasible]
         if self.objective == "goodput" and self.profile is not None and self.profile.noise_scale is None:
             # no noise-scale estimate: every batch would count as equally efficient, and the largest N would win on
@@ -108,8 +111,31 @@ class TuningTable:
             near,
             key=lambda r: (r.num_pipelines, r.averaging != "exact", r.schedule != self.schedule, r.num_microbatches),
         )
-        self.notes["reason"] = reason(self) + schedule_reason(self)
+        window = tie_window(self.profile)
+        self.notes["tie_window"] = round(window, 4)
+        said = ""
+        own = [r for r in feasible if self.is_users(r) and self.value(r) >= top * (1 - window)]
+        if own and not self.is_users(self.choice):
+            best = self.choice
+            self.choice = min(own, key=lambda r: (r.averaging != "exact", -self.value(r)))
+            said = (
+                f" Your own setting (M = {self.choice.num_microbatches}, N = {self.choice.num_pipelines}, "
+                f"{self.choice.schedule}) was kept: the best row (M = {best.num_microbatches}, N = "
+                f"{best.num_pipelines}, {best.schedule}) predicts {self.value(best) / self.value(self.choice) - 1:.1%} "
+                f"more, within the profile's timing noise (ties within {window:.1%}; a larger profile_steps measures "
+                "finer)."
+            )
+        self.notes["reason"] = reason(self) + said + schedule_reason(self)
         return self.choice
+
+    def is_users(self, r: Prediction) -> bool:
+        """Whether ``r`` is the user's own setting: their M (``notes["keep_microbatches"]``), N and schedule."""
+        m = self.notes.get("keep_microbatches")
+        return (
+            m is not None
+            and (r.num_microbatches, r.num_pipelines) == (int(m), int(self.notes.get("keep_pipelines", 1)))
+            and r.schedule == self.schedule
+        )
 
     def row(
         self, num_microbatches: int, num_pipelines: int, averaging: str | None = None, schedule: str | None = None
@@ -191,11 +217,14 @@ def search(
     schedules: Sequence[str] | None = None,
     stages_per_rank: int | None = None,
     keep_pipelines: int = 1,
+    keep_microbatches: int | None = None,
 ) -> TuningTable:
     """Predict every candidate (schedule, M, N, averaging) and choose the best that fits ``memory_limit`` (bytes).
 
     ``keep_pipelines``: the N of the user's own batch, which ``"goodput"`` keeps when the profile has no noise-scale
     estimate (it would otherwise count every batch as equally efficient and take the largest N).
+    ``keep_microbatches``: the user's M; with ``keep_pipelines`` and ``schedule``, the setting kept where the best
+    row's gain over it is within the profile's timing noise (:meth:`TuningTable.choose`).
 
     ``schedules``: the schedules to weigh (default: ``schedule`` alone); ``stages_per_rank``: v for those that run
     several chunks per rank (``None``: their default). Ties go to ``schedule``, the one the strategy runs.
@@ -258,6 +287,7 @@ def search(
     table = TuningTable(rows=rows, choice=None, memory_limit=memory_limit, schedule=schedule, profile=profile)
     table.notes["objective"] = objective
     table.notes["keep_pipelines"] = keep_pipelines
+    table.notes["keep_microbatches"] = keep_microbatches
     table.notes["search_args"] = {  # what a retune searches again with (tuning/retune.py)
         "num_microbatches": ms,
         "num_pipelines": ns if num_pipelines is not None else None,
@@ -269,6 +299,7 @@ def search(
         "max_pipelines": max_pipelines,
         "averaging": averagings,
         "keep_pipelines": keep_pipelines,
+        "keep_microbatches": keep_microbatches,
     }
     table.choose()
     return table
@@ -284,6 +315,16 @@ def check_averaging(averaging: Sequence[str] | str) -> list[str]:
             "'elastic': the paper's rule)."
         )
     return list(dict.fromkeys(values))
+
+
+NOISE_WINDOW_MAX = 0.10  # the widest tie window the profile's noise can open: a larger gain is always taken
+
+
+def tie_window(profile: PipelineProfile | None) -> float:
+    """How close a prediction must come to the best to keep the user's own setting: 0.5%, or twice the profile's
+    relative timing noise (two standard errors), up to ``NOISE_WINDOW_MAX``."""
+    noise = profile.timing_noise if profile is not None else 0.0
+    return max(0.005, min(NOISE_WINDOW_MAX, 2 * noise))
 
 
 def reason(table: TuningTable) -> str:
