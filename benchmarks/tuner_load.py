@@ -89,6 +89,13 @@ def moved(base: dict[tuple[Any, ...], float], table: dict[str, Any]) -> list[flo
     return [abs(now[k] / base[k] - 1) for k in base if k in now]
 
 
+def worst(base: dict[tuple[Any, ...], float], table: dict[str, Any]) -> str:
+    """The row whose ratio moved most, and which way: e.g. "zbh1 M=1 -12%"."""
+    now = ratios(table)
+    k = max((k for k in base if k in now), key=lambda k: abs(now[k] / base[k] - 1))
+    return f"{k[0]} M={k[1]} N={k[2]} {now[k] / base[k] - 1:+.0%}"
+
+
 def summary(quiet: dict[str, Any], table: dict[str, Any]) -> dict[str, Any]:
     base = ratios(quiet)
     change = moved(base, table)
@@ -101,6 +108,7 @@ def summary(quiet: dict[str, Any], table: dict[str, Any]) -> dict[str, Any]:
         "same_choice": key(chosen) == key(quiet["choice"]),
         "chosen_step_ms": chosen["step_time"] * 1e3,
         "ratio_change_max": max(change),
+        "worst_row": worst(base, table),
         "ratio_change_median": statistics.median(change),
         "timing_noise": table["profile"].get("timing_noise"),
         "tie_window": table["notes"].get("tie_window"),
@@ -131,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"quiet {i + 1}: cpu_share {again['cpu_share']}, choice {again['choice']} "
                 f"({'same' if again['same_choice'] else 'OTHER'}: "
                 f"{again['choice_in_quiet_table']:.3f} of the first's best), timing noise {again['timing_noise']:.1%}, "
+                f"worst row {again['worst_row']}, "
                 f"ratios moved max {again['ratio_change_max']:.1%} "
                 f"median {again['ratio_change_median']:.1%}"
             )
@@ -153,8 +162,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['choice']} ({'same' if r['same_choice'] else 'OTHER'}: "
                 f"{r['choice_in_quiet_table']:.3f} of the quiet best), "
                 f"{r['chosen_step_ms']:.1f} ms predicted "
-                f"({r['chosen_step_ms'] / (quiet['choice']['step_time'] * 1e3):.2f}x quiet), ratios moved max "
-                f"{r['ratio_change_max']:.1%} median {r['ratio_change_median']:.1%}, {r['wall_s']:.0f} s"
+                f"({r['chosen_step_ms'] / (quiet['choice']['step_time'] * 1e3):.2f}x quiet), {r['rounds']} rounds, "
+                f"timing noise {r['timing_noise']:.1%}, ratios moved max {r['ratio_change_max']:.1%} "
+                f"({r['worst_row']}) median {r['ratio_change_median']:.1%}, {r['wall_s']:.0f} s"
             )
     # against the quiet runs' median ratios: each quiet run's own distance from it is the noise floor
     quiet_tables, loaded_tables = [quiet, *quiet_extra], loaded_all
