@@ -163,6 +163,24 @@ def test_unit_times_are_means_so_a_slow_unit_counts() -> None:
     assert fwd == pytest.approx(0.004) and bwd == 0.0
 
 
+def test_a_round_the_machine_spent_elsewhere_is_outvoted_by_the_others() -> None:
+    """Each step's mean per unit, the median over steps (profile rounds): one step at 3x (a burst of load, one unit
+    a step as at the largest size) does not move the unit's time; within a step a slow unit still counts."""
+    from lightning_avgpipe.tuning.profiler import split_times
+
+    def one_unit(f: float, b: float) -> list[Span]:
+        return [Span("F", 0, 0.0, f), Span("B", 0, f, f + b)]
+
+    steps = [one_unit(0.010, 0.020), one_unit(0.030, 0.060), one_unit(0.011, 0.021)]
+    assert unit_times(steps) == pytest.approx((0.011, 0.021))  # the mean would read 0.017 and 0.0337
+    split = [
+        [Span("I", 0, 0.0, i), Span("W", 0, i, i + w)] for i, w in ((0.004, 0.002), (0.012, 0.006), (0.005, 0.003))
+    ]
+    assert split_times(split) == pytest.approx((0.005, 0.003))
+    two_units = [[Span("F", 0, 0.0, 0.002), Span("F", 1, 0.1, 0.110)]] * 3  # 2 ms and 10 ms in every step
+    assert unit_times(two_units) == pytest.approx((0.006, 0.0))
+
+
 def test_fit_overhead_recovers_a_line_and_clamps() -> None:
     a, c = fit_overhead([1, 4, 16], [0.002 + 0.0005 * u for u in (1, 4, 16)])
     assert a == pytest.approx(0.002) and c == pytest.approx(0.0005)

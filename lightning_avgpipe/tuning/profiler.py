@@ -72,10 +72,12 @@ def took(span: Span, cpu: bool = False) -> float:
 
 
 def split_times(steps: Sequence[Sequence[Span]], cpu: bool = False) -> tuple[float, float]:
-    """Mean time one unit's input gradient (``I``) and weight gradient (``W``) hold the stage, as :func:`unit_times`
-    counts them (a send after ``I`` is charged to it); ``(0, 0)`` where the steps split no backward."""
-    grads: dict[str, list[float]] = {"I": [], "W": []}
+    """Time one unit's input gradient (``I``) and weight gradient (``W``) hold the stage, as :func:`unit_times`
+    counts them (a send after ``I`` is charged to it; each step's mean, the median over steps); ``(0, 0)`` where the
+    steps split no backward."""
+    per_step: dict[str, list[float]] = {"I": [], "W": []}
     for spans in steps:
+        grads: dict[str, list[float]] = {"I": [], "W": []}
         last: list[float] | None = None
         for s in spans:
             if s.kind in grads:
@@ -85,15 +87,21 @@ def split_times(steps: Sequence[Sequence[Span]], cpu: bool = False) -> tuple[flo
                 last = None
             elif s.kind == "send" and last is not None:
                 last[-1] += took(s, cpu)
-    return (statistics.fmean(grads["I"]) if grads["I"] else 0.0, statistics.fmean(grads["W"]) if grads["W"] else 0.0)
+        for kind, times in grads.items():
+            if times:
+                per_step[kind].append(statistics.fmean(times))
+    return _median_or_zero(per_step["I"]), _median_or_zero(per_step["W"])
 
 
 def unit_times(steps: Sequence[Sequence[Span]], cpu: bool = False) -> tuple[float, float]:
-    """Mean time one unit's forward and backward hold the stage, over ``steps`` (a stage's spans per step).
+    """Time one unit's forward and backward hold the stage: each step's mean over its units (``steps``: a stage's
+    spans per step, one per profile round), the median over steps.
 
-    The mean, not the median: a step's compute is the sum of its units', and the occasional slow unit (a cache
-    miss, the other process taking the core) is paid by training at the same rate, so a median would make every
-    prediction short by a share that grows with the units per step.
+    The mean within a step: a step's compute is the sum of its units', and the occasional slow unit (a cache miss,
+    the other process taking the core) is paid by training at the same rate, so a median over units would make every
+    prediction short by a share that grows with the units per step. The median over steps: a round the machine spent
+    elsewhere (a burst of load, a collection) is one step's mean, and at the largest size, one unit a step, it would
+    otherwise weigh on every row that size predicts.
 
     A send right after a compute is charged to it: on gloo an ``isend`` copies the tensor before returning, so
     it takes the stage's time like compute does (``wait`` spans are not charged: the simulator makes its own).
@@ -103,17 +111,27 @@ def unit_times(steps: Sequence[Sequence[Span]], cpu: bool = False) -> tuple[floa
     fwd: list[float] = []
     bwd: list[float] = []
     for spans in steps:
+        f: list[float] = []
+        b: list[float] = []
         last: list[float] | None = None
         for s in spans:
             if s.kind == "F":
-                fwd.append(took(s, cpu))
-                last = fwd
+                f.append(took(s, cpu))
+                last = f
             elif s.kind == "B":
-                bwd.append(took(s, cpu))
-                last = bwd
+                b.append(took(s, cpu))
+                last = b
             elif s.kind == "send" and last is not None:
                 last[-1] += took(s, cpu)
-    return (statistics.fmean(fwd) if fwd else 0.0, statistics.fmean(bwd) if bwd else 0.0)
+        if f:
+            fwd.append(statistics.fmean(f))
+        if b:
+            bwd.append(statistics.fmean(b))
+    return _median_or_zero(fwd), _median_or_zero(bwd)
+
+
+def _median_or_zero(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else 0.0
 
 
 class CopyOptimizer:
