@@ -138,6 +138,29 @@ def test_a_busy_first_probe_runs_more_rounds(monkeypatch: pytest.MonkeyPatch, fi
     assert ("ran 6 rounds instead of 3" in said) == (expected == 6) and "timed by their CPU time" in said
 
 
+def _rounds_worker(rank: int, world_size: int) -> int:
+    """Pipeline groups {0, 2} and {1, 3}, as tensor-parallel shards of 2 stages have: group {0, 2} probes a quiet
+    machine, {1, 3} a busy one. Returns how many rounds this rank ran."""
+    import torch.distributed as dist
+
+    from lightning_avgpipe.tuning import busy
+
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    busy.cpu_share = lambda: 0.95 if rank % 2 == 0 else 0.5
+    ran = list(busy.rounds(["step"], 3, [], groups[rank % 2], BUSY_ROUNDS * 3))
+    dist.barrier()  # a rank still in its rounds would leave this barrier waiting
+    return len(ran)
+
+
+@pytest.mark.timeout(120)
+def test_every_rank_runs_the_same_rounds_whichever_group_probed_busy() -> None:
+    """The busy decision is the least share over the whole job: a tensor-parallel peer in another pipeline group that
+    ran 3 rounds while this one ran 6 would hang in the shards' collectives."""
+    from benchmarks.harness import run_distributed
+
+    assert run_distributed(_rounds_worker, 4, timeout=90, what="busy rounds") == [BUSY_ROUNDS * 3] * 4
+
+
 def test_timing_noise_is_the_median_relative_standard_error_of_a_sizes_step_compute() -> None:
     from lightning_avgpipe.tuning.busy import timing_noise
 

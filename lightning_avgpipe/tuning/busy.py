@@ -62,19 +62,21 @@ def rounds(
     every rank of ``group`` probing at once, none stepping meanwhile (a step beside a probe would be timed busy).
 
     ``busy_steps``: how many rounds to run instead when the first probe finds the machine busy (the least share over
-    the ranks below ``BUSY_BELOW``, so every rank decides alike). Load makes each timing noisier; more rounds give the
-    medians back their steadiness."""
+    every rank of the job below ``BUSY_BELOW``). Load makes each timing noisier; more rounds give the medians back
+    their steadiness. Every rank of the job decides alike, not only ``group``'s: a tensor-parallel shard or another
+    pipeline group running a different number of rounds would wait in a collective its peer never calls."""
     total, i = steps, 0
     while i < total:
         shares.append(probe_together(group))
-        if i == 0 and busy_steps > steps and least_share(shares[0], group, device) < BUSY_BELOW:
+        if i == 0 and busy_steps > steps and least_share(shares[0], None, device) < BUSY_BELOW:
             total = busy_steps
         yield from turns
         i += 1
 
 
 def least_share(share: float, group: Any, device: Any = "cpu") -> float:
-    """The least of ``share`` over the ranks of ``group`` (``share`` itself without a process group)."""
+    """The least of ``share`` over the ranks of ``group`` (``None``: every rank; ``share`` itself without a process
+    group)."""
     if not dist.is_initialized():
         return share
     t = torch.tensor([share], dtype=torch.float64, device=device)
