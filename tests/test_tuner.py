@@ -510,7 +510,7 @@ except ImportError:  # pragma: no cover
 
 
 def test_batch_norm_drops_micro_batches_of_one_sample() -> None:
-    from lightning_avgpipe.plugin.profiling import batch_norm_candidates
+    from lightning_avgpipe.plugin.tune import batch_norm_candidates
 
     plain = [nn.Linear(4, 4)]
     norm = [nn.Linear(4, 4), nn.Sequential(nn.BatchNorm1d(4), nn.ReLU())]
@@ -565,7 +565,7 @@ def test_resuming_from_reads_the_path_fit_is_about_to_restore() -> None:
 
 
 def test_batch_norm_looks_at_the_short_last_batch_too() -> None:
-    from lightning_avgpipe.plugin.profiling import batch_norm_candidates
+    from lightning_avgpipe.plugin.tune import batch_norm_candidates
 
     norm = [nn.BatchNorm1d(4)]
     # B = 8, last batch 5: M = 4 splits it into 2/1/1/1, M = 2 into 3/2
@@ -759,7 +759,7 @@ def test_the_tuner_profiles_a_zbv_strategy_in_its_own_placement(tmp_path: Path) 
 
 
 def test_candidate_schedules_keep_the_cut() -> None:
-    from lightning_avgpipe.plugin.profiling import candidate_schedules
+    from lightning_avgpipe.plugin.tune import candidate_schedules
     from lightning_avgpipe.tuning.model import PipelineProfile, StageProfile
 
     def profile(split: bool) -> PipelineProfile:
