@@ -95,9 +95,6 @@ def tune(
     }
     try:
         table = search(profile, *args, **options)
-        table.notes["other_placements"] = other_placements(table)
-        table.notes["busy_machine"] = busy
-        return table
     except NoFeasibleSettingError as err:
         if strategy.config.activation_checkpointing != "auto" or any(strategy.pipeline.recompute):
             raise
@@ -106,7 +103,7 @@ def tune(
             table = search(checkpointed(profile, strategy.partition), *args, **options)
         except NoFeasibleSettingError as again:
             raise NoFeasibleSettingError(f"{err} Even with every layer checkpointed: {again}") from again
-    table.notes["activation_checkpointing"] = True  # its profile is the checkpointed one: what training will run
+        table.notes["activation_checkpointing"] = True  # its profile is the checkpointed one: what training will run
     table.notes["other_placements"] = other_placements(table)
     table.notes["busy_machine"] = busy
     return table
