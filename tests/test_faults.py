@@ -197,7 +197,7 @@ def _first_failure_worker(rank: int, world: int) -> float:
     """Rank 0: when (wall clock) ``handle_failure`` let it go. Rank 1: when it began to read the failure."""
     import time as clock
 
-    from lightning_avgpipe.runtime.p2p import handle_failure, recorded_failure
+    from lightning_avgpipe.runtime.failures import handle_failure, recorded_failure
 
     if rank == 0:
         handle_failure(ValueError("boom"), "rank 0 (setup)", 0, world)  # records, reads it back, waits for rank 1

@@ -41,7 +41,7 @@ the plugin imports them from one place:
 Private state of other libraries, not kept here: torchmetrics ``Metric._defaults``, ``_update_count``,
 ``_forward_cache``, ``_computed`` (``plugin/bridge.py``); torch ``GradScaler._per_optimizer_states`` and ``_scale``
 (``plugin/precision.py``), ``optimizer._opt_called`` (``optim.py``, what LR schedulers check),
-``torch.distributed._get_default_store`` (``runtime/p2p.py``, ``runtime/watchdog.py``), a process group's
+``torch.distributed._get_default_store`` (``runtime/failures.py``), a process group's
 ``options._timeout`` (``runtime/topology.py``).
 """
 

@@ -27,7 +27,7 @@ from lightning_avgpipe.plugin.compat import (
     _init_dist_connection,
     _sync_ddp_if_available,
 )
-from lightning_avgpipe.runtime.p2p import handle_failure
+from lightning_avgpipe.runtime.failures import handle_failure
 from lightning_avgpipe.runtime.shutdown import close_at_exit, mark_failed
 from lightning_avgpipe.runtime.watchdog import Watchdog
 

@@ -13,7 +13,6 @@ follow from its input shapes gets a clear error instead of a corrupt transfer.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -23,6 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from lightning_avgpipe.runtime.failures import first_failure
 
 META_LEN = 256
 _DTYPES: tuple[torch.dtype, ...] = (
@@ -353,98 +354,6 @@ class Link:
         """Forget cached metadata (both ends must reset together, e.g. after the layout changed)."""
         self._sent_meta.clear()
         self._recv_meta.clear()
-
-
-_FAILURE_KEY = "lightning_avgpipe/first_failure"
-
-
-def report_failure(description: str) -> None:
-    """Record the first real failure of the job in the rendezvous store, for the other ranks' messages."""
-    try:
-        store = dist.distributed_c10d._get_default_store()
-        store.compare_set(_FAILURE_KEY, "", description)
-    except Exception:  # noqa: BLE001 - best effort: the store may live on the failed rank
-        pass
-
-
-_SEEN_KEY = "lightning_avgpipe/first_failure_seen"
-_seen: dict[str, Any] = {"text": "", "acknowledged": False}  # this process's copy: the store may go with rank 0
-
-
-def recorded_failure() -> str:
-    """The first failure some rank recorded (see :func:`report_failure`), or ""; read from the store, or this
-    process's copy of it when the store is gone (it lives on rank 0). Reading it acknowledges it, once."""
-    try:
-        store = dist.distributed_c10d._get_default_store()
-        if store.check([_FAILURE_KEY]):
-            text = store.get(_FAILURE_KEY).decode()
-            if text:
-                _seen["text"] = text
-                if not _seen["acknowledged"]:
-                    store.add(_SEEN_KEY, 1)  # rank 0 waits for every rank's before taking the store down
-                    _seen["acknowledged"] = True
-    except Exception:  # noqa: BLE001 - the store is gone: what was seen is kept
-        pass
-    return str(_seen["text"])
-
-
-def first_failure() -> str:
-    """ "First failure: ..." if some rank recorded one (see :func:`report_failure`), else ""."""
-    text = recorded_failure()
-    return f"First failure: {text}. " if text else ""
-
-
-def handle_failure(exception: BaseException, where: str, rank: int, world_size: int) -> None:
-    """What every rank does with an exception that ends its job (``where``: "rank 1 (stage 1)").
-
-    The rank where a failure starts records it, so the others' messages name it (not just their neighbour); a
-    neighbour's timeout is recorded too (unless something was first): then a rank stuck while alive, which raises
-    nothing, is ended by its watchdog. An error that is a consequence (a neighbour gone mid-collective) gets a note
-    naming the first failure. Rank 0 hosts the store, so it gives the others' watchdogs (they poll every second) a
-    few seconds to read the failure before it exits and takes the store with it.
-    """
-    mine = f"{where}: {type(exception).__name__}: {str(exception)[:200]}"
-    report_failure(mine)
-    first = recorded_failure()
-    if first and first != mine:
-        name_first_failure(
-            exception,
-            f"lightning_avgpipe: rank {rank} stopped because another rank failed first. "
-            f"First failure: {first.rstrip('.')}.",
-        )
-    if rank == 0 and world_size > 1 and first:
-        # the others' acknowledgements; reading the failure above acknowledged it here too, which must not count
-        wait_until_seen(world_size - 1 + int(_seen["acknowledged"]), timeout=3.0)
-
-
-def name_first_failure(exception: BaseException, note: str) -> None:
-    """Add ``note`` to ``exception`` (a note on Python 3.11+, its message before), once."""
-    if getattr(exception, "_avgpipe_named", False):
-        return
-    try:
-        exception._avgpipe_named = True  # type: ignore[attr-defined]
-    except AttributeError:  # a built-in exception that takes no attributes: a note is still fine
-        pass
-    if hasattr(exception, "add_note"):
-        exception.add_note(note)
-    elif exception.args and isinstance(exception.args[0], str):
-        exception.args = (f"{exception.args[0]}\n{note}", *exception.args[1:])
-
-
-def wait_until_seen(ranks: int, timeout: float) -> bool:
-    """On the store's host (rank 0): wait up to ``timeout`` seconds until ``ranks`` acknowledgements of the first
-    failure are counted (the others' watchdogs poll every second), so that the store does not go down before they
-    can name it."""
-    deadline = time.monotonic() + timeout
-    try:
-        store = dist.distributed_c10d._get_default_store()
-        while time.monotonic() < deadline:
-            if store.add(_SEEN_KEY, 0) >= ranks:
-                return True
-            time.sleep(0.05)
-    except Exception:  # noqa: BLE001 - best effort
-        pass
-    return False
 
 
 def _completed(work: Any) -> bool:

@@ -1,10 +1,14 @@
 """A rank that is alive but stuck must not outlive a failed job: a watchdog thread ends it.
 
-Failures are recorded in the rendezvous store (:func:`.p2p.report_failure`): the rank where an exception starts,
-and a rank whose neighbour went silent past ``p2p_timeout``. Every rank runs a daemon thread that polls the
+Failures are recorded in the rendezvous store (:func:`.failures.report_failure`): the rank where an exception
+starts, and a rank whose neighbour went silent past ``p2p_timeout``. Every rank runs a daemon thread that polls the
 store; once a failure is recorded and this rank is still running ``grace`` seconds later (its main thread stuck
 in user code, a sleep, a wait without timeout), the thread prints why, dumps every thread's stack to stderr and
 ends the process with exit code 1. A healthy rank that is already stopping is done long before that.
+
+The store is served by rank 0 (or torchrun's agent): a store that is gone, or silent for ``grace`` seconds (its
+process stopped), counts as a failure too, so a silent store ends a stuck rank ``2 x grace`` after it fell silent.
+Every look at it has a deadline (``runtime/failures.py``), so the watchdog itself never blocks on it.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from lightning_avgpipe.runtime.p2p import _FAILURE_KEY, recorded_failure
+from lightning_avgpipe.runtime.failures import StoreSilentError, read_failure
 
 EXIT_CODE = 1
 
@@ -67,32 +71,27 @@ class Watchdog:
             atexit.unregister(self.stop)
         self._thread = None
 
-    def _failure(self) -> str | None:
-        if self._store is None:  # the job's store: read through p2p, which keeps a copy and acknowledges it
-            value = recorded_failure()
-            if value:
-                self._last = value
-                return value
-            try:
-                import torch.distributed as dist
-
-                dist.distributed_c10d._get_default_store().check([_FAILURE_KEY])  # still answering?
-            except Exception:  # noqa: BLE001 - the store lives on rank 0: gone when rank 0 is gone
-                return self._gone()
-            return None
+    def _failure(self) -> tuple[str, float] | None:
+        """The failure and since when (``time.monotonic``) it is known: one recorded in the store, the store gone,
+        or the store silent (since its oldest unanswered call began); ``None`` while there is none."""
+        now = time.monotonic()
         try:
-            store = self._store
-            if store.check([_FAILURE_KEY]):  # type: ignore[attr-defined]
-                value = store.get(_FAILURE_KEY).decode()  # type: ignore[attr-defined]
-                self._last = value or self._last
-                return value or None
+            value = read_failure(self._store)
+        except StoreSilentError as err:
+            # Known as a failure only once silent for the grace: a store frozen for less (rank 0 stopped, then
+            # continued) is forgiven, and a rank waiting on rank 0's transfers ends by its own p2p_timeout first,
+            # with the better message. So a rank stuck elsewhere is ended about 2 x grace after rank 0 froze.
+            return self._gone(f"then {err}"), now - err.silent_for + self.grace
         except Exception:  # noqa: BLE001 - the store lives on rank 0: gone when rank 0 is gone
-            return self._gone()
+            gone = "then the rendezvous store on rank 0 stopped answering (rank 0 exited or was killed)"
+            return self._gone(gone), now
+        if value:
+            self._last = value
+            return value, now
         return None
 
-    def _gone(self) -> str:
-        gone = "the rendezvous store on rank 0 stopped answering (rank 0 exited or was killed)"
-        return f"{self._last}; then {gone}" if self._last else gone
+    def _gone(self, why: str) -> str:
+        return f"{self._last}; {why}" if self._last else why[len("then ") :]
 
     def _run(self) -> None:
         seen: float | None = None
@@ -100,14 +99,13 @@ class Watchdog:
         while not self._stop.wait(self.poll):
             if sys.is_finalizing() or not main.is_alive():
                 return
-            failure = self._failure()
-            if failure is None:
+            found = self._failure()
+            if found is None:
                 seen = None
                 continue
+            failure, since = found
             now = time.monotonic()
-            if seen is None:
-                seen = now
-                continue
+            seen = since if seen is None else min(seen, since)
             if now - seen >= self.grace and not self._stop.is_set():
                 self.fired = True
                 sys.stderr.write(

@@ -41,6 +41,8 @@ class Fault(pl.Callback):
                 os.kill(os.getpid(), signal.SIGKILL)
             if self.kind == "hang":  # alive but stuck, raising nothing
                 time.sleep(3600)
+            if self.kind == "stop":  # frozen from outside (SIGSTOP), never continued: no thread of it runs
+                os.kill(os.getpid(), signal.SIGSTOP)
             raise RuntimeError(f"injected failure on rank {self.rank}")
 
         def nan(_: Any, args: Any) -> Any:

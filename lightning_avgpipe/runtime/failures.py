@@ -1,0 +1,207 @@
+"""The job's first failure, shared through the rendezvous store, and every store call on a failure path bounded.
+
+The rank where a failure starts records it in the store (:func:`report_failure`); the others quote it in their
+own messages (:func:`first_failure`) and their watchdogs poll it (``runtime/watchdog.py``).
+
+**Why every call here has a deadline.** The store is served by one process: rank 0 under Lightning's own launcher
+and the ``env://`` rendezvous, torchrun's agent under torchrun. A call waits for that process's answer, and a
+``TCPStore``'s own timeout does not bound that wait (it bounds waiting for a key to appear): with rank 0 stopped
+(SIGSTOP, a debugger, a frozen node) the kernel still accepts the request, no answer ever comes, and the caller
+blocks forever. So each call runs on a helper thread and is given up after :data:`STORE_DEADLINE` seconds. A call
+still unanswered holds the store's client, so later calls do not queue behind it: they fail at once, and
+:func:`store_silence` says for how long the store has been silent. A store that answers again (a rank frozen for a
+while, then continued) is used again; the helper thread of a call that never returns is a daemon, and the process
+exits over it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+T = TypeVar("T")
+
+STORE_DEADLINE = 2.0
+"""Seconds a store call on a failure path may take (on one machine an answer takes well under a millisecond)."""
+
+FAILURE_KEY = "lightning_avgpipe/first_failure"
+SEEN_KEY = "lightning_avgpipe/first_failure_seen"
+
+
+class StoreSilentError(RuntimeError):
+    """The rendezvous store did not answer within the deadline (its process is stopped, stuck or gone)."""
+
+    def __init__(self, silent_for: float) -> None:
+        self.silent_for = silent_for
+        super().__init__(
+            f"the rendezvous store (served by rank 0, or by torchrun's agent) did not answer for {silent_for:.1f} s: "
+            "its process is stopped, stuck or gone"
+        )
+
+
+_lock = threading.Lock()
+_pending: dict[str, Any] = {"thread": None, "since": 0.0}  # the oldest call still waiting for an answer
+
+
+def default_store() -> Any:
+    """The default process group's store (``torch.distributed``'s private accessor; see ``plugin/compat.py``)."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def store_silence() -> float:
+    """Seconds the oldest unanswered store call has been waiting; 0.0 when none is (the store answers)."""
+    with _lock:
+        thread = _pending["thread"]
+        return time.monotonic() - _pending["since"] if thread is not None and thread.is_alive() else 0.0
+
+
+def store_call(fn: Callable[[Any], T], store: Any = None, deadline: float = STORE_DEADLINE) -> T:
+    """``fn(store)`` (the default store when ``store`` is None), given up after ``deadline`` seconds.
+
+    Raises :class:`StoreSilentError` when no answer came in time, or at once while an earlier call is still
+    unanswered past its own deadline; any error of the call itself propagates.
+    """
+    with _lock:
+        earlier = _pending["thread"]
+        if earlier is not None and earlier.is_alive():
+            waited = time.monotonic() - _pending["since"]
+            if waited >= deadline:
+                raise StoreSilentError(waited)
+        else:
+            earlier = None
+    if earlier is not None:  # an earlier call within its deadline: ours would queue behind it in the client anyway
+        earlier.join(max(0.0, deadline - (time.monotonic() - _pending["since"])))
+        if earlier.is_alive():
+            raise StoreSilentError(time.monotonic() - _pending["since"])
+    target = default_store() if store is None else store
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn(target)
+        except BaseException as err:  # noqa: BLE001 - handed to the caller
+            box["error"] = err
+
+    thread = threading.Thread(target=run, name="lightning_avgpipe-store-call", daemon=True)
+    since = time.monotonic()
+    with _lock:
+        _pending["thread"], _pending["since"] = thread, since
+    thread.start()
+    thread.join(deadline)
+    if thread.is_alive():
+        raise StoreSilentError(time.monotonic() - since)
+    with _lock:
+        if _pending["thread"] is thread:
+            _pending["thread"] = None
+    if "error" in box:
+        raise box["error"]
+    return box["value"]  # type: ignore[no-any-return]
+
+
+def report_failure(description: str) -> None:
+    """Record the first real failure of the job in the store, for the other ranks' messages (best effort)."""
+    try:
+        store_call(lambda s: s.compare_set(FAILURE_KEY, "", description))
+    except Exception:  # noqa: BLE001 - the store may live on the failed rank, or be silent
+        pass
+
+
+_seen: dict[str, Any] = {"text": "", "acknowledged": False}  # this process's copy: the store may go with rank 0
+
+
+def read_failure(store: Any = None) -> str:
+    """The first failure recorded in ``store`` (the default store when None), or ""; read with a deadline.
+
+    Reading it from the default store acknowledges it, once (rank 0 waits for every rank's acknowledgement before
+    it takes the store down). Raises :class:`StoreSilentError` or the store's own error when it cannot be read.
+    """
+
+    def read(s: Any) -> str:
+        return s.get(FAILURE_KEY).decode() if s.check([FAILURE_KEY]) else ""
+
+    text = store_call(read, store)
+    if text and store is None:
+        _seen["text"] = text
+        if not _seen["acknowledged"]:
+            store_call(lambda s: s.add(SEEN_KEY, 1))
+            _seen["acknowledged"] = True
+    return text
+
+
+def recorded_failure() -> str:
+    """The first failure some rank recorded (see :func:`report_failure`), or ""; read from the store, or this
+    process's copy of it when the store is gone or silent (it lives on rank 0)."""
+    try:
+        read_failure()
+    except Exception:  # noqa: BLE001 - the store is gone or silent: what was seen is kept
+        pass
+    return str(_seen["text"])
+
+
+def first_failure() -> str:
+    """ "First failure: ..." if some rank recorded one, "" if none did, or a note that it could not be read."""
+    try:
+        read_failure()
+    except StoreSilentError as err:
+        if not _seen["text"]:
+            return f"(The first failure could not be read: {err}.) "
+    except Exception:  # noqa: BLE001 - the store is gone: what was seen is kept
+        pass
+    text = str(_seen["text"])
+    return f"First failure: {text}. " if text else ""
+
+
+def handle_failure(exception: BaseException, where: str, rank: int, world_size: int) -> None:
+    """What every rank does with an exception that ends its job (``where``: "rank 1 (stage 1)").
+
+    The rank where a failure starts records it, so the others' messages name it (not just their neighbour); a
+    neighbour's timeout is recorded too (unless something was first): then a rank stuck while alive, which raises
+    nothing, is ended by its watchdog. An error that is a consequence (a neighbour gone mid-collective) gets a note
+    naming the first failure. Rank 0 hosts the store, so it gives the others' watchdogs (they poll every second) a
+    few seconds to read the failure before it exits and takes the store with it. Every store call is bounded.
+    """
+    mine = f"{where}: {type(exception).__name__}: {str(exception)[:200]}"
+    report_failure(mine)
+    first = recorded_failure()
+    if first and first != mine:
+        name_first_failure(
+            exception,
+            f"lightning_avgpipe: rank {rank} stopped because another rank failed first. "
+            f"First failure: {first.rstrip('.')}.",
+        )
+    if rank == 0 and world_size > 1 and first:
+        # the others' acknowledgements; reading the failure above acknowledged it here too, which must not count
+        wait_until_seen(world_size - 1 + int(_seen["acknowledged"]), timeout=3.0)
+
+
+def name_first_failure(exception: BaseException, note: str) -> None:
+    """Add ``note`` to ``exception`` (a note on Python 3.11+, its message before), once."""
+    if getattr(exception, "_avgpipe_named", False):
+        return
+    try:
+        exception._avgpipe_named = True  # type: ignore[attr-defined]
+    except AttributeError:  # a built-in exception that takes no attributes: a note is still fine
+        pass
+    if hasattr(exception, "add_note"):
+        exception.add_note(note)
+    elif exception.args and isinstance(exception.args[0], str):
+        exception.args = (f"{exception.args[0]}\n{note}", *exception.args[1:])
+
+
+def wait_until_seen(ranks: int, timeout: float) -> bool:
+    """On the store's host (rank 0): wait up to ``timeout`` seconds until ``ranks`` acknowledgements of the first
+    failure are counted (the others' watchdogs poll every second), so that the store does not go down before they
+    can name it."""
+    deadline = time.monotonic() + timeout
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            if store_call(lambda s: s.add(SEEN_KEY, 0), deadline=left) >= ranks:
+                return True
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001 - best effort
+        pass
+    return False
