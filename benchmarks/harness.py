@@ -299,6 +299,7 @@ def launch_ranks(
     echo: Collection[int] = (),
     grace: float | None = None,
     preload: bool = False,
+    ended: list[float] | None = None,
 ) -> list[tuple[int, str]]:
     """Run ``python *args`` as ranks 0..world_size-1 from the repository root; return (exit code, output) per rank.
 
@@ -316,6 +317,9 @@ def launch_ranks(
     (:func:`_preloaded`), instead of starting an interpreter: the same command, environment, output and exit code,
     without the 5 s of imports per rank. The rank ends with ``os._exit`` after its ``atexit`` handlers, so what only
     a fresh interpreter's finalization shows (``tests/test_exit.py``) needs ``preload=False``.
+
+    ``ended``, a list, receives each rank's end as ``time.monotonic()`` seen here (within 50 ms; one clock for every
+    process of the machine), for tests that bound when each rank stopped.
     """
     port = free_port()
     tmp = None if log_dir is not None else tempfile.TemporaryDirectory(prefix="ranks-")
@@ -323,6 +327,7 @@ def launch_ranks(
     procs: list[Any] = []
     logs = []
     timed_out = False
+    ends: list[float | None] = [None] * world_size
     try:
         for rank in range(world_size):
             penv = dict(
@@ -357,6 +362,7 @@ def launch_ranks(
         failed_at: float | None = None
         while any(p.poll() is None for p in procs):
             now = time.monotonic()
+            ends = [e if e is not None or p.poll() is None else now for e, p in zip(ends, procs)]
             if now > deadline:
                 timed_out = True
                 break
@@ -370,6 +376,9 @@ def launch_ranks(
         for p in procs:
             if p.poll() is None:
                 _kill(p.pid)
+        if ended is not None:
+            now = time.monotonic()
+            ended[:] = [now if e is None else e for e in ends]
         for p in procs:
             p.wait()
         for log in logs:

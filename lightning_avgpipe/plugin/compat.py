@@ -18,7 +18,8 @@ Private state read or written (each a function or class below; Lightning 2.6):
   internals). Used by: ``cli.py``.
 - ``ScriptLaunchedStrategy``: a ``ParallelStrategy`` whose private ``_configure_launcher`` sets the private
   ``_launcher`` to Lightning's ``_SubprocessScriptLauncher`` (the script run again once per local device), unless the
-  cluster environment starts the processes itself. Used by: ``plugin/process.py``.
+  cluster environment starts the processes itself. Used by: ``plugin/process.py``. It is a subclass adding
+  ``plugin/launcher.py``'s guards (its public ``launch`` overridden; ``self.procs``, the started processes, read).
 - ``AfterClosureMixedPrecision``: ``MixedPrecision`` whose private ``_after_closure`` hook (after the closure,
   before the optimizer step) calls a public ``after_closure``. Used by: ``plugin/precision.py``.
 
@@ -48,7 +49,9 @@ Private state of other libraries, not kept here: torchmetrics ``Metric._defaults
 from __future__ import annotations
 
 import logging
+import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -66,6 +69,8 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from torch.optim import Optimizer
+
+from lightning_avgpipe.plugin.launcher import LAUNCHER_ENV, ChildGuard, check_port_free
 
 __all__ = [
     "AfterClosureMixedPrecision",
@@ -204,4 +209,25 @@ class ScriptLaunchedStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = _GuardedScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+
+class _GuardedScriptLauncher(_SubprocessScriptLauncher):
+    """Lightning's launcher, with ``plugin/launcher.py``'s guards: a port in use is refused before any rank starts,
+    the started ranks watch this process, and this process ends them on a failure of its own (at exit)."""
+
+    _guard: ChildGuard | None = None
+
+    def launch(self, function: Callable[..., Any], *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        if not self.cluster_environment.creates_processes_externally:  # the first call: the ranks start now
+            check_port_free(self.cluster_environment.main_address, self.cluster_environment.main_port)
+            os.environ[LAUNCHER_ENV] = str(os.getpid())  # the started ranks inherit it
+            self._guard = ChildGuard(lambda: self.procs)  # filled by _call_children_scripts
+        try:
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        except BaseException as err:
+            if self._guard is not None:
+                self._guard.failed(f"the launching process (local rank 0) failed with {type(err).__name__}")
+            raise
+        finally:
+            os.environ.pop(LAUNCHER_ENV, None)
