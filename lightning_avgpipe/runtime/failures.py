@@ -59,12 +59,14 @@ def store_silence() -> float:
         return time.monotonic() - _pending["since"] if thread is not None and thread.is_alive() else 0.0
 
 
-def store_call(fn: Callable[[Any], T], store: Any = None, deadline: float = STORE_DEADLINE) -> T:
-    """``fn(store)`` (the default store when ``store`` is None), given up after ``deadline`` seconds.
+def store_call(fn: Callable[[Any], T], store: Any = None, deadline: float | None = None) -> T:
+    """``fn(store)`` (the default store when ``store`` is None), given up after ``deadline`` seconds
+    (:data:`STORE_DEADLINE` by default).
 
     Raises :class:`StoreSilentError` when no answer came in time, or at once while an earlier call is still
     unanswered past its own deadline; any error of the call itself propagates.
     """
+    deadline = STORE_DEADLINE if deadline is None else deadline
     with _lock:
         earlier = _pending["thread"]
         if earlier is not None and earlier.is_alive():

@@ -74,20 +74,19 @@ class Watchdog:
     def _failure(self) -> tuple[str, float] | None:
         """The failure and since when (``time.monotonic``) it is known: one recorded in the store, the store gone,
         or the store silent (since its oldest unanswered call began); ``None`` while there is none."""
-        now = time.monotonic()
         try:
             value = read_failure(self._store)
         except StoreSilentError as err:
             # Known as a failure only once silent for the grace: a store frozen for less (rank 0 stopped, then
             # continued) is forgiven, and a rank waiting on rank 0's transfers ends by its own p2p_timeout first,
             # with the better message. So a rank stuck elsewhere is ended about 2 x grace after rank 0 froze.
-            return self._gone(f"then {err}"), now - err.silent_for + self.grace
+            return self._gone(f"then {err}"), time.monotonic() - err.silent_for + self.grace
         except Exception:  # noqa: BLE001 - the store lives on rank 0: gone when rank 0 is gone
             gone = "then the rendezvous store on rank 0 stopped answering (rank 0 exited or was killed)"
-            return self._gone(gone), now
+            return self._gone(gone), time.monotonic()
         if value:
             self._last = value
-            return value, now
+            return value, time.monotonic()
         return None
 
     def _gone(self, why: str) -> str:

@@ -26,8 +26,9 @@ from tests.helpers.tied import TiedLM, token_loader
 class Fault(pl.Callback):
     """Make one rank fail inside the pipeline at a given step: raise in, or SIGKILL, its first layer's forward."""
 
-    def __init__(self, rank: int, step: int, kind: str) -> None:
+    def __init__(self, rank: int, step: int, kind: str, record: str | None = None) -> None:
         self.rank, self.step, self.kind = rank, step, kind
+        self.record = record  # kind "stop": a file that receives the moment it stopped (time.monotonic())
         self.handle: Any = None  # kind "inf_grad": the gradient hook of the step it is injected in
 
     def on_train_batch_start(
@@ -42,6 +43,8 @@ class Fault(pl.Callback):
             if self.kind == "hang":  # alive but stuck, raising nothing
                 time.sleep(3600)
             if self.kind == "stop":  # frozen from outside (SIGSTOP), never continued: no thread of it runs
+                if self.record:
+                    Path(self.record).write_text(repr(time.monotonic()))
                 os.kill(os.getpid(), signal.SIGSTOP)
             raise RuntimeError(f"injected failure on rank {self.rank}")
 

@@ -1,0 +1,252 @@
+"""A frozen rank never hangs the job, and the default launcher leaves no rank behind (issue 35).
+
+A rank is frozen with SIGSTOP and never continued: no thread of it runs, and when it is rank 0 the rendezvous store it
+serves stops answering (the kernel still accepts a request; no answer ever comes). Every other rank must end within
+``p2p_timeout`` plus a few seconds, naming the neighbour. The test ends the frozen rank afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.launch import ROOT, launch_ranks
+
+P2P_TIMEOUT = 5
+BOUND = P2P_TIMEOUT + 10  # the neighbour's timeout, a store deadline (2 s), rank 0's wait for acknowledgements (3 s)
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **extra)
+    for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", *(() if "MASTER_PORT" in extra else ("MASTER_PORT",))):
+        env.pop(var, None)
+    return env
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("world", "frozen"), [(2, 0), (2, 1), (3, 1)], ids=["S2-first-frozen", "S2-last-frozen", "S3-middle-frozen"]
+)
+def test_a_frozen_rank_ends_every_other_rank_within_p2p_timeout(world: int, frozen: int) -> None:
+    out = Path(tempfile.mkdtemp())
+    cfg = {
+        "out": str(out),
+        "devices": world,
+        "steps": 8,
+        "strategy": {"num_microbatches": 2, "p2p_timeout": P2P_TIMEOUT},
+        "fault": {"rank": frozen, "step": 3, "kind": "stop", "record": str(out / "stopped")},
+    }
+    ended: list[float] = []
+    # the frozen rank is killed 12 s after the first rank ended: one still running then was hung (-9 below)
+    args = ["-m", "tests.helpers.lightning_worker", json.dumps(cfg)]
+    results = launch_ranks(args, world, timeout=150, preload=True, grace=12, ended=ended)
+    stopped = float((out / "stopped").read_text())
+    assert results[frozen][0] == -9  # frozen to the end: the harness killed it
+    for r, (code, text) in enumerate(results):
+        if r == frozen:
+            continue
+        took = ended[r] - stopped
+        assert code == 1, f"rank {r} exited {code} (-9: was still running) after {took:.1f} s:\n{text[-3000:]}"
+        assert took < BOUND, f"rank {r} ended {took:.1f} s after rank {frozen} froze:\n{text[-3000:]}"
+        named = set(map(int, re.findall(r"from rank (\d+) \(stage \d+\) did not arrive within 5 s", text)))
+        if abs(r - frozen) == 1:  # a neighbour names the frozen rank
+            assert frozen in named, text[-3000:]
+        else:  # not a neighbour: its own neighbour, or the first failure, names it
+            assert f"from rank {frozen} (stage {frozen}) did not arrive" in text, text[-3000:]
+        print(f"rank {r}: ended {took:.1f} s after rank {frozen} froze")
+
+
+@pytest.mark.slow
+def test_the_default_launcher_ends_the_frozen_rank_it_started() -> None:
+    """`python train.py`, rank 1 frozen: the launching process fails on the timeout, ends rank 1 (SIGTERM, SIGKILL
+    after a grace), says so, and nothing of the job is alive once the command returned."""
+    cfg = {
+        "out": tempfile.mkdtemp(),
+        "devices": 2,
+        "steps": 8,
+        "strategy": {"num_microbatches": 2, "p2p_timeout": P2P_TIMEOUT},
+        "fault": {"rank": 1, "step": 3, "kind": "stop"},
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.helpers.lightning_worker", json.dumps(cfg)],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=150,
+        start_new_session=True,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-3000:]
+    assert "from rank 1 (stage 1) did not arrive within 5 s" in out, out[-3000:]
+    match = re.search(
+        r"the launching process \(local rank 0\) failed with PeerFailureError; ended local rank 1 "
+        r"\(pid (\d+)\) by (SIGTERM|SIGKILL)",
+        out,
+    )
+    assert match, out[-3000:]
+    assert not _alive(int(match.group(1)))  # at once: the launching process waited for it to end
+
+
+@pytest.mark.slow
+def test_a_port_in_use_is_refused_before_any_rank_starts() -> None:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    try:
+        cfg = {"out": tempfile.mkdtemp(), "devices": 2, "steps": 2, "strategy": {"num_microbatches": 2}}
+        proc = subprocess.run(
+            [sys.executable, "-m", "tests.helpers.lightning_worker", json.dumps(cfg)],
+            cwd=ROOT,
+            env=_env(MASTER_PORT=str(port)),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            start_new_session=True,
+        )
+    finally:
+        listener.close()
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1
+    assert f"PortInUseError: MASTER_PORT={port} is already in use" in out, out[-3000:]
+    assert "Set MASTER_PORT to another free port, or leave it unset" in out
+    assert "GLOBAL_RANK" not in out  # no rank joined a process group: none was started
+
+
+_ORPHAN = textwrap.dedent(
+    """
+    import os, sys, time
+    from lightning_avgpipe.plugin.launcher import LAUNCHER_ENV, watch_launcher
+    assert os.environ[LAUNCHER_ENV] == str(os.getppid())
+    watch_launcher(poll=0.1)
+    print("watching", flush=True)
+    time.sleep(120)
+    """
+)
+
+_LAUNCHER = textwrap.dedent(
+    """
+    import os, subprocess, sys, time
+    from lightning_avgpipe.plugin.launcher import LAUNCHER_ENV
+    env = dict(os.environ, **{LAUNCHER_ENV: str(os.getpid()), "LOCAL_RANK": "1"})
+    log = open(sys.argv[2], "w")
+    child = subprocess.Popen([sys.executable, "-c", sys.argv[1]], env=env, stderr=log, stdout=subprocess.PIPE)
+    assert child.stdout.readline().strip() == b"watching"
+    print(child.pid, flush=True)
+    time.sleep(120)
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stopped", [False, True], ids=["running", "stopped"])
+def test_a_rank_whose_launching_process_died_ends_itself(tmp_path: Path, stopped: bool) -> None:
+    """The launching process SIGKILLed (nothing of it runs to end the others): its started rank notices and ends
+    within a second, saying why; one that was stopped too is woken by the parent-death signal and ends as well."""
+    log = tmp_path / "child.log"
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", _LAUNCHER, _ORPHAN, str(log)], env=_env(), stdout=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        assert launcher.stdout is not None
+        child = int(launcher.stdout.readline())
+        if stopped:
+            os.kill(child, signal.SIGSTOP)
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 10
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(child), f"the started rank {child} outlived its launching process"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert "its launching process" in log.read_text() and "is gone; ending this rank" in log.read_text()
+
+
+# -- the store's deadline, in process -------------------------------------------------------------------------------
+
+
+class _FrozenStore:
+    """A store whose calls block until it is thawed, as a stopped rank 0's store does."""
+
+    def __init__(self) -> None:
+        self.thawed = threading.Event()
+        self.value = b""
+
+    def check(self, keys: list[str]) -> bool:
+        self.thawed.wait()
+        return bool(self.value)
+
+    def get(self, key: str) -> bytes:
+        return self.value
+
+
+def test_a_silent_store_is_given_up_after_the_deadline_and_used_again_once_it_answers() -> None:
+    from lightning_avgpipe.runtime.failures import StoreSilentError, read_failure, store_call, store_silence
+
+    store = _FrozenStore()
+    start = time.monotonic()
+    with pytest.raises(StoreSilentError, match="did not answer for 0.3 s"):
+        store_call(lambda s: s.check(["k"]), store, deadline=0.3)
+    assert 0.3 <= time.monotonic() - start < 1.0
+    quick = time.monotonic()
+    with pytest.raises(StoreSilentError):  # the first call still holds the store: the next fails at once
+        store_call(lambda s: s.check(["k"]), store, deadline=0.3)
+    assert time.monotonic() - quick < 0.1
+    assert store_silence() >= 0.3
+    store.value = b"rank 2 (stage 2): RuntimeError: boom"
+    store.thawed.set()  # the store answers again (its rank was continued)
+    time.sleep(0.1)
+    assert store_silence() == 0.0
+    assert read_failure(store) == "rank 2 (stage 2): RuntimeError: boom"
+
+
+def test_the_watchdog_ends_a_rank_2_x_grace_after_the_store_fell_silent_and_forgives_a_shorter_silence(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from lightning_avgpipe.runtime import failures
+    from lightning_avgpipe.runtime.watchdog import Watchdog
+
+    monkeypatch.setattr(failures, "STORE_DEADLINE", 0.2)
+    store, codes = _FrozenStore(), []
+    dog = Watchdog("rank 1 (stage 1)", grace=1.0, store=store, poll=0.05, exit=codes.append).start()
+    time.sleep(0.7)  # silent past the store's deadline, but for less than the grace: forgiven once it answers
+    assert failures.store_silence() > 0.2
+    store.thawed.set()
+    time.sleep(1.5)
+    assert codes == [] and not dog.fired
+    dog.stop()
+
+    frozen, later = _FrozenStore(), []
+    start = time.monotonic()
+    dog = Watchdog("rank 1 (stage 1)", grace=1.0, store=frozen, poll=0.05, exit=later.append).start()
+    while not later and time.monotonic() - start < 10:
+        time.sleep(0.02)
+    took = time.monotonic() - start
+    assert later == [1] and dog.fired
+    assert 2.0 <= took < 4.0, took  # 2 x grace after the store fell silent (plus a poll)
+    dog.stop()
+    frozen.thawed.set()
