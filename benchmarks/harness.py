@@ -289,6 +289,25 @@ class _ForkedRank:
 # ---------------------------------------------------------------------------------------------------------------
 # a command line on every rank
 # ---------------------------------------------------------------------------------------------------------------
+def _wait_ranks(procs: list[Any], timeout: float, grace: float | None, ends: list[float | None]) -> bool:
+    """Wait until every rank ended, ``grace`` s passed after one failed, or ``timeout`` (then True); ``ends`` gets
+    each rank's end (``time.monotonic()``) as seen."""
+    deadline = time.monotonic() + timeout
+    failed_at: float | None = None
+    while any(p.poll() is None for p in procs):
+        now = time.monotonic()
+        ends[:] = [e if e is not None or p.poll() is None else now for e, p in zip(ends, procs)]
+        if now > deadline:
+            return True
+        if grace is not None:
+            if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
+                failed_at = now
+            if failed_at is not None and now - failed_at > grace:
+                return False
+        time.sleep(0.05)
+    return False
+
+
 def launch_ranks(
     args: Sequence[str],
     world_size: int,
@@ -358,20 +377,7 @@ def launch_ranks(
                     start_new_session=True,
                 )
             )
-        deadline = time.monotonic() + timeout
-        failed_at: float | None = None
-        while any(p.poll() is None for p in procs):
-            now = time.monotonic()
-            ends = [e if e is not None or p.poll() is None else now for e, p in zip(ends, procs)]
-            if now > deadline:
-                timed_out = True
-                break
-            if grace is not None:
-                if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
-                    failed_at = now
-                if failed_at is not None and now - failed_at > grace:
-                    break
-            time.sleep(0.05)
+        timed_out = _wait_ranks(procs, timeout, grace, ends)
     finally:
         for p in procs:
             if p.poll() is None:

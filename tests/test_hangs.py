@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -250,3 +251,98 @@ def test_the_watchdog_ends_a_rank_2_x_grace_after_the_store_fell_silent_and_forg
     assert 2.0 <= took < 4.0, took  # 2 x grace after the store fell silent (plus a poll)
     dog.stop()
     frozen.thawed.set()
+
+
+# -- messages that name the rank ------------------------------------------------------------------------------------
+
+
+def _run_ranks(cfg: dict, world: int = 2, grace: float = 15) -> list[tuple[int, str]]:
+    return launch_ranks(
+        ["-m", "tests.helpers.lightning_worker", json.dumps(cfg)], world, timeout=150, preload=True, grace=grace
+    )
+
+
+@pytest.mark.slow
+def test_a_rank_that_never_arrives_at_a_setup_collective_is_named() -> None:
+    """Rank 1 sleeps in a callback's ``setup``; rank 0 waits in the strategy's setup until ``timeout`` (15 s here,
+    30 minutes by default) and then names rank 1 and where it last was, not only gloo's "Timed out waiting"."""
+    cfg = {
+        "out": tempfile.mkdtemp(),
+        "devices": 2,
+        "steps": 2,
+        "strategy": {"num_microbatches": 2, "timeout": 15, "p2p_timeout": 5},
+        "setup_fault": {"rank": 1, "stall": 300},
+    }
+    start = time.monotonic()
+    (code0, out0), (code1, out1) = _run_ranks(cfg)
+    assert time.monotonic() - start < 90
+    assert code0 == 1, out0[-3000:]
+    assert re.search(
+        r"rank 0: .* did not complete: rank 1 \(whose last point was the barrier 'pre_setup', \d+ s ago\) did ", out0
+    ), out0[-3000:]
+    assert "did not arrive" in out0
+    assert code1 == 1, out1[-3000:]  # its watchdog ended it, quoting rank 0's failure
+    assert "lightning_avgpipe watchdog: rank 1" in out1 and "First failure: rank 0 (setup)" in out1, out1[-3000:]
+
+
+@pytest.mark.slow
+def test_a_rank_killed_during_a_save_is_named_by_the_survivor() -> None:
+    cfg = {
+        "out": tempfile.mkdtemp(),
+        "devices": 2,
+        "steps": 4,
+        "every_n_train_steps": 2,
+        "strategy": {"num_microbatches": 2, "p2p_timeout": 5},
+        "fault": {"rank": 1, "step": 0, "kind": "kill_in_save"},
+    }
+    (code0, out0), (code1, _) = _run_ranks(cfg)
+    assert code1 == -9 and code0 == 1, (code0, code1)
+    assert re.search(r"rank 0: .* did not complete: rank 1 \(pid \d+\) has exited or was killed", out0), out0[-3000:]
+
+
+@pytest.mark.slow
+def test_an_empty_batch_is_named_on_every_rank() -> None:
+    cfg = {"out": tempfile.mkdtemp(), "devices": 2, "steps": 4, "strategy": {"num_microbatches": 4}, "empty_batch": 1}
+    results = _run_ranks(cfg)
+    for code, out in results:
+        assert code == 1, out[-3000:]
+        assert "The training batch 1 of epoch 0 is empty: its tensors have 0 samples" in out, out[-3000:]
+        assert "num_microbatches=0" not in out
+
+
+@pytest.mark.slow
+def test_an_unwritable_checkpoint_directory_is_named() -> None:
+    """chmod 500, and the process without the capability to bypass it (root runs it under setpriv): Lightning's
+    save swallows the PermissionError and writes nothing; the strategy says which directory, instead of a
+    FileNotFoundError about its temporary file."""
+    prefix: list[str] = []
+    if os.geteuid() == 0:
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            pytest.skip("root without setpriv (util-linux) cannot drop CAP_DAC_OVERRIDE")
+        prefix = [setpriv, "--bounding-set", "-dac_override,-dac_read_search", "--"]
+    out = Path(tempfile.mkdtemp())
+    locked = out / "every"
+    locked.mkdir()
+    locked.chmod(0o500)
+    cfg = {"out": str(out), "devices": 2, "steps": 4, "every_n_train_steps": 2, "strategy": {"p2p_timeout": 5}}
+    try:
+        proc = subprocess.run(
+            [*prefix, sys.executable, "-m", "tests.helpers.lightning_worker", json.dumps(cfg)],
+            cwd=ROOT,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=150,
+            start_new_session=True,
+        )
+    finally:
+        locked.chmod(0o700)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 1, text[-3000:]
+    assert (
+        f"Cannot save the checkpoint {locked}/epoch=0-step=2.ckpt: nothing could be written in its directory "
+        f"{locked}, which is not writable by this process" in text
+    ), text[-3000:]
+    assert "FileNotFoundError" not in text
+    assert list(locked.iterdir()) == []

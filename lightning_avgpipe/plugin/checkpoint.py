@@ -17,6 +17,7 @@ from torch.optim import Optimizer
 from lightning_avgpipe.microbatch import to_cpu
 from lightning_avgpipe.optim import ElasticOptimizer, hyperparameters, source_groups
 from lightning_avgpipe.plugin import compat
+from lightning_avgpipe.runtime.failures import guarded
 from lightning_avgpipe.runtime.pipeline import StagePipeline
 from lightning_avgpipe.runtime.zero import ShardedOptimizer
 from lightning_avgpipe.shards import full, like, to_local_tree
@@ -77,7 +78,8 @@ def gather_optimizer_state(
         parts: list[Any] | None = [entry]
     else:
         parts = [None] * top.world_size if top.rank == 0 else None
-        dist.gather_object(entry, parts, dst=0)
+        with guarded("a checkpoint's gather of every stage's state to rank 0"):
+            dist.gather_object(entry, parts, dst=0)
     if parts is None:
         return {}
     unified = unsplit_state([part.pop("named") for part in parts], names.order)
@@ -341,6 +343,12 @@ def save_atomically(checkpoint_io: Any, checkpoint: dict[str, Any], filepath: An
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         checkpoint_io.save_checkpoint(checkpoint, tmp, storage_options=storage_options)
+        if not tmp.exists():  # Lightning's _atomic_save swallows a PermissionError and writes nothing
+            raise PermissionError(
+                f"Cannot save the checkpoint {path}: nothing could be written in its directory {path.parent}, which "
+                "is not writable by this process. Make it writable, or save elsewhere (ModelCheckpoint(dirpath=...), "
+                "Trainer(default_root_dir=...))."
+            )
         os.replace(tmp, path)
     finally:
         if tmp.exists():

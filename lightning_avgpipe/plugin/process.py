@@ -28,7 +28,7 @@ from lightning_avgpipe.plugin.compat import (
     _sync_ddp_if_available,
 )
 from lightning_avgpipe.plugin.launcher import watch_launcher
-from lightning_avgpipe.runtime.failures import handle_failure
+from lightning_avgpipe.runtime.failures import guarded, handle_failure
 from lightning_avgpipe.runtime.shutdown import close_at_exit, mark_failed
 from lightning_avgpipe.runtime.watchdog import Watchdog
 
@@ -158,17 +158,19 @@ class ProcessStrategy(ScriptLaunchedStrategy):
     def barrier(self, name: str | None = None) -> None:
         if not _distributed_is_initialized():
             return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
+        with guarded(f"the barrier {name!r}" if name else "a barrier"):
+            if dist.get_backend() == "nccl":
+                dist.barrier(device_ids=[self.root_device.index])
+            else:
+                dist.barrier()
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not _distributed_is_initialized():
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src)
+        with guarded(f"a broadcast from rank {src}"):
+            dist.broadcast_object_list(box, src)
         return box[0]
 
     @override

@@ -62,6 +62,9 @@ class PipelineSteps:
         measured on the logged steps and every ``noise_every`` steps (0: only the logged ones)."""
         module, control, bridge = self.module, self.controller, self.bridge
         pipeline, trainer = control.pipeline, module.trainer
+        for n, one in enumerate(batch if num_pipelines > 1 else [batch]):
+            where = f" (pipeline {n}'s of {num_pipelines})" if num_pipelines > 1 else ""
+            check_not_empty(one, f"training batch {rest[0] if rest else '?'}{where} of epoch {trainer.current_epoch}")
         writes_logs = compat.writes_logs(trainer)
         with self.stash.apart(pipeline.params):  # Lightning zeroes gradients between training_step and backward
             report = control.train_step(
@@ -95,6 +98,7 @@ class PipelineSteps:
         """``validation_step``/``test_step``/``predict_step`` through the pipeline's forwards; the last stage's logs
         reach every stage, and with ``share_output`` (predict) its output too."""
         module, pipeline, bridge = self.module, self.controller.pipeline, self.bridge
+        check_not_empty(args[0], f"{hook.split('_')[0]} batch {args[1] if len(args) > 1 else '?'}")
         self.controller.pause()
         results = pipeline.eval_step(
             args[0],
@@ -200,3 +204,13 @@ def _listed(names: Sequence[str]) -> str:
     if len(names) <= 4:
         return ", ".join(names)
     return f"{names[0]} ... {names[-1]} ({len(names)} layers)"
+
+
+def check_not_empty(batch: Any, what: str) -> None:
+    """A batch of 0 samples is refused on every stage alike (each reads the same batch), naming where it came from."""
+    if microbatch.batch_size(batch) == 0:
+        raise ValueError(
+            f"The {what} is empty: its tensors have 0 samples on dim 0, so it cannot be split into micro-batches. It "
+            "came from your DataLoader: a sampler, batch_sampler or collate_fn that yields an empty batch (filtered "
+            "samples, or a dataset shorter than expected). Drop empty batches in the sampler or the collate_fn."
+        )

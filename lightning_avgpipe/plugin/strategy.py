@@ -51,6 +51,7 @@ from lightning_avgpipe.plugin.split import (
 )
 from lightning_avgpipe.plugin.steps import PipelineSteps, announce_averaging, announce_checkpointing, announce_sharding
 from lightning_avgpipe.runtime.controller import StepController, memory_limit_bytes
+from lightning_avgpipe.runtime.failures import guarded
 from lightning_avgpipe.runtime.pipeline import StagePipeline
 from lightning_avgpipe.runtime.recompute import check_matches
 from lightning_avgpipe.runtime.ties import TiedWeights, tie_groups
@@ -323,14 +324,19 @@ class AvgPipeStrategy(ProcessStrategy):
             T = self.config.tensor_parallel_size
             stages = self.config.num_stages or max(1, self.world_size // T)  # every device a stage's shard (D = 1)
             tensor.check_tensor_parallel_args(T, None, len(self.parallel_devices or []) or None)
-            self._topology = Topology.build(
-                self.global_rank, self.world_size, stages, self.config.timeout, T, self.root_device.type
-            )
+            with guarded("making the process groups (setup_environment)"):
+                self._topology = Topology.build(
+                    self.global_rank, self.world_size, stages, self.config.timeout, T, self.root_device.type
+                )
         self.start_watchdog(f"rank {self.global_rank} (stage {self.stage})", grace=self.config.p2p_timeout)
 
     # -- setup ---------------------------------------------------------------------------------------------------
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        with guarded("the strategy's setup (split, groups, pipeline)"):  # a rank that never arrives is named
+            self._set_up(trainer)
+
+    def _set_up(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module

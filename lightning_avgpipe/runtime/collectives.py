@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_avgpipe.runtime.p2p import Link, PeerFailureError, first_failure
+from lightning_avgpipe.runtime.failures import PeerFailureError, first_failure
+from lightning_avgpipe.runtime.p2p import Link
 from lightning_avgpipe.runtime.tensor_parallel import TensorParallelLink
 from lightning_avgpipe.runtime.topology import Topology
 

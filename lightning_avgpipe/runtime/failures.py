@@ -16,9 +16,13 @@ exits over it.
 
 from __future__ import annotations
 
+import json
+import os
+import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import torch.distributed as dist
@@ -30,6 +34,10 @@ STORE_DEADLINE = 2.0
 
 FAILURE_KEY = "lightning_avgpipe/first_failure"
 SEEN_KEY = "lightning_avgpipe/first_failure_seen"
+
+
+class PeerFailureError(RuntimeError):
+    """Another rank stopped answering: it failed, was killed, or is stuck."""
 
 
 class StoreSilentError(RuntimeError):
@@ -207,3 +215,110 @@ def wait_until_seen(ranks: int, timeout: float) -> bool:
     except Exception:  # noqa: BLE001 - best effort
         pass
     return False
+
+
+# -- where each rank is: named when a collective fails ---------------------------------------------------------------
+
+PROGRESS_KEY = "lightning_avgpipe/progress/{}"
+_progress: dict[str, Any] = {"seq": 0, "what": ""}
+_TRANSPORT = ("timed out", "timeout", "connection reset", "connection closed", "connection refused", "broken pipe")
+
+
+def _ranks() -> tuple[int, int] | None:
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.get_rank(), dist.get_world_size()
+
+
+def record_progress(what: str) -> None:
+    """Record in the store that this rank reached ``what`` (a point every rank reaches in the same order: a setup
+    collective, a checkpoint's), with its host and pid; read back by :func:`absent_ranks` when a collective fails.
+    Best effort, bounded; a no-op without a process group of several ranks."""
+    ranks = _ranks()
+    if ranks is None or ranks[1] < 2:
+        return
+    _progress["seq"] += 1
+    _progress["what"] = what
+    value = json.dumps(
+        {"seq": _progress["seq"], "what": what, "host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
+    )
+    try:
+        store_call(lambda s: s.set(PROGRESS_KEY.format(ranks[0]), value))
+    except Exception:  # noqa: BLE001 - a failure path reads it; nothing here may fail a healthy job
+        pass
+
+
+def _process_gone(pid: int) -> bool:
+    """Whether process ``pid`` of this machine has ended (gone, or a zombie its launcher has not reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            pass
+        return False
+
+
+def absent_ranks() -> str:
+    """Which ranks a failed collective lacked, from :func:`record_progress`'s records: those whose process on this
+    machine has ended, and those whose last recorded point is earlier than this rank's; "" if none can be named."""
+    ranks = _ranks()
+    if ranks is None:
+        return ""
+    me, world = ranks
+    host, now = socket.gethostname(), time.time()
+    gone, behind = [], []
+    for r in range(world):
+        if r == me:
+            continue
+        key = PROGRESS_KEY.format(r)
+        try:
+            raw = store_call(lambda s, key=key: s.get(key) if s.check([key]) else b"")  # type: ignore[misc]
+        except StoreSilentError:
+            return "the rendezvous store is silent (rank 0, or torchrun's agent, which serves it, is stopped)"
+        except Exception:  # noqa: BLE001 - the store went with its process
+            return "the rendezvous store is gone (rank 0, or torchrun's agent, which serves it, exited or was killed)"
+        if not raw:
+            behind.append(f"rank {r} (which recorded no point yet)")
+            continue
+        info = json.loads(raw)
+        if info["host"] == host and _process_gone(int(info["pid"])):
+            gone.append(f"rank {r} (pid {info['pid']}) has exited or was killed, after {info['what']}")
+        elif int(info["seq"]) < _progress["seq"]:
+            ago = now - float(info["time"])
+            behind.append(f"rank {r} (whose last point was {info['what']}, {ago:.0f} s ago)")
+    parts = gone + ([f"{', '.join(behind)} did not arrive"] if behind else [])
+    return "; ".join(parts)
+
+
+def is_transport_error(err: BaseException) -> bool:
+    """Whether ``err`` is the backend's own failure of a collective (a timeout, a peer gone), not the caller's."""
+    text = str(err).lower()
+    ours = isinstance(err, PeerFailureError)
+    return isinstance(err, RuntimeError) and not ours and any(marker in text for marker in _TRANSPORT)
+
+
+@contextmanager
+def guarded(what: str) -> Iterator[None]:
+    """Run a collective (or a phase of them) that every rank reaches as ``what``; the backend's own failure of it
+    (gloo's "Timed out waiting 40000ms ...", "Connection reset by peer") becomes a :class:`PeerFailureError` that
+    names the ranks that did not arrive or are gone, and quotes the first failure."""
+    record_progress(what)
+    try:
+        yield
+    except RuntimeError as err:
+        if not is_transport_error(err):
+            raise
+        ranks = _ranks()
+        me = f"rank {ranks[0]}" if ranks is not None else "this rank"
+        who = absent_ranks() or "a rank failed, was killed or is stuck"
+        raise PeerFailureError(
+            f"{me}: {what} did not complete: {who}. {first_failure()}({type(err).__name__}: "
+            f"{str(err).splitlines()[0][:160]})"
+        ) from err

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_avgpipe.runtime.failures import first_failure
+from lightning_avgpipe.runtime.failures import PeerFailureError, first_failure
 
 META_LEN = 256
 _DTYPES: tuple[torch.dtype, ...] = (
@@ -44,10 +44,6 @@ _DTYPES: tuple[torch.dtype, ...] = (
 
 class StageOutputError(TypeError):
     """A stage produced something that cannot travel to the next stage."""
-
-
-class PeerFailureError(RuntimeError):
-    """A neighbouring stage stopped answering: it failed, was killed, or is stuck."""
 
 
 @dataclass(frozen=True)

@@ -321,6 +321,8 @@ class StagePipeline:
         """
         size = microbatch.batch_size(batch)
         m = self.num_microbatches
+        if size == 0:
+            raise ValueError("The batch is empty (0 samples on dim 0); a pipeline step needs at least one sample.")
         if training:
             self._full_batch = max(size, self._full_batch or 0)
         if size < m:

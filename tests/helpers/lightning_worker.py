@@ -34,7 +34,7 @@ class Fault(pl.Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if trainer.global_rank != self.rank or trainer.global_step != self.step:
+        if trainer.global_rank != self.rank or trainer.global_step != self.step or self.kind == "kill_in_save":
             return
 
         def fail(*_: Any) -> None:
@@ -60,6 +60,10 @@ class Fault(pl.Callback):
         for layer in firsts.values():  # the reference and every replica's copy of this rank's first layer
             layer.register_forward_pre_hook(nan if self.kind == "nan" else fail)
 
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: Any) -> None:
+        if self.kind == "kill_in_save" and trainer.global_rank == self.rank:  # killed between a save's collectives
+            os.kill(os.getpid(), signal.SIGKILL)
+
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         if self.handle is not None:
             self.handle.remove()
@@ -79,11 +83,15 @@ class ScaleRecorder(pl.Callback):
 class SetupFault(pl.Callback):
     """Make one rank fail during setup, after the process group is up (its neighbours wait in a collective)."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, stall: float | None = None) -> None:
         self.rank = rank
+        self.stall = stall  # seconds to sleep instead (a rank that does not arrive at the setup collectives)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if trainer.global_rank == self.rank:
+            if self.stall is not None:
+                time.sleep(self.stall)
+                return
             raise ValueError(f"injected setup failure on rank {self.rank}")
 
 
@@ -140,6 +148,11 @@ def training_loader(cfg: dict[str, Any], bs: int, rec: Any, trainer_kwargs: dict
         kind = StatefulDataLoader if cfg["resumable"] else DataLoader
         by_epoch = DistributedSampler(dataset(), num_replicas=1, rank=0, shuffle=True, seed=3)
         train_loader = kind(dataset(), batch_size=bs, sampler=by_epoch)
+    if cfg.get("empty_batch") is not None:  # batch number cfg["empty_batch"] holds 0 samples
+        x, y = next(iter(DataLoader(dataset(), batch_size=bs)))
+        batches = [(x, y)] * 4
+        batches[cfg["empty_batch"]] = (x[:0], y[:0])
+        train_loader = DataLoader(batches, batch_size=None)
     if cfg.get("shuffle"):  # the order comes from torch's global RNG (the same seed on every rank)
         pl.seed_everything(cfg.get("seed", 0), verbose=False)
         trainer_kwargs["use_distributed_sampler"] = False
