@@ -36,6 +36,13 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
+def _report(case: str, who: str, took: float, text: str, pattern: str) -> None:
+    """One row of the closing note's table (``pytest -s tests/test_hangs.py``): the case, the rank, the time it took
+    to end and the line of its output that names the cause."""
+    line = next((ln for ln in text.splitlines() if re.search(pattern, ln)), "(no line matched)")
+    print(f"\n[table] {case} | {who} | {took:.1f} s | {line.strip()[:400]}")
+
+
 def _alive(pid: int) -> bool:
     """Whether ``pid`` exists and is not a zombie."""
     try:
@@ -75,7 +82,7 @@ def test_a_frozen_rank_ends_every_other_rank_within_p2p_timeout(world: int, froz
             assert frozen in named, text[-3000:]
         else:  # not a neighbour: its own neighbour, or the first failure, names it
             assert f"from rank {frozen} (stage {frozen}) did not arrive" in text, text[-3000:]
-        print(f"rank {r}: ended {took:.1f} s after rank {frozen} froze")
+        _report(f"S={world}, rank {frozen} frozen", f"rank {r}", took, text, r"^\S*PeerFailureError")
 
 
 @pytest.mark.slow
@@ -89,6 +96,7 @@ def test_the_default_launcher_ends_the_frozen_rank_it_started() -> None:
         "strategy": {"num_microbatches": 2, "p2p_timeout": P2P_TIMEOUT},
         "fault": {"rank": 1, "step": 3, "kind": "stop"},
     }
+    start = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "tests.helpers.lightning_worker", json.dumps(cfg)],
         cwd=ROOT,
@@ -99,6 +107,7 @@ def test_the_default_launcher_ends_the_frozen_rank_it_started() -> None:
         start_new_session=True,
     )
     out = proc.stdout + proc.stderr
+    _report("default launcher, rank 1 frozen", "the command", time.monotonic() - start, out, "ended local rank 1")
     assert proc.returncode == 1, out[-3000:]
     assert "from rank 1 (stage 1) did not arrive within 5 s" in out, out[-3000:]
     match = re.search(
@@ -118,6 +127,7 @@ def test_a_port_in_use_is_refused_before_any_rank_starts() -> None:
     port = listener.getsockname()[1]
     try:
         cfg = {"out": tempfile.mkdtemp(), "devices": 2, "steps": 2, "strategy": {"num_microbatches": 2}}
+        start = time.monotonic()
         proc = subprocess.run(
             [sys.executable, "-m", "tests.helpers.lightning_worker", json.dumps(cfg)],
             cwd=ROOT,
@@ -130,6 +140,7 @@ def test_a_port_in_use_is_refused_before_any_rank_starts() -> None:
     finally:
         listener.close()
     out = proc.stdout + proc.stderr
+    _report("port in use", "the command", time.monotonic() - start, out, "PortInUseError:")
     assert proc.returncode == 1
     assert f"PortInUseError: MASTER_PORT={port} is already in use" in out, out[-3000:]
     assert "Set MASTER_PORT to another free port, or leave it unset" in out
@@ -256,10 +267,9 @@ def test_the_watchdog_ends_a_rank_2_x_grace_after_the_store_fell_silent_and_forg
 # -- messages that name the rank ------------------------------------------------------------------------------------
 
 
-def _run_ranks(cfg: dict, world: int = 2, grace: float = 15) -> list[tuple[int, str]]:
-    return launch_ranks(
-        ["-m", "tests.helpers.lightning_worker", json.dumps(cfg)], world, timeout=150, preload=True, grace=grace
-    )
+def _run_ranks(cfg: dict, world: int = 2, grace: float = 15, ended: list[float] | None = None) -> list[tuple[int, str]]:
+    args = ["-m", "tests.helpers.lightning_worker", json.dumps(cfg)]
+    return launch_ranks(args, world, timeout=150, preload=True, grace=grace, ended=ended)
 
 
 @pytest.mark.slow
@@ -274,7 +284,10 @@ def test_a_rank_that_never_arrives_at_a_setup_collective_is_named() -> None:
         "setup_fault": {"rank": 1, "stall": 300},
     }
     start = time.monotonic()
-    (code0, out0), (code1, out1) = _run_ranks(cfg)
+    ended: list[float] = []
+    (code0, out0), (code1, out1) = _run_ranks(cfg, ended=ended)
+    for r, text in enumerate((out0, out1)):
+        _report("setup stall on rank 1, timeout=15", f"rank {r}", ended[r] - start, text, "did not complete|watchdog")
     assert time.monotonic() - start < 90
     assert code0 == 1, out0[-3000:]
     assert re.search(
@@ -295,7 +308,9 @@ def test_a_rank_killed_during_a_save_is_named_by_the_survivor() -> None:
         "strategy": {"num_microbatches": 2, "p2p_timeout": 5},
         "fault": {"rank": 1, "step": 0, "kind": "kill_in_save"},
     }
-    (code0, out0), (code1, _) = _run_ranks(cfg)
+    ended: list[float] = []
+    (code0, out0), (code1, _) = _run_ranks(cfg, ended=ended)
+    _report("rank 1 killed in a save (time after the kill)", "rank 0", ended[0] - ended[1], out0, "did not complete")
     assert code1 == -9 and code0 == 1, (code0, code1)
     assert re.search(r"rank 0: .* did not complete: rank 1 \(pid \d+\) has exited or was killed", out0), out0[-3000:]
 
@@ -303,8 +318,10 @@ def test_a_rank_killed_during_a_save_is_named_by_the_survivor() -> None:
 @pytest.mark.slow
 def test_an_empty_batch_is_named_on_every_rank() -> None:
     cfg = {"out": tempfile.mkdtemp(), "devices": 2, "steps": 4, "strategy": {"num_microbatches": 4}, "empty_batch": 1}
-    results = _run_ranks(cfg)
-    for code, out in results:
+    start, ended = time.monotonic(), list[float]()
+    results = _run_ranks(cfg, ended=ended)
+    for r, (code, out) in enumerate(results):
+        _report("empty batch 1", f"rank {r}", ended[r] - start, out, "is empty")
         assert code == 1, out[-3000:]
         assert "The training batch 1 of epoch 0 is empty: its tensors have 0 samples" in out, out[-3000:]
         assert "num_microbatches=0" not in out
@@ -326,6 +343,7 @@ def test_an_unwritable_checkpoint_directory_is_named() -> None:
     locked.mkdir()
     locked.chmod(0o500)
     cfg = {"out": str(out), "devices": 2, "steps": 4, "every_n_train_steps": 2, "strategy": {"p2p_timeout": 5}}
+    start = time.monotonic()
     try:
         proc = subprocess.run(
             [*prefix, sys.executable, "-m", "tests.helpers.lightning_worker", json.dumps(cfg)],
@@ -339,6 +357,7 @@ def test_an_unwritable_checkpoint_directory_is_named() -> None:
     finally:
         locked.chmod(0o700)
     text = proc.stdout + proc.stderr
+    _report("unwritable checkpoint directory", "the command", time.monotonic() - start, text, "Cannot save")
     assert proc.returncode == 1, text[-3000:]
     assert (
         f"Cannot save the checkpoint {locked}/epoch=0-step=2.ckpt: nothing could be written in its directory "

@@ -15,8 +15,11 @@ PACKAGE = ROOT / "lightning_avgpipe"
 
 
 # reads of other libraries' private members that share a name with one of ours (file, name): torch's
-# ProcessGroup options keep their timeout in ``_timeout``
-OTHER_LIBRARIES = {("lightning_avgpipe/runtime/topology.py", "_timeout")}
+# ProcessGroup options keep their timeout in ``_timeout``; the standard library's ``os._exit``
+OTHER_LIBRARIES = {
+    ("lightning_avgpipe/runtime/topology.py", "_timeout"),
+    ("lightning_avgpipe/plugin/launcher.py", "_exit"),
+}
 
 
 def _private(name: str) -> bool:
