@@ -289,12 +289,14 @@ class _ForkedRank:
 # ---------------------------------------------------------------------------------------------------------------
 # a command line on every rank
 # ---------------------------------------------------------------------------------------------------------------
-def _wait_ranks(procs: list[Any], timeout: float, grace: float | None, ends: list[float | None]) -> bool:
-    """Wait until every rank ended, ``grace`` s passed after one failed, or ``timeout`` (then True); ``ends`` gets
-    each rank's end (``time.monotonic()``) as seen."""
+def _wait_ranks(
+    procs: list[Any], timeout: float, grace: float | None, ends: list[float | None], frozen: Collection[int] = ()
+) -> bool:
+    """Wait until every rank but ``frozen`` ended, ``grace`` s passed after one failed, or ``timeout`` (then True);
+    ``ends`` gets each rank's end (``time.monotonic()``) as seen."""
     deadline = time.monotonic() + timeout
     failed_at: float | None = None
-    while any(p.poll() is None for p in procs):
+    while any(p.poll() is None for r, p in enumerate(procs) if r not in frozen):
         now = time.monotonic()
         ends[:] = [e if e is not None or p.poll() is None else now for e, p in zip(ends, procs)]
         if now > deadline:
@@ -319,6 +321,7 @@ def launch_ranks(
     grace: float | None = None,
     preload: bool = False,
     ended: list[float] | None = None,
+    frozen: Collection[int] = (),
 ) -> list[tuple[int, str]]:
     """Run ``python *args`` as ranks 0..world_size-1 from the repository root; return (exit code, output) per rank.
 
@@ -338,7 +341,8 @@ def launch_ranks(
     a fresh interpreter's finalization shows (``tests/test_exit.py``) needs ``preload=False``.
 
     ``ended``, a list, receives each rank's end as ``time.monotonic()`` seen here (within 50 ms; one clock for every
-    process of the machine), for tests that bound when each rank stopped.
+    process of the machine), for tests that bound when each rank stopped. The ranks in ``frozen`` (stopped by the
+    test) are not waited for: once every other rank ended, they are killed (exit code -9).
     """
     port = free_port()
     tmp = None if log_dir is not None else tempfile.TemporaryDirectory(prefix="ranks-")
@@ -377,7 +381,7 @@ def launch_ranks(
                     start_new_session=True,
                 )
             )
-        timed_out = _wait_ranks(procs, timeout, grace, ends)
+        timed_out = _wait_ranks(procs, timeout, grace, ends, frozen)
     finally:
         for p in procs:
             if p.poll() is None:

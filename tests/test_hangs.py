@@ -61,14 +61,14 @@ def test_a_frozen_rank_ends_every_other_rank_within_p2p_timeout(world: int, froz
     cfg = {
         "out": str(out),
         "devices": world,
-        "steps": 8,
+        "steps": 4,
         "strategy": {"num_microbatches": 2, "p2p_timeout": P2P_TIMEOUT},
-        "fault": {"rank": frozen, "step": 3, "kind": "stop", "record": str(out / "stopped")},
+        "fault": {"rank": frozen, "step": 1, "kind": "stop", "record": str(out / "stopped")},
     }
     ended: list[float] = []
-    # the frozen rank is killed 12 s after the first rank ended: one still running then was hung (-9 below)
+    # the frozen rank is killed once the others ended; one of them still running after 150 s fails the test
     args = ["-m", "tests.helpers.lightning_worker", json.dumps(cfg)]
-    results = launch_ranks(args, world, timeout=150, preload=True, grace=12, ended=ended)
+    results = launch_ranks(args, world, timeout=150, preload=True, ended=ended, frozen=(frozen,))
     stopped = float((out / "stopped").read_text())
     assert results[frozen][0] == -9  # frozen to the end: the harness killed it
     for r, (code, text) in enumerate(results):
@@ -92,9 +92,9 @@ def test_the_default_launcher_ends_the_frozen_rank_it_started() -> None:
     cfg = {
         "out": tempfile.mkdtemp(),
         "devices": 2,
-        "steps": 8,
+        "steps": 4,
         "strategy": {"num_microbatches": 2, "p2p_timeout": P2P_TIMEOUT},
-        "fault": {"rank": 1, "step": 3, "kind": "stop"},
+        "fault": {"rank": 1, "step": 1, "kind": "stop"},
     }
     start = time.monotonic()
     proc = subprocess.run(
