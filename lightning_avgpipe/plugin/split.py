@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -27,6 +28,7 @@ from lightning_avgpipe.plugin.bridge import Anchor, Elsewhere, Guard, guard_laye
 from lightning_avgpipe.plugin.contract import locate, pipeline_inputs
 from lightning_avgpipe.plugin.data import peek
 from lightning_avgpipe.plugin.resume import checkpoint_layout
+from lightning_avgpipe.runtime.materialize import InitRecord, Materialized, materialize
 
 
 @dataclass
@@ -110,6 +112,65 @@ def split_module(
     return split
 
 
+def materialize_own(
+    module: nn.Module,
+    layers: Sequence[nn.Module],
+    sizes: Sequence[int],
+    stages: Sequence[int],
+    records: Sequence[InitRecord],
+    device: torch.device,
+    checked_forward: bool = True,
+) -> Materialized:
+    """On a model built on the meta device: make real, with one process's values, the parameters and buffers of
+    this rank's ``stages`` and those outside every layer (``runtime/materialize.py``); the rest stays on the meta
+    device until the split replaces it. Logs what rank 0 made real and what was skipped."""
+    stage_of = [s for s, size in enumerate(sizes) for _ in range(size)]
+    inside = {id(t) for layer in layers for t in [*layer.parameters(), *layer.buffers()]}
+    own = {id(t) for layer, s in zip(layers, stage_of) if s in stages for t in [*layer.parameters(), *layer.buffers()]}
+    total = sum(
+        t.untyped_storage().nbytes() for t in {id(t): t for t in [*module.parameters(), *module.buffers()]}.values()
+    )
+    report = Materialized()
+    for record in records:
+        done = materialize(module, lambda t: id(t) in own or id(t) not in inside, record, device)
+        report.kept_bytes += done.kept_bytes
+        report.steps += done.steps
+        report.peak_other_bytes = max(report.peak_other_bytes, done.peak_other_bytes)
+        report.uninitialized += done.uninitialized
+        report.rng_moved = report.rng_moved or done.rng_moved
+    left = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta and id(t) not in inside]
+    if left:
+        raise ValueError(
+            f"AvgPipe: {left[:5]} were created on the meta device outside configure_model's build (or a "
+            "trainer.init_module() block), so their values cannot be replayed; create them there, or load them."
+        )
+    notes = ["layer timing was skipped: no process holds the whole model"]
+    if checked_forward:
+        notes.append("so was the forward check")
+    if report.uninitialized:
+        notes.append(f"no recorded call gave values to {report.uninitialized[:5]} (left as torch.empty gave them)")
+    if report.rng_moved:
+        notes.append(
+            "the random generator was used between the build and setup: random draws after it differ from one process's"
+        )
+    rank_zero_info(
+        f"AvgPipe: the model was built without memory; each rank makes only its own stages real, with the values one "
+        f"process gives them (rank 0: {_size(report.kept_bytes)} of {_size(total)}, {report.steps} init calls "
+        f"replayed, at most {_size(report.peak_other_bytes)} of other ranks' tensors at once); "
+        + "; ".join(notes)
+        + "."
+    )
+    return report
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
 @dataclass(frozen=True)
 class SecondPath:
     """A module inside pipeline layers that the LightningModule also reaches by another path, outside every layer
@@ -170,10 +231,12 @@ def check_layer_count(num_layers: int, stages: int, stages_per_rank: int = 1) ->
     check_partition("uniform", num_layers, stages, stages_per_rank)
 
 
-def choose_partition(module: nn.Module, layers: list[nn.Module], spec: Any, stages: int, v: int = 1) -> list[int]:
+def choose_partition(
+    module: nn.Module, layers: list[nn.Module], spec: Any, stages: int, v: int = 1, deferred: bool = False
+) -> list[int]:
     """Layers per model stage (``stages`` of them: ranks x ``v``): ``spec`` (a list of counts, or ``"balanced"``,
     ``"parameters"``, ``"uniform"``), or the checkpoint's cut on a resumed ``fit`` (called on one rank:
-    ``"balanced"`` times the layers)."""
+    ``"balanced"`` times the layers, except on a model built without memory (``deferred``): by parameters)."""
     check_layer_count(len(layers), stages, v)
     if not isinstance(spec, str):
         return partition_layers(layers, stages, list(spec), stages_per_rank=v)
@@ -181,7 +244,13 @@ def choose_partition(module: nn.Module, layers: list[nn.Module], spec: Any, stag
     if resumed is not None:
         return resumed
     sample = getattr(module, "example_input_array", None)
-    if spec == "balanced" and sample is None:
+    if spec == "balanced" and sample is not None and deferred:
+        rank_zero_info(
+            "AvgPipe: partition='balanced' balances by parameters: the model was built without memory "
+            "(configure_model), so no process holds it whole to time its layers."
+        )
+        sample = None
+    elif spec == "balanced" and sample is None:
         rank_zero_info(
             "AvgPipe: partition='balanced' profiles layers on `example_input_array`, which this module does not set; "
             "balancing by parameters instead."

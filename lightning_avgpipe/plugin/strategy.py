@@ -7,7 +7,8 @@ maps Lightning's life cycle onto it (docs/how-it-works.md#lightning-integration)
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import fields
 from typing import Any
 
@@ -45,6 +46,7 @@ from lightning_avgpipe.plugin.split import (
     check_supported,
     choose_partition,
     forward_sample,
+    materialize_own,
     metrics_sync_over,
     shared_across_stages,
     split_module,
@@ -52,6 +54,7 @@ from lightning_avgpipe.plugin.split import (
 from lightning_avgpipe.plugin.steps import PipelineSteps, announce_averaging, announce_checkpointing, announce_sharding
 from lightning_avgpipe.runtime.controller import StepController, memory_limit_bytes
 from lightning_avgpipe.runtime.failures import guarded
+from lightning_avgpipe.runtime.materialize import InitRecord, is_meta_module
 from lightning_avgpipe.runtime.pipeline import StagePipeline
 from lightning_avgpipe.runtime.recompute import check_matches
 from lightning_avgpipe.runtime.ties import TiedWeights, tie_groups
@@ -203,6 +206,7 @@ class AvgPipeStrategy(ProcessStrategy):
         self._guard = Guard()
         self._ties: list[TiedWeights] = []  # weights this stage shares with others (tied embedding and head)
         self._param_names: dict[int, str] = {}  # id(parameter) -> its name in the module, for error messages
+        self._init_records: list[InitRecord] = []  # builds on the meta device, replayed per rank at setup
         self.noise_every = 0  # also measure the noise scale every this many steps (AvgPipeTuner's retune sets it)
 
     # -- topology ------------------------------------------------------------------------------------------------
@@ -332,6 +336,17 @@ class AvgPipeStrategy(ProcessStrategy):
 
     # -- setup ---------------------------------------------------------------------------------------------------
     @override
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """A model built in ``configure_model`` (or under ``trainer.init_module()``) is built on the meta device, and
+        its build recorded; at setup each rank makes only its own stages real, with the values one process would
+        have given them (``runtime/materialize.py``). ``empty_init`` changes nothing: the values are replayed."""
+        record = InitRecord()
+        with torch.device("meta"), self.precision_plugin.tensor_init_context(), record:
+            yield
+        self._init_records.append(record)
+
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         with guarded("the strategy's setup (split, groups, pipeline)"):  # a rank that never arrives is named
             self._set_up(trainer)
@@ -363,12 +378,14 @@ class AvgPipeStrategy(ProcessStrategy):
         layers, stages, v = pipeline_layers(module), layout.num_chunks, layout.v  # the model's stages: S x v
         check_layer_count(len(layers), stages, v)  # on every rank: none may wait in the broadcast for a failed rank 0
         check_matches(layers, self.config.activation_checkpointing)
-        if self.check_forward:  # every rank checks its own whole copy, so every rank fails alike
+        deferred = is_meta_module(module)  # built without memory: no whole copy to run or time
+        if self.check_forward and not deferred:  # every rank checks its own whole copy, so every rank fails alike
             sample = forward_sample(module)
             if sample is not None:
                 check_forward(module, layers, sample)
         # decided on rank 0: "balanced" times the layers, and the ranks' timings would differ
-        sizes = choose_partition(module, layers, self.config.partition, stages, v) if self.global_rank == 0 else None
+        partition = self.config.partition
+        sizes = choose_partition(module, layers, partition, stages, v, deferred) if self.global_rank == 0 else None
         sizes = self.broadcast(sizes, src=0)
         assert sizes is not None
         shared = shared_across_stages(module, layers, list(sizes))
@@ -376,6 +393,9 @@ class AvgPipeStrategy(ProcessStrategy):
         self._ties = tie_groups(shared, self.topology, self.config.timeout, layout.rank_of)
         announce_shared(shared, layout.rank_of)
         mine = stages_of(self.stage, self.num_stages, v, layout.placement)
+        if deferred:  # this rank's stages (and what lies outside every layer) made real, with one process's values
+            records, self._init_records = self._init_records, []
+            materialize_own(module, layers, list(sizes), mine, records, self.root_device, self.check_forward)
         self._split = split_module(module, layers, list(sizes), mine, self._guard)
         placed = f" ({v} per rank, {layout.placement} placement)" if v > 1 else ""
         rank_zero_info(

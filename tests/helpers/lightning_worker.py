@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 from lightning_avgpipe import AvgPipeStrategy, AvgPipeTuner
 from lightning_avgpipe.runtime.shutdown import native_threads
 from lightning_avgpipe.shards import is_dtensor, local
-from tests.helpers.lit import AliasedNet, PipeNet, dataset, loader
+from tests.helpers.lit import AliasedNet, LateNet, PipeNet, dataset, loader
 from tests.helpers.tied import TiedLM, token_loader
 
 
@@ -165,7 +165,7 @@ def main(cfg: dict[str, Any]) -> None:
     out = Path(cfg["out"])
     who: dict[str, int] = {}
     atexit.register(exit_probe, out, who)
-    kind = TiedLM if cfg.get("tied") else AliasedNet if cfg.get("aliased") else PipeNet
+    kind = TiedLM if cfg.get("tied") else AliasedNet if cfg.get("aliased") else LateNet if cfg.get("late") else PipeNet
     model = kind(**cfg.get("model", {}))
     if cfg.get("example_input"):  # lets partition="balanced" profile the layers
         model.example_input_array = torch.zeros(2, 8)

@@ -98,6 +98,19 @@ class PipeNet(L.LightningModule):
         return build_optimizer(self.parameters(), self.hparams.lr, self.hparams.optimizer, self.hparams.scheduler)
 
 
+class LateNet(PipeNet):
+    """PipeNet whose layers are built in ``configure_model`` (under AvgPipe: on the meta device, each rank making
+    only its own stages real), with the same values."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        del self.layers
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "layers"):
+            self.layers = nn.Sequential(*make_layers())
+
+
 class _Wrap(nn.Module):
     def __init__(self, inner: nn.Module) -> None:
         super().__init__()

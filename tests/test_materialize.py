@@ -1,0 +1,133 @@
+"""A model built without memory (issue 32, part 1): recorded on the meta device, each rank makes only its own layers
+real by replaying the build, with one process's values bit for bit, for every layout."""
+
+from __future__ import annotations
+
+import tempfile
+from itertools import combinations
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_avgpipe.runtime.materialize import InitRecord, is_meta_module, materialize
+
+
+class Block(nn.Module):
+    """Layers initialized by their own ``reset_parameters`` (LayerNorm, MultiheadAttention, Linear), a buffer
+    computed from a factory, and a parameter drawn by ``torch.randn``."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, 2)
+        self.fc = nn.Linear(d, d)
+        self.register_buffer("pos", torch.arange(8).float().cos())
+        self.scale = nn.Parameter(torch.randn(d))
+
+
+def build() -> nn.Sequential:
+    """Six layers; the head tied to the embedding (two stages share it); a nanoGPT-style custom init
+    (``apply(_init_weights)``, ``weight.data.normal_``) and initializers that skip meta tensors themselves."""
+    m = nn.Sequential(nn.Embedding(20, 8), Block(8), nn.Conv1d(8, 8, 3), Block(8), nn.BatchNorm1d(8), nn.Linear(8, 20))
+    m[5].weight = m[0].weight
+
+    def init(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, 0, 0.02)
+            nn.init.zeros_(module.bias)
+        if isinstance(module, nn.Embedding):
+            module.weight.data.normal_(0, 0.02)
+
+    m.apply(init)
+    nn.init.trunc_normal_(m[1].fc.weight, std=0.02)
+    nn.init.orthogonal_(m[3].fc.weight)
+    return m
+
+
+def _owned(m: nn.Module, layers: set[int]) -> set[int]:
+    return {id(t) for i in layers for t in [*m[i].parameters(), *m[i].buffers()]}
+
+
+def _recorded(seed: int = 3) -> tuple[nn.Sequential, InitRecord]:
+    torch.manual_seed(seed)
+    with torch.device("meta"), InitRecord() as record:
+        meta = build()
+    return meta, record
+
+
+LAYOUTS = [set(c) for n in (1, 2, 3) for c in combinations(range(6), n)]
+
+
+def test_every_layout_gets_one_processs_values_bit_for_bit_and_only_its_own_bytes() -> None:
+    """Each subset of the six layers (a rank's stages under some layout) made real: equal to the whole model built
+    in one process from the same seed, bit for bit; the random generator afterwards where that build left it; the
+    bytes made real those of the subset alone; at most one layer's tensors of the others alive at once."""
+    torch.manual_seed(3)
+    whole = build()
+    after_whole = torch.rand(4)
+    expected = whole.state_dict()
+    largest_layer = max(sum(t.nbytes for t in [*layer.parameters(), *layer.buffers()]) for layer in whole)
+    for owned in LAYOUTS:
+        meta, record = _recorded()
+        ids = _owned(meta, owned)
+        report = materialize(meta, lambda t, ids=ids: id(t) in ids, record, torch.device("cpu"))
+        assert torch.equal(torch.rand(4), after_whole), owned
+        state = meta.state_dict(keep_vars=True)
+        real = {k: v for k, v in state.items() if not v.is_meta}
+        tied = {"0.weight", "5.weight"} if owned & {0, 5} else set()  # one tensor, real where either layer is
+        want = {k for k in expected if int(k.split(".")[0]) in owned} | tied
+        assert set(real) == want, owned
+        assert all(torch.equal(real[k], expected[k]) for k in real), owned
+        share = {id(t): t for i in owned for t in [*whole[i].parameters(), *whole[i].buffers()]}
+        assert report.kept_bytes == sum(t.nbytes for t in share.values()), owned
+        assert report.peak_other_bytes <= 2 * largest_layer, (owned, report.peak_other_bytes, largest_layer)
+        assert report.uninitialized == [] and not report.rng_moved
+        if {0, 5} <= owned:
+            assert meta[5].weight is meta[0].weight  # the tie holds: one real tensor under both names
+
+
+def test_a_parameter_no_call_gave_values_and_draws_between_build_and_setup_are_reported() -> None:
+    torch.manual_seed(0)
+    with torch.device("meta"), InitRecord() as record:
+        m = nn.Linear(3, 2)
+        m.extra = nn.Parameter(torch.empty(5))  # what torch.empty gave, on one process too
+    torch.rand(1)  # the generator used between the build and the replay
+    report = materialize(m, lambda t: True, record, torch.device("cpu"))
+    assert report.uninitialized == ["extra"]
+    assert report.rng_moved
+    assert not is_meta_module(m)
+    torch.manual_seed(0)
+    assert torch.equal(m.weight, nn.Linear(3, 2).weight)  # the kept values are still one process's
+
+
+def test_a_build_that_seeds_itself_is_replayed_with_its_seed() -> None:
+    torch.manual_seed(123)
+    with torch.device("meta"), InitRecord() as record:
+        torch.manual_seed(7)
+        m = nn.Linear(4, 4)
+    report = materialize(m, lambda t: True, record, torch.device("cpu"))
+    after = torch.rand(3)
+    torch.manual_seed(7)
+    assert torch.equal(m.weight, nn.Linear(4, 4).weight) and not report.rng_moved
+    assert torch.equal(torch.rand(3), after)  # the draws after the build: as after the real one
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("devices", "partition"), [(2, [2, 4]), (3, [1, 3, 2])], ids=["S2", "S3"])
+def test_a_model_built_in_configure_model_trains_as_one_device(devices: int, partition: list[int]) -> None:
+    """LateNet builds its layers in ``configure_model``: under AvgPipe on the meta device, each rank then holding
+    only its own layers' parameters (counted), and training equals one process's to float tolerance."""
+    from tests.helpers.models import make_layers
+    from tests.test_strategy_equivalence import assert_matches, run_lightning
+
+    out = Path(tempfile.mkdtemp())
+    results = run_lightning(out, devices, {"num_microbatches": 2, "partition": partition}, steps=4, late=True)
+    layers = make_layers()
+    stage_of = [s for s, n in enumerate(partition) for _ in range(n)]
+    for r in results:
+        own = sum(p.numel() for layer, s in zip(layers, stage_of) if s == r["place"][2] for p in layer.parameters())
+        assert r["parameters"] == own, (r["rank"], r["parameters"], own)
+    assert "the model was built without memory" in results[0]["output"], results[0]["output"][-2000:]
+    assert_matches(out, results, 2)
