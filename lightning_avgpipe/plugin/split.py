@@ -171,6 +171,22 @@ def _size(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
+LARGE_MODEL_BYTES = 1 << 30
+"""A model built whole on every rank at least this large gets a note suggesting ``configure_model``."""
+
+
+def suggest_configure_model(module: nn.Module) -> None:
+    """Log, for a model built whole (in ``__init__``) of at least :data:`LARGE_MODEL_BYTES`, that building it in
+    ``configure_model`` makes each rank hold only its own stages."""
+    every = {id(t): t for t in [*module.parameters(), *module.buffers()]}
+    total = sum(t.nbytes for t in every.values())
+    if total >= LARGE_MODEL_BYTES:
+        rank_zero_info(
+            f"AvgPipe: the model ({_size(total)}) was built whole on every rank; build its layers in configure_model() "
+            "instead and each rank makes only its own stages real (docs/guide.md, 'A model larger than one device')."
+        )
+
+
 @dataclass(frozen=True)
 class SecondPath:
     """A module inside pipeline layers that the LightningModule also reaches by another path, outside every layer

@@ -50,6 +50,7 @@ from lightning_avgpipe.plugin.split import (
     metrics_sync_over,
     shared_across_stages,
     split_module,
+    suggest_configure_model,
 )
 from lightning_avgpipe.plugin.steps import PipelineSteps, announce_averaging, announce_checkpointing, announce_sharding
 from lightning_avgpipe.runtime.controller import StepController, memory_limit_bytes
@@ -396,6 +397,8 @@ class AvgPipeStrategy(ProcessStrategy):
         if deferred:  # this rank's stages (and what lies outside every layer) made real, with one process's values
             records, self._init_records = self._init_records, []
             materialize_own(module, layers, list(sizes), mine, records, self.root_device, self.check_forward)
+        else:
+            suggest_configure_model(module)
         self._split = split_module(module, layers, list(sizes), mine, self._guard)
         placed = f" ({v} per rank, {layout.placement} placement)" if v > 1 else ""
         rank_zero_info(
