@@ -19,7 +19,9 @@ Private state read or written (each a function or class below; Lightning 2.6):
 - ``ScriptLaunchedStrategy``: a ``ParallelStrategy`` whose private ``_configure_launcher`` sets the private
   ``_launcher`` to Lightning's ``_SubprocessScriptLauncher`` (the script run again once per local device), unless the
   cluster environment starts the processes itself. Used by: ``plugin/process.py``. It is a subclass adding
-  ``plugin/launcher.py``'s guards (its public ``launch`` overridden; ``self.procs``, the started processes, read).
+  ``plugin/launcher.py``'s guards: ``launch`` and the private ``_call_children_scripts`` overridden (the second sets
+  the launcher's pid in the started ranks' environment only), ``self.procs`` read, and Lightning's private
+  ``_ChildProcessObserver`` quieted (its ``_child_processes`` emptied) before the guard ends the ranks.
 - ``AfterClosureMixedPrecision``: ``MixedPrecision`` whose private ``_after_closure`` hook (after the closure,
   before the optimizer step) calls a public ``after_closure``. Used by: ``plugin/precision.py``.
 
@@ -51,10 +53,12 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.fabric.utilities.distributed import (
@@ -216,18 +220,26 @@ class _GuardedScriptLauncher(_SubprocessScriptLauncher):
     """Lightning's launcher, with ``plugin/launcher.py``'s guards: a port in use is refused before any rank starts,
     the started ranks watch this process, and this process ends them on a failure of its own (at exit)."""
 
-    _guard: ChildGuard | None = None
-
     def launch(self, function: Callable[..., Any], *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        if not self.cluster_environment.creates_processes_externally:  # the first call: the ranks start now
-            check_port_free(self.cluster_environment.main_address, self.cluster_environment.main_port)
-            os.environ[LAUNCHER_ENV] = str(os.getpid())  # the started ranks inherit it
-            self._guard = ChildGuard(lambda: self.procs)  # filled by _call_children_scripts
+        env = self.cluster_environment
+        if not env.creates_processes_externally:  # the first call: the ranks start now
+            if env.node_rank() == 0:  # the rendezvous is on this node (the other nodes reach node 0's)
+                check_port_free(env.main_address, env.main_port)
+            ChildGuard(lambda: self.procs, before_ending=quiet_child_observer)  # procs: filled when they start
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+    def _call_children_scripts(self) -> None:
+        os.environ[LAUNCHER_ENV] = str(os.getpid())  # the started ranks inherit it, nothing this process starts later
         try:
-            return super().launch(function, *args, trainer=trainer, **kwargs)
-        except BaseException as err:
-            if self._guard is not None:
-                self._guard.failed(f"the launching process (local rank 0) failed with {type(err).__name__}")
-            raise
+            super()._call_children_scripts()
         finally:
             os.environ.pop(LAUNCHER_ENV, None)
+
+
+def quiet_child_observer() -> None:
+    """Make Lightning's ``_ChildProcessObserver`` thread stop without acting: it SIGKILLs the launching process once
+    a started rank exits non-zero, which the launching process ending its ranks would trigger (an empty list of
+    processes reads as all done)."""
+    for thread in threading.enumerate():
+        if isinstance(thread, _ChildProcessObserver):
+            thread._child_processes = []

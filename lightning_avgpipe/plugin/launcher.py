@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from lightning_avgpipe.runtime.shutdown import failed
+from lightning_avgpipe.runtime.shutdown import failed, mark_failed
 
 LAUNCHER_ENV = "LIGHTNING_AVGPIPE_LAUNCHER_PID"
 """Set by the launching process for the ranks it starts: its pid."""
@@ -98,7 +98,10 @@ def end_processes(procs: Sequence[subprocess.Popen], why: str, grace: float = EN
         if p.poll() is None:
             p.kill()
             how = f"by SIGKILL ({grace:g} s after SIGTERM)"
-        p.wait()
+        try:
+            p.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:  # unkillable for now (a device call in the kernel): said, not waited for
+            how += ", and it had not ended 5 s later"
         lines.append(f"lightning_avgpipe: {why}; ended local rank {rank} (pid {p.pid}) {how}.")
     sys.stderr.write("".join(line + "\n" for line in lines))
     sys.stderr.flush()
@@ -106,14 +109,23 @@ def end_processes(procs: Sequence[subprocess.Popen], why: str, grace: float = EN
 
 
 class ChildGuard:
-    """The launching process's side: marks a failure, and at exit ends the started ranks if it failed."""
+    """The launching process's side: marks a failure, and at exit ends the started ranks if it failed.
 
-    def __init__(self, procs: Callable[[], Sequence[subprocess.Popen]]) -> None:
-        self._procs = procs  # the launcher's list, read when needed (it is replaced when the ranks start)
+    Args:
+        procs: the started ranks' processes (read when needed: the launcher fills its list when they start).
+        before_ending: called before the ranks are signalled (Lightning's observer quieted).
+    """
+
+    def __init__(
+        self, procs: Callable[[], Sequence[subprocess.Popen]], before_ending: Callable[[], None] | None = None
+    ) -> None:
+        self._procs = procs
+        self._before_ending = before_ending
         self.failure: str | None = None
         self._previous_hook = sys.excepthook
         sys.excepthook = self._excepthook
         atexit.register(self.at_exit)
+        _guards.append(self)
 
     @property
     def procs(self) -> Sequence[subprocess.Popen]:
@@ -121,21 +133,35 @@ class ChildGuard:
 
     def failed(self, why: str) -> None:
         self.failure = self.failure or why
+        mark_failed()  # at exit, the process groups are left alone (destroying one could wait on a rank)
 
     def _excepthook(self, kind: type[BaseException], value: BaseException, tb: object) -> None:
         self.failed(f"the launching process (local rank 0) failed with {kind.__name__}")
         self._previous_hook(kind, value, tb)  # type: ignore[arg-type]
 
-    def at_exit(self, job_failed: bool = False) -> list[str]:
-        """Called at exit: ends the started ranks still alive if this process failed (or ``job_failed``); else
-        waits for them to finish the script (as torchrun does), at most :data:`FINISH_WAIT` seconds."""
-        if self.failure is None and not job_failed and not failed():
+    def at_exit(self) -> list[str]:
+        """Called at exit: ends the started ranks still alive if this process failed; else waits for them to finish
+        the script (as torchrun does), at most :data:`FINISH_WAIT` seconds."""
+        if self.failure is None and not failed():
             deadline = time.monotonic() + FINISH_WAIT
             while time.monotonic() < deadline and any(p.poll() is None for p in self.procs):
                 time.sleep(0.05)
             why = f"local rank 0 finished, and the ranks it started had not {FINISH_WAIT:g} s later"
-            return end_processes(self.procs, why)
-        return end_processes(self.procs, self.failure or "the launching process (local rank 0) failed")
+        else:
+            why = self.failure or "the launching process (local rank 0) failed"
+        if self._before_ending is not None and any(p.poll() is None for p in self.procs):
+            self._before_ending()
+        return end_processes(self.procs, why)
+
+
+_guards: list[ChildGuard] = []
+
+
+def note_failure(exception: BaseException) -> None:
+    """In the launching process: the job failed with ``exception`` (the strategy's ``on_exception``); at exit the
+    started ranks are ended. A no-op in any other process."""
+    for guard in _guards:
+        guard.failed(f"the launching process (local rank 0) failed with {type(exception).__name__}")
 
 
 def watch_launcher(poll: float = 0.5) -> None:
@@ -144,10 +170,19 @@ def watch_launcher(poll: float = 0.5) -> None:
     Reads (and removes, so this rank's own subprocesses do not inherit it) :data:`LAUNCHER_ENV`; a no-op without it.
     """
     value = os.environ.get(LAUNCHER_ENV)
-    if not value or int(value) == os.getpid():  # none, or this is the launching process itself
+    if not value or int(value) == os.getpid() or os.name != "posix":  # none, the launching process itself, or not POSIX
         return
     del os.environ[LAUNCHER_ENV]
     launcher = int(value)
+    if os.getppid() != launcher:
+        try:
+            os.kill(launcher, 0)
+        except ProcessLookupError:  # gone before the watch began
+            sys.stderr.write(f"lightning_avgpipe: the launching process (pid {launcher}) is gone; ending this rank.\n")
+            os._exit(1)
+        except OSError:
+            pass
+        return  # started through a wrapper process: its parent is not the launcher to watch
     if sys.platform.startswith("linux"):  # the parent's death wakes this rank if it is stopped (SIGSTOP)
         try:
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGCONT), 0, 0, 0)
@@ -174,7 +209,3 @@ def watch_launcher(poll: float = 0.5) -> None:
         thread.join(poll + 1.0)
 
     atexit.register(finish)
-    if os.getppid() != launcher:  # gone before the watch began
-        stop.set()
-        sys.stderr.write(f"lightning_avgpipe: the launching process (pid {launcher}) is gone; ending this rank.\n")
-        os._exit(1)

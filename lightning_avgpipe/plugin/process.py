@@ -27,7 +27,7 @@ from lightning_avgpipe.plugin.compat import (
     _init_dist_connection,
     _sync_ddp_if_available,
 )
-from lightning_avgpipe.plugin.launcher import watch_launcher
+from lightning_avgpipe.plugin.launcher import note_failure, watch_launcher
 from lightning_avgpipe.runtime.failures import guarded, handle_failure
 from lightning_avgpipe.runtime.shutdown import close_at_exit, mark_failed
 from lightning_avgpipe.runtime.watchdog import Watchdog
@@ -106,6 +106,7 @@ class ProcessStrategy(ScriptLaunchedStrategy):
         if _distributed_is_initialized():  # recorded for every rank to name; see docs/how-it-works.md#failure-handling
             handle_failure(exception, self.failure_site(), self.global_rank, self.world_size)
         mark_failed()  # at exit, leave the groups be: destroying one could wait on a rank that is gone
+        note_failure(exception)  # the launching process ends the ranks it started, at exit
 
     @override
     def teardown(self) -> None:
@@ -169,7 +170,7 @@ class ProcessStrategy(ScriptLaunchedStrategy):
         if not _distributed_is_initialized():
             return obj
         box = [obj]
-        with guarded(f"a broadcast from rank {src}"):
+        with guarded(f"a broadcast from rank {src}", record=False):  # Lightning's Timer broadcasts every step
             dist.broadcast_object_list(box, src)
         return box[0]
 

@@ -349,10 +349,6 @@ class AvgPipeStrategy(ProcessStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        with guarded("the strategy's setup (split, groups, pipeline)"):  # a rank that never arrives is named
-            self._set_up(trainer)
-
-    def _set_up(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
@@ -391,7 +387,8 @@ class AvgPipeStrategy(ProcessStrategy):
         assert sizes is not None
         shared = shared_across_stages(module, layers, list(sizes))
         tensor.check_model(self.config.tensor_parallel_size, self.tensor_parallel_plan, module, shared)
-        self._ties = tie_groups(shared, self.topology, self.config.timeout, layout.rank_of)
+        with guarded("making the tied weights' groups (setup)"):
+            self._ties = tie_groups(shared, self.topology, self.config.timeout, layout.rank_of)
         announce_shared(shared, layout.rank_of)
         mine = stages_of(self.stage, self.num_stages, v, layout.placement)
         if deferred:  # this rank's stages (and what lies outside every layer) made real, with one process's values

@@ -16,13 +16,15 @@ exits over it.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch.distributed as dist
@@ -52,7 +54,8 @@ class StoreSilentError(RuntimeError):
 
 
 _lock = threading.Lock()
-_pending: dict[str, Any] = {"thread": None, "since": 0.0}  # the oldest call still waiting for an answer
+_in_flight: dict[threading.Thread, float] = {}  # store calls still waiting for an answer -> when each began
+_own: dict[str, Any] = {"store": None, "of": None}  # this process's own connection to the job's store
 
 
 def default_store() -> Any:
@@ -60,53 +63,69 @@ def default_store() -> Any:
     return dist.distributed_c10d._get_default_store()
 
 
+def failure_store() -> Any:
+    """A connection of this process's own to the job's store, for the failure records.
+
+    Not the process group's: a ``TCPStore`` client runs one call at a time, and a healthy main thread may hold it for
+    long (waiting for a key in ``new_group`` or NCCL's setup), so the watchdog's reads would wait behind it and read
+    as a silent store. Made once per process group (a ``TCPStore`` under any ``PrefixStore``); other stores (a
+    ``FileStore``) are used as they are.
+    """
+    base = default_store()
+    if _own["of"] is base:
+        return _own["store"]
+    raw = base
+    while isinstance(raw, dist.PrefixStore):
+        raw = raw.underlying_store
+    own = base
+    if isinstance(raw, dist.TCPStore):
+        own = dist.TCPStore(
+            raw.host, raw.port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=STORE_DEADLINE)
+        )
+    _own["store"], _own["of"] = own, base
+    return own
+
+
 def store_silence() -> float:
     """Seconds the oldest unanswered store call has been waiting; 0.0 when none is (the store answers)."""
     with _lock:
-        thread = _pending["thread"]
-        return time.monotonic() - _pending["since"] if thread is not None and thread.is_alive() else 0.0
+        alive = [since for thread, since in _in_flight.items() if thread.is_alive()]
+    return time.monotonic() - min(alive) if alive else 0.0
 
 
 def store_call(fn: Callable[[Any], T], store: Any = None, deadline: float | None = None) -> T:
-    """``fn(store)`` (the default store when ``store`` is None), given up after ``deadline`` seconds
+    """``fn(store)`` (:func:`failure_store` when ``store`` is None), given up after ``deadline`` seconds
     (:data:`STORE_DEADLINE` by default).
 
     Raises :class:`StoreSilentError` when no answer came in time, or at once while an earlier call is still
-    unanswered past its own deadline; any error of the call itself propagates.
+    unanswered past the deadline (ours would queue behind it in the client); any error of the call itself
+    propagates.
     """
     deadline = STORE_DEADLINE if deadline is None else deadline
     with _lock:
-        earlier = _pending["thread"]
-        if earlier is not None and earlier.is_alive():
-            waited = time.monotonic() - _pending["since"]
-            if waited >= deadline:
-                raise StoreSilentError(waited)
-        else:
-            earlier = None
-    if earlier is not None:  # an earlier call within its deadline: ours would queue behind it in the client anyway
-        earlier.join(max(0.0, deadline - (time.monotonic() - _pending["since"])))
-        if earlier.is_alive():
-            raise StoreSilentError(time.monotonic() - _pending["since"])
-    target = default_store() if store is None else store
+        for thread in [t for t in _in_flight if not t.is_alive()]:
+            del _in_flight[thread]
+        oldest = min(_in_flight.values(), default=None)
+    if oldest is not None and time.monotonic() - oldest >= deadline:
+        raise StoreSilentError(time.monotonic() - oldest)
     box: dict[str, Any] = {}
 
     def run() -> None:
         try:
-            box["value"] = fn(target)
+            box["value"] = fn(failure_store() if store is None else store)
         except BaseException as err:  # noqa: BLE001 - handed to the caller
             box["error"] = err
 
     thread = threading.Thread(target=run, name="lightning_avgpipe-store-call", daemon=True)
     since = time.monotonic()
     with _lock:
-        _pending["thread"], _pending["since"] = thread, since
+        _in_flight[thread] = since
     thread.start()
     thread.join(deadline)
     if thread.is_alive():
-        raise StoreSilentError(time.monotonic() - since)
+        raise StoreSilentError(time.monotonic() - min(oldest or since, since))
     with _lock:
-        if _pending["thread"] is thread:
-            _pending["thread"] = None
+        _in_flight.pop(thread, None)
     if "error" in box:
         raise box["error"]
     return box["value"]  # type: ignore[no-any-return]
@@ -136,8 +155,9 @@ def read_failure(store: Any = None) -> str:
     text = store_call(read, store)
     if text and store is None:
         _seen["text"] = text
-        if not _seen["acknowledged"]:
-            store_call(lambda s: s.add(SEEN_KEY, 1))
+        ranks = _ranks()
+        if not _seen["acknowledged"] and ranks is not None:  # one key per rank: a retried write counts once
+            store_call(lambda s: s.set(f"{SEEN_KEY}/{ranks[0]}", "1"))
             _seen["acknowledged"] = True
     return text
 
@@ -183,9 +203,8 @@ def handle_failure(exception: BaseException, where: str, rank: int, world_size: 
             f"lightning_avgpipe: rank {rank} stopped because another rank failed first. "
             f"First failure: {first.rstrip('.')}.",
         )
-    if rank == 0 and world_size > 1 and first:
-        # the others' acknowledgements; reading the failure above acknowledged it here too, which must not count
-        wait_until_seen(world_size - 1 + int(_seen["acknowledged"]), timeout=3.0)
+    if rank == 0 and world_size > 1 and first:  # the others' acknowledgements (rank 0's own does not count)
+        wait_until_seen(range(1, world_size), timeout=3.0)
 
 
 def name_first_failure(exception: BaseException, note: str) -> None:
@@ -202,14 +221,15 @@ def name_first_failure(exception: BaseException, note: str) -> None:
         exception.args = (f"{exception.args[0]}\n{note}", *exception.args[1:])
 
 
-def wait_until_seen(ranks: int, timeout: float) -> bool:
-    """On the store's host (rank 0): wait up to ``timeout`` seconds until ``ranks`` acknowledgements of the first
-    failure are counted (the others' watchdogs poll every second), so that the store does not go down before they
-    can name it."""
+def wait_until_seen(ranks: Iterable[int], timeout: float) -> bool:
+    """On the store's host (rank 0): wait up to ``timeout`` seconds until every rank of ``ranks`` acknowledged the
+    first failure (the others' watchdogs poll every second), so that the store does not go down before they can
+    name it."""
+    keys = [f"{SEEN_KEY}/{r}" for r in ranks]
     deadline = time.monotonic() + timeout
     try:
         while (left := deadline - time.monotonic()) > 0:
-            if store_call(lambda s: s.add(SEEN_KEY, 0), deadline=left) >= ranks:
+            if not keys or store_call(lambda s: s.check(keys), deadline=left):
                 return True
             time.sleep(0.05)
     except Exception:  # noqa: BLE001 - best effort
@@ -221,7 +241,21 @@ def wait_until_seen(ranks: int, timeout: float) -> bool:
 
 PROGRESS_KEY = "lightning_avgpipe/progress/{}"
 _progress: dict[str, Any] = {"seq": 0, "what": ""}
-_TRANSPORT = ("timed out", "timeout", "connection reset", "connection closed", "connection refused", "broken pipe")
+_TRANSPORT = ("timed out", "connection reset", "connection closed", "connection refused", "broken pipe")
+
+
+@functools.cache
+def _machine() -> str:
+    """This process's machine and pid namespace: two processes with the same are each other's to look up by pid
+    (a hostname alone is shared by containers with the host's network)."""
+    parts = [socket.gethostname()]
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            parts.append(f.read().strip())
+        parts.append(str(os.stat("/proc/self/ns/pid").st_ino))
+    except OSError:
+        pass
+    return "/".join(parts)
 
 
 def _ranks() -> tuple[int, int] | None:
@@ -240,7 +274,7 @@ def record_progress(what: str) -> None:
     _progress["seq"] += 1
     _progress["what"] = what
     value = json.dumps(
-        {"seq": _progress["seq"], "what": what, "host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
+        {"seq": _progress["seq"], "what": what, "host": _machine(), "pid": os.getpid(), "time": time.time()}
     )
     try:
         store_call(lambda s: s.set(PROGRESS_KEY.format(ranks[0]), value))
@@ -272,7 +306,7 @@ def absent_ranks() -> str:
     if ranks is None:
         return ""
     me, world = ranks
-    host, now = socket.gethostname(), time.time()
+    host, now = _machine(), time.time()
     gone, behind = [], []
     for r in range(world):
         if r == me:
@@ -298,18 +332,24 @@ def absent_ranks() -> str:
 
 
 def is_transport_error(err: BaseException) -> bool:
-    """Whether ``err`` is the backend's own failure of a collective (a timeout, a peer gone), not the caller's."""
+    """Whether ``err`` is the backend's own failure of a collective (a timeout, a peer gone), not the caller's: one
+    of ``torch.distributed``'s own errors, or gloo's ``RuntimeError`` (its message names its source file)."""
+    if isinstance(err, PeerFailureError):
+        return False
+    if isinstance(err, (dist.DistBackendError, dist.DistNetworkError, dist.DistStoreError)):
+        return True
     text = str(err).lower()
-    ours = isinstance(err, PeerFailureError)
-    return isinstance(err, RuntimeError) and not ours and any(marker in text for marker in _TRANSPORT)
+    return isinstance(err, RuntimeError) and "gloo" in text and any(marker in text for marker in _TRANSPORT)
 
 
 @contextmanager
-def guarded(what: str) -> Iterator[None]:
-    """Run a collective (or a phase of them) that every rank reaches as ``what``; the backend's own failure of it
-    (gloo's "Timed out waiting 40000ms ...", "Connection reset by peer") becomes a :class:`PeerFailureError` that
-    names the ranks that did not arrive or are gone, and quotes the first failure."""
-    record_progress(what)
+def guarded(what: str, record: bool = True) -> Iterator[None]:
+    """Run a collective that every rank reaches as ``what``; the backend's own failure of it (gloo's "Timed out
+    waiting 40000ms ...", "Connection reset by peer") becomes a :class:`PeerFailureError` that names the ranks that
+    did not arrive or are gone, and quotes the first failure. ``record``: first record ``what`` as this rank's
+    progress (a store write: not for a collective that runs every step)."""
+    if record:
+        record_progress(what)
     try:
         yield
     except RuntimeError as err:

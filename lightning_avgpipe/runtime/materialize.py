@@ -263,10 +263,10 @@ def _install(module: nn.Module, named: list[tuple[str, Tensor]], replay: _Replay
             done[id(t)] = t
         else:
             done[id(t)] = value
-    for mod in module.modules():  # buffers are plain tensors: each module's entry replaced
-        for key, buf in list(mod._buffers.items()):
-            if buf is not None and id(buf) in done:
-                mod._buffers[key] = done[id(buf)]
+    for mod in module.modules():  # buffers are plain tensors: each module's entry replaced (persistence kept)
+        for key, buf in list(mod.named_buffers(recurse=False)):
+            if id(buf) in done:
+                setattr(mod, key, done[id(buf)])
 
 
 def is_meta_module(module: nn.Module) -> bool:
