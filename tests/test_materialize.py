@@ -114,6 +114,33 @@ def test_a_build_that_seeds_itself_is_replayed_with_its_seed() -> None:
     assert torch.equal(torch.rand(3), after)  # the draws after the build: as after the real one
 
 
+def test_the_forward_check_runs_on_the_meta_device_by_shapes() -> None:
+    """A model never whole in any process: ``forward`` and the layers are compared on meta tensors (shapes and
+    dtypes); a forward that adds a layer the pipeline lacks is still refused."""
+    from lightning_avgpipe.errors import PipelineContractError
+    from lightning_avgpipe.plugin.split import check_forward_of
+
+    class Net(nn.Module):
+        def __init__(self, extra: bool) -> None:
+            super().__init__()
+            self.layers = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+            self.extra = nn.Linear(2, 3) if extra else None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.layers(x)
+            return self.extra(y) if self.extra is not None else y
+
+    sample = torch.randn(2, 4)
+    for extra in (False, True):
+        with torch.device("meta"):
+            net = Net(extra)
+        if extra:
+            with pytest.raises(PipelineContractError, match=r"forward gives float32 \(2, 3\), the layers give"):
+                check_forward_of(net, list(net.layers), sample, deferred=True)
+        else:
+            assert "shapes and dtypes only" in str(check_forward_of(net, list(net.layers), sample, deferred=True))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("devices", "partition"), [(2, [2, 4]), (3, [1, 3, 2])], ids=["S2", "S3"])
 def test_a_model_built_in_configure_model_trains_as_one_device(devices: int, partition: list[int]) -> None:
@@ -130,4 +157,5 @@ def test_a_model_built_in_configure_model_trains_as_one_device(devices: int, par
         own = sum(p.numel() for layer, s in zip(layers, stage_of) if s == r["place"][2] for p in layer.parameters())
         assert r["parameters"] == own, (r["rank"], r["parameters"], own)
     assert "the model was built without memory" in results[0]["output"], results[0]["output"][-2000:]
+    assert "the forward check compared shapes and dtypes only (on the meta device)" in results[0]["output"]
     assert_matches(out, results, 2)

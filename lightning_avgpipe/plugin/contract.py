@@ -138,6 +138,8 @@ def _difference(a: Any, b: Any) -> str | None:
                 f"forward gives {str(a.dtype).replace('torch.', '')} {tuple(a.shape)}, the layers give "
                 f"{str(b.dtype).replace('torch.', '')} {tuple(b.shape)}"
             )
+        if a.is_meta or b.is_meta:  # a model built without memory: shapes and dtypes are all there is
+            return None
         try:
             torch.testing.assert_close(a, b, equal_nan=True)
         except AssertionError:

@@ -25,7 +25,7 @@ from lightning_avgpipe.errors import PipelineContractError
 from lightning_avgpipe.partition import partition_layers
 from lightning_avgpipe.plugin import compat
 from lightning_avgpipe.plugin.bridge import Anchor, Elsewhere, Guard, guard_layers
-from lightning_avgpipe.plugin.contract import locate, pipeline_inputs
+from lightning_avgpipe.plugin.contract import check_forward, locate, pipeline_inputs
 from lightning_avgpipe.plugin.data import peek
 from lightning_avgpipe.plugin.resume import checkpoint_layout
 from lightning_avgpipe.runtime.materialize import InitRecord, Materialized, materialize
@@ -119,7 +119,7 @@ def materialize_own(
     stages: Sequence[int],
     records: Sequence[InitRecord],
     device: torch.device,
-    checked_forward: bool = True,
+    forward_note: str | None = None,
 ) -> Materialized:
     """On a model built on the meta device: make real, with one process's values, the parameters and buffers of
     this rank's ``stages`` and those outside every layer (``runtime/materialize.py``); the rest stays on the meta
@@ -145,8 +145,8 @@ def materialize_own(
             "trainer.init_module() block), so their values cannot be replayed; create them there, or load them."
         )
     notes = ["layer timing was skipped: no process holds the whole model"]
-    if checked_forward:
-        notes.append("so was the forward check")
+    if forward_note:
+        notes.append(forward_note)
     if report.uninitialized:
         notes.append(f"no recorded call gave values to {report.uninitialized[:5]} (left as torch.empty gave them)")
     if report.rng_moved:
@@ -290,6 +290,20 @@ def _resumed_partition(module: nn.Module, stages: int, num_layers: int) -> list[
         return None
     rank_zero_info(f"AvgPipe: resuming; cutting the model as the checkpoint was cut, partition={saved}.")
     return [int(v) for v in saved]
+
+
+def check_forward_of(module: nn.Module, layers: list[nn.Module], sample: Any, deferred: bool) -> str | None:
+    """``check_forward`` on ``sample``; on a model built without memory, on the meta device (shapes and dtypes
+    only), skipped where an operation cannot run there. Returns what to say of it, or ``None``."""
+    if not deferred:
+        check_forward(module, layers, sample)
+        return None
+    meta = microbatch.map_tensors(sample, lambda t: t.to("meta"))
+    try:
+        check_forward(module, layers, meta)
+    except (NotImplementedError, RuntimeError) as err:  # an operation without a meta kernel, or one reading values
+        return f"the forward check was skipped (on the meta device: {type(err).__name__}: {str(err)[:120]})"
+    return "the forward check compared shapes and dtypes only (on the meta device)"
 
 
 def forward_sample(module: nn.Module) -> Any:

@@ -33,7 +33,7 @@ from lightning_avgpipe.plugin.compat import (
     _StrategyRegistry,
     _sync_ddp_if_available,
 )
-from lightning_avgpipe.plugin.contract import check_forward, pipeline_layers
+from lightning_avgpipe.plugin.contract import pipeline_layers
 from lightning_avgpipe.plugin.data import GroupedBatches, same_order_on_every_rank
 from lightning_avgpipe.plugin.gradients import install_clipping
 from lightning_avgpipe.plugin.precision import PipelineMixedPrecision, for_pipeline
@@ -42,6 +42,7 @@ from lightning_avgpipe.plugin.reconfigure import describe, next_config, placed_b
 from lightning_avgpipe.plugin.split import (
     SplitModule,
     announce_shared,
+    check_forward_of,
     check_layer_count,
     check_supported,
     choose_partition,
@@ -375,11 +376,12 @@ class AvgPipeStrategy(ProcessStrategy):
         layers, stages, v = pipeline_layers(module), layout.num_chunks, layout.v  # the model's stages: S x v
         check_layer_count(len(layers), stages, v)  # on every rank: none may wait in the broadcast for a failed rank 0
         check_matches(layers, self.config.activation_checkpointing)
-        deferred = is_meta_module(module)  # built without memory: no whole copy to run or time
-        if self.check_forward and not deferred:  # every rank checks its own whole copy, so every rank fails alike
+        deferred = is_meta_module(module)  # built without memory: checked on the meta device, by shapes
+        forward_note = None
+        if self.check_forward:  # every rank checks its own whole copy, so every rank fails alike
             sample = forward_sample(module)
             if sample is not None:
-                check_forward(module, layers, sample)
+                forward_note = check_forward_of(module, layers, sample, deferred)
         # decided on rank 0: "balanced" times the layers, and the ranks' timings would differ
         partition = self.config.partition
         sizes = choose_partition(module, layers, partition, stages, v, deferred) if self.global_rank == 0 else None
@@ -393,7 +395,7 @@ class AvgPipeStrategy(ProcessStrategy):
         mine = stages_of(self.stage, self.num_stages, v, layout.placement)
         if deferred:  # this rank's stages (and what lies outside every layer) made real, with one process's values
             records, self._init_records = self._init_records, []
-            materialize_own(module, layers, list(sizes), mine, records, self.root_device, self.check_forward)
+            materialize_own(module, layers, list(sizes), mine, records, self.root_device, forward_note)
         else:
             suggest_configure_model(module)
         self._split = split_module(module, layers, list(sizes), mine, self._guard)
