@@ -171,3 +171,16 @@ def test_bubble_benchmark_smoke() -> None:
     rows = {line.split()[0]: line.split() for line in out.splitlines()[1:] if line.strip()}
     assert set(rows) == {"1f1b", "zbh1", "interleaved", "zbv"}, out
     assert all(0.0 <= float(cells[2]) < 1.0 for cells in rows.values()), out  # the simulated bubble, a fraction
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_big_model_benchmark_smoke() -> None:
+    """benchmarks/big_model.py on a small model: one device, then S = 2 built in configure_model and in __init__,
+    a row per rank with a figure and a ratio for every phase."""
+    proc = run_script("big_model.py", "--width", "256", "--layers", "4", "--steps", "1")
+    rows = [line for line in proc.stdout.splitlines() if line.startswith(("one device", "S=2"))]
+    assert [row.split("  ")[0] for row in rows] == ["one device (configure_model)"] + ["S=2, configure_model"] * 2 + [
+        "S=2, __init__"
+    ] * 2, proc.stdout
+    assert all(row.count("x)") == 4 for row in rows), proc.stdout  # three phases and the save time

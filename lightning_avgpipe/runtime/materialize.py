@@ -23,6 +23,7 @@ after the replay are not (said in the report). Pure PyTorch: no Lightning import
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -234,8 +235,12 @@ class _Replay:
         self.report.steps += 1
         others = sum(st.nbytes() for s, st in self.real.items() if s not in self.kept)
         self.report.peak_other_bytes = max(self.report.peak_other_bytes, others)
-        for s in [s for s in self.real if s not in self.kept and self.last_use.get(s, -1) <= i]:
+        done = [s for s in self.real if s not in self.kept and self.last_use.get(s, -1) <= i]
+        freed = sum(self.real[s].nbytes() for s in done)
+        for s in done:
             del self.real[s]
+        if freed >= 1 << 20:  # glibc keeps a freed block below its (growing) mmap threshold in the process
+            _trim_heap()
 
 
 def _install(module: nn.Module, named: list[tuple[str, Tensor]], replay: _Replay) -> None:
@@ -267,6 +272,22 @@ def _install(module: nn.Module, named: list[tuple[str, Tensor]], replay: _Replay
         for key, buf in list(mod.named_buffers(recurse=False)):
             if id(buf) in done:
                 setattr(mod, key, done[id(buf)])
+
+
+@functools.cache
+def _libc() -> Any:
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
+def _trim_heap() -> None:
+    """Give freed heap memory back to the system (glibc's ``malloc_trim``; nothing elsewhere): a replay frees
+    another rank's tensor after each use, and glibc would keep it resident, raising this rank's peak."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
 
 
 def is_meta_module(module: nn.Module) -> bool:
