@@ -114,6 +114,110 @@ def test_a_build_that_seeds_itself_is_replayed_with_its_seed() -> None:
     assert torch.equal(torch.rand(3), after)  # the draws after the build: as after the real one
 
 
+def _one_process(fn):  # type: ignore[no-untyped-def]
+    """``fn()`` built for real, and the generator's next draws after it."""
+    torch.manual_seed(5)
+    built = fn()
+    return built, torch.rand(3)
+
+
+def _replayed(fn, keep=lambda t: True):  # type: ignore[no-untyped-def]
+    torch.manual_seed(5)
+    with torch.device("meta"), InitRecord() as record:
+        built = fn()
+    report = materialize(built, keep, record, torch.device("cpu"))
+    return built, torch.rand(3), report
+
+
+def _equal(a: nn.Module, b: nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.mark.parametrize(
+    "case", ["to-bf16", "transpose-after-init", "late-read", "positional-meta", "fork-rng", "graph-in-build"]
+)
+def test_builds_that_change_or_read_their_tensors_replay_exactly(case: str) -> None:
+    """What a build does to its tensors after creating them (a dtype change through ``.data =``, an in-place
+    transpose, a no-op ``.to`` over everything, a device passed positionally, a forked generator, an autograd graph
+    over parameters) replays as it was: the same values and the same generator afterwards."""
+
+    def build() -> nn.Module:
+        m = nn.Sequential(*[nn.Linear(32, 32) for _ in range(6)])
+        if case == "to-bf16":
+            m.to(torch.bfloat16)
+        elif case == "transpose-after-init":
+            with torch.no_grad():
+                m[2].weight.normal_()
+                m[2].weight.t_()
+        elif case == "late-read":
+            m.to(torch.float32)  # a no-op over every parameter, at the end
+            assert all(p.is_contiguous() for p in m.parameters())
+        elif case == "positional-meta":
+            m.register_buffer("halves", torch.ones(4).to(m[0].weight.device, torch.float16))
+        elif case == "fork-rng":
+            with torch.random.fork_rng(devices=[]):
+                torch.rand(7)
+            m.append(nn.Linear(32, 2))
+        elif case == "graph-in-build":
+            (m[0].weight * m[1].weight).sum()
+        return m
+
+    whole, after = _one_process(build)
+    own = {0, 3}
+    replayed, after_replay, report = _replayed(build, lambda t, m=None: True)
+    assert _equal(whole, replayed) and torch.equal(after, after_replay), case
+    if case == "late-read":  # the late no-op read does not keep other layers alive: one layer at a time
+        torch.manual_seed(5)
+        with torch.device("meta"), InitRecord() as record:
+            m = build()
+        ids = {id(t) for i in own for t in m[i].parameters()}
+        partial = materialize(m, lambda t: id(t) in ids, record, torch.device("cpu"))
+        layer = 32 * 32 * 4 + 32 * 4
+        assert partial.peak_other_bytes <= layer, (partial.peak_other_bytes, layer)
+        assert not report.uninitialized
+
+
+def test_two_builds_an_init_module_block_then_configure_model() -> None:
+    """Two records (a module built under ``trainer.init_module()``, then more in ``configure_model``): each gives
+    its own tensors their values; the generator ends where the two real builds left it."""
+    torch.manual_seed(5)
+    a = nn.Linear(8, 8)
+    b = nn.Linear(8, 8)
+    after = torch.rand(3)
+    torch.manual_seed(5)
+    holder = nn.Module()
+    with torch.device("meta"), InitRecord() as first:
+        holder.a = nn.Linear(8, 8)
+    with torch.device("meta"), InitRecord() as second:
+        holder.b = nn.Linear(8, 8)
+    report = materialize(holder, lambda t: True, [first, second], torch.device("cpu"))
+    assert report.uninitialized == [] and not report.rng_moved
+    assert torch.equal(holder.a.weight, a.weight) and torch.equal(holder.b.weight, b.weight)
+    assert torch.equal(torch.rand(3), after)
+
+
+def test_a_parameter_keeps_its_class_and_attributes_and_an_alias_of_a_buffer_follows_it() -> None:
+    class Tagged(nn.Parameter):
+        pass
+
+    class Rotary(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("inv_freq", torch.arange(4).float(), persistent=False)
+            self.original_inv_freq = self.inv_freq  # as Hugging Face's rotary embeddings keep it
+            self.w = Tagged(torch.randn(3))
+            self.w._no_weight_decay = True
+            self.register_buffer("scale", torch.ones(3, device="cpu"))  # a real tensor changed in the build
+            self.scale.mul_(2)
+
+    (whole, _), (replayed, _, _) = _one_process(Rotary), _replayed(Rotary)
+    assert type(replayed.w) is Tagged and replayed.w._no_weight_decay
+    assert torch.equal(replayed.w, whole.w) and not replayed.original_inv_freq.is_meta
+    assert torch.equal(replayed.original_inv_freq, whole.original_inv_freq)
+    assert torch.equal(replayed.scale, torch.full((3,), 2.0))  # changed once, in the build: not again
+
+
 def test_the_forward_check_runs_on_the_meta_device_by_shapes() -> None:
     """A model never whole in any process: ``forward`` and the layers are compared on meta tensors (shapes and
     dtypes); a forward that adds a layer the pipeline lacks is still refused."""

@@ -343,9 +343,20 @@ class AvgPipeStrategy(ProcessStrategy):
         """A model built in ``configure_model`` (or under ``trainer.init_module()``) is built on the meta device, and
         its build recorded; at setup each rank makes only its own stages real, with the values one process would
         have given them (``runtime/materialize.py``). ``empty_init`` changes nothing: the values are replayed."""
+        if self._split is not None:  # a later fit of a split module: nothing of it is built again
+            self._init_records = []
         record = InitRecord()
-        with torch.device("meta"), self.precision_plugin.tensor_init_context(), record:
-            yield
+        try:
+            with torch.device("meta"), self.precision_plugin.tensor_init_context(), record:
+                yield
+        except (NotImplementedError, RuntimeError) as err:
+            if "meta" in str(err).lower():
+                raise RuntimeError(
+                    f"{err}\nAvgPipe builds configure_model() (and trainer.init_module() blocks) on the meta device, "
+                    "where tensors have shapes but no values: compute values you need in Python there (.item(), "
+                    "tolist(), if on a tensor) under `with torch.device('cpu'):`, or outside the block."
+                ) from err
+            raise
         self._init_records.append(record)
 
     @override

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,19 +63,53 @@ def _storage(t: Tensor) -> int:
     return int(t.untyped_storage()._cdata)
 
 
+def _snapshot(value: Any) -> Any:
+    """``value`` with every tensor detached: the view as it is now (a later ``t_()``, ``.data =`` or ``.to(dtype)`` of
+    the same tensor must not change what an earlier call saw), holding no autograd graph or module reference."""
+    return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, value)
+
+
+# calls that draw from the random generator (by name; ``torch.nn.init``'s initializers included)
+_RANDOM = frozenset(
+    {
+        "uniform_", "normal_", "random_", "bernoulli_", "exponential_", "geometric_", "cauchy_", "log_normal_",
+        "rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like", "normal", "bernoulli",
+        "multinomial", "poisson", "dropout", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+        "xavier_normal_", "trunc_normal_", "orthogonal_", "sparse_",
+    }
+)  # fmt: skip
+
+
 @dataclass
 class _Step:
     func: Callable[..., Any]
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     out: Any
+    always: bool = False  # a call on the generator itself (a seeding, a state set): replayed whatever it touches
+
+    @property
+    def name(self) -> str:
+        return str(getattr(self.func, "__name__", ""))
+
+    def inputs(self) -> list[Tensor]:
+        return [t for t in tree_flatten((self.args, self.kwargs))[0] if isinstance(t, Tensor)]
+
+    def outputs(self) -> list[Tensor]:
+        return [t for t in tree_flatten(self.out)[0] if isinstance(t, Tensor)]
+
+    def in_place(self) -> bool:
+        return self.name.endswith("_") or "out" in self.kwargs
+
+    def draws(self) -> bool:
+        return self.name in _RANDOM
 
 
 class InitRecord(TorchFunctionMode):
     """Records a model's build on the meta device (use inside ``torch.device("meta")``).
 
     ``rng`` is the random generators' state when the build began (CPU, and the current CUDA device's where CUDA is
-    initialized), ``rng_end`` when it ended; ``steps`` the recorded calls.
+    initialized), ``rng_end`` when it ended; ``steps`` the recorded calls, their tensors as they were then.
     """
 
     def __init__(self) -> None:
@@ -94,8 +128,9 @@ class InitRecord(TorchFunctionMode):
             original = getattr(nn.init, name, None)
             if original is not None:
                 self._patches.enter_context(_patched(nn.init, name, self._recording(original)))
-        for owner in (torch, torch.random):  # a build that seeds itself: replayed at its place in the order
-            self._patches.enter_context(_patched(owner, "manual_seed", self._recording(owner.manual_seed, True)))
+        for owner in (torch, torch.random):  # the generator set inside the build: replayed at its place
+            for name in ("manual_seed", "get_rng_state", "set_rng_state"):
+                self._patches.enter_context(_patched(owner, name, self._recording(getattr(owner, name), True)))
         super().__enter__()
         return self
 
@@ -109,19 +144,23 @@ class InitRecord(TorchFunctionMode):
     def _recording(self, original: Callable[..., Any], always: bool = False) -> Callable[..., Any]:
         @functools.wraps(original)
         def record(*args: Any, **kwargs: Any) -> Any:
-            tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+            before = _snapshot((args, kwargs))
             out = original(*args, **kwargs)
-            if always or any(t.is_meta for t in tensors):
-                self.steps.append(_Step(original, args, kwargs, None if always else out))
+            if always:  # the objects themselves: a state read here is the one set back later (fork_rng)
+                self.steps.append(_Step(original, args, kwargs, out, always=True))
+            elif any(t.is_meta for t in tree_flatten(before)[0] if isinstance(t, Tensor)):
+                self.steps.append(_Step(original, before[0], before[1], _snapshot(out)))
             return out
 
         return record
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        before = _snapshot((tuple(args), dict(kwargs))) if name not in _QUERIES else None
         out = func(*args, **kwargs)
-        if getattr(func, "__name__", "") not in _QUERIES:
-            self.steps.append(_Step(func, tuple(args), dict(kwargs), out))
+        if before is not None:
+            self.steps.append(_Step(func, before[0], before[1], _snapshot(out)))
         return out
 
 
@@ -149,7 +188,8 @@ def _set_rng_state(state: dict[str, Tensor]) -> None:
 
 
 def _same_rng(a: dict[str, Tensor], b: dict[str, Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    """Whether the generators both states know are in the same state (CUDA may be initialized only later)."""
+    return all(torch.equal(a[k], b[k]) for k in a.keys() & b.keys())
 
 
 @dataclass
@@ -166,72 +206,115 @@ class Materialized:
 
 
 def materialize(
-    module: nn.Module, keep: Callable[[Tensor], bool], record: InitRecord, device: torch.device
+    module: nn.Module, keep: Callable[[Tensor], bool], records: InitRecord | Sequence[InitRecord], device: torch.device
 ) -> Materialized:
-    """Give ``module``'s meta parameters and buffers for which ``keep(tensor)`` holds their real values on ``device``,
-    by replaying ``record``; the others stay on the meta device. Ties (one parameter under several names) stay one
-    tensor. The random generator ends where the whole build left it (unless it was used since the build)."""
-    named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
-    replay = _Replay(record, {_storage(t) for _, t in named if t.is_meta and keep(t)}, device)
+    """Give ``module``'s meta parameters and buffers that ``records`` created and for which ``keep(tensor)`` holds
+    their real values on ``device``, by replaying the records in order; the others stay on the meta device. Ties
+    (one parameter under several names) stay one tensor, a parameter keeps its class and attributes, and a module
+    attribute that aliases a kept buffer follows it.
+
+    The generator ends where the whole build left it: a record that began where the previous one ended (nothing
+    drew between two builds, an ``init_module()`` block and ``configure_model``) continues from the replay of the
+    previous one; one that did not starts from its own recorded state (the draws between are not replayed, and
+    ``rng_moved`` says so), as does the state after the replay when the generator was used since the last build."""
+    records = [records] if isinstance(records, InitRecord) else list(records)
+    report = Materialized()
+    if not records:
+        return report
     now, dtype = _rng_state(), torch.get_default_dtype()
-    replay.report.rng_moved = not _same_rng(now, record.rng_end)
-    _set_rng_state(record.rng)
-    torch.set_default_dtype(record.dtype)
+    report.rng_moved = not _same_rng(now, records[-1].rng_end)
     try:
-        for i, step in enumerate(record.steps):
-            replay.run(i, step)
+        for k, record in enumerate(records):
+            if k == 0 or not _same_rng(record.rng, records[k - 1].rng_end):
+                report.rng_moved |= k > 0
+                _set_rng_state(record.rng)
+            named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+            created = {_storage(t) for step in record.steps for t in step.outputs() if t.is_meta}
+            kept = {_storage(t) for _, t in named if t.is_meta and keep(t) and _storage(t) in created}
+            replay = _Replay(record, kept, device, report)
+            torch.set_default_dtype(record.dtype)
+            for i, step in enumerate(record.steps):
+                replay.run(i, step)
+            _trim_heap()
+            _install(module, named, replay)
     finally:
         torch.set_default_dtype(dtype)
-        if replay.report.rng_moved:
+        if report.rng_moved:
             _set_rng_state(now)
-    _install(module, named, replay)
-    return replay.report
+    return report
 
 
 class _Replay:
-    """The recorded calls run again on real tensors: ``real`` maps a meta storage to its real one, created when
-    first needed; a storage not kept is freed after its last use."""
+    """The recorded calls run again on real tensors: ``real`` maps a meta storage to its real one. Only the calls
+    that give values to a kept storage, directly or through what they read, run on real tensors (found backwards
+    from the kept storages); a call that only draws from the generator runs on scratch tensors of the same layout,
+    so the generator advances as in the build; the rest is skipped. A storage not kept is freed after its last
+    use by a call that runs."""
 
-    def __init__(self, record: InitRecord, kept: set[int], device: torch.device) -> None:
+    def __init__(self, record: InitRecord, kept: set[int], device: torch.device, report: Materialized) -> None:
         self.kept, self.device = kept, device
-        self.report = Materialized()
+        self.report = report
         self.real: dict[int, torch.UntypedStorage] = {}
+        self.states: dict[int, Tensor] = {}  # id(a generator state read in the build) -> the replay's reading
         self.written: set[int] = set()
+        self.needed = _needed(record.steps, kept)
         self.last_use: dict[int, int] = {}
         for i, step in enumerate(record.steps):
-            for t in tree_flatten((step.args, step.kwargs, step.out))[0]:
-                if isinstance(t, Tensor) and t.is_meta:
-                    self.last_use[_storage(t)] = i
+            if self.needed[i]:
+                for t in [*step.inputs(), *step.outputs()]:
+                    if t.is_meta:
+                        self.last_use[_storage(t)] = i
 
     def new_storage(self, t: Tensor) -> torch.UntypedStorage:
         return torch.empty(t.untyped_storage().nbytes(), dtype=torch.uint8, device=self.device).untyped_storage()
 
     def as_real(self, t: Any) -> Any:
-        """``t`` itself, or for a meta tensor the same view of its real storage."""
+        """``t`` itself, a device, or for a meta tensor the same view of its real storage."""
+        if isinstance(t, torch.device) and t.type == "meta" or t == "meta":
+            return self.device
         if not (isinstance(t, Tensor) and t.is_meta):
             return t
         s = _storage(t)
         if s not in self.real:
             self.real[s] = self.new_storage(t)
-        storage = self.real[s]
-        return torch.empty(0, dtype=t.dtype, device=self.device).set_(storage, t.storage_offset(), t.size(), t.stride())
+        view = torch.empty(0, dtype=t.dtype, device=self.device)
+        return view.set_(self.real[s], t.storage_offset(), t.size(), t.stride())
+
+    def as_scratch(self, t: Any) -> Any:
+        """A fresh tensor of ``t``'s layout for a call that only draws (its values are not needed)."""
+        if isinstance(t, torch.device) and t.type == "meta" or t == "meta":
+            return self.device
+        if isinstance(t, Tensor) and (t.is_meta or t.device == self.device or t.device.type == "cpu"):
+            return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=self.device)
+        return t
 
     def run(self, i: int, step: _Step) -> None:
+        if step.always:  # the generator itself: a state read now is the replay's, and is set back as such
+            args = tuple(self.states.get(id(a), a) for a in step.args)
+            value = step.func(*args, **step.kwargs)
+            if step.name == "get_rng_state" and isinstance(step.out, Tensor):
+                self.states[id(step.out)] = value
+            return
+        if not self.needed[i]:
+            if step.draws():  # only the draws matter: the same layout, scratch values
+                args, kwargs = tree_map(self.as_scratch, step.args), tree_map(self.as_scratch, step.kwargs)
+                with torch.no_grad(), torch.device(self.device):
+                    step.func(*args, **kwargs)
+                self.report.steps += 1
+            return
         args, kwargs = tree_map(self.as_real, step.args), tree_map(self.as_real, step.kwargs)
-        if isinstance(kwargs.get("device"), (str, torch.device)) and torch.device(kwargs["device"]).type == "meta":
-            kwargs["device"] = self.device
         with torch.no_grad(), torch.device(self.device):  # factories without a device: the build's was meta
             out = step.func(*args, **kwargs)
-        name = getattr(step.func, "__name__", "")
         for meta_t, real_t in zip(tree_flatten(step.out)[0], tree_flatten(out)[0]):
             if isinstance(meta_t, Tensor) and meta_t.is_meta and isinstance(real_t, Tensor):
                 self.real.setdefault(_storage(meta_t), real_t.untyped_storage())
-                if name not in _EMPTY:
+                if step.name not in _EMPTY:
                     self.written.add(_storage(meta_t))
-        if name.endswith("_") or "out" in step.kwargs:  # in place: the first tensor argument got values
-            first = next((t for t in tree_flatten((step.args, step.kwargs))[0] if isinstance(t, Tensor)), None)
+        if step.in_place():  # the first tensor argument got values
+            first = next(iter(step.inputs()), None)
             if first is not None and first.is_meta:
                 self.written.add(_storage(first))
+        del args, kwargs, out
         self.report.steps += 1
         others = sum(st.nbytes() for s, st in self.real.items() if s not in self.kept)
         self.report.peak_other_bytes = max(self.report.peak_other_bytes, others)
@@ -239,13 +322,33 @@ class _Replay:
         freed = sum(self.real[s].nbytes() for s in done)
         for s in done:
             del self.real[s]
-        if freed >= 1 << 20:  # glibc keeps a freed block below its (growing) mmap threshold in the process
+        if freed >= 1 << 20 and self.device.type == "cpu":  # glibc keeps a freed block below its mmap threshold
             _trim_heap()
 
 
+def _needed(steps: list[_Step], kept: set[int]) -> list[bool]:
+    """Which steps must run on real tensors: those that write a storage still needed later (kept, or read by a later
+    needed step), and every call on the generator itself; found walking back from the end."""
+    live = set(kept)
+    needed = [False] * len(steps)
+    for i in range(len(steps) - 1, -1, -1):
+        step = steps[i]
+        reads = {_storage(t) for t in step.inputs() if t.is_meta}
+        outs = {_storage(t) for t in step.outputs() if t.is_meta}
+        first = next(iter(step.inputs()), None)
+        writes = outs - reads  # a new tensor; a view or the same tensor writes nothing
+        if step.in_place() and first is not None and first.is_meta:
+            writes.add(_storage(first))
+        if step.always or writes & live or (outs & live and not writes):
+            needed[i] = True
+            live |= reads
+    return needed
+
+
 def _install(module: nn.Module, named: list[tuple[str, Tensor]], replay: _Replay) -> None:
-    """Put the replayed values in place of the kept meta tensors (a parameter swapped in place: every module and
-    name holding it sees the real one)."""
+    """Put the replayed values in place of the kept meta tensors: a parameter swapped in place (every module and
+    name holding it sees the real one; its class and attributes kept), a buffer and any module attribute aliasing
+    a kept storage replaced by the real view."""
     done: dict[int, Tensor] = {}
     counted: set[int] = set()
     report = replay.report
@@ -253,25 +356,53 @@ def _install(module: nn.Module, named: list[tuple[str, Tensor]], replay: _Replay
         s = _storage(t) if t.is_meta else None
         if s is None or s not in replay.kept or id(t) in done:
             continue
-        storage = replay.real.get(s)
-        if storage is None:  # never touched by a recorded call: allocated here
-            storage = replay.real[s] = replay.new_storage(t)
         if s not in replay.written:
             report.uninitialized.append(name)
-        value = torch.empty(0, dtype=t.dtype, device=replay.device)
-        value.set_(storage, t.storage_offset(), t.size(), t.stride())
+        value = _real_view(replay, t)
         if s not in counted:
             counted.add(s)
-            report.kept_bytes += storage.nbytes()
+            report.kept_bytes += replay.real[s].nbytes()
         if isinstance(t, nn.Parameter):
-            torch.utils.swap_tensors(t, nn.Parameter(value, requires_grad=t.requires_grad))
-            done[id(t)] = t
+            done[id(t)] = _swap_parameter(module, t, value)
         else:
             done[id(t)] = value
-    for mod in module.modules():  # buffers are plain tensors: each module's entry replaced (persistence kept)
+    for mod in module.modules():  # buffers and plain tensor attributes (an alias of a buffer) follow
+        for key, value in list(vars(mod).items()):
+            if isinstance(value, Tensor) and value.is_meta and _storage(value) in replay.kept:
+                setattr(mod, key, done.get(id(value), _real_view(replay, value)))
         for key, buf in list(mod.named_buffers(recurse=False)):
             if id(buf) in done:
                 setattr(mod, key, done[id(buf)])
+
+
+def _real_view(replay: _Replay, t: Tensor) -> Tensor:
+    s = _storage(t)
+    if s not in replay.real:  # kept but never touched by a call that ran: allocated here
+        replay.real[s] = replay.new_storage(t)
+    return torch.empty(0, dtype=t.dtype, device=replay.device).set_(
+        replay.real[s], t.storage_offset(), t.size(), t.stride()
+    )
+
+
+def _swap_parameter(module: nn.Module, param: nn.Parameter, value: Tensor) -> nn.Parameter:
+    """``param`` made real in place (``swap_tensors``), keeping its class and attributes; where something else holds
+    a reference to it (a hook, ``weight_norm``), a new parameter of the same class and attributes is set under every
+    name the module gives it instead."""
+    cls, attrs = type(param), dict(vars(param))
+    fresh = nn.Parameter(value, requires_grad=param.requires_grad)
+    try:
+        torch.utils.swap_tensors(param, fresh)
+        result = param
+    except RuntimeError:
+        for mod in module.modules():
+            for key, p in list(mod.named_parameters(recurse=False, remove_duplicate=False)):
+                if p is param:
+                    setattr(mod, key, fresh)
+        result = fresh
+    if type(result) is not cls:
+        result.__class__ = cls
+    vars(result).update(attrs)
+    return result
 
 
 @functools.cache
