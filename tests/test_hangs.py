@@ -43,6 +43,23 @@ def _report(case: str, who: str, took: float, text: str, pattern: str) -> None:
     print(f"\n[table] {case} | {who} | {took:.1f} s | {line.strip()[:400]}")
 
 
+def _run_worker(
+    cfg: dict, prefix: list[str] | None = None, env: dict[str, str] | None = None
+) -> tuple[subprocess.CompletedProcess[str], str]:
+    """``tests.helpers.lightning_worker`` started as a user starts a script (Lightning's launcher starts the other
+    ranks), after ``prefix``; the process and its output."""
+    proc = subprocess.run(
+        [*(prefix or []), sys.executable, "-m", "tests.helpers.lightning_worker", json.dumps(cfg)],
+        cwd=ROOT,
+        env=env or _env(),
+        capture_output=True,
+        text=True,
+        timeout=150,
+        start_new_session=True,
+    )
+    return proc, proc.stdout + proc.stderr
+
+
 def _alive(pid: int) -> bool:
     """Whether ``pid`` exists and is not a zombie."""
     try:
@@ -97,16 +114,7 @@ def test_the_default_launcher_ends_the_frozen_rank_it_started() -> None:
         "fault": {"rank": 1, "step": 1, "kind": "stop"},
     }
     start = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.helpers.lightning_worker", json.dumps(cfg)],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=150,
-        start_new_session=True,
-    )
-    out = proc.stdout + proc.stderr
+    proc, out = _run_worker(cfg)
     _report("default launcher, rank 1 frozen", "the command", time.monotonic() - start, out, "ended local rank 1")
     assert proc.returncode == 1, out[-3000:]
     assert "from rank 1 (stage 1) did not arrive within 5 s" in out, out[-3000:]
@@ -128,18 +136,9 @@ def test_a_port_in_use_is_refused_before_any_rank_starts() -> None:
     try:
         cfg = {"out": tempfile.mkdtemp(), "devices": 2, "steps": 2, "strategy": {"num_microbatches": 2}}
         start = time.monotonic()
-        proc = subprocess.run(
-            [sys.executable, "-m", "tests.helpers.lightning_worker", json.dumps(cfg)],
-            cwd=ROOT,
-            env=_env(MASTER_PORT=str(port)),
-            capture_output=True,
-            text=True,
-            timeout=120,
-            start_new_session=True,
-        )
+        proc, out = _run_worker(cfg, env=_env(MASTER_PORT=str(port)))
     finally:
         listener.close()
-    out = proc.stdout + proc.stderr
     _report("port in use", "the command", time.monotonic() - start, out, "PortInUseError:")
     assert proc.returncode == 1
     assert f"PortInUseError: MASTER_PORT={port} is already in use" in out, out[-3000:]
@@ -347,18 +346,9 @@ def test_an_unwritable_checkpoint_directory_is_named() -> None:
     cfg = {"out": str(out), "devices": 2, "steps": 4, "every_n_train_steps": 2, "strategy": {"p2p_timeout": 5}}
     start = time.monotonic()
     try:
-        proc = subprocess.run(
-            [*prefix, sys.executable, "-m", "tests.helpers.lightning_worker", json.dumps(cfg)],
-            cwd=ROOT,
-            env=_env(),
-            capture_output=True,
-            text=True,
-            timeout=150,
-            start_new_session=True,
-        )
+        proc, text = _run_worker(cfg, prefix)
     finally:
         locked.chmod(0o700)
-    text = proc.stdout + proc.stderr
     _report("unwritable checkpoint directory", "the command", time.monotonic() - start, text, "Cannot save")
     assert proc.returncode == 1, text[-3000:]
     assert (

@@ -9,7 +9,9 @@ those of the unsplit model. The owned layers refuse direct calls from a user ste
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager as ContextManager
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,6 +112,25 @@ def split_module(
     split = SplitModule(module, owned, list(sizes), full_keys, guard, example, [], param_names, aliases, list(stages))
     split.handles = guard_layers(split.names(), guard)
     return split
+
+
+@contextmanager
+def recorded_build(precision_context: ContextManager[Any], records: list[InitRecord]) -> Iterator[None]:
+    """Build on the meta device under ``precision_context`` (the precision's default dtype), recording the build
+    into ``records``; a value read there (``.item()``, ``if`` on a tensor) fails saying why and what to do."""
+    record = InitRecord()
+    try:
+        with torch.device("meta"), precision_context, record:
+            yield
+    except (NotImplementedError, RuntimeError) as err:
+        if "meta" in str(err).lower():
+            raise RuntimeError(
+                f"{err}\nAvgPipe builds configure_model() (and trainer.init_module() blocks) on the meta device, "
+                "where tensors have shapes but no values: compute values you need in Python there (.item(), "
+                "tolist(), if on a tensor) under `with torch.device('cpu'):`, or outside the block."
+            ) from err
+        raise
+    records.append(record)
 
 
 def materialize_own(

@@ -49,6 +49,7 @@ from lightning_avgpipe.plugin.split import (
     forward_sample,
     materialize_own,
     metrics_sync_over,
+    recorded_build,
     shared_across_stages,
     split_module,
     suggest_configure_model,
@@ -345,19 +346,8 @@ class AvgPipeStrategy(ProcessStrategy):
         have given them (``runtime/materialize.py``). ``empty_init`` changes nothing: the values are replayed."""
         if self._split is not None:  # a later fit of a split module: nothing of it is built again
             self._init_records = []
-        record = InitRecord()
-        try:
-            with torch.device("meta"), self.precision_plugin.tensor_init_context(), record:
-                yield
-        except (NotImplementedError, RuntimeError) as err:
-            if "meta" in str(err).lower():
-                raise RuntimeError(
-                    f"{err}\nAvgPipe builds configure_model() (and trainer.init_module() blocks) on the meta device, "
-                    "where tensors have shapes but no values: compute values you need in Python there (.item(), "
-                    "tolist(), if on a tensor) under `with torch.device('cpu'):`, or outside the block."
-                ) from err
-            raise
-        self._init_records.append(record)
+        with recorded_build(self.precision_plugin.tensor_init_context(), self._init_records):
+            yield
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

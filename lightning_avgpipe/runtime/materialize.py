@@ -270,7 +270,7 @@ class _Replay:
 
     def as_real(self, t: Any) -> Any:
         """``t`` itself, a device, or for a meta tensor the same view of its real storage."""
-        if isinstance(t, torch.device) and t.type == "meta" or t == "meta":
+        if _is_meta_device(t):
             return self.device
         if not (isinstance(t, Tensor) and t.is_meta):
             return t
@@ -282,7 +282,7 @@ class _Replay:
 
     def as_scratch(self, t: Any) -> Any:
         """A fresh tensor of ``t``'s layout for a call that only draws (its values are not needed)."""
-        if isinstance(t, torch.device) and t.type == "meta" or t == "meta":
+        if _is_meta_device(t):
             return self.device
         if isinstance(t, Tensor) and (t.is_meta or t.device == self.device or t.device.type == "cpu"):
             return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=self.device)
@@ -324,6 +324,11 @@ class _Replay:
             del self.real[s]
         if freed >= 1 << 20 and self.device.type == "cpu":  # glibc keeps a freed block below its mmap threshold
             _trim_heap()
+
+
+def _is_meta_device(value: Any) -> bool:
+    """Whether ``value`` names the meta device (a ``torch.device`` or the string), as a call's argument may."""
+    return (isinstance(value, torch.device) and value.type == "meta") or (isinstance(value, str) and value == "meta")
 
 
 def _needed(steps: list[_Step], kept: set[int]) -> list[bool]:

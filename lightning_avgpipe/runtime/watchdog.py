@@ -80,9 +80,9 @@ class Watchdog:
             # Known as a failure only once silent for the grace: a store frozen for less (rank 0 stopped, then
             # continued) is forgiven, and a rank waiting on rank 0's transfers ends by its own p2p_timeout first,
             # with the better message. So a rank stuck elsewhere is ended about 2 x grace after rank 0 froze.
-            return self._gone(f"then {err}"), time.monotonic() - err.silent_for + self.grace
+            return self._gone(str(err)), time.monotonic() - err.silent_for + self.grace
         except Exception:  # noqa: BLE001 - the store lives on rank 0: gone when rank 0 is gone
-            gone = "then the rendezvous store on rank 0 stopped answering (rank 0 exited or was killed)"
+            gone = "the rendezvous store on rank 0 stopped answering (rank 0 exited or was killed)"
             return self._gone(gone), time.monotonic()
         if value:
             self._last = value
@@ -90,7 +90,7 @@ class Watchdog:
         return None
 
     def _gone(self, why: str) -> str:
-        return f"{self._last}; {why}" if self._last else why[len("then ") :]
+        return f"{self._last}; then {why}" if self._last else why
 
     def _run(self) -> None:
         seen: float | None = None
