@@ -4,6 +4,7 @@ python -m lightning_avgpipe schedule --stages 4 --microbatches 8 --schedule 1f1b
 python -m lightning_avgpipe fit --config cfg.yaml        # LightningCLI with strategy="avgpipe" registered
 python -m lightning_avgpipe tune --config cfg.yaml       # AvgPipeTuner's table and choice, no training
 python -m lightning_avgpipe whatif --profile tuning.json --stages 8 --groups 4   # project a larger layout
+python -m lightning_avgpipe consolidate FOLDER OUT.ckpt   # a sharded checkpoint as one file
 """
 
 from __future__ import annotations
@@ -119,11 +120,33 @@ def compare_schedules(S: int, U: int, forward: float, backward: float, weight: f
     return "\n".join(rows)
 
 
+def consolidate_command(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m lightning_avgpipe consolidate",
+        description="Write a sharded checkpoint (save_distributed_checkpoint=True) as one file, the one "
+        "save_distributed_checkpoint=False writes: MyModel.load_from_checkpoint and plain Lightning read it. It "
+        "streams tensor by tensor: its memory peak is the largest tensor.",
+    )
+    p.add_argument("folder", help="the checkpoint folder")
+    p.add_argument("out", help="the file to write (replaced only once complete)")
+    args = p.parse_args(argv)
+    from lightning_avgpipe.plugin.sharded import consolidate
+
+    try:
+        consolidate(args.folder, args.out)
+    except (ValueError, OSError) as err:
+        print(f"consolidate: {err}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.out}")
+    return 0
+
+
 COMMANDS = """lightning_avgpipe commands (python -m lightning_avgpipe COMMAND --help for each):
   fit, validate, test, predict   LightningCLI with strategy="avgpipe" registered (--config cfg.yaml, --trainer.*)
   tune                           AvgPipeTuner's table and choice for a fit config, without training
   schedule                       print and simulate a pipeline plan (no processes)
   whatif                         project a tuning profile to more stages and groups
+  consolidate                    write a sharded checkpoint folder as one file
 """
 
 
@@ -137,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         return schedule_command(args[1:])
     if args and args[0] == "whatif":
         return whatif_command(args[1:])
+    if args and args[0] == "consolidate":
+        return consolidate_command(args[1:])
     if args and args[0] == "tune":
         from lightning_avgpipe.cli import tune_main
 

@@ -18,7 +18,13 @@ from tests.helpers import arguments
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "arguments.md"
-STRATEGY_ONLY = {"process_group_backend", "check_forward", "trusted_checkpoints", "tensor_parallel_plan"}
+STRATEGY_ONLY = {
+    "process_group_backend",
+    "check_forward",
+    "trusted_checkpoints",
+    "tensor_parallel_plan",
+    "save_distributed_checkpoint",
+}
 _ROW = re.compile(r"^\| `(\w+)`(?: \(strategy only\))? \| (.*?) \| ")
 
 

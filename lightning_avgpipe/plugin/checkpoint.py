@@ -11,12 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_avgpipe.microbatch import to_cpu
 from lightning_avgpipe.optim import ElasticOptimizer, hyperparameters, source_groups
-from lightning_avgpipe.plugin import compat
+from lightning_avgpipe.plugin import compat, sharded
 from lightning_avgpipe.runtime.failures import guarded
 from lightning_avgpipe.runtime.pipeline import StagePipeline
 from lightning_avgpipe.runtime.zero import ShardedOptimizer
@@ -52,6 +52,31 @@ class Names:
     order: Sequence[str]  # the unsplit model's parameter names, in order, each once
 
 
+def optimizer_entry(optimizer: Optimizer, pipeline: StagePipeline, names: Names, whole: bool = True) -> dict[str, Any]:
+    """This rank's part of the optimizer's checkpoint: ``"named"`` (:func:`named_groups`) and, with N·D > 1
+    replicas, its own optimizers' states, the replicas' weights and the averaging's state (``"optim"``,
+    ``"replicas"``, ``"elastic"``). ``whole=False`` keeps tensor-parallel state as it is (``DTensor``)."""
+    inner = compat.unwrap_optimizer(optimizer)
+    elastic = pipeline.elastic
+    named = named_groups(inner, pipeline, names, whole)  # collective over a tensor group when whole
+    if whole and pipeline.topology.tensor_rank > 0:  # shard 0 of the stage sends the whole tensors; the rest copies
+        named = [{**group, "params": []} for group in named]
+    entry: dict[str, Any] = {"named": named, "replicas": []}
+    if not elastic.trivial:  # the replicas' optimizers and weights, the period's position and offsets, the momentum
+        elastic.wait()
+        entry["optim"] = to_local_tree(inner.state_dict())  # a rank's own entry: its shards, as they are
+        entry["replicas"] = [[to_cpu(to_local_tree(m.state_dict())) for m in layers] for layers in elastic.replicas]
+        entry["elastic"] = to_cpu(elastic.state_dict())
+    return entry
+
+
+def unsplit_optimizer_state(parts: list[dict[str, Any]], layout: dict[str, Any], names: Names) -> dict[str, Any]:
+    """Every rank's :func:`optimizer_entry` (in rank order) as one ``torch.optim`` state dict of the unsplit model
+    plus ``"avgpipe_layout"`` and ``"avgpipe_ranks"``."""
+    unified = unsplit_state([part.pop("named") for part in parts], names.order)
+    return {**unified, "avgpipe_layout": layout, "avgpipe_ranks": parts}
+
+
 def gather_optimizer_state(
     optimizer: Optimizer, pipeline: StagePipeline, layout: dict[str, Any], names: Names
 ) -> dict[str, Any]:
@@ -62,17 +87,7 @@ def gather_optimizer_state(
     name, plus ``"avgpipe_layout"`` and ``"avgpipe_ranks"``: per global rank, with N·D > 1 replicas, their own
     optimizers' states, weights and the averaging's state, so a resume with the same layout continues exactly.
     """
-    inner = compat.unwrap_optimizer(optimizer)
-    elastic = pipeline.elastic
-    named = named_groups(inner, pipeline, names)  # collective over a tensor group (shards gathered whole)
-    if pipeline.topology.tensor_rank > 0:  # shard 0 of the stage sends the whole tensors; the others' are copies
-        named = [{**group, "params": []} for group in named]
-    entry: dict[str, Any] = {"named": named, "replicas": []}
-    if not elastic.trivial:  # the replicas' optimizers and weights, the period's position and offsets, the momentum
-        elastic.wait()
-        entry["optim"] = to_local_tree(inner.state_dict())  # a rank's own entry: its shards, as they are
-        entry["replicas"] = [[to_cpu(to_local_tree(m.state_dict())) for m in layers] for layers in elastic.replicas]
-        entry["elastic"] = to_cpu(elastic.state_dict())
+    entry = optimizer_entry(optimizer, pipeline, names)
     top = pipeline.topology
     if top.world_size == 1:
         parts: list[Any] | None = [entry]
@@ -82,8 +97,93 @@ def gather_optimizer_state(
             dist.gather_object(entry, parts, dst=0)
     if parts is None:
         return {}
-    unified = unsplit_state([part.pop("named") for part in parts], names.order)
-    return {**unified, "avgpipe_layout": layout, "avgpipe_ranks": parts}
+    return unsplit_optimizer_state(parts, layout, names)
+
+
+# -- sharded checkpoints (plugin/sharded.py's folder) ------------------------------------------------------------
+LOCAL = "avgpipe_local"  # optimizer_state()'s value when saving sharded: this rank's entry, not yet merged
+
+
+def local_state_dict(module: nn.Module, pipeline: StagePipeline) -> dict[str, Any]:
+    """This stage's weights under the unsplit model's names, tensor shards as they are (a sharded save)."""
+    pipeline.elastic.wait()
+    pipeline.elastic.require_whole("Saving the model")
+    return {k: v.detach() if isinstance(v, Tensor) else v for k, v in module.state_dict().items()}
+
+
+def sharded_part(checkpoint: Mapping[str, Any], rank: int, tensors: dict[str, Tensor]) -> dict[str, Any]:
+    """This rank's weights and optimizer entries with each tensor a reference (its key and value put in
+    ``tensors``): the model's and the per-parameter states under the unsplit names, the rest under the rank."""
+    part: dict[str, Any] = {"state_dict": sharded.to_refs(checkpoint.get("state_dict", {}), "state_dict", tensors)}
+    if "optimizer_states" in checkpoint:
+        part["optimizer_states"] = []
+        for i, state in enumerate(checkpoint["optimizer_states"]):
+            entry = dict(state[LOCAL])
+            named = [
+                {
+                    "hyper": sharded.to_refs(group["hyper"], f"optimizer_states.{i}.rank{rank}.hyper{g}", tensors),
+                    "params": [
+                        (name, sharded.to_refs(st, f"optimizer_states.{i}.state.{name}", tensors))
+                        for name, st in group["params"]
+                    ],
+                }
+                for g, group in enumerate(entry.pop("named"))
+            ]
+            rest = sharded.to_refs(entry, f"optimizer_states.{i}.rank{rank}", tensors)
+            part["optimizer_states"].append({**rest, "named": named})
+    return part
+
+
+def merge_parts(
+    checkpoint: Mapping[str, Any],
+    parts: list[dict[str, Any]],
+    full_keys: Sequence[str],
+    layout: dict[str, Any],
+    names: Names,
+) -> dict[str, Any]:
+    """Rank 0: the sharded checkpoint's ``avgpipe.pt``, Lightning's checkpoint with every rank's part merged as the
+    single file would hold it (the unsplit model's state dict and optimizer state), references for tensors."""
+    meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+    merged: dict[str, Any] = {}
+    for part in parts:
+        merged.update(part["state_dict"])
+    meta["state_dict"] = {k: merged.pop(k) for k in full_keys if k in merged} | merged
+    if "optimizer_states" in checkpoint:
+        meta["optimizer_states"] = [
+            unsplit_optimizer_state([part["optimizer_states"][i] for part in parts], layout, names)
+            for i in range(len(checkpoint["optimizer_states"]))
+        ]
+    meta[sharded.SHARDED] = {"world_size": len(parts), "layout": layout}
+    return meta
+
+
+def rank_view(
+    meta: Mapping[str, Any], module: nn.Module, pipeline: StagePipeline, layout: dict[str, Any], names: Names
+) -> dict[str, Any]:
+    """The part of a sharded checkpoint's ``avgpipe.pt`` this rank loads, references still in it: its stage's
+    weights, its parameters' optimizer states and, in the same layout, its own entry."""
+    view = dict(meta)
+    saved = meta.get("state_dict", {})
+    view["state_dict"] = {k: saved[k] for k in module.state_dict() if k in saved}
+    own = set(unsplit_names(pipeline, names).values())
+    same = meta.get(sharded.SHARDED, {}).get("layout") == layout
+    states = []
+    for state in meta.get("optimizer_states", []):
+        index_name = {i: n for g in state["param_groups"] for i, n in zip(g["params"], g.get("param_names", []))}
+        ranks = state.get("avgpipe_ranks", [])
+        states.append(
+            {
+                **state,
+                "state": {i: st for i, st in state["state"].items() if index_name.get(i) in own},
+                "avgpipe_ranks": [
+                    e if same and r == pipeline.topology.rank else {k: None for k in e} for r, e in enumerate(ranks)
+                ],
+            }
+        )
+    if "optimizer_states" in meta:
+        view["optimizer_states"] = states
+    view.pop(sharded.SHARDED, None)
+    return view
 
 
 def unsplit_names(pipeline: StagePipeline, names: Names) -> dict[int, str]:
@@ -93,9 +193,12 @@ def unsplit_names(pipeline: StagePipeline, names: Names) -> dict[int, str]:
     return {i: names.aliases.get(n, n) for i, n in names.local.items() if i in own}
 
 
-def named_groups(optimizer: Optimizer, pipeline: StagePipeline, names: Names) -> list[dict[str, Any]]:
+def named_groups(
+    optimizer: Optimizer, pipeline: StagePipeline, names: Names, whole: bool = True
+) -> list[dict[str, Any]]:
     """This stage's optimizer state per group of the user's optimizer: its hyperparameters and, for each of the
-    stage's parameters in it, ``(name in the unsplit model, state)``. With replicas, replica 0's state."""
+    stage's parameters in it, ``(name in the unsplit model, state)``. With replicas, replica 0's state. ``whole``:
+    tensor shards gathered whole, on the CPU; otherwise as they are."""
     named = unsplit_names(pipeline, names)
     if isinstance(optimizer, ElasticOptimizer):
         user, clone = optimizer.user, optimizer.replicas[0]
@@ -108,16 +211,16 @@ def named_groups(optimizer: Optimizer, pipeline: StagePipeline, names: Names) ->
         user = optimizer
         # ZeRO-1 by flat slices: the slices gathered into whole tensors on group 0's rank (collective over the stage
         # group); the other groups send their parameters' names without a state
-        whole = optimizer.whole_state(everywhere=False) if isinstance(optimizer, ShardedOptimizer) else user.state
+        states = optimizer.whole_state(everywhere=False) if isinstance(optimizer, ShardedOptimizer) else user.state
 
         def state_of(p: Any) -> Any:
-            return whole.get(p, {})
+            return states.get(p, {})
 
     return [
         {
             "hyper": hyperparameters(group),
             "params": [
-                (named[id(p)], to_cpu({k: full(v) for k, v in state_of(p).items()}))  # tensor shards gathered whole
+                (named[id(p)], to_cpu({k: full(v) for k, v in state_of(p).items()}) if whole else dict(state_of(p)))
                 for p in group["params"]
                 if id(p) in named
             ],

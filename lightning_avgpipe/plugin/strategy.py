@@ -10,6 +10,7 @@ import warnings
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -26,7 +27,7 @@ from typing_extensions import override
 
 from lightning_avgpipe.config import PipelineConfig
 from lightning_avgpipe.plugin import checkpoint as ckpt
-from lightning_avgpipe.plugin import compat, tensor
+from lightning_avgpipe.plugin import compat, sharded, tensor
 from lightning_avgpipe.plugin.bridge import Guard, StepBridge
 from lightning_avgpipe.plugin.compat import (
     _optimizers_to_device,
@@ -139,6 +140,11 @@ class AvgPipeStrategy(ProcessStrategy):
             ``averaging="exact"`` each group keeps and steps the optimizer state of a 1/D part of every stage; with
             elastic averaging each keeps a 1/D slice of the reference, the summed update and the outer momentum,
             and the reference is whole only between steps (docs/parallelism.md#sharded-reference).
+        save_distributed_checkpoint: Lightning's name and meaning (as ``ModelParallelStrategy``'s): ``True`` saves a
+            folder that every rank writes its own part of in parallel (torch.distributed.checkpoint), nothing
+            gathered; resume from it in any layout, ``python -m lightning_avgpipe consolidate FOLDER OUT.ckpt`` for
+            one file. ``False`` (default): one file on rank 0, gathered one stage at a time, that
+            ``load_from_checkpoint`` and plain Lightning read as it is (docs/guide.md#a-model-larger-than-one-device).
         accelerator: Lightning's own, as for any strategy (the Trainer sets it, as the next four).
         parallel_devices: the devices of this node.
         cluster_environment: where the ranks come from (Lightning's, torchrun, SLURM).
@@ -178,6 +184,7 @@ class AvgPipeStrategy(ProcessStrategy):
         tensor_parallel_size: int = 1,
         tensor_parallel_plan: dict[str, Any] | None = None,
         shard_optimizer_state: bool = False,
+        save_distributed_checkpoint: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -200,6 +207,12 @@ class AvgPipeStrategy(ProcessStrategy):
         self.user_advance_forwards: int | str = advance_forwards
         self.check_forward = bool(check_forward)
         self.trusted_checkpoints = bool(trusted_checkpoints)
+        if not isinstance(save_distributed_checkpoint, bool):
+            raise TypeError(
+                f"save_distributed_checkpoint={save_distributed_checkpoint!r} must be True (a folder every rank writes "
+                "its part of) or False (one file)."
+            )
+        self.save_distributed_checkpoint = save_distributed_checkpoint
         self._topology: Topology | None = None
         self._topology_of: Any = None  # the default process group the topology's groups were made in
         self._controller: StepController | None = None  # the stage's step and what steers it
@@ -562,13 +575,19 @@ class AvgPipeStrategy(ProcessStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The unsplit model's state dict, under its own names, assembled on rank 0 (empty elsewhere)."""
+        """The unsplit model's state dict, under its own names, assembled on rank 0 (empty elsewhere); saving
+        sharded, this rank's stage as it is."""
         assert self._split is not None
+        if self.save_distributed_checkpoint:
+            return ckpt.local_state_dict(self._lightning(), self.pipeline)
         return ckpt.assemble_state_dict(self._lightning(), self.pipeline, self._split.full_keys)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """The unsplit model's optimizer state, and every rank's replicas when N·D > 1, gathered on rank 0."""
+        """The unsplit model's optimizer state, and every rank's replicas when N·D > 1, gathered on rank 0; saving
+        sharded, this rank's part (merged by ``save_checkpoint``)."""
+        if self.save_distributed_checkpoint:
+            return {ckpt.LOCAL: ckpt.optimizer_entry(optimizer, self.pipeline, self._names(), whole=False)}
         return ckpt.gather_optimizer_state(optimizer, self.pipeline, self.layout, self._names())
 
     def _names(self) -> ckpt.Names:
@@ -596,24 +615,61 @@ class AvgPipeStrategy(ProcessStrategy):
         anything else can run code from the file on every rank.
         """
         weights_only = (not self.trusted_checkpoints) if weights_only is None else weights_only
+        if Path(str(checkpoint_path)).is_dir():
+            loaded = self._load_sharded(Path(str(checkpoint_path)))
+        else:
+            loaded = self._load_file(checkpoint_path, weights_only)
+        module = self.lightning_module
+        trainer = compat.attached_trainer(module) if module is not None else None
+        ckpt.check_loaded(loaded, checkpoint_path, trainer is not None and trainer.state.fn == TrainerFn.FITTING)
+        return loaded
+
+    def _load_file(self, checkpoint_path: Any, weights_only: bool) -> dict[str, Any]:
         try:
-            loaded = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         except FileNotFoundError:
             raise
         except Exception as err:  # unpickling, zip and EOF errors all mean the same to the user
             if weights_only and ckpt.needs_unpickling(err):
                 raise ckpt.refused(checkpoint_path, err) from err
             raise ckpt.unreadable(checkpoint_path, err) from err
-        module = self.lightning_module
-        trainer = compat.attached_trainer(module) if module is not None else None
-        ckpt.check_loaded(loaded, checkpoint_path, trainer is not None and trainer.state.fn == TrainerFn.FITTING)
-        return loaded
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Write on rank 0 to a temporary file, then rename: a crash never leaves a half-written checkpoint."""
-        if self.is_global_zero:
+        """Write on rank 0 to a temporary file, then rename: a crash never leaves a half-written checkpoint. Saving
+        sharded, every rank writes its part into a folder (``plugin/sharded.py``)."""
+        if self.save_distributed_checkpoint:
+            self._save_sharded(checkpoint, filepath)
+        elif self.is_global_zero:
             ckpt.save_atomically(self.checkpoint_io, checkpoint, filepath, storage_options)
+
+    def _save_sharded(self, checkpoint: dict[str, Any], filepath: Any) -> None:
+        assert self._split is not None
+        path = Path(self.broadcast(str(filepath)))
+        if self.is_global_zero:
+            with guarded("preparing a sharded checkpoint's folder"):
+                sharded.prepare(path)
+        self.barrier("avgpipe: sharded checkpoint prepared")
+        tensors: dict[str, Tensor] = {}
+        part = ckpt.sharded_part(checkpoint, self.global_rank, tensors)
+        parts: list[Any] | None = [part] if self.world_size == 1 else None
+        with guarded("a sharded checkpoint's save"):
+            if self.world_size > 1:
+                parts = [None] * self.world_size if self.is_global_zero else None
+                dist.gather_object(part, parts, dst=0)  # the structure only: each tensor is a reference
+            sharded.write_tensors(sharded.staging(path), tensors, None)
+            if parts is not None:
+                meta = ckpt.merge_parts(checkpoint, parts, self._split.full_keys, self.layout, self._names())
+                sharded.finish(path, meta)
+        self.barrier("avgpipe: sharded checkpoint written")
+
+    def _load_sharded(self, path: Path) -> dict[str, Any]:
+        """This rank's part of a sharded checkpoint: its stage's weights, its parameters' optimizer states, and in
+        the same layout its own replicas; read by this rank alone."""
+        meta, metadata = sharded.check_folder(path)
+        view = ckpt.rank_view(meta, self._lightning(), self.pipeline, self.layout, self._names())
+        loaded = sharded.read_tensors(path, metadata, sharded.refs_in(view))
+        return sharded.resolve(view, loaded.__getitem__)
 
     # -- the end -------------------------------------------------------------------------------------------------
     @override

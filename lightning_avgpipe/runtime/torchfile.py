@@ -1,0 +1,169 @@
+"""A file that ``torch.load`` reads as it reads ``torch.save``'s, written one tensor at a time.
+
+``torch.save`` needs every tensor of the object in memory at once. :func:`write` takes the object with each large
+tensor replaced by a :class:`Slot` (its key, shape and dtype) and asks ``fetch(key)`` for the values one slot at a
+time, while it writes: the writer's peak is the largest tensor, whatever the file's size. Used to consolidate a
+sharded checkpoint (``plugin/checkpoint.py``) and to gather a single-file checkpoint stage by stage.
+
+The format is ``torch.save``'s zip archive (version 3): ``data.pkl`` pickles the object with each tensor as
+``_rebuild_tensor_v2(storage, ...)`` and each storage as a persistent id naming a record ``data/<n>``, stored
+uncompressed at a 64-byte boundary (so ``torch.load(mmap=True)`` maps it); only tensors, containers and plain values
+are pickled, so ``torch.load(weights_only=True)`` reads it.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import os
+import pickle
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+ALIGNMENT = 64
+# dtype -> the storage class torch's pickles name (torch.save's persistent ids)
+STORAGE_TYPES = {
+    torch.float64: torch.DoubleStorage,
+    torch.float32: torch.FloatStorage,
+    torch.float16: torch.HalfStorage,
+    torch.bfloat16: torch.BFloat16Storage,
+    torch.int64: torch.LongStorage,
+    torch.int32: torch.IntStorage,
+    torch.int16: torch.ShortStorage,
+    torch.int8: torch.CharStorage,
+    torch.uint8: torch.ByteStorage,
+    torch.bool: torch.BoolStorage,
+    torch.complex64: torch.ComplexFloatStorage,
+    torch.complex128: torch.ComplexDoubleStorage,
+}
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A tensor that :func:`write` fetches by ``key`` when it writes it."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, key: str, tensor: Tensor) -> Slot:
+        return cls(key, tuple(tensor.shape), tensor.dtype)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True)
+class _Storage:
+    slot: Slot
+    record: str
+
+
+def _rebuild() -> Any:
+    """torch's tensor-rebuilding function, as a tensor's own pickle names it (a public call, not a private name)."""
+    return torch.empty(0).__reduce_ex__(2)[0]  # type: ignore[index]
+
+
+class _Pickler(pickle.Pickler):
+    def __init__(self, file: Any, slots: list[tuple[Slot, str]]) -> None:
+        super().__init__(file, protocol=2)
+        self.slots = slots
+        self.rebuild = _rebuild()
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, _Storage):
+            return ("storage", STORAGE_TYPES[obj.slot.dtype], obj.record, "cpu", obj.slot.numel)
+        return None
+
+    def reducer_override(self, obj: Any) -> Any:
+        if not isinstance(obj, Slot):
+            return NotImplemented
+        if obj.dtype not in STORAGE_TYPES:
+            raise TypeError(f"Cannot write a tensor of dtype {obj.dtype} ({obj.key!r}) into a checkpoint file.")
+        record = str(len(self.slots))
+        self.slots.append((obj, record))
+        stride: list[int] = []
+        step = 1
+        for s in reversed(obj.shape):
+            stride.append(step)
+            step *= max(s, 1)
+        args = (
+            _Storage(obj, record),
+            0,
+            obj.shape,
+            tuple(reversed(stride)),
+            False,
+            collections.OrderedDict[str, Any](),
+        )
+        return self.rebuild, args
+
+
+def _record(zf: zipfile.ZipFile, name: str, size: int) -> Any:
+    """Open the record ``name`` for writing, its data starting at an ``ALIGNMENT`` boundary."""
+    info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
+    info.compress_type = zipfile.ZIP_STORED
+    zip64 = size > 0x7FFFFFFF
+    assert zf.fp is not None
+    start = zf.fp.tell() + 30 + len(name.encode()) + (20 if zip64 else 0) + 4  # + the padding field's header
+    info.extra = b"FB" + (-start % ALIGNMENT).to_bytes(2, "little") + b"Z" * (-start % ALIGNMENT)
+    info.file_size = size
+    return zf.open(info, mode="w", force_zip64=zip64)
+
+
+def write(path: str | os.PathLike[str], obj: Any, fetch: Callable[[str], Tensor]) -> None:
+    """Write ``obj`` to ``path`` as ``torch.save`` would, each :class:`Slot` in it fetched only when written.
+
+    A real tensor left in ``obj`` is written as it is (keep those small: they are all in memory already).
+    """
+    real: dict[str, Tensor] = {}
+
+    def slotted(value: Any) -> Any:
+        if isinstance(value, Tensor):
+            key = f"\0real/{len(real)}"
+            real[key] = value
+            return Slot.of(key, value)
+        if isinstance(value, collections.OrderedDict):
+            return collections.OrderedDict((k, slotted(v)) for k, v in value.items())
+        if isinstance(value, dict):
+            return {k: slotted(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+            return type(value)(slotted(v) for v in value)
+        return value
+
+    slots: list[tuple[Slot, str]] = []
+    buffer = io.BytesIO()
+    _Pickler(buffer, slots).dump(slotted(obj))  # the structure first, as torch.save writes it: the slots in order
+    with zipfile.ZipFile(Path(path), "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
+        for name, data in (
+            ("archive/data.pkl", buffer.getvalue()),
+            ("archive/.format_version", b"1"),
+            ("archive/.storage_alignment", str(ALIGNMENT).encode()),
+            ("archive/byteorder", b"little"),
+        ):
+            with _record(zf, name, len(data)) as f:
+                f.write(data)
+        del buffer
+        for slot, record in slots:
+            tensor = real.pop(slot.key) if slot.key in real else fetch(slot.key)
+            if tuple(tensor.shape) != slot.shape or tensor.dtype != slot.dtype:
+                raise ValueError(
+                    f"The tensor fetched for {slot.key!r} is {tuple(tensor.shape)} {tensor.dtype}; its slot said "
+                    f"{slot.shape} {slot.dtype}."
+                )
+            raw = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+            with _record(zf, f"archive/data/{record}", raw.nbytes) as f:
+                f.write(raw.data)
+            del tensor, raw
+        with _record(zf, "archive/version", 2) as f:
+            f.write(b"3\n")
