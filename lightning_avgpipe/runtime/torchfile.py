@@ -98,14 +98,8 @@ class _Pickler(pickle.Pickler):
         for s in reversed(obj.shape):
             stride.append(step)
             step *= max(s, 1)
-        args = (
-            _Storage(obj, record),
-            0,
-            obj.shape,
-            tuple(reversed(stride)),
-            False,
-            collections.OrderedDict[str, Any](),
-        )
+        hooks: collections.OrderedDict[str, Any] = collections.OrderedDict()  # a tensor's backward hooks: none
+        args = (_Storage(obj, record), 0, obj.shape, tuple(reversed(stride)), False, hooks)
         return self.rebuild, args
 
 
