@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import pickle
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,21 +26,29 @@ from lightning_avgpipe.shards import full, like, to_local_tree
 def assemble_state_dict(module: nn.Module, pipeline: StagePipeline, full_keys: Sequence[str]) -> dict[str, Any]:
     """The unsplit model's state dict, under its own names and order, on the pipeline's first stage (collective;
     ``{}`` elsewhere)."""
-    pipeline.elastic.wait()  # the checkpoint holds the up-to-date reference
-    pipeline.elastic.require_whole("Saving the model")
-    local = {k: full(v).detach().cpu() for k, v in module.state_dict().items()}  # tensor shards gathered whole
-    parts = pipeline.gather(local)
+    parts = pipeline.gather(whole_state_dict(module, pipeline))
     if parts is None:
         return {}
     merged: dict[str, Any] = {}
     for part in parts:
         merged.update(part)
+    return ordered(merged, full_keys)
+
+
+def whole_state_dict(module: nn.Module, pipeline: StagePipeline) -> dict[str, Any]:
+    """This stage's weights under the unsplit model's names, on the CPU, tensor shards gathered whole (collective
+    over a tensor group)."""
+    pipeline.elastic.wait()  # the checkpoint holds the up-to-date reference
+    pipeline.elastic.require_whole("Saving the model")
+    return {k: full(v).detach().cpu() for k, v in module.state_dict().items()}
+
+
+def ordered(merged: dict[str, Any], full_keys: Sequence[str]) -> dict[str, Any]:
+    """A state dict in the unsplit model's order (keys it does not name after)."""
     missing = [k for k in full_keys if k not in merged]
     if missing:
         raise RuntimeError(f"Assembling the checkpoint lost keys {missing[:5]}; this is a bug in AvgPipeStrategy.")
-    ordered = {k: merged.pop(k) for k in full_keys}
-    ordered.update(merged)
-    return ordered
+    return {k: merged.pop(k) for k in full_keys} | merged
 
 
 @dataclass(frozen=True)
@@ -111,26 +119,31 @@ def local_state_dict(module: nn.Module, pipeline: StagePipeline) -> dict[str, An
     return {k: v.detach() if isinstance(v, Tensor) else v for k, v in module.state_dict().items()}
 
 
+def optimizer_part(entry: Mapping[str, Any], i: int, rank: int, tensors: dict[str, Tensor]) -> dict[str, Any]:
+    """:func:`optimizer_entry` ``entry`` of optimizer ``i`` with each tensor a reference (its key and value put in
+    ``tensors``): the per-parameter states under the unsplit names, the rest under the rank."""
+    rest = dict(entry)
+    named = [
+        {
+            "hyper": sharded.to_refs(group["hyper"], f"optimizer_states.{i}.rank{rank}.hyper{g}", tensors),
+            "params": [
+                (name, sharded.to_refs(st, f"optimizer_states.{i}.state.{name}", tensors))
+                for name, st in group["params"]
+            ],
+        }
+        for g, group in enumerate(rest.pop("named"))
+    ]
+    return {**sharded.to_refs(rest, f"optimizer_states.{i}.rank{rank}", tensors), "named": named}
+
+
 def sharded_part(checkpoint: Mapping[str, Any], rank: int, tensors: dict[str, Tensor]) -> dict[str, Any]:
     """This rank's weights and optimizer entries with each tensor a reference (its key and value put in
-    ``tensors``): the model's and the per-parameter states under the unsplit names, the rest under the rank."""
+    ``tensors``)."""
     part: dict[str, Any] = {"state_dict": sharded.to_refs(checkpoint.get("state_dict", {}), "state_dict", tensors)}
     if "optimizer_states" in checkpoint:
-        part["optimizer_states"] = []
-        for i, state in enumerate(checkpoint["optimizer_states"]):
-            entry = dict(state[LOCAL])
-            named = [
-                {
-                    "hyper": sharded.to_refs(group["hyper"], f"optimizer_states.{i}.rank{rank}.hyper{g}", tensors),
-                    "params": [
-                        (name, sharded.to_refs(st, f"optimizer_states.{i}.state.{name}", tensors))
-                        for name, st in group["params"]
-                    ],
-                }
-                for g, group in enumerate(entry.pop("named"))
-            ]
-            rest = sharded.to_refs(entry, f"optimizer_states.{i}.rank{rank}", tensors)
-            part["optimizer_states"].append({**rest, "named": named})
+        part["optimizer_states"] = [
+            optimizer_part(state[LOCAL], i, rank, tensors) for i, state in enumerate(checkpoint["optimizer_states"])
+        ]
     return part
 
 
@@ -430,22 +443,41 @@ def unreadable(path: Any, err: BaseException) -> ValueError:
     )
 
 
-def save_atomically(checkpoint_io: Any, checkpoint: dict[str, Any], filepath: Any, storage_options: Any) -> None:
-    """Write to a temporary file beside ``filepath``, then rename: a crash never leaves a half-written checkpoint.
-
-    Remote paths (``s3://...``) and ``AsyncCheckpointIO`` go straight to the checkpoint IO: a local rename cannot
-    address the one, and would run before the other's background write.
-    """
+def local_path(checkpoint_io: Any, filepath: Any) -> Path | None:
+    """Where a checkpoint is renamed into place: ``None`` for a remote path (``s3://...``) or ``AsyncCheckpointIO``
+    (a local rename cannot address the one, and would run before the other's background write)."""
     from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
     text = str(filepath)
     if ("://" in text and not text.startswith("file://")) or isinstance(checkpoint_io, AsyncCheckpointIO):
+        return None
+    return Path(text[len("file://") :] if text.startswith("file://") else text)
+
+
+def save_atomically(
+    checkpoint_io: Any,
+    checkpoint: dict[str, Any],
+    filepath: Any,
+    storage_options: Any,
+    write: Callable[[Path], None] | None = None,
+) -> None:
+    """Write to a temporary file beside ``filepath`` (with ``checkpoint_io``, or ``write(tmp)``), then rename: a
+    crash never leaves a half-written checkpoint. A remote path or ``AsyncCheckpointIO`` goes straight to the
+    checkpoint IO (:func:`local_path`)."""
+    path = local_path(checkpoint_io, filepath)
+    if path is None:
         checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         return
-    path = Path(text[len("file://") :] if text.startswith("file://") else text)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        checkpoint_io.save_checkpoint(checkpoint, tmp, storage_options=storage_options)
+        if write is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                write(tmp)
+            except PermissionError:
+                tmp.unlink(missing_ok=True)  # said below, as for the checkpoint IO
+        else:
+            checkpoint_io.save_checkpoint(checkpoint, tmp, storage_options=storage_options)
         if not tmp.exists():  # Lightning's _atomic_save swallows a PermissionError and writes nothing
             raise PermissionError(
                 f"Cannot save the checkpoint {path}: nothing could be written in its directory {path.parent}, which "

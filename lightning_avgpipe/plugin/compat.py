@@ -7,6 +7,9 @@ Private state read or written (each a function or class below; Lightning 2.6):
 
 - ``resuming_from(trainer)``: the checkpoint this ``fit`` is about to restore, from ``Trainer._run``'s local
   ``ckpt_path`` (read through the calling frames). Used by: ``plugin/resume.py``, ``plugin/split.py``.
+- ``dumping_checkpoint(trainer)``: whether the call is inside ``trainer._checkpoint_connector.dump_checkpoint``
+  (read through the calling frames), where the strategy's state dicts go to its own ``save_checkpoint``. Used by:
+  ``plugin/strategy.py``.
 - ``writes_logs(trainer)``: ``trainer._logger_connector.should_update_logs``. Used by: ``plugin/steps.py``.
 - ``reset_train_dataloader(trainer)``: ``trainer.fit_loop._combined_loader = None``. Used by: ``plugin/strategy.py``.
 - ``rebuild_train_dataloader(trainer)``: the same, then ``fit_loop.setup_data()`` and the sampler's epoch
@@ -94,6 +97,7 @@ __all__ = [
     "stop_before_training",
     "unwrap_optimizer",
     "writes_logs",
+    "dumping_checkpoint",
 ]
 
 
@@ -115,6 +119,22 @@ def resuming_from(trainer: pl.Trainer) -> Any:
             return frame.f_locals.get("ckpt_path")  # this fit's; trainer.ckpt_path may be a previous call's
         frame = frame.f_back  # type: ignore[assignment]
     return trainer.ckpt_path
+
+
+def dumping_checkpoint(trainer: pl.Trainer | None) -> bool:
+    """Whether this call comes from ``trainer``'s checkpoint dump (``Trainer.save_checkpoint``), whose state dicts
+    reach ``strategy.save_checkpoint`` next, rather than from user code that wants the state dict itself. Lightning
+    calls ``lightning_module_state_dict`` and ``optimizer_state`` from ``_CheckpointConnector.dump_checkpoint`` with
+    no hook before it; the frames say whether it is the caller."""
+    if trainer is None:
+        return False
+    connector = trainer._checkpoint_connector
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "dump_checkpoint" and frame.f_locals.get("self") is connector:
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
 
 
 def writes_logs(trainer: pl.Trainer) -> bool:

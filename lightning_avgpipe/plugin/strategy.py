@@ -16,7 +16,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchCheckpointIO
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
@@ -27,7 +27,7 @@ from typing_extensions import override
 
 from lightning_avgpipe.config import PipelineConfig
 from lightning_avgpipe.plugin import checkpoint as ckpt
-from lightning_avgpipe.plugin import compat, sharded, tensor
+from lightning_avgpipe.plugin import compat, sharded, streamed, tensor
 from lightning_avgpipe.plugin.bridge import Guard, StepBridge
 from lightning_avgpipe.plugin.compat import (
     _optimizers_to_device,
@@ -56,6 +56,7 @@ from lightning_avgpipe.plugin.split import (
     suggest_configure_model,
 )
 from lightning_avgpipe.plugin.steps import PipelineSteps, announce_averaging, announce_checkpointing, announce_sharding
+from lightning_avgpipe.runtime import torchfile
 from lightning_avgpipe.runtime.controller import StepController, memory_limit_bytes
 from lightning_avgpipe.runtime.failures import guarded
 from lightning_avgpipe.runtime.materialize import InitRecord, is_meta_module
@@ -222,6 +223,7 @@ class AvgPipeStrategy(ProcessStrategy):
         self._guard = Guard()
         self._ties: list[TiedWeights] = []  # weights this stage shares with others (tied embedding and head)
         self._param_names: dict[int, str] = {}  # id(parameter) -> its name in the module, for error messages
+        self._outbox = streamed.Outbox()  # a checkpoint being dumped: this rank's tensors, until save_checkpoint
         self._init_records: list[InitRecord] = []  # builds on the meta device, replayed per rank at setup
         self.noise_every = 0  # also measure the noise scale every this many steps (AvgPipeTuner's retune sets it)
 
@@ -580,6 +582,15 @@ class AvgPipeStrategy(ProcessStrategy):
         assert self._split is not None
         if self.save_distributed_checkpoint:
             return ckpt.local_state_dict(self._lightning(), self.pipeline)
+        if compat.dumping_checkpoint(self._trainer_or_none()):  # save_checkpoint streams the other ranks' tensors
+            local = ckpt.whole_state_dict(self._lightning(), self.pipeline)
+            with guarded("a checkpoint's gather of every stage's tensor names to rank 0"):
+                parts = self._outbox.gather(sharded.to_refs(local, "state_dict", self._outbox.tensors), *self._ranks)
+            return (
+                {}
+                if parts is None
+                else ckpt.ordered({k: v for p in parts for k, v in p.items()}, self._split.full_keys)
+            )
         return ckpt.assemble_state_dict(self._lightning(), self.pipeline, self._split.full_keys)
 
     @override
@@ -588,6 +599,14 @@ class AvgPipeStrategy(ProcessStrategy):
         sharded, this rank's part (merged by ``save_checkpoint``)."""
         if self.save_distributed_checkpoint:
             return {ckpt.LOCAL: ckpt.optimizer_entry(optimizer, self.pipeline, self._names(), whole=False)}
+        if compat.dumping_checkpoint(self._trainer_or_none()):
+            box = self._outbox
+            entry = ckpt.optimizer_entry(optimizer, self.pipeline, self._names())
+            part = ckpt.optimizer_part(entry, box.optimizers, self.global_rank, box.tensors)
+            box.optimizers += 1
+            with guarded("a checkpoint's gather of every stage's optimizer state names to rank 0"):
+                parts = box.gather(part, *self._ranks)
+            return {} if parts is None else ckpt.unsplit_optimizer_state(parts, self.layout, self._names())
         return ckpt.gather_optimizer_state(optimizer, self.pipeline, self.layout, self._names())
 
     def _names(self) -> ckpt.Names:
@@ -640,8 +659,37 @@ class AvgPipeStrategy(ProcessStrategy):
         sharded, every rank writes its part into a folder (``plugin/sharded.py``)."""
         if self.save_distributed_checkpoint:
             self._save_sharded(checkpoint, filepath)
+        elif self._outbox:
+            self._save_streamed(checkpoint, filepath, storage_options)
         elif self.is_global_zero:
             ckpt.save_atomically(self.checkpoint_io, checkpoint, filepath, storage_options)
+
+    @property
+    def _ranks(self) -> tuple[int, int]:
+        return self.global_rank, self.world_size
+
+    def _trainer_or_none(self) -> pl.Trainer | None:
+        module = self.lightning_module
+        return compat.attached_trainer(module) if module is not None else None
+
+    def _save_streamed(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any) -> None:
+        """Rank 0 writes the file tensor by tensor, each other rank's tensor received as it is written
+        (``plugin/streamed.py``)."""
+        outbox, self._outbox = self._outbox, streamed.Outbox()
+        device = self.root_device if dist.is_initialized() and dist.get_backend() == "nccl" else torch.device("cpu")
+        io, streams = self.checkpoint_io, type(self.checkpoint_io) is TorchCheckpointIO
+
+        def write(prepared: Any, fetch: Any) -> None:
+            if streams and ckpt.local_path(io, filepath) is not None:
+                ckpt.save_atomically(
+                    io, checkpoint, filepath, storage_options, lambda tmp: torchfile.write(tmp, prepared, fetch)
+                )
+            else:
+                whole = streamed.received(prepared, fetch, checkpoint)
+                ckpt.save_atomically(io, whole, filepath, storage_options)
+
+        with guarded("a checkpoint's transfer of every stage's tensors to rank 0"):
+            streamed.transfer(checkpoint if self.is_global_zero else None, outbox, *self._ranks, device, write)
 
     def _save_sharded(self, checkpoint: dict[str, Any], filepath: Any) -> None:
         assert self._split is not None

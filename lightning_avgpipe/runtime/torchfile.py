@@ -115,40 +115,52 @@ def _record(zf: zipfile.ZipFile, name: str, size: int) -> Any:
     return zf.open(info, mode="w", force_zip64=zip64)
 
 
-def write(path: str | os.PathLike[str], obj: Any, fetch: Callable[[str], Tensor]) -> None:
-    """Write ``obj`` to ``path`` as ``torch.save`` would, each :class:`Slot` in it fetched only when written.
+class Prepared:
+    """``obj`` pickled, its slots in the order :func:`write` fetches them (``keys``; real tensors excluded)."""
+
+    def __init__(self, obj: Any) -> None:
+        self.real: dict[str, Tensor] = {}
+        self.slots: list[tuple[Slot, str]] = []
+        buffer = io.BytesIO()
+        _Pickler(buffer, self.slots).dump(self._slotted(obj))  # the structure first, as torch.save writes it
+        self.pickle = buffer.getvalue()
+
+    @property
+    def keys(self) -> list[str]:
+        return [slot.key for slot, _ in self.slots if slot.key not in self.real]
+
+    def _slotted(self, value: Any) -> Any:
+        if isinstance(value, Tensor):
+            key = f"\0real/{len(self.real)}"
+            self.real[key] = value
+            return Slot.of(key, value)
+        if isinstance(value, collections.OrderedDict):
+            return collections.OrderedDict((k, self._slotted(v)) for k, v in value.items())
+        if isinstance(value, dict):
+            return {k: self._slotted(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+            return type(value)(self._slotted(v) for v in value)
+        return value
+
+
+def write(path: str | os.PathLike[str], obj: Any | Prepared, fetch: Callable[[str], Tensor]) -> None:
+    """Write ``obj`` to ``path`` as ``torch.save`` would, each :class:`Slot` in it fetched only when written (in
+    the order of ``Prepared(obj).keys``).
 
     A real tensor left in ``obj`` is written as it is (keep those small: they are all in memory already).
     """
-    real: dict[str, Tensor] = {}
-
-    def slotted(value: Any) -> Any:
-        if isinstance(value, Tensor):
-            key = f"\0real/{len(real)}"
-            real[key] = value
-            return Slot.of(key, value)
-        if isinstance(value, collections.OrderedDict):
-            return collections.OrderedDict((k, slotted(v)) for k, v in value.items())
-        if isinstance(value, dict):
-            return {k: slotted(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
-            return type(value)(slotted(v) for v in value)
-        return value
-
-    slots: list[tuple[Slot, str]] = []
-    buffer = io.BytesIO()
-    _Pickler(buffer, slots).dump(slotted(obj))  # the structure first, as torch.save writes it: the slots in order
+    prepared = obj if isinstance(obj, Prepared) else Prepared(obj)
+    real = dict(prepared.real)
     with zipfile.ZipFile(Path(path), "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
         for name, data in (
-            ("archive/data.pkl", buffer.getvalue()),
+            ("archive/data.pkl", prepared.pickle),
             ("archive/.format_version", b"1"),
             ("archive/.storage_alignment", str(ALIGNMENT).encode()),
             ("archive/byteorder", b"little"),
         ):
             with _record(zf, name, len(data)) as f:
                 f.write(data)
-        del buffer
-        for slot, record in slots:
+        for slot, record in prepared.slots:
             tensor = real.pop(slot.key) if slot.key in real else fetch(slot.key)
             if tuple(tensor.shape) != slot.shape or tensor.dtype != slot.dtype:
                 raise ValueError(
@@ -161,3 +173,16 @@ def write(path: str | os.PathLike[str], obj: Any, fetch: Callable[[str], Tensor]
             del tensor, raw
         with _record(zf, "archive/version", 2) as f:
             f.write(b"3\n")
+
+
+def filled(obj: Any, value: Callable[[Slot], Any]) -> Any:
+    """``obj`` with each :class:`Slot` replaced by ``value(slot)``."""
+    if isinstance(obj, Slot):
+        return value(obj)
+    if isinstance(obj, collections.OrderedDict):
+        return collections.OrderedDict((k, filled(v, value)) for k, v in obj.items())
+    if isinstance(obj, dict):
+        return {k: filled(v, value) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
+        return type(obj)(filled(v, value) for v in obj)
+    return obj
