@@ -1,16 +1,18 @@
 """Peak memory per rank of a model larger than one stage, against plain Lightning on one device in the same run.
 
-The model: ``--layers`` blocks of ``Linear(width, width)`` + ``Tanh`` trained with Adam, built in ``__init__`` or in
-``configure_model`` (under AvgPipe: on the meta device, each rank making only its own stages real). Each process
-reports its peak resident memory (``VmHWM``, reset between phases through ``/proc/self/clear_refs``) above its
-baseline after the imports, for each phase: the build and setup up to ``on_fit_start``, the training steps, and a
-``trainer.save_checkpoint``; and the save's wall time. Printed as ratios to one device's figure of the same phase.
+The model: ``--layers`` blocks of ``Linear(width, width)`` + ``Tanh`` trained with Adam, built in ``configure_model``
+(under AvgPipe: on the meta device, each rank making only its own stages real) or, for S = 2, also in ``__init__``.
+Each process reports its peak resident memory (``VmHWM``, reset between phases through ``/proc/self/clear_refs``)
+above its baseline after the imports, for each phase: the build and setup up to ``on_fit_start``, the training
+steps, a ``trainer.save_checkpoint`` (one file, streamed to rank 0, or ``save_distributed_checkpoint=True``'s
+folder) and a resume of it in a new Trainer and model (the first ones deleted); and the save's and resume's wall
+times. Printed as ratios to one device's figure of the same phase.
 
-    python benchmarks/big_model.py                      # width 2048, 8 layers (128 MiB of weights), S = 2
-    python benchmarks/big_model.py --width 4096 --stages 2 4
+    python benchmarks/big_model.py                      # width 2048, 8 layers (128 MiB of weights), S = 2 and 4
+    python benchmarks/big_model.py --cap-gib 2.5 --width 4096 --layers 16   # one device killed by the cap, S = 4 not
 
-Linux only (``/proc``). Checkpoints still gather every stage to rank 0 (issue 32, part 4 is not done): the save
-phase shows it.
+``--cap-gib`` puts each process in a cgroup (v1 memory controller, root on Linux) of its own with that limit, and
+runs one device and S = 4 under it; without the controller it says so and skips. Linux only (``/proc``).
 """
 
 from __future__ import annotations
@@ -41,7 +43,32 @@ def _reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
 
 
+CGROUP = Path("/sys/fs/cgroup/memory")
+
+
+def cap_self(limit: int, name: str) -> None:
+    """Move this process into a memory cgroup of its own capped at ``limit`` bytes (cgroup v1)."""
+    group = CGROUP / name
+    group.mkdir(exist_ok=True)
+    (group / "memory.limit_in_bytes").write_text(str(limit))
+    (group / "cgroup.procs").write_text(str(os.getpid()))
+
+
+def can_cap() -> str | None:
+    """Why no cgroup can be made here, or ``None``."""
+    if not (CGROUP / "memory.limit_in_bytes").exists():
+        return f"no cgroup v1 memory controller at {CGROUP}"
+    if not os.access(CGROUP, os.W_OK):
+        return f"{CGROUP} is not writable (run as root)"
+    return None
+
+
 def worker(cfg: dict[str, Any]) -> None:
+    if cfg.get("cap"):
+        cap_self(cfg["cap"], f"avgpipe-big-model-{os.getppid()}-{os.getpid()}")
+    import ctypes
+    import gc
+
     import lightning.pytorch as pl
     import torch
     import torch.nn.functional as F
@@ -93,38 +120,68 @@ def worker(cfg: dict[str, Any]) -> None:
 
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(32, width, generator=g), torch.randn(32, width, generator=g))
-    strategy: Any = "auto" if cfg["devices"] == 1 else AvgPipeStrategy(num_microbatches=2, partition="parameters")
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=cfg["devices"],
-        strategy=strategy,
-        max_steps=cfg["steps"],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        callbacks=[Phases()],
-    )
+
+    def trainer_for(callbacks: list[Any]) -> pl.Trainer:
+        strategy: Any = "auto"
+        if cfg["devices"] > 1:
+            sdc = cfg["sharded"]
+            strategy = AvgPipeStrategy(num_microbatches=2, partition="parameters", save_distributed_checkpoint=sdc)
+        return pl.Trainer(
+            accelerator="cpu",
+            devices=cfg["devices"],
+            strategy=strategy,
+            max_steps=cfg["steps"],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            callbacks=callbacks,
+        )
+
+    trainer = trainer_for([Phases()])
     pl.seed_everything(0, verbose=False)
     trainer.fit(Big(), DataLoader(data, batch_size=8))
+    path = Path(cfg["out"]) / "last.ckpt"
+    rank = trainer.global_rank
     start = time.perf_counter()
-    trainer.save_checkpoint(Path(cfg["out"]) / "last.ckpt")
+    trainer.save_checkpoint(path)
     save_s = time.perf_counter() - start
     phases["save"] = _status("VmHWM") - baseline
-    result = {"rank": trainer.global_rank, "phases": phases, "save_s": save_s, "baseline": baseline}
-    Path(cfg["out"], f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+    del trainer
+    gc.collect()
+    ctypes.CDLL(None).malloc_trim(0)
+    _reset_peak()
+    start = time.perf_counter()
+    resumed = trainer_for([])
+    resumed.fit(Big(), DataLoader(data, batch_size=8), ckpt_path=path)  # restored at max_steps: nothing more runs
+    load_s = time.perf_counter() - start
+    phases["resume"] = _status("VmHWM") - baseline
+    result = {"rank": rank, "phases": phases, "save_s": save_s, "load_s": load_s, "baseline": baseline}
+    Path(cfg["out"], f"rank{rank}.json").write_text(json.dumps(result))
 
 
-def run(devices: int, late: bool, args: argparse.Namespace) -> list[dict[str, Any]]:
+def run(
+    devices: int, late: bool, args: argparse.Namespace, sharded: bool = False, cap: int = 0
+) -> list[dict[str, Any]]:
+    """Every rank's result; with a ``cap``, a rank killed by it raises ``MemoryError`` naming it."""
+    import shutil
+
     from benchmarks.harness import launch_ranks
 
     out = tempfile.mkdtemp(prefix="big-model-")
-    cfg = {"out": out, "devices": devices, "late": late, **{k: getattr(args, k) for k in ("width", "layers", "steps")}}
-    results = launch_ranks([str(Path(__file__)), "--worker", json.dumps(cfg)], devices, timeout=1200)
-    failed = [f"rank {r} exited {code}:\n{text[-2000:]}" for r, (code, text) in enumerate(results) if code != 0]
-    if failed:
-        raise RuntimeError("\n".join(failed))
-    return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(devices)]
+    cfg = {"out": out, "devices": devices, "late": late, "sharded": sharded, "cap": cap}
+    cfg.update({k: getattr(args, k) for k in ("width", "layers", "steps")})
+    try:
+        results = launch_ranks([str(Path(__file__)), "--worker", json.dumps(cfg)], devices, timeout=1800)
+        killed = [r for r, (code, _) in enumerate(results) if code in (-9, 137)]
+        if cap and killed:
+            raise MemoryError(f"rank(s) {killed} killed (SIGKILL: the cgroup's out-of-memory killer)")
+        failed = [f"rank {r} exited {code}:\n{text[-2000:]}" for r, (code, text) in enumerate(results) if code != 0]
+        if failed:
+            raise RuntimeError("\n".join(failed))
+        return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(devices)]
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
 
 
 def main() -> None:
@@ -132,7 +189,8 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--stages", type=int, nargs="+", default=[2])
+    parser.add_argument("--stages", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--cap-gib", type=float, help="run one device and S = 4 under this per-process memory cap")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -141,21 +199,47 @@ def main() -> None:
     mib = 1 << 20
     weights = args.layers * (args.width * args.width + args.width) * 4
     print(f"model: {args.layers} x Linear({args.width}, {args.width}) + Tanh, {weights / mib:.0f} MiB of weights, Adam")
+    if args.cap_gib:
+        capped(args, weights)
+        return
     one = run(1, True, args)[0]
     print("\nphase peaks above each process's import baseline, MiB, and the ratio to one device's")
-    print(f"{'run':34} {'rank':>4} " + " ".join(f"{p:>22}" for p in one["phases"]) + f" {'save s':>12}")
+    print(f"{'run':40} {'rank':>4} " + " ".join(f"{p:>19}" for p in one["phases"]) + f" {'save s':>11} {'load s':>11}")
 
     def row(name: str, r: dict[str, Any]) -> None:
         peaks, ones = r["phases"], one["phases"]
-        cells = [f"{peaks[p] / mib:8.0f} ({peaks[p] / max(ones[p], 1):5.2f}x)" for p in ones]
-        save = f" {r['save_s']:5.1f} ({r['save_s'] / max(one['save_s'], 1e-9):.2f}x)"
-        print(f"{name:34} {r['rank']:>4} " + " ".join(f"{c:>22}" for c in cells) + save)
+        cells = [f"{peaks[p] / mib:6.0f} ({peaks[p] / max(ones[p], 1):5.2f}x)" for p in ones]
+        times = [f"{r[k]:4.1f} ({r[k] / max(one[k], 1e-9):.2f}x)" for k in ("save_s", "load_s")]
+        print(f"{name:40} {r['rank']:>4} " + " ".join(f"{c:>19}" for c in cells) + " " + " ".join(times))
 
     row("one device (configure_model)", one)
     for stages in args.stages:
-        for late in (True, False):
-            for r in run(stages, late, args):
-                row(f"S={stages}, {'configure_model' if late else '__init__'}", r)
+        for late, sharded in ((True, False), (True, True), (False, False))[: 3 if stages == 2 else 2]:
+            for r in run(stages, late, args, sharded):
+                how = f"S={stages}, {'configure_model' if late else '__init__'}, {'folder' if sharded else 'file'}"
+                row(how, r)
+
+
+def capped(args: argparse.Namespace, weights: int) -> None:
+    """One device and S = 4 (a sharded save), each process under ``--cap-gib``."""
+    why = can_cap()
+    if why is not None:
+        print(f"skipped: {why}; no per-process memory cap can be set")
+        return
+    cap = int(args.cap_gib * (1 << 30))
+    state = 4 * weights  # weights, gradients and Adam's two moments
+    print(f"training state {state / (1 << 30):.2f} GiB = {state / cap:.2f}x the per-process cap of {args.cap_gib} GiB")
+    for devices in (1, 4):
+        try:
+            results = run(devices, True, args, sharded=devices > 1, cap=cap)
+        except MemoryError as err:
+            print(f"{'one device' if devices == 1 else f'S={devices}'}: {err}")
+            continue
+        peaks = ", ".join(f"rank {r['rank']} {max(r['phases'].values()) / (1 << 20):.0f} MiB" for r in results)
+        saves = max(r["save_s"] for r in results)
+        print(
+            f"S={devices}: trained {args.steps} steps, saved ({saves:.1f} s) and resumed; peaks above baseline {peaks}"
+        )
 
 
 if __name__ == "__main__":

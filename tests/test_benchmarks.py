@@ -176,11 +176,12 @@ def test_bubble_benchmark_smoke() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_big_model_benchmark_smoke() -> None:
-    """benchmarks/big_model.py on a small model: one device, then S = 2 built in configure_model and in __init__,
-    a row per rank with a figure and a ratio for every phase."""
-    proc = run_script("big_model.py", "--width", "256", "--layers", "4", "--steps", "1")
+    """benchmarks/big_model.py on a small model: one device, then S = 2 built in configure_model (saving a file and a
+    folder) and in __init__, a row per rank with a figure and a ratio for every phase and both times."""
+    proc = run_script("big_model.py", "--width", "256", "--layers", "4", "--steps", "1", "--stages", "2")
     rows = [line for line in proc.stdout.splitlines() if line.startswith(("one device", "S=2"))]
-    assert [row.split("  ")[0] for row in rows] == ["one device (configure_model)"] + ["S=2, configure_model"] * 2 + [
-        "S=2, __init__"
-    ] * 2, proc.stdout
-    assert all(row.count("x)") == 4 for row in rows), proc.stdout  # three phases and the save time
+    runs = ["S=2, configure_model, file", "S=2, configure_model, folder", "S=2, __init__, file"]
+    assert [row.split("  ")[0] for row in rows] == ["one device (configure_model)"] + [
+        r for r in runs for _ in (0, 1)
+    ], proc.stdout
+    assert all(row.count("x)") == 6 for row in rows), proc.stdout  # four phases, the save and the load times
