@@ -78,3 +78,18 @@ def test_a_gpt_split_by_heads_with_the_default_plan(tmp_path: Path, model: str) 
     for stage, block in ((0, 1), (1, 4)):
         assert f"stage {stage}: " in split and all(f"layers.{block}{p}" in split for p in parts), split
     assert "left attention whole" not in out
+
+
+@pytest.mark.timeout(300)
+def test_a_hugging_face_llama_built_per_stage_and_loaded_from_its_shards(tmp_path: Path) -> None:
+    """``examples/big_model.py --check``: a tied LlamaForCausalLM saved in shards, built on the meta device in
+    configure_model and loaded with load_pretrained over 2 stages (each rank making real and reading only its own
+    stage's weights), trained and saved as a folder, consolidated, equals from_pretrained on one process with
+    accumulation."""
+    pytest.importorskip("transformers")
+    out = run([sys.executable, str(ROOT / "examples" / "big_model.py"), "--check", "--root", str(tmp_path)], tmp_path)
+    assert "check: OK" in out, out[-3000:]
+    total = float(re.search(r"rank 0: [0-9.]+ KiB of ([0-9.]+) KiB", out).group(1))  # type: ignore[union-attr]
+    made = {int(r): int(kib) for r, kib in re.findall(r"rank (\d): (\d+) KiB of parameters made real", out)}
+    assert made.keys() == {0, 1} and all(kib < 0.6 * total for kib in made.values()), (made, total)
+    assert (tmp_path / "final.ckpt" / "avgpipe.pt").exists() and (tmp_path / "final-one-file.ckpt").is_file()

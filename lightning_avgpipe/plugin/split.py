@@ -184,7 +184,9 @@ def _still_meta(
 ) -> list[str]:
     """The names of this rank's tensors (its own layers' and those outside every layer: parameters, buffers and
     tensor attributes) still on the meta device."""
-    others = {id(layer) for layer, s in zip(layers, stage_of) if s not in stages}
+    mine = {id(m) for layer, s in zip(layers, stage_of) if s in stages for m in layer.modules()}
+    # by module, not by layer: a wrapper layer's module is reached through the model's own attributes too
+    others = {id(m) for layer, s in zip(layers, stage_of) if s not in stages for m in layer.modules()} - mine
     left: list[str] = []
 
     def walk(mod: nn.Module, prefix: str) -> None:

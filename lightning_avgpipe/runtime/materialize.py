@@ -121,6 +121,7 @@ class InitRecord(TorchFunctionMode):
         self._patches: contextlib.ExitStack | None = None
 
     def __enter__(self) -> InitRecord:
+        _ACTIVE.append(self)
         self.rng = _rng_state()
         self.dtype = torch.get_default_dtype()  # factories without a dtype take it: the replay sets it again
         self._patches = contextlib.ExitStack()
@@ -135,6 +136,7 @@ class InitRecord(TorchFunctionMode):
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        _ACTIVE.remove(self)
         super().__exit__(*exc)
         self.rng_end = _rng_state()  # the build drew nothing; a seeding inside it moved the generator
         if self._patches is not None:
@@ -162,6 +164,23 @@ class InitRecord(TorchFunctionMode):
         if before is not None:
             self.steps.append(_Step(func, before[0], before[1], _snapshot(out)))
         return out
+
+
+_ACTIVE: list[InitRecord] = []  # the builds being recorded, innermost last
+
+
+def record_step(func: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    """Record ``func(*args)``, a call that fills its first argument (a meta tensor of the build) in place, as a step
+    of the build being recorded: the replay runs it on the real tensor where a rank keeps it (its name must end in
+    ``_``). Outside a recorded build, a meta tensor has no replay to wait for: refused."""
+    if not _ACTIVE:
+        raise RuntimeError(
+            f"{getattr(func, '__name__', func)}: the model is on the meta device outside AvgPipeStrategy's recorded "
+            "build, so nothing would ever fill it. Call it inside configure_model under AvgPipeStrategy, or once the "
+            "model has real tensors."
+        )
+    before = _snapshot(args)
+    _ACTIVE[-1].steps.append(_Step(func, before, {}, before[0]))
 
 
 @contextlib.contextmanager
