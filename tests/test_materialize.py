@@ -249,20 +249,24 @@ def test_the_forward_check_runs_on_the_meta_device_by_shapes() -> None:
 @pytest.mark.parametrize(("devices", "partition"), [(2, [2, 4]), (3, [1, 3, 2])], ids=["S2", "S3"])
 def test_a_model_built_in_configure_model_trains_as_one_device(devices: int, partition: list[int]) -> None:
     """LateNet builds its layers in ``configure_model``: under AvgPipe on the meta device, each rank then holding
-    only its own layers' parameters (counted), and training equals one process's to float tolerance."""
+    only its own layers' parameters and Adam state (counted), and training equals one process's to float tolerance."""
     from tests.helpers.models import make_layers
     from tests.test_strategy_equivalence import assert_matches, run_lightning
 
     out = Path(tempfile.mkdtemp())
-    results = run_lightning(out, devices, {"num_microbatches": 2, "partition": partition}, steps=4, late=True)
+    adam = {"optimizer": "adam", "lr": 0.01}
+    results = run_lightning(
+        out, devices, {"num_microbatches": 2, "partition": partition}, steps=4, late=True, model=adam
+    )
     layers = make_layers()
     stage_of = [s for s, n in enumerate(partition) for _ in range(n)]
     for r in results:
         own = sum(p.numel() for layer, s in zip(layers, stage_of) if s == r["place"][2] for p in layer.parameters())
         assert r["parameters"] == own, (r["rank"], r["parameters"], own)
+        assert r["optimizer_elements"] == 2 * own, (r["rank"], r["optimizer_elements"], own)  # Adam's two moments
     assert "the model was built without memory" in results[0]["output"], results[0]["output"][-2000:]
     assert "the forward check compared shapes and dtypes only (on the meta device)" in results[0]["output"]
-    assert_matches(out, results, 2)
+    assert_matches(out, results, 2, **adam)
 
 
 def test_a_large_model_built_whole_gets_a_note_suggesting_configure_model(monkeypatch: pytest.MonkeyPatch) -> None:

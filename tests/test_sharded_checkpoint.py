@@ -255,3 +255,27 @@ def test_tensor_shards_and_replicas_resume_exactly_from_a_folder(tmp_path: Path)
     b = consolidated(tmp_path / "resumed" / "final.ckpt", tmp_path / "b.ckpt")
     assert_same(a["state_dict"], b["state_dict"])
     assert_same(a["optimizer_states"][0]["avgpipe_ranks"], b["optimizer_states"][0]["avgpipe_ranks"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_two_groups_with_sharded_optimizer_state_resume_exactly_from_a_folder(tmp_path: Path) -> None:
+    """D = 2 groups of one stage, exact averaging, ZeRO-1: the groups' copies of a weight are written once, each
+    parameter's whole Adam state by the group that steps it; the resume continues bit for bit and consolidates to the
+    single file's state."""
+    strategy = {"num_stages": 1, "num_microbatches": 2, "averaging": "exact", "shard_optimizer_state": True}
+    run = {"steps": 8, "model": ADAM, "every_n_train_steps": 4, "trainer": PLAIN_ORDER}
+    sharded_strategy = {**strategy, "save_distributed_checkpoint": True}
+    straight = run_lightning(tmp_path / "straight", 2, sharded_strategy, **run)
+    mid = tmp_path / "straight" / "every" / "epoch=0-step=4.ckpt"
+    metadata = sharded.read_dcp_metadata(mid)
+    weight = [i for i in metadata.storage_data if i.fqn == "state_dict.layers.0.weight"]
+    assert len(weight) == 1  # one copy written, not one per group
+    rest = run_lightning(tmp_path / "resumed", 2, sharded_strategy, ckpt_path=str(mid), **run)
+    assert rest[0]["losses"] == straight[0]["losses"][4:]
+    a = consolidated(tmp_path / "straight" / "final.ckpt", tmp_path / "a.ckpt")
+    b = consolidated(tmp_path / "resumed" / "final.ckpt", tmp_path / "b.ckpt")
+    assert_same(a["state_dict"], b["state_dict"])
+    assert_same(a["optimizer_states"][0]["state"], b["optimizer_states"][0]["state"])
+    state = a["optimizer_states"][0]
+    assert set(state["state"]) == set(state["param_groups"][0]["params"])  # every parameter's state, whole

@@ -577,29 +577,28 @@ class AvgPipeStrategy(ProcessStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The unsplit model's state dict, under its own names, assembled on rank 0 (empty elsewhere); saving
-        sharded, this rank's stage as it is."""
+        """The unsplit model's state dict, under its own names, assembled on rank 0 (empty elsewhere). In Lightning's
+        checkpoint dump: this rank's stage as it is (a folder), or on rank 0 its own tensors and a placeholder for
+        each other rank's, which ``save_checkpoint`` receives as it writes (one file)."""
         assert self._split is not None
-        if self.save_distributed_checkpoint:
-            return ckpt.local_state_dict(self._lightning(), self.pipeline)
-        if compat.dumping_checkpoint(self._trainer_or_none()):  # save_checkpoint streams the other ranks' tensors
+        if compat.dumping_checkpoint(self._trainer_or_none()):  # save_checkpoint writes what this returns
+            if self.save_distributed_checkpoint:
+                return ckpt.local_state_dict(self._lightning(), self.pipeline)
+            self._outbox = streamed.Outbox()  # a dump starts here: the other ranks' tensors are streamed at the save
             local = ckpt.whole_state_dict(self._lightning(), self.pipeline)
             with guarded("a checkpoint's gather of every stage's tensor names to rank 0"):
                 parts = self._outbox.gather(sharded.to_refs(local, "state_dict", self._outbox.tensors), *self._ranks)
-            return (
-                {}
-                if parts is None
-                else ckpt.ordered({k: v for p in parts for k, v in p.items()}, self._split.full_keys)
-            )
+            merged = {k: v for part in parts or [] for k, v in part.items()}
+            return {} if parts is None else ckpt.ordered(merged, self._split.full_keys)
         return ckpt.assemble_state_dict(self._lightning(), self.pipeline, self._split.full_keys)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """The unsplit model's optimizer state, and every rank's replicas when N·D > 1, gathered on rank 0; saving
-        sharded, this rank's part (merged by ``save_checkpoint``)."""
-        if self.save_distributed_checkpoint:
-            return {ckpt.LOCAL: ckpt.optimizer_entry(optimizer, self.pipeline, self._names(), whole=False)}
+        """The unsplit model's optimizer state, and every rank's replicas when N·D > 1, gathered on rank 0. In
+        Lightning's checkpoint dump, as ``lightning_module_state_dict`` says."""
         if compat.dumping_checkpoint(self._trainer_or_none()):
+            if self.save_distributed_checkpoint:
+                return {ckpt.LOCAL: ckpt.optimizer_entry(optimizer, self.pipeline, self._names(), whole=False)}
             box = self._outbox
             entry = ckpt.optimizer_entry(optimizer, self.pipeline, self._names())
             part = ckpt.optimizer_part(entry, box.optimizers, self.global_rank, box.tensors)
@@ -677,7 +676,8 @@ class AvgPipeStrategy(ProcessStrategy):
         (``plugin/streamed.py``)."""
         outbox, self._outbox = self._outbox, streamed.Outbox()
         device = self.root_device if dist.is_initialized() and dist.get_backend() == "nccl" else torch.device("cpu")
-        io, streams = self.checkpoint_io, type(self.checkpoint_io) is TorchCheckpointIO
+        io = self.checkpoint_io
+        streams = type(io) is TorchCheckpointIO and storage_options is None  # Lightning's refuses storage_options
 
         def write(prepared: Any, fetch: Any) -> None:
             if streams and ckpt.local_path(io, filepath) is not None:

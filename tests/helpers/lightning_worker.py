@@ -246,6 +246,11 @@ def main(cfg: dict[str, Any]) -> None:
         top = strategy.topology
         result["environment"] = type(strategy.cluster_environment).__name__
         result["optimizer"] = type(strategy.optimizers[0]).__name__
+        # the optimizer state's elements this rank holds (tensors beyond a scalar step count)
+        states = trainer.optimizers[0].state.values()
+        result["optimizer_elements"] = sum(
+            v.numel() for st in states for v in st.values() if torch.is_tensor(v) and v.dim()
+        )
         result["averaging_class"] = type(strategy.elastic).__name__
         # where this rank sits: (node, pipeline group, stage, tensor shard), and its tensor group's global ranks
         result["place"] = [trainer.node_rank, top.group_index, top.stage, top.tensor_rank, top.tensor_ranks]
