@@ -276,6 +276,7 @@ class _Replay:
         self.real: dict[int, torch.UntypedStorage] = {}
         self.states: dict[int, Tensor] = {}  # id(a generator state read in the build) -> the replay's reading
         self.written: set[int] = set()
+        self.scratch: torch.UntypedStorage | None = None  # the draws' shared scratch storage (as_scratch)
         self.needed = _needed(record.steps, kept)
         self.last_use: dict[int, int] = {}
         for i, step in enumerate(record.steps):
@@ -299,13 +300,22 @@ class _Replay:
         view = torch.empty(0, dtype=t.dtype, device=self.device)
         return view.set_(self.real[s], t.storage_offset(), t.size(), t.stride())
 
-    def as_scratch(self, t: Any) -> Any:
-        """A fresh tensor of ``t``'s layout for a call that only draws (its values are not needed)."""
+    def as_scratch(self, t: Any, shared: bool = False) -> Any:
+        """A tensor of ``t``'s layout for a call that only draws (its values are not needed): with ``shared``, a view
+        of one scratch storage kept for the whole replay (grown to the largest such tensor), so that draws over
+        other ranks' layers never hold more than one of them, whatever the allocator keeps of a freed block."""
         if _is_meta_device(t):
             return self.device
-        if isinstance(t, Tensor) and (t.is_meta or t.device == self.device or t.device.type == "cpu"):
+        if not (isinstance(t, Tensor) and (t.is_meta or t.device == self.device or t.device.type == "cpu")):
+            return t
+        if not shared or t.numel() == 0:
             return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=self.device)
-        return t
+        extent = (1 + sum((n - 1) * st for n, st in zip(t.size(), t.stride()))) * t.element_size()
+        if self.scratch is None or self.scratch.nbytes() < extent:
+            self.scratch = None  # the smaller one freed first
+            self.scratch = torch.empty(extent, dtype=torch.uint8, device=self.device).untyped_storage()
+        view = torch.empty(0, dtype=t.dtype, device=self.device)
+        return view.set_(self.scratch, 0, t.size(), t.stride())
 
     def run(self, i: int, step: _Step) -> None:
         if step.always:  # the generator itself: a state read now is the replay's, and is set back as such
@@ -316,10 +326,18 @@ class _Replay:
             return
         if not self.needed[i]:
             if step.draws():  # only the draws matter: the same layout, scratch values
-                args, kwargs = tree_map(self.as_scratch, step.args), tree_map(self.as_scratch, step.kwargs)
+                first = next(iter(step.inputs()), None)  # what it fills (nn.init passes it by keyword)
+
+                def scratch(a: Any) -> Any:
+                    return self.as_scratch(a, shared=a is first)
+
+                args, kwargs = tree_map(scratch, step.args), tree_map(scratch, step.kwargs)
                 with torch.no_grad(), torch.device(self.device):
                     step.func(*args, **kwargs)
                 self.report.steps += 1
+                scratch = self.scratch.nbytes() if self.scratch is not None else 0
+                others = sum(st.nbytes() for s, st in self.real.items() if s not in self.kept)
+                self.report.peak_other_bytes = max(self.report.peak_other_bytes, others + scratch)
             return
         args, kwargs = tree_map(self.as_real, step.args), tree_map(self.as_real, step.kwargs)
         with torch.no_grad(), torch.device(self.device):  # factories without a device: the build's was meta
