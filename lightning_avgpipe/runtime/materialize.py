@@ -328,10 +328,10 @@ class _Replay:
             if step.draws():  # only the draws matter: the same layout, scratch values
                 first = next(iter(step.inputs()), None)  # what it fills (nn.init passes it by keyword)
 
-                def scratch(a: Any) -> Any:
+                def scratch_of(a: Any) -> Any:
                     return self.as_scratch(a, shared=a is first)
 
-                args, kwargs = tree_map(scratch, step.args), tree_map(scratch, step.kwargs)
+                args, kwargs = tree_map(scratch_of, step.args), tree_map(scratch_of, step.kwargs)
                 with torch.no_grad(), torch.device(self.device):
                     step.func(*args, **kwargs)
                 self.report.steps += 1
