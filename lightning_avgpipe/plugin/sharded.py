@@ -202,14 +202,20 @@ def check_folder(path: Path) -> tuple[dict[str, Any], Any]:
     return meta, metadata
 
 
-def read_tensors(path: Path, metadata: Any, keys: Iterable[str]) -> dict[str, Tensor]:
-    """The tensors ``keys`` of a sharded checkpoint, read by this process alone (only their bytes)."""
+def read_tensors(
+    path: Path, metadata: Any, keys: Iterable[str], into: dict[str, Tensor] | None = None
+) -> dict[str, Tensor]:
+    """The tensors ``keys`` of a sharded checkpoint, read by this process alone (only their bytes); a key in
+    ``into`` is read into that tensor in place (a parameter being restored: no second copy of it)."""
     import torch.distributed.checkpoint as dcp
 
-    state = {}
+    state: dict[str, Tensor] = {}
     for key in dict.fromkeys(keys):
         md = metadata.state_dict_metadata[key]
-        state[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        target = (into or {}).get(key)
+        if target is None or tuple(target.shape) != tuple(md.size) or target.dtype != md.properties.dtype:
+            target = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        state[key] = target
     if state:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled", category=UserWarning)

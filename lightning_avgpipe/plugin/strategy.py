@@ -7,6 +7,7 @@ maps Lightning's life cycle onto it (docs/how-it-works.md#lightning-integration)
 from __future__ import annotations
 
 import warnings
+import zipfile
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import fields
@@ -66,6 +67,7 @@ from lightning_avgpipe.runtime.ties import TiedWeights, tie_groups
 from lightning_avgpipe.runtime.topology import Topology
 from lightning_avgpipe.schedules.chunks import stages_of
 from lightning_avgpipe.schedules.generate import schedule_layout
+from lightning_avgpipe.shards import is_dtensor
 
 
 class AvgPipeStrategy(ProcessStrategy):
@@ -643,7 +645,12 @@ class AvgPipeStrategy(ProcessStrategy):
         return loaded
 
     def _load_file(self, checkpoint_path: Any, weights_only: bool) -> dict[str, Any]:
+        """Through the checkpoint IO; a local file through Lightning's default IO memory-mapped instead: every rank
+        touches only the bytes of its own stage's tensors."""
         try:
+            path = ckpt.local_path(self.checkpoint_io, checkpoint_path)
+            if type(self.checkpoint_io) is TorchCheckpointIO and path is not None and zipfile.is_zipfile(path):
+                return torch.load(path, map_location="cpu", weights_only=weights_only, mmap=True)  # type: ignore[no-any-return]
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         except FileNotFoundError:
             raise
@@ -716,7 +723,13 @@ class AvgPipeStrategy(ProcessStrategy):
         the same layout its own replicas; read by this rank alone."""
         meta, metadata = sharded.check_folder(path)
         view = ckpt.rank_view(meta, self._lightning(), self.pipeline, self.layout, self._names())
-        loaded = sharded.read_tensors(path, metadata, sharded.refs_in(view))
+        current = self._lightning().state_dict()  # the weights are read into the parameters themselves
+        into = {
+            ref[sharded.REF]: current[name]
+            for name, ref in view["state_dict"].items()
+            if sharded.is_ref(ref) and name in current and not is_dtensor(current[name])
+        }
+        loaded = sharded.read_tensors(path, metadata, sharded.refs_in(view), into)
         return sharded.resolve(view, loaded.__getitem__)
 
     # -- the end -------------------------------------------------------------------------------------------------
