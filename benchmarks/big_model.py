@@ -182,6 +182,11 @@ def run(
         return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(devices)]
     finally:
         shutil.rmtree(out, ignore_errors=True)
+        for group in CGROUP.glob(f"avgpipe-big-model-{os.getpid()}-*"):  # the ranks' cgroups, empty once they exit
+            try:
+                group.rmdir()
+            except OSError:
+                pass
 
 
 def main() -> None:
