@@ -281,3 +281,19 @@ def test_a_large_model_built_whole_gets_a_note_suggesting_configure_model(monkey
     monkeypatch.setattr(split, "LARGE_MODEL_BYTES", 30_000)
     split.suggest_configure_model(model)
     assert len(said) == 1 and "the model (32.5 KiB) was built whole on every rank; build its layers in" in said[0]
+
+
+@pytest.mark.slow
+def test_a_model_built_in_configure_model_splits_by_a_tensor_parallel_plan() -> None:
+    """T = 2 on one stage: the plan applies to the layers made real from the meta build, and training equals one
+    process's."""
+    from tests.test_checkpoint_layouts import TP_PLAN
+    from tests.test_strategy_equivalence import assert_matches, run_lightning
+
+    out = Path(tempfile.mkdtemp())
+    strategy = {"num_stages": 1, "num_microbatches": 2, "tensor_parallel_size": 2, "tensor_parallel_plan": TP_PLAN}
+    adam = {"optimizer": "adam", "lr": 0.01}
+    results = run_lightning(out, 2, strategy, steps=4, late=True, model=adam)
+    assert results[1]["sharded"] == ["layers.3.bias", "layers.3.weight", "layers.5.bias", "layers.5.weight"]
+    assert "the model was built without memory" in results[0]["output"]
+    assert_matches(out, results, 2, **adam)
