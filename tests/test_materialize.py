@@ -297,3 +297,34 @@ def test_a_model_built_in_configure_model_splits_by_a_tensor_parallel_plan() -> 
     assert results[1]["sharded"] == ["layers.3.bias", "layers.3.weight", "layers.5.bias", "layers.5.weight"]
     assert "the model was built without memory" in results[0]["output"]
     assert_matches(out, results, 2, **adam)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_uniform_draws_over_other_ranks_layers_are_made_in_chunks_and_leave_the_generator_as_one_process(
+    dtype: torch.dtype,
+) -> None:
+    """A uniform init over a layer this rank does not keep is drawn in chunks of a small buffer (a CPU uniform
+    draws element by element): the kept layer after it, a normal init after that and a generator passed by
+    argument get one process's values bit for bit, with less than one other layer's bytes alive."""
+    generator = torch.Generator().manual_seed(7)
+
+    def make() -> nn.Sequential:
+        big = nn.Linear(700, 300, dtype=dtype)  # 210,000 weights: more than one chunk
+        nn.init.xavier_uniform_(big.weight, generator=generator)
+        tail = nn.Linear(300, 5, dtype=dtype)
+        nn.init.normal_(tail.bias)
+        return nn.Sequential(big, tail)
+
+    torch.manual_seed(3)
+    generator.manual_seed(7)
+    whole = make()
+    torch.manual_seed(3)
+    generator.manual_seed(7)
+    record = InitRecord()
+    with torch.device("meta"), record:
+        model = make()
+    keep = {id(t) for t in model[1].parameters()}
+    report = materialize(model, lambda t: id(t) in keep, record, torch.device("cpu"))
+    for name, value in model[1].state_dict().items():
+        assert torch.equal(value, whole[1].state_dict()[name]), name
+    assert model[0].weight.is_meta and report.peak_other_bytes < whole[0].weight.nbytes

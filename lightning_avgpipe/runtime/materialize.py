@@ -54,6 +54,9 @@ _QUERIES = frozenset(
     }
 )
 # factories that give no values
+# draws the CPU makes element by element, which a small buffer can make in chunks (_Replay._chunked_uniform)
+_UNIFORM = frozenset({"uniform_", "kaiming_uniform_", "xavier_uniform_"})
+_CHUNK = 1 << 16
 _EMPTY = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
 # torch.nn.init's initializers that return early on a meta tensor (no torch-function dispatch of their own)
 _META_SKIPPING_INITS = ("orthogonal_", "trunc_normal_", "sparse_", "eye_", "dirac_")
@@ -317,6 +320,27 @@ class _Replay:
         view = torch.empty(0, dtype=t.dtype, device=self.device)
         return view.set_(self.scratch, 0, t.size(), t.stride())
 
+    def _chunked_uniform(self, step: _Step) -> bool:
+        """A uniform draw on the CPU over a tensor no one keeps, made in chunks of a small buffer: the CPU kernel
+        draws element by element in order (a fixed count per element of a dtype), so the generator ends where the
+        whole draw leaves it, without a tensor of its size (checked in ``tests/test_materialize.py``)."""
+        first = next(iter(step.inputs()), None)
+        if self.device.type != "cpu" or step.name not in _UNIFORM or first is None or not first.is_floating_point():
+            return False
+        generator = step.kwargs.get("generator")
+        if generator is None and step.name == "uniform_" and len(step.args) > 3:
+            generator = step.args[3]
+        if generator is not None and not isinstance(generator, torch.Generator):
+            return False
+        buffer = torch.empty(min(first.numel(), _CHUNK), dtype=first.dtype)
+        left = first.numel()
+        with torch.no_grad():
+            while left > 0:
+                n = min(left, _CHUNK)
+                buffer[:n].uniform_(generator=generator)
+                left -= n
+        return True
+
     def run(self, i: int, step: _Step) -> None:
         if step.always:  # the generator itself: a state read now is the replay's, and is set back as such
             args = tuple(self.states.get(id(a), a) for a in step.args)
@@ -325,6 +349,9 @@ class _Replay:
                 self.states[id(step.out)] = value
             return
         if not self.needed[i]:
+            if step.draws() and self._chunked_uniform(step):
+                self.report.steps += 1
+                return
             if step.draws():  # only the draws matter: the same layout, scratch values
                 first = next(iter(step.inputs()), None)  # what it fills (nn.init passes it by keyword)
 
