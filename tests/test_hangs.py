@@ -317,6 +317,31 @@ def test_a_rank_killed_during_a_save_is_named_by_the_survivor() -> None:
 
 
 @pytest.mark.slow
+def test_a_rank_killed_writing_a_folder_leaves_the_previous_checkpoint_whole() -> None:
+    """save_distributed_checkpoint=True, rank 1 killed as it writes its part of the second checkpoint: rank 0 ends
+    naming it, the first checkpoint is whole, the second only a folder marked incomplete."""
+    from lightning_avgpipe.plugin import sharded
+
+    out = Path(tempfile.mkdtemp())
+    cfg = {
+        "out": str(out),
+        "devices": 2,
+        "steps": 4,
+        "every_n_train_steps": 2,
+        "strategy": {"num_microbatches": 2, "p2p_timeout": 5, "save_distributed_checkpoint": True},
+        "fault": {"rank": 1, "step": 4, "kind": "kill_in_write"},
+    }
+    ended: list[float] = []
+    (code0, out0), (code1, _) = _run_ranks(cfg, ended=ended)
+    _report("rank 1 killed writing a folder (time after the kill)", "rank 0", ended[0] - ended[1], out0, "rank 1")
+    assert code1 == -9 and code0 == 1, (code0, code1)
+    assert re.search(r"rank 0: .*rank 1 \(pid \d+\) has exited or was killed", out0), out0[-3000:]
+    sharded.check_folder(out / "every" / "epoch=0-step=2.ckpt")  # whole: raises otherwise
+    assert not (out / "every" / "epoch=0-step=4.ckpt").exists()
+    assert (out / "every" / f".epoch=0-step=4.ckpt{sharded.INCOMPLETE}").is_dir()
+
+
+@pytest.mark.slow
 def test_an_empty_batch_is_named_on_every_rank() -> None:
     cfg = {"out": tempfile.mkdtemp(), "devices": 2, "steps": 4, "strategy": {"num_microbatches": 4}, "empty_batch": 1}
     start, ended = time.monotonic(), list[float]()

@@ -63,6 +63,13 @@ class Fault(pl.Callback):
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: Any) -> None:
         if self.kind == "kill_in_save" and trainer.global_rank == self.rank:  # killed between a save's collectives
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.kind == "kill_in_write" and trainer.global_rank == self.rank and trainer.global_step == self.step:
+            from lightning_avgpipe.plugin import sharded
+
+            def killed(*args: Any) -> None:  # as it writes its part of a folder
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            sharded.write_tensors = killed  # type: ignore[assignment]
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         if self.handle is not None:
