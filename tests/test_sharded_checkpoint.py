@@ -271,6 +271,10 @@ def test_two_groups_with_sharded_optimizer_state_resume_exactly_from_a_folder(tm
     metadata = sharded.read_dcp_metadata(mid)
     weight = [i for i in metadata.storage_data if i.fqn == "state_dict.layers.0.weight"]
     assert len(weight) == 1  # one copy written, not one per group
+    # Adam's moments as each group's flat slice holds them: boxes of the whole tensors, from both ranks' files
+    files = {info.relative_path for i, info in metadata.storage_data.items() if i.fqn.endswith(".exp_avg") and i.offset}
+    split = [k for k, md in metadata.state_dict_metadata.items() if k.endswith(".exp_avg") and len(md.chunks) > 1]
+    assert files == {"__0_0.distcp", "__1_0.distcp"} and split, (files, split)
     rest = run_lightning(tmp_path / "resumed", 2, sharded_strategy, ckpt_path=str(mid), **run)
     assert rest[0]["losses"] == straight[0]["losses"][4:]
     a = consolidated(tmp_path / "straight" / "final.ckpt", tmp_path / "a.ckpt")

@@ -224,7 +224,14 @@ def named_groups(
         user = optimizer
         # ZeRO-1 by flat slices: the slices gathered into whole tensors on group 0's rank (collective over the stage
         # group); the other groups send their parameters' names without a state
-        states = optimizer.whole_state(everywhere=False) if isinstance(optimizer, ShardedOptimizer) else user.state
+        pieces = optimizer.local_pieces() if isinstance(optimizer, ShardedOptimizer) and not whole else None
+        if pieces is not None:  # a folder: each rank writes its slices' pieces, nothing gathered
+            states: Any = {
+                p: {k: sharded.FlatPieces(tuple(p.shape), v) if isinstance(v, list) else v for k, v in st.items()}
+                for p, st in pieces.items()
+            }
+        else:
+            states = optimizer.whole_state(everywhere=False) if isinstance(optimizer, ShardedOptimizer) else user.state
 
         def state_of(p: Any) -> Any:
             return states.get(p, {})

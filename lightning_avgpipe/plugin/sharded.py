@@ -40,6 +40,83 @@ INCOMPLETE = ".incomplete"
 SHARDED = "avgpipe_sharded"  # avgpipe.pt's own entry: the world size and layout that wrote the folder
 
 
+def boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
+    """The flat range ``[start, stop)`` of a row-major tensor of ``shape`` as rectangular boxes ``(offsets, sizes,
+    flat start)``, each a contiguous run of the range: a partial first row, whole rows, a partial last row (each
+    partial row cut the same way one dimension down)."""
+    if start >= stop:
+        return []
+    if len(shape) <= 1:
+        return [((start,), (stop - start,), start)] if shape else [((), (), start)]
+    inner = 1
+    for n in shape[1:]:
+        inner *= n
+    first, last = start // inner, (stop - 1) // inner
+
+    def within(row: int, a: int, b: int) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
+        return [((row, *o), (1, *z), row * inner + f) for o, z, f in boxes(shape[1:], a, b)]
+
+    if first == last:
+        return within(first, start - first * inner, stop - first * inner)
+    out = []
+    if start % inner:
+        out += within(first, start % inner, inner)
+        first += 1
+    full_end = stop // inner
+    if first < full_end:
+        out.append(((first, *[0] * (len(shape) - 1)), (full_end - first, *shape[1:]), first * inner))
+    if stop % inner:
+        out += within(full_end, 0, stop % inner)
+    return out
+
+
+class FlatPieces:
+    """This rank's pieces of one tensor of ``shape`` held as flat runs (a ZeRO-1 slice of an optimizer state): DCP
+    writes each as the boxes of the whole tensor it covers (:func:`boxes`), so the ranks' pieces make the tensor in
+    the folder with nothing gathered."""
+
+    def __init__(self, shape: tuple[int, ...], pieces: list[tuple[int, Tensor]]) -> None:
+        self.shape = shape
+        self.parts: dict[tuple[int, ...], Tensor] = {}
+        for start, flat in pieces:
+            for offsets, sizes, at in boxes(shape, start, start + flat.numel()):
+                n = 1
+                for z in sizes:
+                    n *= z
+                self.parts[offsets] = flat[at - start : at - start + n].view(sizes)
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[Any]:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, torch.Size(offsets)),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=part.shape),
+                    properties=TensorProperties.create_from_tensor(part),
+                    size=torch.Size(self.shape),
+                ),
+            )
+            for offsets, part in self.parts.items()
+        ]
+
+
+def _planner() -> Any:
+    """DCP's default planner, finding a :class:`FlatPieces` part by its offsets."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    class PiecesPlanner(DefaultSavePlanner):
+        def lookup_object(self, index: Any) -> Any:
+            obj = self.state_dict.get(index.fqn)
+            if isinstance(obj, FlatPieces):
+                return obj.parts[tuple(index.offset)]
+            return super().lookup_object(index)
+
+    return PiecesPlanner()
+
+
 def ref(key: str) -> dict[str, str]:
     return {REF: key}
 
@@ -51,8 +128,8 @@ def is_ref(value: Any) -> bool:
 def to_refs(obj: Any, key: str, tensors: dict[str, Tensor]) -> Any:
     """``obj`` with each tensor replaced by a reference keyed by its path under ``key``, the tensor put in
     ``tensors``."""
-    if isinstance(obj, Tensor):
-        tensors[key] = obj.detach()
+    if isinstance(obj, (Tensor, FlatPieces)):
+        tensors[key] = obj.detach() if isinstance(obj, Tensor) else obj  # type: ignore[assignment]
         return ref(key)
     if isinstance(obj, Mapping):
         return type(obj)((k, to_refs(v, f"{key}.{k}", tensors)) for k, v in obj.items())  # type: ignore[call-arg]
@@ -106,7 +183,10 @@ def write_tensors(tmp: Path, tensors: dict[str, Tensor], process_group: Any) -> 
     import torch.distributed.checkpoint as dcp
 
     writer = dcp.FileSystemWriter(tmp, thread_count=1)
-    dcp.save(tensors, storage_writer=writer, process_group=process_group, no_dist=not dist.is_initialized())
+    planner = _planner()
+    dcp.save(
+        tensors, storage_writer=writer, planner=planner, process_group=process_group, no_dist=not dist.is_initialized()
+    )
 
 
 def finish(path: Path, meta: dict[str, Any]) -> None:

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_avgpipe.optim import WrappedOptimizer
-from lightning_avgpipe.shards import like, local
+from lightning_avgpipe.shards import is_dtensor, like, local
 
 # torch >= 2.13 names them *_single and deprecates the older names
 REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -276,6 +276,26 @@ class ShardedOptimizer(WrappedOptimizer):
                         out[p][k] = v.clone() if isinstance(v, Tensor) else v
         if not everywhere and self.index != 0:
             return {}
+        return {p: st for p, st in out.items() if st}
+
+    @torch.no_grad()
+    def local_pieces(self) -> dict[Tensor, dict[str, Any]] | None:
+        """This rank's part of every parameter's state, without a collective (a sharded checkpoint writes each part
+        where it is): for each parameter with a piece in this rank's slices, ``{key: [(start in the parameter's flat
+        numbering, flat tensor)]}`` for a sliced state, the value itself for a scalar (Adam's step). ``None`` where
+        states are whole (by parameter: :meth:`whole_state` is local) or tensor-parallel."""
+        if self.inner is None or any(is_dtensor(p) for b in self.buckets for p in b.params):
+            return None
+        out: dict[Tensor, dict[str, Any]] = {}
+        for b in self.buckets:
+            state = self.inner.state.get(b.param, {})
+            for i, start, at, length in b.pieces:
+                entry = out.setdefault(b.params[i], {})
+                for k, v in state.items():
+                    if _sliced(v, b):
+                        entry.setdefault(k, []).append((start, v[at : at + length]))
+                    else:
+                        entry[k] = v
         return {p: st for p, st in out.items() if st}
 
     @torch.no_grad()
