@@ -123,6 +123,24 @@ def test_plans_placed_by_measured_costs_validate(costs: tuple[float, float, floa
                     assert max(simulate(plan, 1.0, 2.0).peak_stash) <= 2 * S
 
 
+@pytest.mark.parametrize("S", [2, 3, 4, 5, 6])
+def test_every_positive_cost_set_gives_a_valid_plan_at_1f1b_memory(S: int) -> None:
+    """Issue 33: attention-heavy costs (I >= 1.5 F, W <= 0.3 F) left every rank of a ZB-V plan waiting on another
+    (S = 2, U >= 8). Over I/F 0.25-4, W/F 0.05-2 and U 1-16, both chunked schedules build, validate and simulate,
+    ZB-V within 1F1B's memory (a rank keeps its last unit of room for its chunk nearest the loss where the
+    greedy placement would fill it)."""
+    for U in (1, 2, 5, 8, 13, 16):
+        for i in (0.25, 1.5, 2.0, 4.0):
+            for w in (0.05, 0.1, 0.3, 2.0):
+                for name in ("zbv", "interleaved"):
+                    plan = build_plan(name, S, U, stages_per_rank=2, costs=(1.0, i, w))
+                    assert plan_errors(plan) == [], (name, S, U, i, w)
+                    sim = simulate(plan, 1.0, i + w, weight_grad_cost=w if name == "zbv" else None)
+                    assert sim.step_time > 0
+                    if name == "zbv":
+                        assert max(sim.peak_stash) <= 2 * S, (S, U, i, w, sim.peak_stash)
+
+
 @pytest.mark.parametrize("U", [4, 8])
 def test_a_zbv_plan_placed_by_its_costs_idles_less_at_those_costs(U: int) -> None:
     """I and W are seldom equal: placed by unit costs, ZB-V leaves slots a plan placed by the real ratio fills."""

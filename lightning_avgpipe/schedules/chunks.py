@@ -103,7 +103,22 @@ def chunked_orders(
             [Action(s, Kind.FORWARD, u) for u in range(num_units) for s in stages_of(r, num_ranks, v, placement)]
             for r in range(num_ranks)
         ]
-    return _ChunkScheduler(num_ranks, num_units, v, placement, split, caps, sequences, costs).run()
+    try:
+        return _ChunkScheduler(num_ranks, num_units, v, placement, split, caps, sequences, costs).run()
+    except _DeadlockError:  # some cost sets fill a rank with its first chunk's units while its last chunk's input waits
+        pass
+    try:  # each rank keeps its last unit of room for its chunk nearest the loss: that chunk always moves on
+        return _ChunkScheduler(num_ranks, num_units, v, placement, split, caps, sequences, costs, reserve=True).run()
+    except _DeadlockError:  # pragma: no cover - the reserve leaves a way through (tests/test_chunks.py's cost grid)
+        raise RuntimeError(
+            f"chunked_orders: the ranks wait for each other (S={num_ranks}, units={num_units}, v={v}, costs "
+            f"{ {k.name: c for k, c in (costs or PLACEMENT_COSTS).items()} }); build the plan without costs "
+            "(schedule_costs=None) and report this."
+        ) from None
+
+
+class _DeadlockError(Exception):
+    """Every rank waits on another (raised by the scheduler, handled by :func:`chunked_orders`)."""
 
 
 def megatron_sequences(num_ranks: int, num_units: int, v: int, rank: int) -> tuple[list[Action], list[Action]]:
@@ -127,8 +142,10 @@ class _ChunkScheduler:
         caps: list[int],
         sequences: list[tuple[list[Action], list[Action]]] | None = None,
         costs: dict[Kind, float] | None = None,
+        reserve: bool = False,
     ) -> None:
         self.S, self.U, self.V, self.split, self.caps = S, U, S * v, split, caps
+        self.reserve = reserve  # a rank's last unit of room kept for its highest stage (the chunk nearest the loss)
         self.costs = PLACEMENT_COSTS if costs is None else costs
         self.sequences = sequences
         self.taken = [[0, 0] for _ in range(S)]  # with sequences: forwards and backwards taken per rank
@@ -148,7 +165,7 @@ class _ChunkScheduler:
         while any(self.busy(r) for r in range(self.S)):
             waiting = [r for r in range(self.S) if self.busy(r) and r not in blocked]
             if not waiting:
-                raise RuntimeError("chunked_orders: the ranks wait for each other")  # pragma: no cover - a bug
+                raise _DeadlockError
             r = min(waiting, key=lambda q: (self.free[q], q))
             if self.act(r):
                 blocked.clear()
@@ -182,7 +199,13 @@ class _ChunkScheduler:
     def act(self, r: int) -> bool:
         now = self.free[r]
         backs = [(Kind.BACKWARD, *c) for c in self.candidates(r, Kind.BACKWARD)]
-        fwds = [(Kind.FORWARD, *c) for c in self.candidates(r, Kind.FORWARD)] if self.held[r] < self.caps[r] else []
+        room = self.caps[r] - self.held[r]
+        top = max(self.stages[r])
+        fwds = [
+            (Kind.FORWARD, *c)
+            for c in (self.candidates(r, Kind.FORWARD) if room > 0 else [])
+            if not self.reserve or room > 1 or c[1] == top
+        ]
         for group in (backs, fwds):
             # the highest stage whose input is there, among each link's first arrival (a link delivers in order)
             first: dict[object, tuple[float, int, int, Kind]] = {}
