@@ -118,12 +118,12 @@ class TuningTable:
         if own and not self.is_users(self.choice):
             best = self.choice
             self.choice = min(own, key=lambda r: (r.averaging != "exact", -self.value(r)))
+            below = 1 - self.value(self.choice) / self.value(best)
             said = (
                 f" Your own setting (M = {self.choice.num_microbatches}, N = {self.choice.num_pipelines}, "
-                f"{self.choice.schedule}) was kept: the best row (M = {best.num_microbatches}, N = "
-                f"{best.num_pipelines}, {best.schedule}) predicts {self.value(best) / self.value(self.choice) - 1:.1%} "
-                f"more, within the profile's timing noise (ties within {window:.1%}; a larger profile_steps measures "
-                "finer)."
+                f"{self.choice.schedule}) was kept: it predicts {below:.1%} less than the best row (M = "
+                f"{best.num_microbatches}, N = {best.num_pipelines}, {best.schedule}), and the profile's timing noise "
+                f"is {window:.1%}, so the two are not told apart (a larger profile_steps measures finer)."
             )
         self.notes["reason"] = reason(self) + said + schedule_reason(self)
         return self.choice
