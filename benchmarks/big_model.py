@@ -196,6 +196,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--cap-gib", type=float, help="run one device and S = 4 under this per-process memory cap")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: configure_model only (no __init__ row)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -219,7 +220,10 @@ def main() -> None:
 
     row("one device (configure_model)", one)
     for stages in args.stages:
-        for late, sharded in ((True, False), (True, True), (False, False))[: 3 if stages == 2 else 2]:
+        variants = ((True, False), (True, True), (False, False))
+        for late, sharded in variants[: 3 if stages == 2 and not args.quick else 2]:
+            : 3 if stages == 2 and not args.quick else 2
+        ]:
             for r in run(stages, late, args, sharded):
                 how = f"S={stages}, {'configure_model' if late else '__init__'}, {'folder' if sharded else 'file'}"
                 row(how, r)
