@@ -222,8 +222,6 @@ def main() -> None:
     for stages in args.stages:
         variants = ((True, False), (True, True), (False, False))
         for late, sharded in variants[: 3 if stages == 2 and not args.quick else 2]:
-            : 3 if stages == 2 and not args.quick else 2
-        ]:
             for r in run(stages, late, args, sharded):
                 how = f"S={stages}, {'configure_model' if late else '__init__'}, {'folder' if sharded else 'file'}"
                 row(how, r)
