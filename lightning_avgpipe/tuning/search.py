@@ -122,8 +122,9 @@ class TuningTable:
             said = (
                 f" Your own setting (M = {self.choice.num_microbatches}, N = {self.choice.num_pipelines}, "
                 f"{self.choice.schedule}) was kept: it predicts {below:.1%} less than the best row (M = "
-                f"{best.num_microbatches}, N = {best.num_pipelines}, {best.schedule}), and the profile's timing noise "
-                f"is {window:.1%}, so the two are not told apart (a larger profile_steps measures finer)."
+                f"{best.num_microbatches}, N = {best.num_pipelines}, {best.schedule}): a gap under the tie window of "
+                f"{window:.1%} (twice the profile's timing noise, at most 10%), which a rerun could reverse (a larger "
+                "profile_steps measures finer)."
             )
         self.notes["reason"] = reason(self) + said + schedule_reason(self)
         return self.choice
