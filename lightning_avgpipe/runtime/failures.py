@@ -181,8 +181,21 @@ def first_failure() -> str:
             return f"(The first failure could not be read: {err}.) "
     except Exception:  # noqa: BLE001 - the store is gone: what was seen is kept
         pass
-    text = str(_seen["text"])
+    text = str(_seen["text"]).rstrip(".")
     return f"First failure: {text}. " if text else ""
+
+
+def shortened(text: str, limit: int = 200) -> str:
+    """``text`` at most ``limit`` characters, cut at a word's end with an ellipsis (never mid-word)."""
+    if len(text) <= limit:
+        return text
+    cut = text[: limit - 4].rsplit(" ", 1)[0].rstrip(" ,;:.")
+    return cut + " ..."
+
+
+def _what(record: str) -> str:
+    """A recorded failure without its site ("rank 1 (stage 1): ValueError: x" -> "ValueError: x")."""
+    return record.split("): ", 1)[-1]
 
 
 def handle_failure(exception: BaseException, where: str, rank: int, world_size: int) -> None:
@@ -194,14 +207,15 @@ def handle_failure(exception: BaseException, where: str, rank: int, world_size: 
     naming the first failure. Rank 0 hosts the store, so it gives the others' watchdogs (they poll every second) a
     few seconds to read the failure before it exits and takes the store with it. Every store call is bounded.
     """
-    mine = f"{where}: {type(exception).__name__}: {str(exception)[:200]}"
+    mine = f"{where}: {type(exception).__name__}: {shortened(str(exception))}"
     report_failure(mine)
     first = recorded_failure()
-    if first and first != mine:
+    if first and first != mine and _what(first) != _what(mine):  # the same error on every rank needs no note
+        consequence = isinstance(exception, PeerFailureError) or is_transport_error(exception)
         name_first_failure(
             exception,
-            f"lightning_avgpipe: rank {rank} stopped because another rank failed first. "
-            f"First failure: {first.rstrip('.')}.",
+            (f"lightning_avgpipe: rank {rank} stopped because another rank failed first. " if consequence else "")
+            + f"First failure: {first.rstrip('.')}.",
         )
     if rank == 0 and world_size > 1 and first:  # the others' acknowledgements (rank 0's own does not count)
         wait_until_seen(range(1, world_size), timeout=3.0)
