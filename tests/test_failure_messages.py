@@ -46,3 +46,29 @@ def test_the_note_a_rank_adds_says_what_happened(first: str, exception: BaseExce
         assert ".." not in said.replace(" ...", ""), said  # no doubled period
         if note != "stopped because":
             assert "stopped because" not in said, said
+
+
+def test_a_placeholder_refuses_to_pass_for_the_whole_model_after_the_run() -> None:
+    """Issue 33, item 1 (the refusal): after a run, a module holding placeholders for other stages' layers refuses a
+    forward, state_dict() (so PEFT's save_pretrained) and pickling, naming the cure; the strategy's own saves pass."""
+    import copy
+
+    import torch
+    from torch import nn
+
+    from lightning_avgpipe.plugin.bridge import Elsewhere, Guard, NotWholeError
+
+    guard = Guard()
+    model = nn.Sequential(nn.Linear(2, 2), Elsewhere("layers.1", 1, guard))
+    assert list(model.state_dict()) == ["0.weight", "0.bias"]  # during a run: the placeholders keep the keys
+    guard.finished = True
+    cure = r"'layers.1', a layer that ran on stage 1 .* MyModel.load_from_checkpoint\(path\)"
+    with pytest.raises(NotWholeError, match="state_dict\\(\\) reached " + cure):
+        model.state_dict()
+    with pytest.raises(NotWholeError, match="its forward reached " + cure):
+        model(torch.ones(1, 2))
+    with pytest.raises(NotWholeError, match="pickling"):
+        copy.deepcopy(model)
+    with guard.allowing():
+        assert list(model.state_dict()) == ["0.weight", "0.bias"]
+    assert guard.finished

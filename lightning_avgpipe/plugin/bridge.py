@@ -10,7 +10,8 @@ travel as their state, so epoch-level ``compute()`` gives the same result everyw
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,12 +23,28 @@ from lightning_avgpipe.microbatch import to_cpu
 from lightning_avgpipe.plugin.contract import PipelineContractError, pipeline_inputs, same_structure
 
 
+class NotWholeError(RuntimeError):
+    """The module is not the whole model in this process: a layer of another stage was used after the run."""
+
+
 class Guard:
-    """Set while a user step runs under the pipeline: layers must then not be called directly."""
+    """Set while a user step runs under the pipeline: layers must then not be called directly. ``finished``: the
+    run is over and this process holds only its own stages: a placeholder's use then refuses (the module is not
+    the whole model here), except inside the strategy's own saves (:meth:`allowing`)."""
 
     def __init__(self) -> None:
         self.active = False
         self.hook: str = ""
+        self.finished = False
+
+    @contextmanager
+    def allowing(self) -> Iterator[None]:
+        """The strategy's own use of the split module (a checkpoint's state dict after the run)."""
+        finished, self.finished = self.finished, False
+        try:
+            yield
+        finally:
+            self.finished = finished
 
     def check(self, name: str) -> None:
         if self.active:
@@ -45,10 +62,31 @@ class Elsewhere(nn.Identity):
         self.layer_name = name
         self.stage = stage
         self._guard = guard
+        self.register_state_dict_pre_hook(Elsewhere._refuse_state_dict)
 
     def forward(self, x: Any) -> Any:
         self._guard.check(self.layer_name)
+        self._refuse("its forward")
         return x
+
+    def _refuse(self, what: str) -> None:
+        if self._guard.finished:
+            raise NotWholeError(
+                f"AvgPipe: {what} reached '{self.layer_name}', a layer that ran on stage {self.stage} in another "
+                "process: after a run this process holds only its own stages, so this module is not the whole model "
+                "here (a state dict, a forward or save_pretrained would give a part of it). For the whole trained "
+                "model load a checkpoint: trainer.save_checkpoint(path), then MyModel.load_from_checkpoint(path) "
+                "(a folder saved with save_distributed_checkpoint=True: python -m lightning_avgpipe consolidate "
+                "FOLDER OUT.ckpt first)."
+            )
+
+    @staticmethod
+    def _refuse_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        module._refuse("state_dict()")  # type: ignore[operator]
+
+    def __getstate__(self) -> dict[str, Any]:
+        self._refuse("pickling (torch.save of the module, copy.deepcopy)")
+        return self.__dict__.copy()
 
     def extra_repr(self) -> str:
         return f"{self.layer_name} on stage {self.stage}"

@@ -230,7 +230,13 @@ def main(cfg: dict[str, Any]) -> None:
     preds = trainer.predict(model, loader(bs)) if cfg.get("predict") else None
     # what could still run at interpreter exit (a daemon thread inside a C++ call there aborts the process)
     threads = sorted(t.name for t in threading.enumerate() if t is not threading.main_thread())
+    try:  # after the run: a module holding placeholders refuses to pass for the whole model
+        model.state_dict()
+        after_run = "whole"
+    except Exception as err:  # noqa: BLE001 - its type is the result
+        after_run = type(err).__name__
     result = {
+        "after_run": after_run,
         "parameters": sum(p.numel() for p in model.parameters()),  # what this rank holds (a placeholder holds none)
         "threads": threads,
         "losses": rec.losses,
