@@ -283,3 +283,27 @@ def test_two_groups_with_sharded_optimizer_state_resume_exactly_from_a_folder(tm
     assert_same(a["optimizer_states"][0]["state"], b["optimizer_states"][0]["state"])
     state = a["optimizer_states"][0]
     assert set(state["state"]) == set(state["param_groups"][0]["params"])  # every parameter's state, whole
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_elastic_replicas_with_a_sharded_reference_resume_exactly_from_a_folder(tmp_path: Path) -> None:
+    """N = 2 elastic replicas on D = 2 groups with the reference sharded (shard_optimizer_state): each rank's replicas,
+    their optimizers and its slice of the averaging's state under its rank; the resume continues bit for bit."""
+    strategy = {
+        "num_stages": 1,
+        "num_microbatches": 2,
+        "num_pipelines": 2,
+        "shard_optimizer_state": True,
+        "save_distributed_checkpoint": True,
+    }
+    run = {"steps": 8, "model": ADAM, "every_n_train_steps": 4, "trainer": PLAIN_ORDER}
+    straight = run_lightning(tmp_path / "straight", 2, strategy, **run)
+    mid = tmp_path / "straight" / "every" / "epoch=1-step=4.ckpt"  # two batches a step: step 4 ends epoch 1
+    keys = sharded.read_dcp_metadata(mid).state_dict_metadata
+    assert any(k.startswith("optimizer_states.0.rank1.") for k in keys) and any(".rank0." in k for k in keys)
+    rest = run_lightning(tmp_path / "resumed", 2, strategy, ckpt_path=str(mid), **run)
+    assert rest[0]["losses"] == straight[0]["losses"][4:]
+    a = consolidated(tmp_path / "straight" / "final.ckpt", tmp_path / "a.ckpt")
+    b = consolidated(tmp_path / "resumed" / "final.ckpt", tmp_path / "b.ckpt")
+    assert_same(a["state_dict"], b["state_dict"])
