@@ -327,4 +327,5 @@ def test_uniform_draws_over_other_ranks_layers_are_made_in_chunks_and_leave_the_
     report = materialize(model, lambda t: id(t) in keep, record, torch.device("cpu"))
     for name, value in model[1].state_dict().items():
         assert torch.equal(value, whole[1].state_dict()[name]), name
-    assert model[0].weight.is_meta and report.peak_other_bytes < whole[0].weight.nbytes
+    # the other layer's draws held one chunk of a buffer at most, never a tensor of its size
+    assert model[0].weight.is_meta and 0 < report.peak_other_bytes < whole[0].weight.nbytes // 2

@@ -151,13 +151,7 @@ def refs_in(obj: Any) -> Iterable[str]:
 
 def resolve(obj: Any, value: Callable[[str], Any]) -> Any:
     """``obj`` with each reference replaced by ``value(key)``."""
-    if is_ref(obj):
-        return value(obj[REF])
-    if isinstance(obj, Mapping):
-        return type(obj)((k, resolve(v, value)) for k, v in obj.items())  # type: ignore[call-arg]
-    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
-        return type(obj)(resolve(v, value) for v in obj)
-    return obj
+    return torchfile.mapped(obj, is_ref, lambda r: value(r[REF]))
 
 
 # -- writing ---------------------------------------------------------------------------------------------------

@@ -6,9 +6,10 @@ maps Lightning's life cycle onto it (docs/how-it-works.md#lightning-integration)
 
 from __future__ import annotations
 
+import functools
 import warnings
 import zipfile
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import fields
 from pathlib import Path
@@ -68,6 +69,18 @@ from lightning_avgpipe.runtime.topology import Topology
 from lightning_avgpipe.schedules.chunks import stages_of
 from lightning_avgpipe.schedules.generate import schedule_layout
 from lightning_avgpipe.shards import is_dtensor
+
+
+def _own_use(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A hook where the strategy reads or fills its split module itself (a checkpoint after the run too): its
+    placeholders let it (``Guard.allowing``)."""
+
+    @functools.wraps(method)
+    def wrapped(self: AvgPipeStrategy, *args: Any, **kwargs: Any) -> Any:
+        with self._guard.allowing():
+            return method(self, *args, **kwargs)
+
+    return wrapped
 
 
 class AvgPipeStrategy(ProcessStrategy):
@@ -579,52 +592,50 @@ class AvgPipeStrategy(ProcessStrategy):
         }
 
     @override
+    @_own_use
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The unsplit model's state dict, under its own names, assembled on rank 0 (empty elsewhere). In Lightning's
         checkpoint dump: this rank's stage as it is (a folder), or on rank 0 its own tensors and a placeholder for
         each other rank's, which ``save_checkpoint`` receives as it writes (one file)."""
-        with self._guard.allowing():  # the strategy's own use of the split module
-            assert self._split is not None
-            if compat.dumping_checkpoint(self._trainer_or_none()):  # save_checkpoint writes what this returns
-                if self.save_distributed_checkpoint:
-                    return ckpt.local_state_dict(self._lightning(), self.pipeline)
-                # a dump starts here: the other ranks' tensors are streamed at the save
-                self._outbox = streamed.Outbox()
-                local = ckpt.whole_state_dict(self._lightning(), self.pipeline)
-                with guarded("a checkpoint's gather of every stage's tensor names to rank 0"):
-                    parts = self._outbox.gather(
-                        sharded.to_refs(local, "state_dict", self._outbox.tensors), *self._ranks
-                    )
-                merged = {k: v for part in parts or [] for k, v in part.items()}
-                return {} if parts is None else ckpt.ordered(merged, self._split.full_keys)
-            return ckpt.assemble_state_dict(self._lightning(), self.pipeline, self._split.full_keys)
+        assert self._split is not None
+        if compat.dumping_checkpoint(self._trainer_or_none()):  # save_checkpoint writes what this returns
+            if self.save_distributed_checkpoint:
+                return ckpt.local_state_dict(self._lightning(), self.pipeline)
+            # a dump starts here: the other ranks' tensors are streamed at the save
+            self._outbox = streamed.Outbox()
+            local = ckpt.whole_state_dict(self._lightning(), self.pipeline)
+            with guarded("a checkpoint's gather of every stage's tensor names to rank 0"):
+                parts = self._outbox.gather(sharded.to_refs(local, "state_dict", self._outbox.tensors), *self._ranks)
+            merged = {k: v for part in parts or [] for k, v in part.items()}
+            return {} if parts is None else ckpt.ordered(merged, self._split.full_keys)
+        return ckpt.assemble_state_dict(self._lightning(), self.pipeline, self._split.full_keys)
 
     @override
+    @_own_use
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The unsplit model's optimizer state, and every rank's replicas when N·D > 1, gathered on rank 0. In
         Lightning's checkpoint dump, as ``lightning_module_state_dict`` says."""
-        with self._guard.allowing():  # the strategy's own use of the split module
-            if compat.dumping_checkpoint(self._trainer_or_none()):
-                if self.save_distributed_checkpoint:
-                    return {ckpt.LOCAL: ckpt.optimizer_entry(optimizer, self.pipeline, self._names(), whole=False)}
-                box = self._outbox
-                entry = ckpt.optimizer_entry(optimizer, self.pipeline, self._names())
-                part = ckpt.optimizer_part(entry, box.optimizers, self.global_rank, box.tensors)
-                box.optimizers += 1
-                with guarded("a checkpoint's gather of every stage's optimizer state names to rank 0"):
-                    parts = box.gather(part, *self._ranks)
-                return {} if parts is None else ckpt.unsplit_optimizer_state(parts, self.layout, self._names())
-            return ckpt.gather_optimizer_state(optimizer, self.pipeline, self.layout, self._names())
+        if compat.dumping_checkpoint(self._trainer_or_none()):
+            if self.save_distributed_checkpoint:
+                return {ckpt.LOCAL: ckpt.optimizer_entry(optimizer, self.pipeline, self._names(), whole=False)}
+            box = self._outbox
+            entry = ckpt.optimizer_entry(optimizer, self.pipeline, self._names())
+            part = ckpt.optimizer_part(entry, box.optimizers, self.global_rank, box.tensors)
+            box.optimizers += 1
+            with guarded("a checkpoint's gather of every stage's optimizer state names to rank 0"):
+                parts = box.gather(part, *self._ranks)
+            return {} if parts is None else ckpt.unsplit_optimizer_state(parts, self.layout, self._names())
+        return ckpt.gather_optimizer_state(optimizer, self.pipeline, self.layout, self._names())
 
     def _names(self) -> ckpt.Names:
         assert self._split is not None
         return ckpt.Names(self._param_names, self._split.aliases, self._split.param_names)
 
     @override
+    @_own_use
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        with self._guard.allowing():  # the strategy's own use of the split module
-            self.pipeline.elastic.reclaim()  # a sharded reference a failed step left released takes the weights again
-            ckpt.load_stage_state(self._lightning(), checkpoint, self.pipeline, strict)
+        self.pipeline.elastic.reclaim()  # a sharded reference a failed step left released takes the weights again
+        ckpt.load_stage_state(self._lightning(), checkpoint, self.pipeline, strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -634,6 +645,7 @@ class AvgPipeStrategy(ProcessStrategy):
         _optimizers_to_device(self.optimizers, self.root_device)
 
     @override
+    @_own_use
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load and verify a checkpoint; a truncated or corrupt file is named with what to do instead.
 
@@ -641,16 +653,15 @@ class AvgPipeStrategy(ProcessStrategy):
         ``weights_only=False``: this strategy's checkpoints hold only tensors and plain values, and unpickling
         anything else can run code from the file on every rank.
         """
-        with self._guard.allowing():  # the strategy's own use of the split module
-            weights_only = (not self.trusted_checkpoints) if weights_only is None else weights_only
-            if Path(str(checkpoint_path)).is_dir():
-                loaded = self._load_sharded(Path(str(checkpoint_path)))
-            else:
-                loaded = self._load_file(checkpoint_path, weights_only)
-            module = self.lightning_module
-            trainer = compat.attached_trainer(module) if module is not None else None
-            ckpt.check_loaded(loaded, checkpoint_path, trainer is not None and trainer.state.fn == TrainerFn.FITTING)
-            return loaded
+        weights_only = (not self.trusted_checkpoints) if weights_only is None else weights_only
+        if Path(str(checkpoint_path)).is_dir():
+            loaded = self._load_sharded(Path(str(checkpoint_path)))
+        else:
+            loaded = self._load_file(checkpoint_path, weights_only)
+        module = self.lightning_module
+        trainer = compat.attached_trainer(module) if module is not None else None
+        ckpt.check_loaded(loaded, checkpoint_path, trainer is not None and trainer.state.fn == TrainerFn.FITTING)
+        return loaded
 
     def _load_file(self, checkpoint_path: Any, weights_only: bool) -> dict[str, Any]:
         """Through the checkpoint IO; a local file through Lightning's default IO memory-mapped instead: every rank
@@ -668,16 +679,16 @@ class AvgPipeStrategy(ProcessStrategy):
             raise ckpt.unreadable(checkpoint_path, err) from err
 
     @override
+    @_own_use
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Write on rank 0 to a temporary file, then rename: a crash never leaves a half-written checkpoint. Saving
         sharded, every rank writes its part into a folder (``plugin/sharded.py``)."""
-        with self._guard.allowing():  # the strategy's own use of the split module
-            if self.save_distributed_checkpoint:
-                self._save_sharded(checkpoint, filepath)
-            elif self._outbox:
-                self._save_streamed(checkpoint, filepath, storage_options)
-            elif self.is_global_zero:
-                ckpt.save_atomically(self.checkpoint_io, checkpoint, filepath, storage_options)
+        if self.save_distributed_checkpoint:
+            self._save_sharded(checkpoint, filepath)
+        elif self._outbox:
+            self._save_streamed(checkpoint, filepath, storage_options)
+        elif self.is_global_zero:
+            ckpt.save_atomically(self.checkpoint_io, checkpoint, filepath, storage_options)
 
     @property
     def _ranks(self) -> tuple[int, int]:

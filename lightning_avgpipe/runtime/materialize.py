@@ -333,6 +333,7 @@ class _Replay:
         if generator is not None and not isinstance(generator, torch.Generator):
             return False
         buffer = torch.empty(min(first.numel(), _CHUNK), dtype=first.dtype)
+        self.report.peak_other_bytes = max(self.report.peak_other_bytes, buffer.nbytes)
         left = first.numel()
         with torch.no_grad():
             while left > 0:

@@ -84,7 +84,8 @@ def match(module: nn.Module, file_keys: Iterable[str]) -> Loaded:
     """Which file key fills each of ``module``'s parameters and persistent buffers."""
     prefix = str(getattr(module, "base_model_prefix", "") or "")
     mapping = dict(getattr(module, "_checkpoint_conversion_mapping", None) or {})
-    names = list(module.state_dict(keep_vars=True))
+    tensors = module.state_dict(keep_vars=True)
+    names = list(tensors)
     by_name: dict[str, str] = {}
     for key in file_keys:
         name = _renamed(key, mapping)
@@ -94,7 +95,6 @@ def match(module: nn.Module, file_keys: Iterable[str]) -> Loaded:
                 break
     loaded = Loaded(keys=by_name)
     # a tied weight: one tensor under several names, the file holding one of them (lm_head.weight is not saved)
-    tensors = {n: t for n, t in module.state_dict(keep_vars=True).items()}
     for name in names:
         if name in by_name:
             continue

@@ -130,17 +130,12 @@ class Prepared:
         return [slot.key for slot, _ in self.slots if slot.key not in self.real]
 
     def _slotted(self, value: Any) -> Any:
-        if isinstance(value, Tensor):
+        def slot(tensor: Tensor) -> Slot:
             key = f"\0real/{len(self.real)}"
-            self.real[key] = value
-            return Slot.of(key, value)
-        if isinstance(value, collections.OrderedDict):
-            return collections.OrderedDict((k, self._slotted(v)) for k, v in value.items())
-        if isinstance(value, dict):
-            return {k: self._slotted(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
-            return type(value)(self._slotted(v) for v in value)
-        return value
+            self.real[key] = tensor
+            return Slot.of(key, tensor)
+
+        return mapped(value, lambda x: isinstance(x, Tensor), slot)
 
 
 def write(path: str | os.PathLike[str], obj: Any | Prepared, fetch: Callable[[str], Tensor]) -> None:
@@ -175,14 +170,19 @@ def write(path: str | os.PathLike[str], obj: Any | Prepared, fetch: Callable[[st
             f.write(b"3\n")
 
 
+def mapped(obj: Any, leaf: Callable[[Any], bool], value: Callable[[Any], Any]) -> Any:
+    """``obj`` with every ``x`` for which ``leaf(x)`` holds replaced by ``value(x)``, through dicts (an
+    ``OrderedDict`` stays one), lists and tuples; anything else is kept as it is."""
+    if leaf(obj):
+        return value(obj)
+    if isinstance(obj, dict):
+        items = ((k, mapped(v, leaf, value)) for k, v in obj.items())
+        return collections.OrderedDict(items) if isinstance(obj, collections.OrderedDict) else dict(items)
+    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
+        return type(obj)(mapped(v, leaf, value) for v in obj)
+    return obj
+
+
 def filled(obj: Any, value: Callable[[Slot], Any]) -> Any:
     """``obj`` with each :class:`Slot` replaced by ``value(slot)``."""
-    if isinstance(obj, Slot):
-        return value(obj)
-    if isinstance(obj, collections.OrderedDict):
-        return collections.OrderedDict((k, filled(v, value)) for k, v in obj.items())
-    if isinstance(obj, dict):
-        return {k: filled(v, value) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
-        return type(obj)(filled(v, value) for v in obj)
-    return obj
+    return mapped(obj, lambda x: isinstance(x, Slot), value)
