@@ -8,7 +8,8 @@ steps, a ``trainer.save_checkpoint`` (one file, streamed to rank 0, or ``save_di
 folder) and a resume of it in a new Trainer and model (the first ones deleted); and the save's and resume's wall
 times. Printed as ratios to one device's figure of the same phase.
 
-    python benchmarks/big_model.py                      # width 2048, 8 layers (128 MiB of weights), S = 2 and 4
+    python benchmarks/big_model.py                      # width 2048, 8 layers (128 MiB of weights), S = 2 and 4,
+                                                        # and S = 2 x T = 2 (each stage split over 2 ranks)
     python benchmarks/big_model.py --cap-gib 2.5 --width 4096 --layers 16   # one device killed by the cap, S = 4 not
 
 ``--cap-gib`` puts each process in a cgroup (v1 memory controller, root on Linux) of its own with that limit, and
@@ -124,8 +125,17 @@ def worker(cfg: dict[str, Any]) -> None:
     def trainer_for(callbacks: list[Any]) -> pl.Trainer:
         strategy: Any = "auto"
         if cfg["devices"] > 1:
-            sdc = cfg["sharded"]
-            strategy = AvgPipeStrategy(num_microbatches=2, partition="parameters", save_distributed_checkpoint=sdc)
+            sdc, T = cfg["sharded"], cfg.get("tensor", 1)
+            # T > 1: each stage's Linears in column-wise then row-wise pairs (Megatron's MLP split)
+            plan = {f"layers.{2 * i}": "rowwise" if i % 2 else "colwise" for i in range(layers)} if T > 1 else None
+            strategy = AvgPipeStrategy(
+                num_stages=cfg["devices"] // T,
+                num_microbatches=2,
+                partition="parameters",
+                save_distributed_checkpoint=sdc,
+                tensor_parallel_size=T,
+                tensor_parallel_plan=plan,
+            )
         return pl.Trainer(
             accelerator="cpu",
             devices=cfg["devices"],
@@ -161,15 +171,16 @@ def worker(cfg: dict[str, Any]) -> None:
 
 
 def run(
-    devices: int, late: bool, args: argparse.Namespace, sharded: bool = False, cap: int = 0
+    devices: int, late: bool, args: argparse.Namespace, sharded: bool = False, cap: int = 0, tensor: int = 1
 ) -> list[dict[str, Any]]:
-    """Every rank's result; with a ``cap``, a rank killed by it raises ``MemoryError`` naming it."""
+    """Every rank's result (``devices`` = S x ``tensor`` ranks); with a ``cap``, a rank killed by it raises
+    ``MemoryError`` naming it."""
     import shutil
 
     from benchmarks.harness import launch_ranks
 
     out = tempfile.mkdtemp(prefix="big-model-")
-    cfg = {"out": out, "devices": devices, "late": late, "sharded": sharded, "cap": cap}
+    cfg = {"out": out, "devices": devices, "late": late, "sharded": sharded, "cap": cap, "tensor": tensor}
     cfg.update({k: getattr(args, k) for k in ("width", "layers", "steps")})
     try:
         results = launch_ranks([str(Path(__file__)), "--worker", json.dumps(cfg)], devices, timeout=1800)
@@ -195,6 +206,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--tensor", type=int, default=2, help="also S = 2 x T = this (tensor parallelism); 1: not")
     parser.add_argument("--cap-gib", type=float, help="run one device and S = 4 under this per-process memory cap")
     parser.add_argument("--quick", action="store_true", help="a smoke run: configure_model only (no __init__ row)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -225,6 +237,9 @@ def main() -> None:
             for r in run(stages, late, args, sharded):
                 how = f"S={stages}, {'configure_model' if late else '__init__'}, {'folder' if sharded else 'file'}"
                 row(how, r)
+    if args.tensor > 1:  # each stage split over T ranks on the meta device, each rank making only its shards real
+        for r in run(2 * args.tensor, True, args, True, tensor=args.tensor):
+            row(f"S=2 x T={args.tensor}, configure_model, folder", r)
 
 
 def capped(args: argparse.Namespace, weights: int) -> None:

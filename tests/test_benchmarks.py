@@ -178,7 +178,9 @@ def test_bubble_benchmark_smoke() -> None:
 def test_big_model_benchmark_smoke() -> None:
     """benchmarks/big_model.py on a small model: one device, then S = 2 built in configure_model saving a file and a
     folder, a row per rank with a figure and a ratio for every phase and both times."""
-    proc = run_script("big_model.py", "--width", "256", "--layers", "4", "--steps", "1", "--stages", "2", "--quick")
+    proc = run_script(
+        "big_model.py", "--width", "256", "--layers", "4", "--steps", "1", "--stages", "2", "--tensor", "1", "--quick"
+    )
     rows = [line for line in proc.stdout.splitlines() if line.startswith(("one device", "S=2"))]
     runs = ["S=2, configure_model, file", "S=2, configure_model, folder"]
     expected = ["one device (configure_model)"] + [r for r in runs for _ in (0, 1)]

@@ -285,8 +285,9 @@ def test_a_large_model_built_whole_gets_a_note_suggesting_configure_model(monkey
 
 @pytest.mark.slow
 def test_a_model_built_in_configure_model_splits_by_a_tensor_parallel_plan() -> None:
-    """T = 2 on one stage: the plan applies to the layers made real from the meta build, and training equals one
-    process's."""
+    """T = 2 on one stage: the plan splits the layers on the meta device, each rank makes only its shards real (counted
+    after the run), and training equals one process's."""
+    from tests.helpers.models import make_layers
     from tests.test_checkpoint_layouts import TP_PLAN
     from tests.test_strategy_equivalence import assert_matches, run_lightning
 
@@ -296,6 +297,13 @@ def test_a_model_built_in_configure_model_splits_by_a_tensor_parallel_plan() -> 
     results = run_lightning(out, 2, strategy, steps=4, late=True, model=adam)
     assert results[1]["sharded"] == ["layers.3.bias", "layers.3.weight", "layers.5.bias", "layers.5.weight"]
     assert "the model was built without memory" in results[0]["output"]
+    # split on the meta device, then only each rank's shards made real: half of layers.3 and of layers.5's weight
+    layers = make_layers()
+    whole = sum(p.numel() for layer in layers for p in layer.parameters())
+    halved = layers[3].weight.numel() + layers[3].bias.numel() + layers[5].weight.numel()
+    assert [r["local_parameters"] for r in results] == [whole - halved // 2] * 2, [
+        r["local_parameters"] for r in results
+    ]
     assert_matches(out, results, 2, **adam)
 
 

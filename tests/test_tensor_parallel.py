@@ -31,6 +31,8 @@ ATTENTION = [
     ("attention", 2, True),
     ("attention", 1, True, "zbh1"),
     ("attention-torch", 1, False),
+    ("attention-meta", 1, False),  # built without memory: the attention tried on a stand-in copy, split by shapes
+    ("mlp-meta", 2, False),
 ]
 
 
@@ -217,16 +219,22 @@ def _worker(rank: int, world: int, stages: int, tp: int, configs: list[tuple[Any
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     from lightning_avgpipe.config import PipelineConfig
+    from lightning_avgpipe.runtime.materialize import InitRecord, materialize
     from lightning_avgpipe.runtime.pipeline import StagePipeline
-    from lightning_avgpipe.runtime.tensor_parallel import parallelize_stage
-    from lightning_avgpipe.shards import full
+    from lightning_avgpipe.runtime.tensor_parallel import parallelize_stage, split_on_meta
+    from lightning_avgpipe.shards import full, is_dtensor
 
     top = Topology.build(rank, world, stages, tensor_parallel_size=tp)
     sizes = [3, 3] if stages == 2 else [6]
     start = sum(sizes[: top.stage])
     out = []
     for kind, n, ac, *schedule in [c if isinstance(c[0], str) else ("mlp", *c) for c in configs]:
-        layers = make_model(kind=kind.removesuffix("-torch"))
+        model = kind.removesuffix("-torch").removesuffix("-meta")
+        if kind.endswith("-meta"):  # built without memory: split by shapes, then only this rank's shards made real
+            with torch.device("meta"), InitRecord() as record:
+                layers = make_model(kind=model)
+        else:
+            layers = make_model(kind=model)
         own = {str(i): layers[i] for i in range(start, start + sizes[top.stage])}
         plan = default_plan(own)
         if kind.endswith("-torch"):  # torch's styles named for the Conv1D layers: split as Conv1D's layout needs
@@ -235,7 +243,17 @@ def _worker(rank: int, world: int, stages: int, tp: int, configs: list[tuple[Any
                 for k, v in plan.items()
             }
         left: list[str] = []
-        split = parallelize_stage(own, plan, top.tensor_mesh, left)
+        made = None
+        if kind.endswith("-meta"):
+            split, shards = split_on_meta(own, plan, top.tensor_mesh, left)
+            mine = {id(t) for m in own.values() for t in [*m.parameters(), *m.buffers()]}
+            made = materialize(nn.ModuleList(layers), lambda t: id(t) in mine, record, torch.device("cpu"), shards)
+            held = [t.to_local() if is_dtensor(t) else t for m in own.values() for t in [*m.parameters(), *m.buffers()]]
+            assert not any(t.is_meta for t in held)
+            largest = max(sum(t.numel() * t.element_size() for t in m.parameters()) for m in layers)  # a layer's
+            made = [made.kept_bytes, sum(t.numel() * t.element_size() for t in held), made.peak_other_bytes, largest]
+        else:
+            split = parallelize_stage(own, plan, top.tensor_mesh, left)
         cfg = PipelineConfig(
             num_stages=stages,
             num_microbatches=M,
@@ -260,12 +278,14 @@ def _worker(rank: int, world: int, stages: int, tp: int, configs: list[tuple[Any
         out.append({"losses": losses, "state": state, "split": split, "shard": top.tensor_rank, "peak": peak})
         out[-1]["left"] = left
         out[-1]["talks"] = talks
+        out[-1]["made"] = made
     return out
 
 
 def _check(results: list[list[dict[str, Any]]], configs: list[tuple[Any, ...]], groups: int) -> None:
     for c, config in enumerate(configs):
         kind, n = config[:2] if isinstance(config[0], str) else ("mlp", config[0])
+        kind = kind.removesuffix("-meta")  # built on the meta device: the same values, the same training
         want_losses, want = reference(n * groups, kind.removesuffix("-torch"))
         for rank_results in results:
             got = rank_results[c]
@@ -280,6 +300,12 @@ def _check(results: list[list[dict[str, Any]]], configs: list[tuple[Any, ...]], 
             left = {note for r in results for note in r[c]["left"]}
             assert len(left) == 1 and next(iter(left)).startswith("4 (its forward failed split (RuntimeError"), left
     assert [r[0]["talks"] for r in results] == [r[0]["shard"] == 0 for r in results]
+    for c, config in enumerate(configs):  # built without memory: each rank made real only its shards of its stage
+        for r in results:
+            if r[c]["made"] is not None:
+                kept, held, peak_other, largest = r[c]["made"]
+                assert kept == held, (config, r[c]["shard"], kept, held)
+                assert peak_other <= largest, (config, peak_other, largest)
 
 
 @pytest.mark.slow
@@ -418,9 +444,10 @@ def _zero_worker(rank: int, world: int) -> list[Any]:
     """D = 2 x T = 2, one stage, exact averaging, Adam: without and with shard_optimizer_state (flat slices of each
     rank's tensor shards)."""
     from lightning_avgpipe.config import PipelineConfig
+    from lightning_avgpipe.runtime.materialize import InitRecord, materialize
     from lightning_avgpipe.runtime.pipeline import StagePipeline
-    from lightning_avgpipe.runtime.tensor_parallel import parallelize_stage
-    from lightning_avgpipe.shards import full
+    from lightning_avgpipe.runtime.tensor_parallel import parallelize_stage, split_on_meta
+    from lightning_avgpipe.shards import full, is_dtensor
 
     top = Topology.build(rank, world, 1, tensor_parallel_size=2)
     out = []

@@ -30,7 +30,8 @@ from lightning_avgpipe.plugin.bridge import Anchor, Elsewhere, Guard, guard_laye
 from lightning_avgpipe.plugin.contract import check_forward, locate, pipeline_inputs
 from lightning_avgpipe.plugin.data import peek
 from lightning_avgpipe.plugin.resume import checkpoint_layout
-from lightning_avgpipe.runtime.materialize import InitRecord, Materialized, materialize
+from lightning_avgpipe.runtime.materialize import InitRecord, Materialized, Shard, materialize
+from lightning_avgpipe.shards import is_dtensor
 
 
 @dataclass
@@ -49,6 +50,7 @@ class SplitModule:
     param_names: list[str] = field(default_factory=list)
     aliases: dict[str, str] = field(default_factory=dict)
     stages: list[int] = field(default_factory=list)  # this rank's model stages, in order (several: chunks)
+    tensor_split: bool = False  # its layers were split over the tensor group on the meta device, before made real
 
     @property
     def chunk_sizes(self) -> list[int]:
@@ -133,6 +135,15 @@ def recorded_build(precision_context: ContextManager[Any], records: list[InitRec
     records.append(record)
 
 
+def own_layers(
+    module: nn.Module, layers: Sequence[nn.Module], sizes: Sequence[int], stages: Sequence[int]
+) -> dict[str, nn.Module]:
+    """This rank's layers (of its model ``stages``; ``sizes`` layers per stage) by their names in ``module``."""
+    stage_of = [s for s, size in enumerate(sizes) for _ in range(size)]
+    qualified = {id(m): n for n, m in module.named_modules()}
+    return {qualified[id(layer)]: layer for layer, s in zip(layers, stage_of) if s in stages}
+
+
 def materialize_own(
     module: nn.Module,
     layers: Sequence[nn.Module],
@@ -141,17 +152,21 @@ def materialize_own(
     records: Sequence[InitRecord],
     device: torch.device,
     forward_note: str | None = None,
+    shards: Sequence[Shard] = (),
 ) -> Materialized:
     """On a model built on the meta device: make real, with one process's values, the parameters and buffers of
-    this rank's ``stages`` and those outside every layer (``runtime/materialize.py``); the rest stays on the meta
-    device until the split replaces it. Logs what rank 0 made real and what was skipped."""
+    this rank's ``stages`` and those outside every layer (``runtime/materialize.py``), and of the tensors split on
+    the meta device (``shards``) only this rank's shards; the rest stays on the meta device until the split
+    replaces it. Logs what rank 0 made real and what was skipped."""
     stage_of = [s for s, size in enumerate(sizes) for _ in range(size)]
     inside = {id(t) for layer in layers for t in [*layer.parameters(), *layer.buffers()]}
     own = {id(t) for layer, s in zip(layers, stage_of) if s in stages for t in [*layer.parameters(), *layer.buffers()]}
     total = sum(
-        t.untyped_storage().nbytes() for t in {id(t): t for t in [*module.parameters(), *module.buffers()]}.values()
+        t.numel() * t.element_size()
+        for t in {id(t): t for t in [*module.parameters(), *module.buffers(), *(s[1] for s in shards)]}.values()
+        if not is_dtensor(t)
     )
-    report = materialize(module, lambda t: id(t) in own or id(t) not in inside, records, device)
+    report = materialize(module, lambda t: id(t) in own or id(t) not in inside, records, device, shards)
     left = _still_meta(module, layers, stage_of, stages)
     if left:
         raise ValueError(

@@ -52,6 +52,7 @@ from lightning_avgpipe.plugin.split import (
     forward_sample,
     materialize_own,
     metrics_sync_over,
+    own_layers,
     recorded_build,
     shared_across_stages,
     split_module,
@@ -61,7 +62,7 @@ from lightning_avgpipe.plugin.steps import PipelineSteps, announce_averaging, an
 from lightning_avgpipe.runtime import torchfile
 from lightning_avgpipe.runtime.controller import StepController, memory_limit_bytes
 from lightning_avgpipe.runtime.failures import guarded
-from lightning_avgpipe.runtime.materialize import InitRecord, is_meta_module
+from lightning_avgpipe.runtime.materialize import InitRecord, Shard, is_meta_module
 from lightning_avgpipe.runtime.pipeline import StagePipeline
 from lightning_avgpipe.runtime.recompute import check_matches
 from lightning_avgpipe.runtime.ties import TiedWeights, tie_groups
@@ -425,12 +426,16 @@ class AvgPipeStrategy(ProcessStrategy):
             self._ties = tie_groups(shared, self.topology, self.config.timeout, layout.rank_of)
         announce_shared(shared, layout.rank_of)
         mine = stages_of(self.stage, self.num_stages, v, layout.placement)
+        shards: list[Shard] = []
         if deferred:  # this rank's stages (and what lies outside every layer) made real, with one process's values
             records, self._init_records = self._init_records, []
-            materialize_own(module, layers, list(sizes), mine, records, self.root_device, forward_note)
+            owned = own_layers(module, layers, list(sizes), mine)  # split over the tensor group first: shards only
+            shards = tensor.apply(owned, self.tensor_parallel_plan, self.topology, module, on_meta=True)
+            materialize_own(module, layers, list(sizes), mine, records, self.root_device, forward_note, shards)
         else:
             suggest_configure_model(module)
         self._split = split_module(module, layers, list(sizes), mine, self._guard)
+        self._split.tensor_split = deferred and self.config.tensor_parallel_size > 1
         placed = f" ({v} per rank, {layout.placement} placement)" if v > 1 else ""
         rank_zero_info(
             f"AvgPipe: {stages} stages{placed}, layers per stage {list(sizes)}, schedule={self.config.schedule}, "
@@ -443,7 +448,8 @@ class AvgPipeStrategy(ProcessStrategy):
     def _make_pipeline(self) -> None:
         """Stage ``s`` of the N replicas (copies of the module's own layers) and the step that trains them."""
         assert self._split is not None
-        tensor.apply(self._split.names(), self.tensor_parallel_plan, self.topology, self.lightning_module)
+        if not self._split.tensor_split:
+            tensor.apply(self._split.names(), self.tensor_parallel_plan, self.topology, self.lightning_module)
         pipeline = StagePipeline(
             self._split.owned,
             self.topology,

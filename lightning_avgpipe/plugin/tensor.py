@@ -1,5 +1,6 @@
 """Tensor parallelism in the strategy (docs/parallelism.md): the plan from the user or the default, applied to this
-rank's stage after the split, and the checks that name a mesh or plan that cannot work."""
+rank's stage after the split (a stage built without memory: on the meta device, before its shards are made real),
+and the checks that name a mesh or plan that cannot work."""
 
 from __future__ import annotations
 
@@ -11,12 +12,26 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_avgpipe.runtime import collectives
+from lightning_avgpipe.runtime.materialize import Shard
 from lightning_avgpipe.runtime.pipeline import StagePipeline
-from lightning_avgpipe.runtime.tensor_parallel import check_plan, default_plan, hugging_face_plan, parallelize_stage
+from lightning_avgpipe.runtime.tensor_parallel import (
+    check_plan,
+    default_plan,
+    hugging_face_plan,
+    parallelize_stage,
+    split_on_meta,
+)
 from lightning_avgpipe.runtime.topology import Topology
 from lightning_avgpipe.shards import is_dtensor, release_meshes
 
-__all__ = ["apply", "check_combinations", "check_model", "check_plan", "check_tensor_parallel_args", "release"]
+__all__ = [
+    "apply",
+    "check_combinations",
+    "check_model",
+    "check_plan",
+    "check_tensor_parallel_args",
+    "release",
+]
 
 STYLE_NAMES = ("colwise", "rowwise", "heads")
 
@@ -95,21 +110,31 @@ def check_model(size: int, plan: Mapping[str, Any] | None, module: nn.Module, ti
 
 
 def apply(
-    owned: Mapping[str, nn.Module], plan: Mapping[str, Any] | None, topology: Topology, root: nn.Module | None = None
-) -> None:
+    owned: Mapping[str, nn.Module],
+    plan: Mapping[str, Any] | None,
+    topology: Topology,
+    root: nn.Module | None = None,
+    on_meta: bool = False,
+) -> list[Shard]:
     """With T > 1, split this stage's layers (``owned``: name in the model -> layer) across its tensor group by
     ``plan`` (checked beforehand, :func:`check_model`); without one, by the plan of a Hugging Face model that
-    ``root`` (the LightningModule) holds, else by the default plan; and say what was split."""
+    ``root`` (the LightningModule) holds, else by the default plan; and say what was split. ``on_meta``: the layers
+    are still on the meta device (built without memory), split by shapes; returns what ``materialize`` needs to make
+    only this rank's shards real (``split_on_meta``)."""
+    shards: list[Shard] = []
     if topology.tensor_parallel_size == 1:
-        return
+        return shards
     if plan is None:
         plan = choose_plan(owned, root)
     left: list[str] = []
-    split = parallelize_stage(owned, plan, topology.tensor_mesh, left)
+    if on_meta:
+        split, shards = split_on_meta(owned, plan, topology.tensor_mesh, left)
+    else:
+        split = parallelize_stage(owned, plan, topology.tensor_mesh, left)
     found = Counter(type(m).__name__ for layer in owned.values() for m in layer.modules() if not list(m.children()))
     every = collectives.gather(topology, (split, dict(found), left))  # every stage's, on the pipeline's first rank
     if every is None:
-        return
+        return shards
     T = topology.tensor_parallel_size
     lines = [f"stage {s}: {', '.join(names) or 'nothing'}" for s, (names, _, _) in enumerate(every)]
     rank_zero_info(f"AvgPipe: tensor parallelism over {T} ranks splits, per stage, " + "; ".join(lines) + ".")
@@ -128,6 +153,7 @@ def apply(
                 "all compute the whole stage. The default plan splits attention by heads and MLP pairs (a widening "
                 "Linear or Conv1D and the one reading it back); give tensor_parallel_plan={...} for the rest."
             )
+    return shards
 
 
 def choose_plan(owned: Mapping[str, nn.Module], root: nn.Module | None) -> dict[str, Any]:

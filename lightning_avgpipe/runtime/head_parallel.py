@@ -17,6 +17,7 @@ slopes passed in) is not tried with them, and needs a plan of its own.
 
 from __future__ import annotations
 
+import copy
 import functools
 import types
 from collections.abc import Iterator
@@ -193,60 +194,97 @@ class Heads(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
         mesh = device_mesh
-        T = mesh.size()
-        found = find_attention(module, T)
+        found = find_attention(module, mesh.size())
         if not isinstance(found, tuple):
             self.left = found or "no attention found (a head count attribute, q/k/v or a fused qkv, a projection)"
             return module
-        columns, proj, chunks = found
         p = next(iter(module.parameters()))
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(*TRIAL_SHAPE, widths(getattr(module, columns[0]))[0], generator=g).to(p.device, p.dtype)
-        modes = {m: m.training for m in module.modules()}  # each submodule's own mode, put back after the trial
-        module.eval()
-        layers = [getattr(module, n) for n in [*columns, proj]]
-        saved = [
-            (layer, dict(layer._parameters), {a: vars(layer)[a] for a in _LAYER_WIDTHS if a in vars(layer)})
-            for layer in layers
-        ]
-        attrs = {
-            a: getattr(module, a)
-            for a in (*HEAD_COUNTS, *KV_HEAD_COUNTS, *WIDTHS)
-            if type(getattr(module, a, None)) is int
-        }
-        sizes = {widths(getattr(module, n))[1] for n in columns} | {widths(getattr(module, columns[0]))[1] // chunks}
-        split = False
-        try:
-            with torch.no_grad(), _exact_matmuls():
-                want = _first(module(x))
-                split = True
-                for n in columns:
-                    split_column(getattr(module, n), mesh, chunks)
-                split_row(getattr(module, proj), mesh)
-                for a, v in attrs.items():
-                    if a in HEAD_COUNTS or a in KV_HEAD_COUNTS or v in sizes:
-                        setattr(module, a, v // T)
-                got = _first(module(x))
-            tol = max(1e-4, 8 * torch.finfo(got.dtype).eps) if got.is_floating_point() else 0.0
-            scale = float(want.abs().max()) if want.numel() and want.is_floating_point() else 1.0
-            ok = got.shape == want.shape and bool(torch.allclose(got, want, rtol=tol, atol=tol * max(scale, 1e-3)))
-            why = "splitting its heads changed its output"
-        except Exception as e:  # every shard runs the same code on the same input: they fail alike
-            which = "split" if split else "on hidden states alone"
-            ok, why = False, f"its forward failed {which} ({type(e).__name__}: {str(e)[:120]})"
-        agreed = torch.tensor([1.0 if ok else 0.0], device=x.device)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=mesh.get_group())
-        for m, mode in modes.items():
-            m.training = mode
-        if agreed.item() < 1:
-            for layer, params, kept in saved:
-                layer._parameters.update(params)
-                vars(layer).pop("forward", None)
-                vars(layer).update(kept)  # nf, in_features, out_features as they were
-            for a, v in attrs.items():
-                setattr(module, a, v)
+        # built without memory: tried on a real copy of this one module with stand-in values, then split by shapes
+        ok, why = _trial(_stand_in(module, mesh.device_type) if p.is_meta else module, mesh, *found)
+        if ok and p.is_meta:
+            _split(module, mesh, *found)
+        if not ok:
             self.left = why
         return module
+
+
+def _agreed(ok: bool, device: torch.device, mesh: Any) -> bool:
+    """Whether the trial passed on every shard of ``mesh`` (they run the same code on the same input)."""
+    agreed = torch.tensor([1.0 if ok else 0.0], device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=mesh.get_group())
+    return bool(agreed.item() >= 1)
+
+
+def _split(module: nn.Module, mesh: Any, columns: list[str], proj: str, chunks: int) -> None:
+    """q, k, v column-wise by whole heads, the projection row-wise, the head counts and widths set to a shard's."""
+    T = mesh.size()
+    sizes = {widths(getattr(module, n))[1] for n in columns} | {widths(getattr(module, columns[0]))[1] // chunks}
+    attrs = {
+        a: getattr(module, a) for a in (*HEAD_COUNTS, *KV_HEAD_COUNTS, *WIDTHS) if type(getattr(module, a, None)) is int
+    }
+    for n in columns:
+        split_column(getattr(module, n), mesh, chunks)
+    split_row(getattr(module, proj), mesh)
+    for a, v in attrs.items():
+        if a in HEAD_COUNTS or a in KV_HEAD_COUNTS or v in sizes:
+            setattr(module, a, v // T)
+
+
+def _trial(module: nn.Module, mesh: Any, columns: list[str], proj: str, chunks: int) -> tuple[bool, str]:
+    """Split ``module`` (:func:`_split`) if its output on a random input stays the same on every shard of ``mesh``;
+    else leave it as it was. Returns whether it was split, and why not."""
+    p = next(iter(module.parameters()))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*TRIAL_SHAPE, widths(getattr(module, columns[0]))[0], generator=g).to(p.device, p.dtype)
+    modes = {m: m.training for m in module.modules()}  # each submodule's own mode, put back after the trial
+    module.eval()
+    layers = [getattr(module, n) for n in [*columns, proj]]
+    saved = [
+        (layer, dict(layer._parameters), {a: vars(layer)[a] for a in _LAYER_WIDTHS if a in vars(layer)})
+        for layer in layers
+    ]
+    attrs = {
+        a: getattr(module, a) for a in (*HEAD_COUNTS, *KV_HEAD_COUNTS, *WIDTHS) if type(getattr(module, a, None)) is int
+    }
+    split = False
+    try:
+        with torch.no_grad(), _exact_matmuls():
+            want = _first(module(x))
+            split = True
+            _split(module, mesh, columns, proj, chunks)
+            got = _first(module(x))
+        tol = max(1e-4, 8 * torch.finfo(got.dtype).eps) if got.is_floating_point() else 0.0
+        scale = float(want.abs().max()) if want.numel() and want.is_floating_point() else 1.0
+        ok = got.shape == want.shape and bool(torch.allclose(got, want, rtol=tol, atol=tol * max(scale, 1e-3)))
+        why = "splitting its heads changed its output"
+    except Exception as e:  # every shard runs the same code on the same input: they fail alike
+        which = "split" if split else "on hidden states alone"
+        ok, why = False, f"its forward failed {which} ({type(e).__name__}: {str(e)[:120]})"
+    for m, mode in modes.items():
+        m.training = mode
+    agreed = _agreed(ok, x.device, mesh)
+    if not agreed:
+        for layer, params, kept in saved:
+            layer._parameters.update(params)
+            vars(layer).pop("forward", None)
+            vars(layer).update(kept)  # nf, in_features, out_features as they were
+        for a, v in attrs.items():
+            setattr(module, a, v)
+    return agreed, why
+
+
+def _stand_in(module: nn.Module, device: str) -> nn.Module:
+    """A real copy of a meta ``module`` for the trial: floating tensors drawn from a generator of its own (the
+    model's generator untouched), others ones (a causal mask that masks nothing: the outputs stay finite)."""
+    real = copy.deepcopy(module).to_empty(device=device)
+    g = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for t in [*real.parameters(), *real.buffers()]:
+            if t.is_floating_point():
+                t.normal_(0, 0.02, generator=g)
+            else:
+                t.fill_(1)
+    return real
 
 
 @contextmanager

@@ -16,6 +16,9 @@ model did (a rank holding stage 1 skips stage 0's draws), and would miss a custo
   every layout. Peak memory: the kept tensors plus the largest set of other tensors alive at once (for
   ``torch.nn`` layers, one tensor).
 
+A tensor to be split (tensor parallelism: ``shards``) is made real whole as its last recorded call leaves it, handed to
+its placing function, which keeps its shard, and freed there: a rank never holds more than one such whole tensor.
+
 Where the generator was used between the build and the replay, the kept values are still one process's, but the draws
 after the replay are not (said in the report). Pure PyTorch: no Lightning import.
 """
@@ -32,6 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten, tree_map
 
 # calls that read a tensor's metadata, or switch autograd: nothing to replay
@@ -227,13 +231,23 @@ class Materialized:
     rng_moved: bool = False
 
 
+# a meta tensor of the build to be split, its name, and the function given its whole value that places its shard
+# (and returns the tensor it keeps)
+Shard = tuple[str, Tensor, Callable[[Tensor], Tensor]]
+
+
 def materialize(
-    module: nn.Module, keep: Callable[[Tensor], bool], records: InitRecord | Sequence[InitRecord], device: torch.device
+    module: nn.Module,
+    keep: Callable[[Tensor], bool],
+    records: InitRecord | Sequence[InitRecord],
+    device: torch.device,
+    shards: Sequence[Shard] = (),
 ) -> Materialized:
     """Give ``module``'s meta parameters and buffers that ``records`` created and for which ``keep(tensor)`` holds
     their real values on ``device``, by replaying the records in order; the others stay on the meta device. Ties
     (one parameter under several names) stay one tensor, a parameter keeps its class and attributes, and a module
-    attribute that aliases a kept buffer follows it.
+    attribute that aliases a kept buffer follows it. Each of ``shards`` (tensors of the build no longer in
+    ``module``: split on the meta device) is given its whole value once its last recorded call ran, and freed after.
 
     The generator ends where the whole build left it: a record that began where the previous one ended (nothing
     drew between two builds, an ``init_module()`` block and ``configure_model``) continues from the replay of the
@@ -250,13 +264,25 @@ def materialize(
             if k == 0 or not _same_rng(record.rng, records[k - 1].rng_end):
                 report.rng_moved |= k > 0
                 _set_rng_state(record.rng)
-            named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+            named = [
+                (n, t)
+                for n, t in [
+                    *module.named_parameters(remove_duplicate=False),
+                    *module.named_buffers(remove_duplicate=False),
+                ]
+                if not is_traceable_wrapper_subclass(t)  # already split (a DTensor): its tensor comes through shards
+            ]
             created = {_storage(t) for step in record.steps for t in step.outputs() if t.is_meta}
             kept = {_storage(t) for _, t in named if t.is_meta and keep(t) and _storage(t) in created}
-            replay = _Replay(record, kept, device, report)
+            split: dict[int, list[Shard]] = {}
+            for shard in shards:
+                if shard[1].is_meta and _storage(shard[1]) in created:
+                    split.setdefault(_storage(shard[1]), []).append(shard)
+            replay = _Replay(record, kept, device, report, split)
             torch.set_default_dtype(record.dtype)
             for i, step in enumerate(record.steps):
                 replay.run(i, step)
+            replay.place(len(record.steps))
             _trim_heap()
             _install(module, named, replay)
     finally:
@@ -271,16 +297,25 @@ class _Replay:
     that give values to a kept storage, directly or through what they read, run on real tensors (found backwards
     from the kept storages); a call that only draws from the generator runs on scratch tensors of the same layout,
     so the generator advances as in the build; the rest is skipped. A storage not kept is freed after its last
-    use by a call that runs."""
+    use by a call that runs; one to be split (``split``) is placed and freed then."""
 
-    def __init__(self, record: InitRecord, kept: set[int], device: torch.device, report: Materialized) -> None:
-        self.kept, self.device = kept, device
+    def __init__(
+        self,
+        record: InitRecord,
+        kept: set[int],
+        device: torch.device,
+        report: Materialized,
+        split: dict[int, list[Shard]] | None = None,
+    ) -> None:
+        self.split = dict(split or {})
+        self.kept, self.device = kept | set(self.split), device
         self.report = report
         self.real: dict[int, torch.UntypedStorage] = {}
         self.states: dict[int, Tensor] = {}  # id(a generator state read in the build) -> the replay's reading
         self.written: set[int] = set()
         self.scratch: torch.UntypedStorage | None = None  # the draws' shared scratch storage (as_scratch)
-        self.needed = _needed(record.steps, kept)
+        self.steps = len(record.steps)
+        self.needed = _needed(record.steps, self.kept)
         self.last_use: dict[int, int] = {}
         for i, step in enumerate(record.steps):
             if self.needed[i]:
@@ -381,7 +416,8 @@ class _Replay:
                 self.written.add(_storage(first))
         del args, kwargs, out
         self.report.steps += 1
-        others = sum(st.nbytes() for s, st in self.real.items() if s not in self.kept)
+        others = sum(st.nbytes() for s, st in self.real.items() if s not in self.kept or s in self.split)
+        self.place(i)
         self.report.peak_other_bytes = max(self.report.peak_other_bytes, others)
         done = [s for s in self.real if s not in self.kept and self.last_use.get(s, -1) <= i]
         freed = sum(self.real[s].nbytes() for s in done)
@@ -389,6 +425,20 @@ class _Replay:
             del self.real[s]
         if freed >= 1 << 20 and self.device.type == "cpu":  # glibc keeps a freed block below its mmap threshold
             _trim_heap()
+
+    def place(self, i: int) -> None:
+        """Hand each tensor to be split whose storage's last call ran (at ``i``; every one left, past the last step)
+        its whole value, count what its placing function keeps, and free the whole."""
+        ready = [s for s in self.split if i >= self.steps or (s in self.last_use and self.last_use[s] <= i)]
+        for s in ready:
+            for name, t, place in self.split.pop(s):
+                if s not in self.written:
+                    self.report.uninitialized.append(name)
+                self.report.kept_bytes += place(_real_view(self, t)).untyped_storage().nbytes()
+            self.kept.discard(s)
+            freed = self.real.pop(s).nbytes() if s in self.real else 0
+            if freed >= 1 << 20 and self.device.type == "cpu":
+                _trim_heap()
 
 
 def _is_meta_device(value: Any) -> bool:
@@ -438,7 +488,12 @@ def _install(module: nn.Module, named: list[tuple[str, Tensor]], replay: _Replay
             done[id(t)] = value
     for mod in module.modules():  # buffers and plain tensor attributes (an alias of a buffer) follow
         for key, value in list(vars(mod).items()):
-            if isinstance(value, Tensor) and value.is_meta and _storage(value) in replay.kept:
+            if (
+                isinstance(value, Tensor)
+                and not is_traceable_wrapper_subclass(value)
+                and value.is_meta
+                and _storage(value) in replay.kept
+            ):
                 setattr(mod, key, done.get(id(value), _real_view(replay, value)))
         for key, buf in list(mod.named_buffers(recurse=False)):
             if id(buf) in done:

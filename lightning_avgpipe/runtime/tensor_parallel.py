@@ -14,6 +14,7 @@ gradients travel back the same way.
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
@@ -21,9 +22,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from lightning_avgpipe.runtime.deferred import is_conv1d
 from lightning_avgpipe.runtime.head_parallel import Column, Heads, Row, find_attention, linear_like, widths
+from lightning_avgpipe.runtime.materialize import Shard
 from lightning_avgpipe.runtime.p2p import META_LEN, Link, OutputMeta, StageOutputError
 
 Plan = Mapping[str, Any]  # module name pattern in the unsplit model -> a ParallelStyle
@@ -118,12 +121,13 @@ def check_plan(plan: Plan, module_names: Sequence[str]) -> None:
 
 
 def parallelize_stage(
-    named_layers: Mapping[str, nn.Module], plan: Plan, mesh: Any, left: list[str] | None = None
+    named_layers: Mapping[str, nn.Module], plan: Plan, mesh: Any, left: list[str] | None = None, local: bool = False
 ) -> list[str]:
     """Apply the entries of ``plan`` that name modules of this stage's layers (keyed by their names in the unsplit
     model) on ``mesh``; returns the names of the modules split, and adds to ``left`` each attention left whole, with
     why. torch's ``ColwiseParallel``/``RowwiseParallel`` on a Hugging Face ``Conv1D`` split it as its own layout
-    needs."""
+    needs. With ``local`` (a stage still on the meta device, split by shapes alone, :func:`place_shard`), every shard
+    cuts its own copy (``src_data_rank=None``: no transfer); else shard 0's values are scattered."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     done = []
@@ -137,6 +141,9 @@ def parallelize_stage(
                 style = Heads()  # one per module: it says why it left this one whole
             elif is_conv1d(module) and type(style) in (ColwiseParallel, RowwiseParallel):
                 style = Column() if type(style) is ColwiseParallel else Row()
+            if local and getattr(style, "src_data_rank", None) is not None:
+                style = copy.copy(style)
+                style.src_data_rank = None
             parallelize_module(module, mesh, style)
             if isinstance(style, Heads) and style.left:
                 if left is not None:
@@ -144,6 +151,48 @@ def parallelize_stage(
             else:
                 done.append(full)
     return done
+
+
+def split_on_meta(
+    named_layers: Mapping[str, nn.Module], plan: Plan, mesh: Any, left: list[str] | None = None
+) -> tuple[list[str], list[Shard]]:
+    """:func:`parallelize_stage` on layers still on the meta device (built without memory), by shapes. Returns the
+    modules split and, for each parameter split, its name, its meta tensor of the build and the function that puts
+    this rank's shard of its whole value in place (:func:`place_shard`): ``runtime/materialize.py`` hands it the
+    value and frees the whole, so no rank makes a whole stage real."""
+    before = {
+        (id(m), n): (".".join(filter(None, (name, mn, n))), p)
+        for name, layer in named_layers.items()
+        for mn, m in layer.named_modules()
+        for n, p in m.named_parameters(recurse=False)
+    }
+    done = parallelize_stage(named_layers, plan, mesh, left, local=True)
+    shards: list[Shard] = []
+    for layer in named_layers.values():
+        for m in layer.modules():
+            for n, p in list(m.named_parameters(recurse=False)):
+                name, original = before.get((id(m), n), ("", p))
+                if p is not original and is_traceable_wrapper_subclass(p):
+                    shards.append((name, original, place_shard(m, n, p)))
+    return done, shards
+
+
+def place_shard(module: nn.Module, name: str, split: Any) -> Callable[[Tensor], Tensor]:
+    """For a parameter that :func:`parallelize_stage` split on the meta device (``split``, a DTensor under
+    ``module.<name>``): the function that, given the parameter's whole value, sets ``module.<name>`` to a real
+    DTensor of this rank's shard of it (cut as the plan cut the meta one) and returns that shard, the whole left to
+    be freed."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    mesh, placements = split.device_mesh, tuple(split.placements)
+
+    def place(whole: Tensor) -> Tensor:
+        local = distribute_tensor(whole.detach(), mesh, placements, src_data_rank=None).to_local().clone()
+        value = DTensor.from_local(local, mesh, placements, run_check=False, shape=split.shape, stride=split.stride())
+        module.register_parameter(name, nn.Parameter(value, requires_grad=split.requires_grad))
+        return local
+
+    return place
 
 
 def whole_outputs(stage_fn: Callable[[Any], Any], group: Any, where: str) -> Callable[[Any], Any]:

@@ -238,6 +238,7 @@ def main(cfg: dict[str, Any]) -> None:
     result = {
         "after_run": after_run,
         "parameters": sum(p.numel() for p in model.parameters()),  # what this rank holds (a placeholder holds none)
+        "local_parameters": sum((p.to_local() if is_dtensor(p) else p).numel() for p in model.parameters()),
         "threads": threads,
         "losses": rec.losses,
         "labels": rec.labels,
