@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import torch
 from torch import Tensor
 
 try:  # torch >= 2.4 (the supported versions); DTensor is absent only from builds without torch.distributed
@@ -83,6 +84,20 @@ def like(value: Any, param: Tensor, *, whole: bool = False) -> Any:
         return value
     return DTensor.from_local(
         value.to(param.device), mesh, placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
+
+
+def empty_like_split(param: Tensor, dtype: torch.dtype) -> Tensor:
+    """An uninitialized ``DTensor`` of ``param``'s mesh, placements and shape, of ``dtype``: only the local shard is
+    allocated (a target a checkpoint reader fills with this rank's part)."""
+    local = param.to_local()  # type: ignore[attr-defined]
+    return DTensor.from_local(
+        torch.empty(local.shape, dtype=dtype, device=local.device),
+        param.device_mesh,  # type: ignore[attr-defined]
+        param.placements,  # type: ignore[attr-defined]
+        run_check=False,
+        shape=param.shape,
+        stride=param.stride(),
     )
 
 

@@ -24,6 +24,7 @@ STRATEGY_ONLY = {
     "trusted_checkpoints",
     "tensor_parallel_plan",
     "save_distributed_checkpoint",
+    "seed_layers",
 }
 _ROW = re.compile(r"^\| `(\w+)`(?: \(strategy only\))? \| (.*?) \| ")
 

@@ -247,7 +247,9 @@ def _worker(rank: int, world: int, stages: int, tp: int, configs: list[tuple[Any
         if kind.endswith("-meta"):
             split, shards = split_on_meta(own, plan, top.tensor_mesh, left)
             mine = {id(t) for m in own.values() for t in [*m.parameters(), *m.buffers()]}
-            made = materialize(nn.ModuleList(layers), lambda t: id(t) in mine, record, torch.device("cpu"), shards)
+            made = materialize(
+                nn.ModuleList(layers), lambda t, mine=mine: id(t) in mine, record, torch.device("cpu"), shards
+            )
             held = [t.to_local() if is_dtensor(t) else t for m in own.values() for t in [*m.parameters(), *m.buffers()]]
             assert not any(t.is_meta for t in held)
             largest = max(sum(t.numel() * t.element_size() for t in m.parameters()) for m in layers)  # a layer's
@@ -444,10 +446,9 @@ def _zero_worker(rank: int, world: int) -> list[Any]:
     """D = 2 x T = 2, one stage, exact averaging, Adam: without and with shard_optimizer_state (flat slices of each
     rank's tensor shards)."""
     from lightning_avgpipe.config import PipelineConfig
-    from lightning_avgpipe.runtime.materialize import InitRecord, materialize
     from lightning_avgpipe.runtime.pipeline import StagePipeline
-    from lightning_avgpipe.runtime.tensor_parallel import parallelize_stage, split_on_meta
-    from lightning_avgpipe.shards import full, is_dtensor
+    from lightning_avgpipe.runtime.tensor_parallel import parallelize_stage
+    from lightning_avgpipe.shards import full
 
     top = Topology.build(rank, world, 1, tensor_parallel_size=2)
     out = []

@@ -20,7 +20,7 @@ from lightning_avgpipe.plugin import compat, sharded
 from lightning_avgpipe.runtime.failures import guarded
 from lightning_avgpipe.runtime.pipeline import StagePipeline
 from lightning_avgpipe.runtime.zero import ShardedOptimizer
-from lightning_avgpipe.shards import full, like, to_local_tree
+from lightning_avgpipe.shards import full, is_dtensor, like, to_local_tree
 
 
 def assemble_state_dict(module: nn.Module, pipeline: StagePipeline, full_keys: Sequence[str]) -> dict[str, Any]:
@@ -197,6 +197,25 @@ def rank_view(
         view["optimizer_states"] = states
     view.pop(sharded.SHARDED, None)
     return view
+
+
+def split_refs(view: Mapping[str, Any], current: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """In a rank's view of a sharded checkpoint (:func:`rank_view`): the reference of each weight and optimizer
+    state of a tensor-parallel parameter (``current``: the module's state dict, DTensors for those), and the
+    parameter whose layout it is read in."""
+    split = {n: t for n, t in current.items() if is_dtensor(t)}
+    out = {
+        ref[sharded.REF]: split[n]
+        for n, ref in view.get("state_dict", {}).items()
+        if sharded.is_ref(ref) and n in split
+    }
+    for state in view.get("optimizer_states", []):
+        index_name = {i: n for g in state["param_groups"] for i, n in zip(g["params"], g.get("param_names", []))}
+        for i, st in state["state"].items():
+            param = split.get(index_name.get(i, ""))
+            if param is not None:
+                out.update({v[sharded.REF]: param for v in st.values() if sharded.is_ref(v)})
+    return out
 
 
 def unsplit_names(pipeline: StagePipeline, names: Names) -> dict[int, str]:

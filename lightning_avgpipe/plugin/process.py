@@ -77,8 +77,7 @@ class ProcessStrategy(ScriptLaunchedStrategy):
         self._process_group_backend = backend
         assert self.cluster_environment is not None
         _init_dist_connection(self.cluster_environment, backend, timeout=timedelta(seconds=self._process_group_timeout))
-        if self.world_size > 1:  # a gloo group still alive when the interpreter finalizes can abort it (SIGABRT)
-            close_at_exit(self)
+        close_at_exit(self)  # a gloo group still alive when the interpreter finalizes can abort it (SIGABRT)
 
     def close(self) -> None:
         """Called once at interpreter exit, before the process groups are destroyed: drop every reference to a

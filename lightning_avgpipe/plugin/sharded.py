@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_avgpipe import shards
 from lightning_avgpipe.runtime import torchfile
 
 REF = "__avgpipe_dcp__"
@@ -277,16 +278,25 @@ def check_folder(path: Path) -> tuple[dict[str, Any], Any]:
 
 
 def read_tensors(
-    path: Path, metadata: Any, keys: Iterable[str], into: dict[str, Tensor] | None = None
+    path: Path,
+    metadata: Any,
+    keys: Iterable[str],
+    into: dict[str, Tensor] | None = None,
+    split_as: dict[str, Tensor] | None = None,
 ) -> dict[str, Tensor]:
     """The tensors ``keys`` of a sharded checkpoint, read by this process alone (only their bytes); a key in
-    ``into`` is read into that tensor in place (a parameter being restored: no second copy of it)."""
+    ``into`` is read into that tensor in place (a parameter being restored: no second copy of it); a key in
+    ``split_as`` (a tensor-parallel parameter, a DTensor) is read as a DTensor of its layout: this rank's shard
+    alone."""
     import torch.distributed.checkpoint as dcp
 
     state: dict[str, Tensor] = {}
     for key in dict.fromkeys(keys):
         md = metadata.state_dict_metadata[key]
         target = (into or {}).get(key)
+        like = (split_as or {}).get(key)
+        if target is None and like is not None and tuple(like.shape) == tuple(md.size):
+            target = shards.empty_like_split(like, md.properties.dtype)
         if target is None or tuple(target.shape) != tuple(md.size) or target.dtype != md.properties.dtype:
             target = torch.empty(tuple(md.size), dtype=md.properties.dtype)
         state[key] = target

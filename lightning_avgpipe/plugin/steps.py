@@ -66,6 +66,8 @@ class PipelineSteps:
             where = f" (pipeline {n}'s of {num_pipelines})" if num_pipelines > 1 else ""
             check_not_empty(one, f"training batch {rest[0] if rest else '?'}{where} of epoch {trainer.current_epoch}")
         writes_logs = compat.writes_logs(trainer)
+        if pipeline.streams is not None:  # the layers' random streams follow the step (a resume continues them)
+            pipeline.streams.step = (trainer.global_step, int(rest[0]) if rest else 0)
         with self.stash.apart(pipeline.params):  # Lightning zeroes gradients between training_step and backward
             report = control.train_step(
                 batch if num_pipelines > 1 else [batch],

@@ -7,6 +7,7 @@ maps Lightning's life cycle onto it (docs/how-it-works.md#lightning-integration)
 from __future__ import annotations
 
 import functools
+import itertools
 import warnings
 import zipfile
 from collections.abc import Callable, Generator, Mapping, Sequence
@@ -65,6 +66,7 @@ from lightning_avgpipe.runtime.failures import guarded
 from lightning_avgpipe.runtime.materialize import InitRecord, Shard, is_meta_module
 from lightning_avgpipe.runtime.pipeline import StagePipeline
 from lightning_avgpipe.runtime.recompute import check_matches
+from lightning_avgpipe.runtime.streams import RandomStreams
 from lightning_avgpipe.runtime.ties import TiedWeights, tie_groups
 from lightning_avgpipe.runtime.topology import Topology
 from lightning_avgpipe.schedules.chunks import stages_of
@@ -162,6 +164,10 @@ class AvgPipeStrategy(ProcessStrategy):
             gathered; resume from it in any layout, ``python -m lightning_avgpipe consolidate FOLDER OUT.ckpt`` for
             one file. ``False`` (default): one file on rank 0, gathered one stage at a time, that
             ``load_from_checkpoint`` and plain Lightning read as it is (docs/guide.md#a-model-larger-than-one-device).
+        seed_layers: ``True`` (default): each layer's random draws (dropout) on a micro-batch come from a generator
+            seeded from (seed, step, micro-batch, layer), so the masks are the same for every S, v, T and schedule
+            under the same seed; ``False``: from each process's own generator, in the order its schedule runs
+            (docs/strategy.md#random-draws).
         accelerator: Lightning's own, as for any strategy (the Trainer sets it, as the next four).
         parallel_devices: the devices of this node.
         cluster_environment: where the ranks come from (Lightning's, torchrun, SLURM).
@@ -202,6 +208,7 @@ class AvgPipeStrategy(ProcessStrategy):
         tensor_parallel_plan: dict[str, Any] | None = None,
         shard_optimizer_state: bool = False,
         save_distributed_checkpoint: bool = False,
+        seed_layers: bool = True,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -230,6 +237,12 @@ class AvgPipeStrategy(ProcessStrategy):
                 "its part of) or False (one file)."
             )
         self.save_distributed_checkpoint = save_distributed_checkpoint
+        if not isinstance(seed_layers, bool):
+            raise TypeError(
+                f"seed_layers={seed_layers!r} must be True (each layer's random draws seeded by step, micro-batch and "
+                "layer: the same for every layout) or False (each process's own generator)."
+            )
+        self.seed_layers = seed_layers
         self._topology: Topology | None = None
         self._topology_of: Any = None  # the default process group the topology's groups were made in
         self._controller: StepController | None = None  # the stage's step and what steers it
@@ -460,6 +473,9 @@ class AvgPipeStrategy(ProcessStrategy):
             ties=self._ties,
             chunks=self._split.chunk_sizes,
         )
+        if self.seed_layers:  # the run's seed, the same on every rank (rank 0's: seed_everything's where it ran)
+            seed = self.broadcast(torch.initial_seed() % (1 << 63), src=0)
+            pipeline.streams = RandomStreams(seed, list(itertools.accumulate([0, *self._split.partition[:-1]])))
         self._controller = StepController(pipeline)
         self._param_names = {id(p): n for n, p in self._lightning().named_parameters()}
         self._steps = PipelineSteps(self._lightning(), self._controller, self.bridge, self._param_names)
@@ -755,7 +771,8 @@ class AvgPipeStrategy(ProcessStrategy):
             for name, ref in view["state_dict"].items()
             if sharded.is_ref(ref) and name in current and not is_dtensor(current[name])
         }
-        loaded = sharded.read_tensors(path, metadata, sharded.refs_in(view), into)
+        split_as = ckpt.split_refs(view, current)  # a tensor shard's weight and state: this rank's part alone
+        loaded = sharded.read_tensors(path, metadata, sharded.refs_in(view), into, split_as)
         return sharded.resolve(view, loaded.__getitem__)
 
     # -- the end -------------------------------------------------------------------------------------------------

@@ -52,11 +52,14 @@ class ChunkLayout:
         """The rank (in its pipeline) of the last stage, where the loss is: the last rank, or rank 0 under ZB-V."""
         return self.layout.rank_of(self.layout.num_chunks - 1)
 
-    def functions(self, layers: Sequence[nn.Module], make: Callable[[Sequence[nn.Module]], Any]) -> dict[int, Any]:
-        """Stage -> ``make`` of its slice of ``layers`` (the rank's layers, its stages' in stage order)."""
+    def functions(
+        self, layers: Sequence[nn.Module], make: Callable[[int, int, Sequence[nn.Module]], Any]
+    ) -> dict[int, Any]:
+        """Stage -> ``make(stage, start, its slice of layers)`` (``layers``: the rank's, its stages' in stage order;
+        ``start``: where the slice begins in them)."""
         out, start = {}, 0
         for stage, size in zip(self.stages, self.sizes):
-            out[stage] = make(list(layers)[start : start + size])
+            out[stage] = make(stage, start, list(layers)[start : start + size])
             start += size
         return out
 

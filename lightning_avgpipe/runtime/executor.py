@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from lightning_avgpipe.errors import loss_of
+from lightning_avgpipe.runtime import streams
 from lightning_avgpipe.runtime.deferred import WeightGradQueue
 from lightning_avgpipe.runtime.p2p import Link, flatten_output
 from lightning_avgpipe.runtime.trace import ActivationMeter, StepTrace
@@ -206,7 +207,8 @@ class _Run:
         x = self._input(j, u)
         t1 = time.perf_counter()
         counting = self.meter.unit((j, u)) if self.meter is not None and self.training else contextlib.nullcontext()
-        with self.forward_context(), counting:
+        drawing = streams.unit(u) if self.training else contextlib.nullcontext()  # each layer's own random stream
+        with self.forward_context(), counting, drawing:
             fn = self.stage_fn_for(j, u) if self.stage_fn_for is not None else self.executor.stage_fns[j]
             try:
                 y = fn(x)

@@ -40,6 +40,7 @@ from lightning_avgpipe.runtime.gradnoise import GradientProbe
 from lightning_avgpipe.runtime.p2p import Link
 from lightning_avgpipe.runtime.recompute import layer_mask, stage_function
 from lightning_avgpipe.runtime.sharded_reference import ShardedReference
+from lightning_avgpipe.runtime.streams import RandomStreams
 from lightning_avgpipe.runtime.tensor_parallel import whole_outputs
 from lightning_avgpipe.runtime.ties import TiedGradients, TiedWeights
 from lightning_avgpipe.runtime.topology import Topology
@@ -98,6 +99,9 @@ class StagePipeline:
                 "DTensor layers); use replica_execution='sequential', or tensor_parallel_size=1."
             )
         self.recompute = layer_mask(self.layers, self.config.activation_checkpointing)  # checkpointed layers
+        # each layer's random draws from a stream of its own (runtime/streams.py): set by the caller; None: the
+        # process's generator
+        self.streams: RandomStreams | None = None
         self.chunks = ChunkLayout.of(self.config, topology, len(self.layers), chunks)
         stage_fns = self.chunks.functions(self.layers, self._stage_function)
         if self.chunks.v == 1:
@@ -223,10 +227,15 @@ class StagePipeline:
         """The stage's layers and every replica's copy of them."""
         return [*self.layers, *(m for replica in self.elastic.replicas for m in replica)]
 
-    def _stage_function(self, layers: Sequence[nn.Module]) -> Callable[[Any], Any]:
-        """``layers`` applied in order (the checkpointed ones recomputed); under tensor parallelism, checked once per
-        output signature to give every shard the same output (``runtime/tensor_parallel.py``)."""
-        fn = stage_function(layers, self.recompute)
+    def _stage_function(self, stage: int, start: int, layers: Sequence[nn.Module]) -> Callable[[Any], Any]:
+        """``layers`` (model stage ``stage``'s, from ``start`` in this rank's) applied in order (the checkpointed
+        ones recomputed), each drawing from its own stream where :attr:`streams` is set; under tensor parallelism,
+        checked once per output signature to give every shard the same output (``runtime/tensor_parallel.py``)."""
+
+        def seed_of(index: int) -> int | None:
+            return self.streams.seed_of(stage, index) if self.streams is not None else None
+
+        fn = stage_function(layers, self.recompute[start : start + len(layers)], seed_of)
         top = self.topology
         if top.tensor_parallel_size == 1:
             return fn

@@ -13,6 +13,7 @@ recomputed graph's parameters. The RNG state is saved and restored around the re
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,6 +22,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_avgpipe.config import Spec  # validated there: PipelineConfig.activation_checkpointing
+from lightning_avgpipe.runtime import streams
 from lightning_avgpipe.runtime.trace import note_saved
 
 
@@ -47,17 +49,25 @@ def check_matches(layers: Sequence[nn.Module], spec: Spec) -> None:
         )
 
 
-def stage_function(layers: Sequence[nn.Module], mask: Sequence[bool] | None = None) -> Callable[[Any], Any]:
-    """The layers applied in order; those in ``mask`` checkpointed while autograd records (not under no_grad)."""
+def stage_function(
+    layers: Sequence[nn.Module],
+    mask: Sequence[bool] | None = None,
+    seed_of: Callable[[int], int | None] | None = None,
+) -> Callable[[Any], Any]:
+    """The layers applied in order; those in ``mask`` checkpointed while autograd records (not under no_grad). Where
+    ``seed_of(index)`` gives a seed, the layer draws from generators seeded with it (``runtime/streams.py``); a
+    recomputation replays it with the same seed."""
     marks = list(mask) if mask is not None else [False] * len(layers)
 
     def stage_fn(x: Any) -> Any:
         for index, (layer, recompute) in enumerate(zip(layers, marks)):
+            seed = seed_of(index) if seed_of is not None else None
+            run = layer if seed is None else functools.partial(_seeded_call, layer, seed)
             if recompute and torch.is_grad_enabled():
                 for t in x if isinstance(x, (tuple, list)) else (x,):
                     if isinstance(t, Tensor):
                         note_saved(t)  # kept for the recomputation, where the meter's hooks do not see it
-                x = checkpoint(layer, x, use_reentrant=False)
+                x = checkpoint(run, x, use_reentrant=False)
                 if not _tensors(x):
                     raise TypeError(
                         f"activation_checkpointing: layer {index} of this stage ({type(layer).__name__}) returned "
@@ -65,10 +75,15 @@ def stage_function(layers: Sequence[nn.Module], mask: Sequence[bool] | None = No
                         "activation_checkpointing (list the layer types to checkpoint instead of True)."
                     )
             else:
-                x = layer(x)
+                x = run(x)
         return x
 
     return stage_fn
+
+
+def _seeded_call(layer: nn.Module, seed: int, x: Any) -> Any:
+    with streams.seeded(seed, streams.device_of(x)):
+        return layer(x)
 
 
 def _tensors(x: Any) -> bool:

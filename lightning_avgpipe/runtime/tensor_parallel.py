@@ -187,7 +187,9 @@ def place_shard(module: nn.Module, name: str, split: Any) -> Callable[[Tensor], 
     mesh, placements = split.device_mesh, tuple(split.placements)
 
     def place(whole: Tensor) -> Tensor:
-        local = distribute_tensor(whole.detach(), mesh, placements, src_data_rank=None).to_local().clone()
+        local = distribute_tensor(whole.detach(), mesh, placements, src_data_rank=None).to_local()
+        if local.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr():
+            local = local.clone()  # a view of the whole (a row shard): its own storage, so the whole can be freed
         value = DTensor.from_local(local, mesh, placements, run_check=False, shape=split.shape, stride=split.stride())
         module.register_parameter(name, nn.Parameter(value, requires_grad=split.requires_grad))
         return local

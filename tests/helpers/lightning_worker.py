@@ -172,6 +172,8 @@ def main(cfg: dict[str, Any]) -> None:
     out = Path(cfg["out"])
     who: dict[str, int] = {}
     atexit.register(exit_probe, out, who)
+    if cfg.get("seed") is not None:  # the run's seed (seed_everything): what the layers' random streams derive from
+        pl.seed_everything(cfg["seed"], verbose=False)
     kind = TiedLM if cfg.get("tied") else AliasedNet if cfg.get("aliased") else LateNet if cfg.get("late") else PipeNet
     model = kind(**cfg.get("model", {}))
     if cfg.get("example_input"):  # lets partition="balanced" profile the layers
