@@ -164,10 +164,9 @@ class AvgPipeStrategy(ProcessStrategy):
             gathered; resume from it in any layout, ``python -m lightning_avgpipe consolidate FOLDER OUT.ckpt`` for
             one file. ``False`` (default): one file on rank 0, gathered one stage at a time, that
             ``load_from_checkpoint`` and plain Lightning read as it is (docs/guide.md#a-model-larger-than-one-device).
-        seed_layers: ``True`` (default): each layer's random draws (dropout) on a micro-batch come from a generator
-            seeded from (seed, step, micro-batch, layer), so the masks are the same for every S, v, T and schedule
-            under the same seed; ``False``: from each process's own generator, in the order its schedule runs
-            (docs/strategy.md#random-draws).
+        seed_layers: ``True`` (default): a layer's random draws (dropout) are seeded by (seed, step, micro-batch,
+            layer): the same masks for every S, v and schedule (docs/strategy.md#random-draws); ``False``: each
+            process's own generator.
         accelerator: Lightning's own, as for any strategy (the Trainer sets it, as the next four).
         parallel_devices: the devices of this node.
         cluster_environment: where the ranks come from (Lightning's, torchrun, SLURM).
