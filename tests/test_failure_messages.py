@@ -69,6 +69,78 @@ def test_a_placeholder_refuses_to_pass_for_the_whole_model_after_the_run() -> No
         model(torch.ones(1, 2))
     with pytest.raises(NotWholeError, match="pickling"):
         copy.deepcopy(model)
+    with pytest.raises(NotWholeError, match=r"parameters\(\) reached " + cure):
+        list(model.parameters())
+    with pytest.raises(NotWholeError, match=r"parameters\(\) reached "):
+        model.to(torch.float64)
     with guard.allowing():
         assert list(model.state_dict()) == ["0.weight", "0.bias"]
+        assert len(list(model.parameters())) == 2
     assert guard.finished
+
+
+def test_a_mistake_this_package_names_is_a_few_lines_and_its_traceback_goes_to_a_file(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """runtime/console.py: raised by the package's own check, the message and where it came from, the traceback in
+    the file the last line names; an error of the user's own code (raised outside the package) is left alone."""
+    import re
+    import sys
+    from pathlib import Path
+
+    from lightning_avgpipe.config import check_partition
+    from lightning_avgpipe.runtime.console import print_short
+
+    try:
+        check_partition([1, 2], 6, 2, 1)
+    except ValueError:
+        kind, value, tb = sys.exc_info()
+    assert kind is not None and value is not None
+    assert print_short(kind, value, tb)
+    said = capsys.readouterr().err.splitlines()
+    assert len(said) == 2 and said[0].startswith("ValueError: partition=[1, 2] sums to 3"), said
+    assert "raised at lightning_avgpipe/config.py:" in said[1] and "test_failure_messages.py:" in said[1], said
+    path = Path(re.search(r"the full traceback: (\S+)\)", said[1]).group(1))  # type: ignore[union-attr]
+    assert "Traceback (most recent call last)" in path.read_text() and "check_partition" in path.read_text()
+    try:
+        raise ValueError("the user's own")
+    except ValueError:
+        assert not print_short(*sys.exc_info())  # type: ignore[arg-type]
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_bad_partition_prints_its_message_once_in_at_most_15_lines(tmp_path: pytest.TempPathFactory) -> None:
+    """A 2-rank fit with partition=[1, 2] for 6 layers, as a user runs it: at most 15 lines on the console (Lightning's
+    own banner included), the message once, no traceback there; the traceback in the file it names."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(str(tmp_path)) / "bad.py"
+    root = Path(__file__).resolve().parents[1]
+    script.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(root)!r})\n"
+        "import lightning.pytorch as pl, torch\n"
+        "from torch.utils.data import DataLoader, TensorDataset\n"
+        "from tests.helpers.lit import PipeNet\n"
+        "from lightning_avgpipe import AvgPipeStrategy\n"
+        "if __name__ == '__main__':\n"
+        "    data = TensorDataset(torch.randn(24, 8), torch.randint(0, 4, (24,)))\n"
+        "    strategy = AvgPipeStrategy(num_microbatches=2, partition=[1, 2])\n"
+        "    trainer = pl.Trainer(accelerator='cpu', devices=2, strategy=strategy, max_steps=1, logger=False,\n"
+        "                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)\n"
+        "    trainer.fit(PipeNet(), DataLoader(data, batch_size=12))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=100, cwd=str(tmp_path), check=False
+    )
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    assert proc.returncode == 1 and len(lines) <= 15, "\n".join(lines)
+    text = "\n".join(lines)
+    assert text.count("partition=[1, 2] sums to 3 layers") == 1 and "Traceback" not in text, text
+    path = Path(re.search(r"the full traceback: (\S+)\)", text).group(1))  # type: ignore[union-attr]
+    assert "in check_partition" in path.read_text()

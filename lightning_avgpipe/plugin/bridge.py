@@ -63,6 +63,8 @@ class Elsewhere(nn.Identity):
         self.stage = stage
         self._guard = guard
         self.register_state_dict_pre_hook(Elsewhere._refuse_state_dict)
+        # parameters(), named_parameters(), .to() read it: after the run they refuse as a forward does
+        self.__dict__["_parameters"] = _Refusing(lambda: self._refuse("parameters()"))
 
     def forward(self, x: Any) -> Any:
         self._guard.check(self.layer_name)
@@ -74,10 +76,11 @@ class Elsewhere(nn.Identity):
             raise NotWholeError(
                 f"AvgPipe: {what} reached '{self.layer_name}', a layer that ran on stage {self.stage} in another "
                 "process: after a run this process holds only its own stages, so this module is not the whole model "
-                "here (a state dict, a forward or save_pretrained would give a part of it). For the whole trained "
-                "model load a checkpoint: trainer.save_checkpoint(path), then MyModel.load_from_checkpoint(path) "
-                "(a folder saved with save_distributed_checkpoint=True: python -m lightning_avgpipe consolidate "
-                "FOLDER OUT.ckpt first)."
+                "here (a state dict, a forward, parameters() or save_pretrained would give a part of it). The "
+                "launching process (rank 0) holds the whole trained model where it built it whole; else load a "
+                "checkpoint: trainer.save_checkpoint(path), then MyModel.load_from_checkpoint(path) (a folder saved "
+                "with save_distributed_checkpoint=True: python -m lightning_avgpipe consolidate FOLDER OUT.ckpt "
+                "first)."
             )
 
     @staticmethod
@@ -90,6 +93,22 @@ class Elsewhere(nn.Identity):
 
     def extra_repr(self) -> str:
         return f"{self.layer_name} on stage {self.stage}"
+
+
+class _Refusing(dict):  # type: ignore[type-arg]
+    """A placeholder's (empty) parameter dict: reading its items first asks ``refuse``."""
+
+    def __init__(self, refuse: Any) -> None:
+        super().__init__()
+        self.refuse = refuse
+
+    def items(self) -> Any:
+        self.refuse()
+        return super().items()
+
+    def values(self) -> Any:
+        self.refuse()
+        return super().values()
 
 
 class Anchor(nn.Module):

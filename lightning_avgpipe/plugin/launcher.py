@@ -30,6 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from lightning_avgpipe.runtime import console
 from lightning_avgpipe.runtime.shutdown import failed, mark_failed
 
 LAUNCHER_ENV = "LIGHTNING_AVGPIPE_LAUNCHER_PID"
@@ -137,7 +138,8 @@ class ChildGuard:
 
     def _excepthook(self, kind: type[BaseException], value: BaseException, tb: object) -> None:
         self.failed(f"the launching process (local rank 0) failed with {kind.__name__}")
-        self._previous_hook(kind, value, tb)  # type: ignore[arg-type]
+        if not console.print_short(kind, value, tb):  # type: ignore[arg-type]  # a named mistake: a few lines
+            self._previous_hook(kind, value, tb)  # type: ignore[arg-type]
 
     def at_exit(self) -> list[str]:
         """Called at exit: ends the started ranks still alive if this process failed; else waits for them to finish
@@ -155,6 +157,13 @@ class ChildGuard:
 
 
 _guards: list[ChildGuard] = []
+
+
+def short_errors() -> None:
+    """In a rank (not the launching process, whose :class:`ChildGuard` does it): a mistake this package names is
+    said in a few lines, its traceback in a file (``runtime/console.py``)."""
+    if not _guards:
+        console.install()
 
 
 def note_failure(exception: BaseException) -> None:

@@ -27,7 +27,7 @@ from lightning_avgpipe.plugin.compat import (
     _init_dist_connection,
     _sync_ddp_if_available,
 )
-from lightning_avgpipe.plugin.launcher import note_failure, watch_launcher
+from lightning_avgpipe.plugin.launcher import note_failure, short_errors, watch_launcher
 from lightning_avgpipe.runtime.failures import guarded, handle_failure
 from lightning_avgpipe.runtime.shutdown import close_at_exit, mark_failed
 from lightning_avgpipe.runtime.watchdog import Watchdog
@@ -72,6 +72,7 @@ class ProcessStrategy(ScriptLaunchedStrategy):
         """Ranks, seeds and the default process group (what ``setup_environment`` does for every such strategy)."""
         reset_seed()
         watch_launcher()  # a rank the default launcher started ends itself once the launching process is gone
+        short_errors()  # a mistake this package names: a few lines on the console, the traceback in a file
         self.set_world_ranks()
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend

@@ -35,6 +35,26 @@ from lightning_avgpipe.shards import is_dtensor
 
 
 @dataclass
+class Kept:
+    """On the launching process (rank 0), for a model it built whole: what the split took away, so that the whole
+    trained model can come back into the user's module after a run (:meth:`SplitModule.put_back`)."""
+
+    spots: list[tuple[nn.Module, str, nn.Module, nn.Module]]  # parent, attribute, the layer, its placeholder
+    tensors: dict[str, Tensor]  # state-dict name -> another stage's tensor, its storage released while split
+    shapes: dict[str, tuple[int, ...]]
+    whole: bool = False  # the layers are back in place, with the trained values
+
+    def release(self) -> None:
+        for t in self.tensors.values():
+            t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+
+    def place(self, layers: bool) -> None:
+        """Put the layers (``True``) or their placeholders back where the module holds them."""
+        for parent, attr, layer, placeholder in self.spots:
+            setattr(parent, attr, layer if layers else placeholder)
+
+
+@dataclass
 class SplitModule:
     """What splitting did to the module on this rank, to undo and to redo it."""
 
@@ -51,6 +71,7 @@ class SplitModule:
     aliases: dict[str, str] = field(default_factory=dict)
     stages: list[int] = field(default_factory=list)  # this rank's model stages, in order (several: chunks)
     tensor_split: bool = False  # its layers were split over the tensor group on the meta device, before made real
+    kept: Kept | None = None  # rank 0, a model built whole: the other stages' layers, to bring back after a run
 
     @property
     def chunk_sizes(self) -> list[int]:
@@ -61,8 +82,34 @@ class SplitModule:
         qualified = {id(m): n for n, m in self.module.named_modules()}
         return {qualified[id(m)]: m for m in self.owned}
 
+    def put_back(self, values: dict[str, Tensor]) -> None:
+        """After a run, on rank 0: the other stages' layers back in the module, with their trained ``values`` (by
+        state-dict name): the user's module is the whole trained model again."""
+        assert self.kept is not None
+        for name, t in self.kept.tensors.items():
+            t.data = values[name]
+        self.kept.place(layers=True)
+        self.kept.whole = True
+
+    @contextmanager
+    def as_split(self) -> Iterator[None]:
+        """The placeholders in place for a while (the strategy's own use of the module after a run, a checkpoint)."""
+        whole = self.kept is not None and self.kept.whole
+        if whole:
+            self.kept.place(layers=False)  # type: ignore[union-attr]
+        try:
+            yield
+        finally:
+            if whole:
+                self.kept.place(layers=True)  # type: ignore[union-attr]
+
     def guard_again(self) -> None:
-        """A later fit/validate with this strategy: guard the layers and hide the example input again."""
+        """A later fit/validate with this strategy: split again (rank 0's module was whole after the last run),
+        guard the layers and hide the example input again."""
+        if self.kept is not None and self.kept.whole:
+            self.kept.place(layers=False)
+            self.kept.release()
+            self.kept.whole = False
         self.module.example_input_array = None  # type: ignore[assignment]
         if not self.handles:
             self.handles = guard_layers(self.names(), self.guard)
@@ -81,10 +128,16 @@ def already_split(module: nn.Module) -> bool:
 
 
 def split_module(
-    module: nn.Module, layers: list[nn.Module], sizes: list[int], stages: Sequence[int], guard: Guard
+    module: nn.Module,
+    layers: list[nn.Module],
+    sizes: list[int],
+    stages: Sequence[int],
+    guard: Guard,
+    keep: bool = False,
 ) -> SplitModule:
     """Keep ``layers``' share of ``stages`` (this rank's model stages; ``sizes`` layers per stage) in ``module``;
-    placeholders for the rest. ``owned`` lists the kept layers in stage order."""
+    placeholders for the rest. ``owned`` lists the kept layers in stage order. With ``keep`` (rank 0, a model built
+    whole) the other layers are kept aside with their tensors' storage released (:class:`Kept`)."""
     if already_split(module):
         raise ValueError(
             f"This {type(module).__name__} was already split into stages by another AvgPipeStrategy (it holds "
@@ -99,13 +152,34 @@ def split_module(
     owned = [layer for layer, s in zip(layers, stage_of) if s in stages]
     qualified = {id(m): n for n, m in module.named_modules()}
     found = second_paths(module, layers, stage_of)
+    spots: list[tuple[nn.Module, str, nn.Module, nn.Module]] = []
+    tensors: dict[str, Tensor] = {}
+    if keep:
+        own = {id(t) for layer in owned for t in [*layer.parameters(), *layer.buffers()]}
+        away = {
+            id(t)
+            for layer, s in zip(layers, stage_of)
+            if s not in stages
+            for t in [*layer.parameters(), *layer.buffers()]
+        }
+        seen: set[int] = set()
+        for name, t in module.state_dict(keep_vars=True).items():
+            if id(t) in away - own and id(t) not in seen:
+                seen.add(id(t))
+                tensors[name] = t
+
+    def replace(parent: nn.Module, attr: str, placeholder: Elsewhere) -> None:
+        if keep:
+            spots.append((parent, attr, getattr(parent, attr), placeholder))
+        setattr(parent, attr, placeholder)
+
     for layer, owner in zip(layers, stage_of):
         if owner not in stages:
             for parent, attr in locate(module, layer):
-                setattr(parent, attr, Elsewhere(qualified[id(layer)], owner, guard))
+                replace(parent, attr, Elsewhere(qualified[id(layer)], owner, guard))
     for alias in found:  # a layer's module under another name: a placeholder too, where no own layer holds it
         if not alias.stages & set(stages):
-            setattr(alias.parent, alias.attr, Elsewhere(alias.name, min(alias.stages), guard))
+            replace(alias.parent, alias.attr, Elsewhere(alias.name, min(alias.stages), guard))
     announce_second_paths(found)
     example = getattr(module, "example_input_array", None)
     module.example_input_array = None  # type: ignore[assignment]
@@ -113,6 +187,9 @@ def split_module(
         module._avgpipe_anchor = Anchor()  # a parameter-free stage still builds the user's optimizer
     split = SplitModule(module, owned, list(sizes), full_keys, guard, example, [], param_names, aliases, list(stages))
     split.handles = guard_layers(split.names(), guard)
+    if keep:
+        split.kept = Kept(spots, tensors, {n: tuple(t.shape) for n, t in tensors.items()})
+        split.kept.release()
     return split
 
 

@@ -6,6 +6,7 @@ maps Lightning's life cycle onto it (docs/how-it-works.md#lightning-integration)
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import warnings
@@ -30,7 +31,7 @@ from typing_extensions import override
 
 from lightning_avgpipe.config import PipelineConfig
 from lightning_avgpipe.plugin import checkpoint as ckpt
-from lightning_avgpipe.plugin import compat, sharded, streamed, tensor
+from lightning_avgpipe.plugin import compat, sharded, streamed, tensor, whole
 from lightning_avgpipe.plugin.bridge import Guard, StepBridge
 from lightning_avgpipe.plugin.compat import (
     _optimizers_to_device,
@@ -66,6 +67,7 @@ from lightning_avgpipe.runtime.failures import guarded
 from lightning_avgpipe.runtime.materialize import InitRecord, Shard, is_meta_module
 from lightning_avgpipe.runtime.pipeline import StagePipeline
 from lightning_avgpipe.runtime.recompute import check_matches
+from lightning_avgpipe.runtime.shutdown import failed
 from lightning_avgpipe.runtime.streams import RandomStreams
 from lightning_avgpipe.runtime.ties import TiedWeights, tie_groups
 from lightning_avgpipe.runtime.topology import Topology
@@ -80,7 +82,8 @@ def _own_use(method: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(method)
     def wrapped(self: AvgPipeStrategy, *args: Any, **kwargs: Any) -> Any:
-        with self._guard.allowing():
+        split = self._split.as_split() if self._split is not None else contextlib.nullcontext()
+        with self._guard.allowing(), split:
             return method(self, *args, **kwargs)
 
     return wrapped
@@ -250,6 +253,7 @@ class AvgPipeStrategy(ProcessStrategy):
         self._steps: PipelineSteps | None = None  # Lightning's step hooks through the controller
         self._guard = Guard()
         self._ties: list[TiedWeights] = []  # weights this stage shares with others (tied embedding and head)
+        self._whole_after_run = False  # set at the split: rank 0 gets the whole trained model back after a run
         self._param_names: dict[int, str] = {}  # id(parameter) -> its name in the module, for error messages
         self._outbox = streamed.Outbox()  # a checkpoint being dumped: this rank's tensors, until save_checkpoint
         self._init_records: list[InitRecord] = []  # builds on the meta device, replayed per rank at setup
@@ -365,6 +369,7 @@ class AvgPipeStrategy(ProcessStrategy):
 
     @override
     def setup_environment(self) -> None:
+        self._guard.finished = False  # a new run of the same Trainer uses the split module again (Lightning too)
         super().setup_environment()
         self.init_processes()
         default = dist.group.WORLD if self.world_size > 1 else None
@@ -446,7 +451,10 @@ class AvgPipeStrategy(ProcessStrategy):
             materialize_own(module, layers, list(sizes), mine, records, self.root_device, forward_note, shards)
         else:
             suggest_configure_model(module)
-        self._split = split_module(module, layers, list(sizes), mine, self._guard)
+        # a model built whole comes back whole into rank 0's module after a run (plugin/whole.py)
+        self._whole_after_run = not deferred and self.config.tensor_parallel_size == 1 and self.num_stages > 1
+        keep = self._whole_after_run and self.global_rank == 0
+        self._split = split_module(module, layers, list(sizes), mine, self._guard, keep)
         self._split.tensor_split = deferred and self.config.tensor_parallel_size > 1
         placed = f" ({v} per rank, {layout.placement} placement)" if v > 1 else ""
         rank_zero_info(
@@ -793,6 +801,10 @@ class AvgPipeStrategy(ProcessStrategy):
                 )
         if self._split is not None:
             self._split.release()
+            if self._whole_after_run and self._controller is not None and not failed():
+                with guarded("bringing the trained model back to rank 0 (teardown)"), self._guard.allowing():
+                    mine = self._lightning().state_dict(keep_vars=True) if self.topology.group_index == 0 else {}
+                    whole.bring_back(self._split, mine, self.global_rank, self.world_size)
         super().teardown()
         if self._split is not None and self.num_stages > 1:  # the module is not whole here: its placeholders refuse
             self._guard.finished = True

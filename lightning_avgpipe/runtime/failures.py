@@ -210,6 +210,11 @@ def handle_failure(exception: BaseException, where: str, rank: int, world_size: 
     mine = f"{where}: {type(exception).__name__}: {shortened(str(exception))}"
     report_failure(mine)
     first = recorded_failure()
+    if first and first != mine and _what(first) == _what(mine):  # said in one line (runtime/console.py)
+        try:
+            exception._avgpipe_same_as = first.split(": ", 1)[0]  # type: ignore[attr-defined]
+        except AttributeError:
+            pass
     if first and first != mine and _what(first) != _what(mine):  # the same error on every rank needs no note
         consequence = isinstance(exception, PeerFailureError) or is_transport_error(exception)
         name_first_failure(

@@ -107,6 +107,11 @@ class Recorder(pl.Callback):
         self.losses: list[float] = []
         self.finite: list[bool] = []
         self.labels: list[Any] | None = None
+        self.held = (0, 0)  # at the end of training: the parameter elements this rank holds (whole, local shards)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        params = list(pl_module.parameters())
+        self.held = (sum(p.numel() for p in params), sum(local(p).numel() for p in params))
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -232,15 +237,16 @@ def main(cfg: dict[str, Any]) -> None:
     preds = trainer.predict(model, loader(bs)) if cfg.get("predict") else None
     # what could still run at interpreter exit (a daemon thread inside a C++ call there aborts the process)
     threads = sorted(t.name for t in threading.enumerate() if t is not threading.main_thread())
-    try:  # after the run: a module holding placeholders refuses to pass for the whole model
-        model.state_dict()
+    try:  # after the run: rank 0's module is the whole trained model; one holding placeholders refuses
+        whole = model.state_dict()
         after_run = "whole"
+        torch.save(whole, out / f"after_run{trainer.global_rank}.pt")
     except Exception as err:  # noqa: BLE001 - its type is the result
         after_run = type(err).__name__
     result = {
         "after_run": after_run,
-        "parameters": sum(p.numel() for p in model.parameters()),  # what this rank holds (a placeholder holds none)
-        "local_parameters": sum((p.to_local() if is_dtensor(p) else p).numel() for p in model.parameters()),
+        "parameters": rec.held[0],  # what this rank holds (a placeholder holds none)
+        "local_parameters": rec.held[1],
         "threads": threads,
         "losses": rec.losses,
         "labels": rec.labels,
