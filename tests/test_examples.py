@@ -82,7 +82,7 @@ def test_a_gpt_split_by_heads_with_the_default_plan(tmp_path: Path, model: str) 
 
 @pytest.mark.timeout(300)
 def test_a_hugging_face_llama_with_a_lora_adapter_is_whole_after_fit_and_saves_every_tensor(tmp_path: Path) -> None:
-    """``examples/peft_lora.py --check`` (issue 33, item 1): a PEFT LoRA adapter on a Llama over 2 stages; after
+    """``examples/peft_lora.py --check``: a PEFT LoRA adapter on a Llama over 2 stages; after
     ``fit`` the launching process's module is the whole trained model, so ``save_pretrained`` writes all 16 LoRA
     tensors, equal to one process's training with accumulation."""
     pytest.importorskip("peft")

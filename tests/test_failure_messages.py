@@ -1,4 +1,4 @@
-"""What a failing rank says (issue 33, item 7): a recorded message is cut at a word's end, never mid-word; a rank that
+"""What a failing rank says: a recorded message is cut at a word's end, never mid-word; a rank that
 raised the same error as the first failure gets no note; a rank stopped by another's failure says so; an error of
 its own after another's quotes the first without claiming it stopped because of it. One process: the store's reads
 are replaced by the record under test."""

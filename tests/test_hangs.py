@@ -1,4 +1,4 @@
-"""A frozen rank never hangs the job, and the default launcher leaves no rank behind (issue 35).
+"""A frozen rank never hangs the job, and the default launcher leaves no rank behind.
 
 A rank is frozen with SIGSTOP and never continued: no thread of it runs, and when it is rank 0 the rendezvous store it
 serves stops answering (the kernel still accepts a request; no answer ever comes). Every other rank must end within

@@ -1,7 +1,7 @@
 """The package's layers import only downward: a module may import its own layer and the layers below it, never one
 above (``config.py`` must not pull in the runtime, the runtime not the tuner, the tuner not the plugin).
 
-The order, lowest first (issue 22): the shared checks; schedules, micro-batches and the noise maths; elastic
+The order, lowest first: the shared checks; schedules, micro-batches and the noise maths; elastic
 averaging, optimizers and the config; the runtime; the tuning maths; partitioning; the Lightning plugin; the command
 lines and the package's face. Every import counts, at module level or inside a function, under ``TYPE_CHECKING`` or
 not: each is a dependency a reader must follow.

@@ -292,5 +292,5 @@ def test_a_metric_reset_and_updated_again_is_mirrored() -> None:
         states = [payload for _, kind, payload, _ in bridge.take_logs() if kind == "state"]
         sent.append(states)
         net.total.reset()
-    assert len(sent[0]) == 1 and len(sent[1]) == 1  # before the fix the second epoch sent nothing
+    assert len(sent[0]) == 1 and len(sent[1]) == 1  # the second epoch sends too
     assert float(sent[1][0][1]["sum_value"]) == pytest.approx(12.0)  # epoch 2's output: 2 x 3 twos

@@ -1,4 +1,4 @@
-"""A model built without memory (issue 32, part 1): recorded on the meta device, each rank makes only its own layers
+"""A model built without memory: recorded on the meta device, each rank makes only its own layers
 real by replaying the build, with one process's values bit for bit, for every layout."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Which resumes continue exactly like the uninterrupted run (issue 23, item 9), compared with what plain Lightning
+"""Which resumes continue exactly like the uninterrupted run, compared with what plain Lightning
 does on one device: a mid-epoch ``ModelCheckpoint`` with torchdata's ``StatefulDataLoader`` is bit-identical after a
 ``kill -9``; with a plain ``DataLoader`` neither this strategy nor Lightning is exact (Lightning warns); and a
 checkpoint written by ``trainer.save_checkpoint`` after ``fit`` stopped at ``max_steps`` continues as Lightning's

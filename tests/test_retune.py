@@ -188,8 +188,8 @@ def _fit(
 
 
 def recorded_profile(*args: Any, **kwargs: Any) -> PipelineProfile:
-    """The profile the first decision is made from, recorded once (issue 33: measured on a loaded machine the
-    profile chose N = 4 where a quiet one chose N = 1, and the test checks the decisions that follow, not timing)."""
+    """The profile the first decision is made from, recorded once: a profile measured here would depend on the
+    machine's load (a loaded one can choose N = 4 where a quiet one chooses N = 1); the test checks the decisions."""
     return PipelineProfile.from_dict(json.loads(PROFILE.read_text()))
 
 

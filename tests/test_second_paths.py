@@ -1,6 +1,6 @@
 """A LightningModule that reaches its pipeline layers by a second path (``self.gpt = gpt`` kept beside wrappers around
 ``gpt``'s layers, to call ``gpt.generate()`` later): the checkpoint holds the trained weights under every name, no rank
-keeps another stage's weights through the second path, and the setup log names it (issue 23, item 10)."""
+keeps another stage's weights through the second path, and the setup log names it."""
 
 from __future__ import annotations
 

@@ -325,7 +325,7 @@ def test_a_scalar_parameter_is_sharded_too() -> None:
 
 @pytest.mark.timeout(400)
 def test_the_tuner_keeps_elastic_averaging_with_a_sharded_reference(tmp_path: Path) -> None:
-    """shard_optimizer_state no longer forces the tuner to exact averaging: asked for elastic, it searches N = 1, 2
+    """shard_optimizer_state leaves the tuner its averaging: asked for elastic, it searches N = 1, 2
     with the sharded reference, applies its choice on both ranks, and trains with whole weights between steps."""
     from tests.test_strategy_equivalence import run_lightning
 

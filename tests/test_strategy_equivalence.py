@@ -71,7 +71,7 @@ def test_equivalence(tmp_path: Path, devices: int, strategy: dict[str, Any]) -> 
     results = run_lightning(tmp_path, devices, strategy)
     assert_matches(tmp_path, results, strategy["num_microbatches"])
     # after the run rank 0's module is the whole trained model (the final checkpoint's weights); every other rank's
-    # holds placeholders: its state_dict() refuses (issue 33), the save above not
+    # holds placeholders: its state_dict() refuses, the save above not
     assert [r["after_run"] for r in results] == ["whole"] + ["NotWholeError"] * (devices - 1)
     after, final = torch.load(tmp_path / "after_run0.pt", weights_only=True), final_state(tmp_path)
     assert after.keys() == final.keys()

@@ -1,4 +1,4 @@
-"""Random draws inside the pipelined layers (issue 33, item 3; runtime/streams.py): with each layer seeded from
+"""Random draws inside the pipelined layers (runtime/streams.py): with each layer seeded from
 (seed, step, micro-batch, layer), dropout gives the same masks, and training the same result, for S = 1, 2 and 4,
 zbv and interleaved (two stages per rank), 1F1B and activation checkpointing; without it, S = 2 differs from S = 1."""
 

@@ -211,7 +211,7 @@ def test_the_users_setting_is_kept_within_the_profiles_timing_noise(
         "Your own setting (M = 4, N = 1, 1f1b) was kept: it predicts 6.3% less than the best row (M = 8, N = 1, 1f1b)"
     )
     assert (said in table.notes["reason"]) == (chosen == 4)
-    if chosen == 4:  # one comparison, both figures of it: the gap within the noise (issue 33: it read as 9.1% > 8.4%)
+    if chosen == 4:  # one comparison, both figures of it: the gap within the noise
         window = table.notes["tie_window"]
         assert f"a gap under the tie window of {window:.1%} (twice the profile's timing noise" in table.notes["reason"]
         assert 0.063 <= window

@@ -276,10 +276,6 @@ class TensorParallelLink(Link):
         if getattr(self, "inner", None) is not None:
             self.inner.timeout = value  # type: ignore[union-attr]
 
-    @property
-    def leads(self) -> bool:
-        return self.inner is not None
-
     def _broadcast(self, tensor: Tensor, what: str) -> None:
         work = dist.broadcast(tensor, src=self.src, group=self.tensor_group, async_op=True)
         self._wait(work, what, self.src, 0)
