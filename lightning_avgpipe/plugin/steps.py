@@ -24,6 +24,7 @@ from lightning_avgpipe.plugin.gradients import GradStash
 from lightning_avgpipe.plugin.precision import loss_scale_of
 from lightning_avgpipe.runtime.controller import StepController, StepReport
 from lightning_avgpipe.runtime.pipeline import StagePipeline
+from lightning_avgpipe.runtime.request import StepRequest
 from lightning_avgpipe.runtime.zero import ShardedOptimizer
 
 # the precision plugin's context around each evaluation hook's forwards
@@ -66,23 +67,23 @@ class PipelineSteps:
             where = f" (pipeline {n}'s of {num_pipelines})" if num_pipelines > 1 else ""
             check_not_empty(one, f"training batch {rest[0] if rest else '?'}{where} of epoch {trainer.current_epoch}")
         writes_logs = compat.writes_logs(trainer)
-        if pipeline.streams is not None:  # the layers' random streams follow the step (a resume continues them)
-            pipeline.streams.step = (trainer.global_step, int(rest[0]) if rest else 0)
+        request = StepRequest(  # the whole step's request, passed unchanged down to the executor
+            batch if num_pipelines > 1 else [batch],
+            lambda output, micro, share: bridge.call_step("training_step", output, micro, share, *rest),
+            step=trainer.global_step,
+            batch_index=int(rest[0]) if rest else 0,  # with the step: each layer's random stream (a resume too)
+            log=writes_logs,
+            optimizers=trainer.strategy.optimizers,
+            inputs=lambda micro: pipeline_inputs(module, micro),
+            accumulate=trainer.accumulate_grad_batches,
+            forward_context=precision.train_step_context,
+            divergence=not pipeline.elastic.trivial and writes_logs,
+            noise=writes_logs or compat.every(trainer.global_step, noise_every),
+            param_names=self.param_names,
+            loss_scale=loss_scale_of(precision),
+        )
         with self.stash.apart(pipeline.params):  # Lightning zeroes gradients between training_step and backward
-            report = control.train_step(
-                batch if num_pipelines > 1 else [batch],
-                lambda output, micro, share: bridge.call_step("training_step", output, micro, share, *rest),
-                step=trainer.global_step,
-                log=writes_logs,
-                optimizers=trainer.strategy.optimizers,
-                inputs=lambda micro: pipeline_inputs(module, micro),
-                accumulate=trainer.accumulate_grad_batches,
-                forward_context=precision.train_step_context,
-                divergence=not pipeline.elastic.trivial and writes_logs,
-                noise=writes_logs or compat.every(trainer.global_step, noise_every),
-                param_names=self.param_names,
-                loss_scale=loss_scale_of(precision),
-            )
+            report = control.run(request)
         result = report.result
         if result.loss is not None:  # the last stage
             loss, logs = self.results.exchange(result.loss.cpu(), bridge.take_logs())

@@ -36,6 +36,7 @@ from lightning_avgpipe.cpu import host_memory_bytes
 from lightning_avgpipe.noise import NoiseScale
 from lightning_avgpipe.runtime import collectives
 from lightning_avgpipe.runtime.pipeline import StagePipeline, StepResult
+from lightning_avgpipe.runtime.request import StepRequest
 from lightning_avgpipe.runtime.trace import StepTrace, write_trace
 from lightning_avgpipe.runtime.units import LossFn
 from lightning_avgpipe.schedules import max_advance_forwards
@@ -148,40 +149,25 @@ class StepController:
         self._last_start = None
 
     # -- the step ------------------------------------------------------------------------------------------------
-    def train_step(
-        self,
-        batches: Sequence[Any],
-        loss_fn: LossFn,
-        *,
-        step: int | None = None,
-        log: bool = True,
-        optimizers: Sequence[Optimizer] = (),
-        **step_args: Any,
-    ) -> StepReport:
-        """Run :meth:`StagePipeline.train_step` and what watches it: measure the step when :meth:`wants_figures`,
-        then log its figures, trace it, advance k's search and decide on checkpointing (collectives over the pipeline
-        and the job, taken alike on every rank).
+    def train_step(self, batches: Sequence[Any], loss_fn: LossFn, *, log: bool = True, **fields: Any) -> StepReport:
+        """:meth:`run` of ``StepRequest(batches, loss_fn, log=log, **fields)`` (``runtime/request.py``)."""
+        return self.run(StepRequest(batches, loss_fn, log=log, **fields))
 
-        Args:
-            batches: the N batches, as for :meth:`StagePipeline.train_step`.
-            loss_fn: the loss, as for :meth:`StagePipeline.train_step`.
-            step: the training step's number (``global_step``): what ``trace_steps`` names.
-            log: whether this step's figures are logged (Lightning's ``log_every_n_steps``).
-            optimizers: the step's optimizers, whose states the memory figure counts.
-            **step_args: the rest of :meth:`StagePipeline.train_step`'s arguments (``divergence``, ``noise``,
-                ``inputs``, ...); ``measure`` is this controller's to set.
-        """
+    def run(self, request: StepRequest) -> StepReport:
+        """Run :meth:`StagePipeline.run_step` and what watches it: measure the step when :meth:`wants_figures`
+        (``request.step`` traced, ``request.log``, a search), then log its figures, trace it, advance k's search
+        and decide on checkpointing (collectives over the pipeline and the job, taken alike on every rank)."""
         now = time.perf_counter()
-        measure = self.wants_figures(step, log)
-        report = StepReport(self.pipeline.train_step(batches, loss_fn, measure=measure, **step_args))
+        measure = self.wants_figures(request.step, request.log)
+        report = StepReport(self.pipeline.run_step(request, measure))
         result = report.result
         if result.noise is not None:
             self.noise_scale.update(result.noise)
         if measure:
-            samples = sum(microbatch.batch_size(b) for b in batches) * self.pipeline.topology.num_groups
+            samples = sum(microbatch.batch_size(b) for b in request.batches) * self.pipeline.topology.num_groups
             if self._last_start is not None and now > self._last_start:
                 report.scalars["avgpipe/samples_per_sec"] = samples / (now - self._last_start)
-            self._observe(report, step, optimizers)
+            self._observe(report, request.step, request.optimizers)
         self._last_start = now
         return report
 

@@ -19,6 +19,7 @@ from lightning_avgpipe.errors import loss_of
 from lightning_avgpipe.runtime import streams
 from lightning_avgpipe.runtime.deferred import WeightGradQueue
 from lightning_avgpipe.runtime.p2p import Link, flatten_output
+from lightning_avgpipe.runtime.request import StepRequest
 from lightning_avgpipe.runtime.trace import ActivationMeter, StepTrace
 from lightning_avgpipe.schedules.actions import Action, Kind
 from lightning_avgpipe.schedules.chunks import Layout
@@ -97,7 +98,7 @@ class StageExecutor:
         trace: StepTrace | None = None,
         meter: ActivationMeter | None = None,
         after_backward: Callable[[int], None] | None = None,
-        loss_scale: Any = None,
+        request: StepRequest | None = None,
     ) -> dict[int, Any]:
         """Run ``actions`` for units ``0..len(keys)-1``.
 
@@ -114,12 +115,25 @@ class StageExecutor:
             meter: counts the activation bytes each unit saves for backward (training).
             after_backward: called with the unit once its gradients are whole on this stage (after its ``B``, or its
                 ``W``), for the noise probe (one stage per rank).
+            request: the training step's request (``runtime/request.py``): its ``forward_context`` (instead of the
+                argument) and its ``loss_scale``, by which each unit's loss is multiplied before its backward.
 
         Returns:
             On the last stage, unit -> the head's value (detached in training); elsewhere an empty dict.
         """
-        run = _Run(self, keys, training, inputs, head, forward_context, stage_fn_for, trace, meter, after_backward)
-        run.loss_scale = loss_scale
+        run = _Run(
+            self,
+            keys,
+            training=training,
+            inputs=inputs,
+            head=head,
+            forward_context=request.forward_context if request is not None else forward_context,
+            stage_fn_for=stage_fn_for,
+            trace=trace,
+            meter=meter,
+            after_backward=after_backward,
+            loss_scale=request.loss_scale if request is not None else None,
+        )
         steps = {
             Kind.RECV_F: run.recv_activations,
             Kind.FORWARD: run.forward,
@@ -156,6 +170,7 @@ class _Run:
         self,
         executor: StageExecutor,
         keys: Sequence[Hashable],
+        *,
         training: bool,
         inputs: Callable[[int], Any] | None,
         head: HeadFn | None,
@@ -164,6 +179,7 @@ class _Run:
         trace: StepTrace | None,
         meter: ActivationMeter | None,
         after_backward: Callable[[int], None] | None,
+        loss_scale: Any,
     ) -> None:
         self.executor, self.keys, self.training = executor, keys, training
         self.inputs, self.head, self.forward_context = inputs, head, forward_context
@@ -171,7 +187,7 @@ class _Run:
         self.trace, self.meter, self.after_backward = trace, meter, after_backward
         self.layout = executor.layout
         self.last = self.layout.num_chunks - 1
-        self.loss_scale: Any = None
+        self.loss_scale = loss_scale
         self.results: dict[int, Any] = {}
         self.stash: dict[Key, tuple[list[Tensor], list[Tensor]]] = {}  # (inputs needing grad, outputs to backprop)
         self.outgoing: dict[Key, Any] = {}  # outputs to send

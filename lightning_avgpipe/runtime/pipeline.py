@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -39,6 +39,7 @@ from lightning_avgpipe.runtime.executor import StageExecutor
 from lightning_avgpipe.runtime.gradnoise import GradientProbe
 from lightning_avgpipe.runtime.p2p import Link
 from lightning_avgpipe.runtime.recompute import layer_mask, stage_function
+from lightning_avgpipe.runtime.request import StepRequest
 from lightning_avgpipe.runtime.sharded_reference import ShardedReference
 from lightning_avgpipe.runtime.streams import RandomStreams
 from lightning_avgpipe.runtime.tensor_parallel import whole_outputs
@@ -353,45 +354,27 @@ class StagePipeline:
 
     # -- training ------------------------------------------------------------------------------------------------
     def train_step(
-        self,
-        batches: Sequence[Any],
-        loss_fn: LossFn,
-        *,
-        inputs: Callable[[Any], Any] = first_input,
-        accumulate: int = 1,
-        forward_context: Context = contextlib.nullcontext,
-        measure: bool = False,
-        divergence: bool = False,
-        noise: bool = False,
-        param_names: Mapping[int, str] | None = None,
-        key: str = "training_step",
-        loss_scale: Any = None,
+        self, batches: Sequence[Any], loss_fn: LossFn, *, measure: bool = False, **fields: Any
     ) -> StepResult:
-        """Run one iteration: replica n trains on ``batches[n]``; gradients land in each replica's ``.grad``.
+        """:meth:`run_step` of ``StepRequest(batches, loss_fn, **fields)`` (``runtime/request.py``)."""
+        return self.run_step(StepRequest(batches, loss_fn, **fields), measure)
+
+    def run_step(self, request: StepRequest, measure: bool = False) -> StepResult:
+        """Run one iteration: replica n trains on ``request.batches[n]``; gradients land in each replica's
+        ``.grad``.
 
         Units are (replica, micro-batch) pairs, replica-major. A unit's loss is weighted by its share of its
-        replica's batch (each replica's gradient is its own batch mean) and divided by ``accumulate``.
-
-        Args:
-            batches: the N batches of this iteration, one per parallel pipeline.
-            loss_fn: on the last stage, ``(output, micro_batch, share) -> loss`` for one micro-batch, ``share``
-                being its part of all N batches (to weight what is logged).
-            inputs: micro-batch -> the first layer's input (first stage).
-            accumulate: gradient accumulation steps the optimizer step spans.
-            forward_context: entered around every forward and loss (autocast).
-            measure: count the activation bytes every unit saves (saved-tensor hooks: costs time; the trace's
-                ``peak_activation_bytes``); the step's timeline is always kept.
-            divergence: also measure the replicas' distance to the reference over the pipeline (collective).
-            noise: also measure the gradient noise (collective over the job; with ``accumulate`` 1 only).
-            param_names: ``id(reference parameter) -> name`` for errors about non-finite gradients.
-            key: a name that keeps this step's transfer metadata apart from other kinds of step.
-            loss_scale: multiply every unit's loss by it before its backward (16-mixed's loss scale), so every
-                stage's gradients are scaled; an overflow is then the scaler's to handle, not an error here.
+        replica's batch (each replica's gradient is its own batch mean) and divided by ``request.accumulate``.
+        ``measure``: count the activation bytes every unit saves (saved-tensor hooks: costs time; the trace's
+        ``peak_activation_bytes``); the step's timeline is always kept.
 
         Raises:
             FloatingPointError: a loss (last stage) or a gradient (any stage) is not finite; names the stage,
                 replica and parameter. The other stages then fail naming this one.
         """
+        batches, accumulate = request.batches, request.accumulate
+        if self.streams is not None and request.step is not None:  # each layer's random stream follows the step
+            self.streams.step = (request.step, request.batch_index)
         replicas = self.num_pipelines
         if len(batches) != replicas:
             raise ValueError(
@@ -419,12 +402,12 @@ class StagePipeline:
         probe = None
         # the probe reads each unit's gradients when they are whole; a split backward interleaves units' parts
         whole_units = not self.splits_backward and self.chunks.v == 1
-        if noise and accumulate == 1 and whole_units and GradientProbe.usable(replicas, len(micro)):
+        if request.noise and accumulate == 1 and whole_units and GradientProbe.usable(replicas, len(micro)):
             params = [self.elastic.replica_params(n) for n in range(replicas)] if replicas > 1 else [self.params]
             sizes = [microbatch.batch_size(mb) for mb in micro]
             T = self.topology.tensor_parallel_size
             probe = GradientProbe(params, sizes, owner, skip=self.uncounted_params, tensor_parallel_size=T)
-        step = (key, micro, weights, owner, replicas, accumulate, loss_fn, inputs)
+        step = (request.key, micro, weights, owner, replicas, accumulate, request.loss_fn, request.inputs)
         batched = self.batched
         if batched is not None:  # micro-batch m of every replica in one vmap call: M units
             todo = units.batched(*step, batched_replicas=batched)
@@ -437,26 +420,25 @@ class StagePipeline:
             training=True,
             inputs=todo.inputs,
             head=todo.head,
-            forward_context=forward_context,
             stage_fn_for=todo.stage_fn_for,
             trace=trace,
             meter=meter,
             after_backward=probe.after_backward if probe is not None and batched is None else None,
-            loss_scale=loss_scale,
+            request=request,
         )
         if batched is not None:
             batched.finish()
         if self.ties:
             self._tied.sum(replicas, before, self.device)
-        spread = self.divergence() if divergence else None
+        spread = self.divergence() if request.divergence else None
         norms = None
         if probe is not None:
             norms = probe.finish(self.topology.job_group, self.topology.num_groups, self.device)
         if exact and self.topology.num_groups > 1:  # the D groups' gradients: one batch of D x N x B
             average_gradients(self.params, self.topology.stage_group, self.topology.num_groups, self.device)
-        grads = self._params if loss_scale is None else []  # under loss scaling an overflow skips the step instead
+        grads = self._params if request.loss_scale is None else []  # under loss scaling an overflow skips the step
         where = f"stage {self.stage} (rank {self.topology.rank})"
-        check_finite(where, results, grads, self.elastic.reference_params, param_names or {})
+        check_finite(where, results, grads, self.elastic.reference_params, request.param_names or {})
         if self._bounds_link_timeout:
             for link in self.executor.all_links:
                 link.timeout = self.config.p2p_timeout  # the first step may be slow; later ones are bounded

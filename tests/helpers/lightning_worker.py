@@ -108,10 +108,12 @@ class Recorder(pl.Callback):
         self.finite: list[bool] = []
         self.labels: list[Any] | None = None
         self.held = (0, 0)  # at the end of training: the parameter elements this rank holds (whole, local shards)
+        self.sharded: list[str] = []  # and the parameters it holds as tensor shards (DTensor)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         params = list(pl_module.parameters())
         self.held = (sum(p.numel() for p in params), sum(local(p).numel() for p in params))
+        self.sharded = sorted(n for n, p in pl_module.named_parameters() if is_dtensor(p))
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -277,7 +279,7 @@ def main(cfg: dict[str, Any]) -> None:
         # where this rank sits: (node, pipeline group, stage, tensor shard), and its tensor group's global ranks
         result["place"] = [trainer.node_rank, top.group_index, top.stage, top.tensor_rank, top.tensor_ranks]
         # tensor parallelism: the parameters this rank holds as shards (DTensor)
-        result["sharded"] = sorted(n for n, p in model.named_parameters() if is_dtensor(p))
+        result["sharded"] = rec.sharded
     else:  # strategy="ddp": Adam's step count on this rank (a resume must carry it on)
         result["optimizer_steps"] = sorted({int(s["step"]) for s in trainer.optimizers[0].state.values()})
         torch.distributed.destroy_process_group()  # Lightning leaves gloo's groups to exit; a DDP user ends them
