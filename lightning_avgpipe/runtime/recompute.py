@@ -60,9 +60,24 @@ def stage_function(
     marks = list(mask) if mask is not None else [False] * len(layers)
 
     def stage_fn(x: Any) -> Any:
+        saved: list[Any] = []  # the generators before the first seeded layer, put back once after the last
+        try:
+            return layers_on(x, saved)
+        finally:
+            if saved:
+                streams.restore(saved[0])
+
+    def layers_on(x: Any, saved: list[Any]) -> Any:
         for index, (layer, recompute) in enumerate(zip(layers, marks)):
             seed = seed_of(index) if seed_of is not None else None
-            run = layer if seed is None else functools.partial(_seeded_call, layer, seed)
+            run: Callable[[Any], Any] = layer
+            if seed is not None and recompute and torch.is_grad_enabled():  # replayed alone: puts them back itself
+                run = functools.partial(_seeded_call, layer, seed)
+            elif seed is not None:
+                device = streams.device_of(x)
+                if not saved:
+                    saved.append(streams.save(device))
+                streams.reseed(seed, device)
             if recompute and torch.is_grad_enabled():
                 for t in x if isinstance(x, (tuple, list)) else (x,):
                     if isinstance(t, Tensor):

@@ -62,21 +62,34 @@ def unit(u: int) -> Iterator[None]:
         _UNIT.reset(token)
 
 
+def save(device: torch.device) -> tuple[Tensor, Tensor | None, torch.device]:
+    """The CPU generator's state and ``device``'s (CUDA), to :func:`restore` later."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None, device
+
+
+def restore(state: tuple[Tensor, Tensor | None, torch.device]) -> None:
+    cpu, accel, device = state
+    torch.set_rng_state(cpu)
+    if accel is not None:
+        torch.cuda.set_rng_state(accel, device)
+
+
+def reseed(seed: int, device: torch.device) -> None:
+    """Seed the CPU generator and ``device``'s with ``seed``."""
+    torch.random.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        torch.cuda.default_generators[device.index or 0].manual_seed(seed)
+
+
 @contextlib.contextmanager
 def seeded(seed: int, device: torch.device) -> Iterator[None]:
     """The CPU generator and ``device``'s seeded with ``seed``; both put back afterwards."""
-    cpu = torch.get_rng_state()
-    accel = device.type == "cuda"
-    state = torch.cuda.get_rng_state(device) if accel else None
-    torch.random.default_generator.manual_seed(seed)
-    if accel:
-        torch.cuda.default_generators[device.index or 0].manual_seed(seed)
+    state = save(device)
+    reseed(seed, device)
     try:
         yield
     finally:
-        torch.set_rng_state(cpu)
-        if state is not None:
-            torch.cuda.set_rng_state(state, device)
+        restore(state)
 
 
 def device_of(x: Any) -> torch.device:
