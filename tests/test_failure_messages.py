@@ -56,7 +56,7 @@ def test_a_placeholder_refuses_to_pass_for_the_whole_model_after_the_run() -> No
     import torch
     from torch import nn
 
-    from lightning_avgpipe.plugin.bridge import Elsewhere, Guard, NotWholeError
+    from lightning_avgpipe.plugin.placeholders import Elsewhere, Guard, NotWholeError
 
     guard = Guard()
     model = nn.Sequential(nn.Linear(2, 2), Elsewhere("layers.1", 1, guard))

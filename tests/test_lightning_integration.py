@@ -47,7 +47,7 @@ def test_micro_batches_combine_with_reduce_fx_and_fit_twice_on_one_trainer() -> 
 
 def test_a_split_module_in_a_new_trainer_is_refused_with_the_cure() -> None:
     """After a fit on S > 1 stages a rank's module holds placeholders for the other stages' layers."""
-    from lightning_avgpipe.plugin.bridge import Elsewhere, Guard
+    from lightning_avgpipe.plugin.placeholders import Elsewhere, Guard
 
     model = PipeNet()
     model.layers[3] = Elsewhere("layers.3", 1, Guard())  # as rank 0 of a [3, 3] split leaves it
@@ -272,7 +272,8 @@ def test_a_metric_reset_and_updated_again_is_mirrored() -> None:
     import torchmetrics
     from torch import nn
 
-    from lightning_avgpipe.plugin.bridge import Guard, StepBridge
+    from lightning_avgpipe.plugin.bridge import StepBridge
+    from lightning_avgpipe.plugin.placeholders import Guard
 
     class Net(nn.Module):
         def __init__(self) -> None:

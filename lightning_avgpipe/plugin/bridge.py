@@ -10,8 +10,7 @@ travel as their state, so epoch-level ``compute()`` gives the same result everyw
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,110 +20,7 @@ from torchmetrics import Metric
 
 from lightning_avgpipe.microbatch import to_cpu
 from lightning_avgpipe.plugin.contract import PipelineContractError, pipeline_inputs, same_structure
-
-
-class NotWholeError(RuntimeError):
-    """The module is not the whole model in this process: a layer of another stage was used after the run."""
-
-
-class Guard:
-    """Set while a user step runs under the pipeline: layers must then not be called directly. ``finished``: the
-    run is over and this process holds only its own stages: a placeholder's use then refuses (the module is not
-    the whole model here), except inside the strategy's own saves (:meth:`allowing`)."""
-
-    def __init__(self) -> None:
-        self.active = False
-        self.hook: str = ""
-        self.finished = False
-
-    @contextmanager
-    def allowing(self) -> Iterator[None]:
-        """The strategy's own use of the split module (a checkpoint's state dict after the run)."""
-        finished, self.finished = self.finished, False
-        try:
-            yield
-        finally:
-            self.finished = finished
-
-    def check(self, name: str) -> None:
-        if self.active:
-            raise PipelineContractError(
-                f"`{self.hook}` called the pipelined layer '{name}' directly. Under strategy='avgpipe' a step must "
-                "get the model output through `self(x)` (the layers run on their own stages)."
-            )
-
-
-class Elsewhere(nn.Identity):
-    """Placeholder for a layer that lives on another stage: keeps the module tree and state-dict keys honest."""
-
-    def __init__(self, name: str, stage: int, guard: Guard) -> None:
-        super().__init__()
-        self.layer_name = name
-        self.stage = stage
-        self._guard = guard
-        self.register_state_dict_pre_hook(Elsewhere._refuse_state_dict)
-        # parameters(), named_parameters(), .to() read it: after the run they refuse as a forward does
-        self.__dict__["_parameters"] = _Refusing(lambda: self._refuse("parameters()"))
-
-    def forward(self, x: Any) -> Any:
-        self._guard.check(self.layer_name)
-        self._refuse("its forward")
-        return x
-
-    def _refuse(self, what: str) -> None:
-        if self._guard.finished:
-            raise NotWholeError(
-                f"AvgPipe: {what} reached '{self.layer_name}', a layer that ran on stage {self.stage} in another "
-                "process: after a run this process holds only its own stages, so this module is not the whole model "
-                "here (a state dict, a forward, parameters() or save_pretrained would give a part of it). The "
-                "launching process (rank 0) holds the whole trained model where it built it whole; else load a "
-                "checkpoint: trainer.save_checkpoint(path), then MyModel.load_from_checkpoint(path) (a folder saved "
-                "with save_distributed_checkpoint=True: python -m lightning_avgpipe consolidate FOLDER OUT.ckpt "
-                "first)."
-            )
-
-    @staticmethod
-    def _refuse_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        module._refuse("state_dict()")  # type: ignore[operator]
-
-    def __getstate__(self) -> dict[str, Any]:
-        self._refuse("pickling (torch.save of the module, copy.deepcopy)")
-        return self.__dict__.copy()
-
-    def extra_repr(self) -> str:
-        return f"{self.layer_name} on stage {self.stage}"
-
-
-class _Refusing(dict):  # type: ignore[type-arg]
-    """A placeholder's (empty) parameter dict: reading its items first asks ``refuse``."""
-
-    def __init__(self, refuse: Any) -> None:
-        super().__init__()
-        self.refuse = refuse
-
-    def items(self) -> Any:
-        self.refuse()
-        return super().items()
-
-    def values(self) -> Any:
-        self.refuse()
-        return super().values()
-
-
-class Anchor(nn.Module):
-    """An empty parameter for a stage whose layers have none, so ``configure_optimizers`` still gets a parameter.
-
-    It never appears in state dicts: checkpoints keep exactly the unsplit model's keys.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.anchor = nn.Parameter(torch.empty(0))
-        self._register_state_dict_hook(Anchor._drop)
-
-    @staticmethod
-    def _drop(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-        state_dict.pop(prefix + "anchor", None)
+from lightning_avgpipe.plugin.placeholders import Guard
 
 
 @dataclass
@@ -210,9 +106,7 @@ class StepBridge:
         for rec in self._records.values():
             last = rec.values[-1]
             if isinstance(last, Metric):
-                state = {k: to_cpu(getattr(last, k)) for k in last._defaults}
-                extra = {"count": last._update_count, "cache": to_cpu(last._forward_cache)}
-                out.append((rec.name, "metric", (names.get(id(last)), state, extra), rec.kwargs))
+                out.append((rec.name, "metric", (names.get(id(last)), *_metric_state(last)), rec.kwargs))
             else:
                 values = torch.stack([_as_tensor(v).cpu() for v in rec.values])
                 reduce = _reduction(rec.kwargs.get("reduce_fx", "mean"))
@@ -234,9 +128,7 @@ class StepBridge:
         self._step_counts = None
         for qualname, m in self.metrics():
             if qualname not in logged and m._update_count != before.get(qualname, m._update_count):
-                state = {k: to_cpu(getattr(m, k)) for k in m._defaults}
-                extra = {"count": m._update_count, "cache": to_cpu(m._forward_cache)}
-                out.append((qualname, "state", (qualname, state, extra), {}))
+                out.append((qualname, "state", (qualname, *_metric_state(m)), {}))
         self._metrics = None  # the next step walks the module again (a metric may have been added)
         return out
 
@@ -262,6 +154,12 @@ def replay_logs(module: nn.Module, logs: Sequence[tuple[str, str, Any, dict[str,
             )
         _load_metric(metric, state, extra, device)
         module.log(name, metric, **kwargs)  # type: ignore[operator]
+
+
+def _metric_state(metric: Metric) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A metric's state on the CPU, and its update count and forward cache: what :func:`_load_metric` puts back."""
+    state = {k: to_cpu(getattr(metric, k)) for k in metric._defaults}
+    return state, {"count": metric._update_count, "cache": to_cpu(metric._forward_cache)}
 
 
 def _load_metric(metric: Metric, state: dict[str, Any], extra: dict[str, Any], device: torch.device) -> None:
@@ -290,70 +188,3 @@ def _to_device(v: Any, device: torch.device) -> Any:
     if isinstance(v, list):
         return [_to_device(x, device) for x in v]
     return v
-
-
-def guard_layers(layers: Mapping[str, nn.Module], guard: Guard) -> list[Any]:
-    """Make the given (owned) layers refuse direct calls while ``guard`` is active; returns the hook handles."""
-    return [layer.register_forward_pre_hook(lambda _m, _a, n=name: guard.check(n)) for name, layer in layers.items()]
-
-
-class StepResults:
-    """The step's loss and logs, from the pipeline's last stage to every stage, every step.
-
-    While the step logs the same plain values under the same names as the previous step (the common case), one
-    broadcast of a small float64 tensor carries the loss and the values; when the names change, or a torchmetrics
-    state travels, the whole ``(loss, logs)`` goes as a pickled object (two broadcasts and the pickling: about a
-    millisecond a step on CPU), and every stage remembers the new names.
-    """
-
-    CAPACITY = 64  # float64 slots: a flag, the loss, up to 62 logged values
-
-    def __init__(self, pipeline: Any) -> None:
-        self.pipeline = pipeline
-        self._spec: list[tuple[str, dict[str, Any], torch.dtype]] | None = None
-
-    def exchange(self, loss: Tensor | None, logs: list[Any] | None) -> tuple[Tensor, list[Any]]:
-        """Every stage calls it; the last stage passes its ``loss`` and ``logs`` (the others ``None``)."""
-        pipe = self.pipeline
-        if pipe.num_stages == 1:
-            assert loss is not None and logs is not None
-            return loss, logs
-        buf = torch.zeros(self.CAPACITY, dtype=torch.float64, device=pipe.device)
-        if pipe.is_last:
-            assert loss is not None and logs is not None
-            spec = _spec_of(logs)
-            fast = spec is not None and _same(spec, self._spec) and len(spec) + 2 <= self.CAPACITY
-            buf[1] = float(loss)
-            if fast:
-                buf[0] = 1.0
-                if logs:
-                    buf[2 : 2 + len(logs)] = torch.stack([record[2].double() for record in logs]).to(buf.device)
-        pipe.share_tensor(buf)
-        if bool(buf[0] == 1.0):
-            if pipe.is_last:
-                assert loss is not None and logs is not None
-                return loss, logs
-            assert self._spec is not None
-            values = buf[2 : 2 + len(self._spec)].cpu()
-            mirrored = [
-                (name, "value", values[i].to(dtype), kwargs) for i, (name, kwargs, dtype) in enumerate(self._spec)
-            ]
-            return buf[1].float().cpu(), mirrored
-        shared_loss, shared_logs = pipe.share((loss, logs) if pipe.is_last else None)
-        self._spec = _spec_of(shared_logs)
-        return shared_loss, shared_logs
-
-
-def _same(a: Any, b: Any) -> bool:
-    """``a == b`` for log specs, ``False`` when an option cannot be compared (a tensor passed as an option)."""
-    try:
-        return bool(a == b)
-    except (RuntimeError, TypeError, ValueError):
-        return False
-
-
-def _spec_of(logs: Sequence[Any]) -> list[tuple[str, dict[str, Any], torch.dtype]] | None:
-    """Names, options and dtypes of a step's logs when all are plain values (``None`` when a metric travels)."""
-    if any(kind != "value" for _, kind, _, _ in logs):
-        return None
-    return [(name, kwargs, value.dtype) for name, _, value, kwargs in logs]

@@ -1,10 +1,10 @@
 """Splitting a LightningModule into its stages, and putting it back (docs/how-it-works.md#lightning-integration).
 
-Each rank keeps the layers of its stage; a layer that lives on another stage is replaced by an
-:class:`~lightning_avgpipe.plugin.bridge.Elsewhere` placeholder, so the module tree and its ``state_dict`` keys stay
-those of the unsplit model. The owned layers refuse direct calls from a user step (the output of a step comes from
-``self(x)``), and ``example_input_array`` is hidden while the model is split: summaries and graph loggers would run
-``forward`` on one rank, which a split model cannot do.
+Each rank keeps the layers of its stage; a layer that lives on another stage is replaced by a placeholder
+(``plugin/placeholders.py``), so the module tree and its ``state_dict`` keys stay those of the unsplit model. The
+owned layers refuse direct calls from a user step (the output of a step comes from ``self(x)``), and
+``example_input_array`` is hidden while the model is split: summaries and graph loggers would run ``forward`` on one
+rank, which a split model cannot do.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from lightning_avgpipe.config import check_partition
 from lightning_avgpipe.errors import PipelineContractError
 from lightning_avgpipe.partition import partition_layers
 from lightning_avgpipe.plugin import compat
-from lightning_avgpipe.plugin.bridge import Anchor, Elsewhere, Guard, guard_layers
 from lightning_avgpipe.plugin.contract import check_forward, locate, pipeline_inputs
 from lightning_avgpipe.plugin.data import peek
+from lightning_avgpipe.plugin.placeholders import Anchor, Elsewhere, Guard, guard_layers
 from lightning_avgpipe.plugin.resume import checkpoint_layout
 from lightning_avgpipe.runtime.materialize import InitRecord, Materialized, Shard, materialize
 from lightning_avgpipe.shards import is_dtensor

@@ -18,10 +18,11 @@ from torch import Tensor
 
 from lightning_avgpipe import microbatch
 from lightning_avgpipe.plugin import compat
-from lightning_avgpipe.plugin.bridge import StepBridge, StepResults, replay_logs
+from lightning_avgpipe.plugin.bridge import StepBridge, replay_logs
 from lightning_avgpipe.plugin.contract import pipeline_inputs
 from lightning_avgpipe.plugin.gradients import GradStash
 from lightning_avgpipe.plugin.precision import loss_scale_of
+from lightning_avgpipe.plugin.results import StepResults
 from lightning_avgpipe.runtime.controller import StepController, StepReport
 from lightning_avgpipe.runtime.pipeline import StagePipeline
 from lightning_avgpipe.runtime.request import StepRequest

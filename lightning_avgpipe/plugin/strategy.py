@@ -13,7 +13,6 @@ import warnings
 import zipfile
 from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,7 @@ from typing_extensions import override
 from lightning_avgpipe.config import PipelineConfig
 from lightning_avgpipe.plugin import checkpoint as ckpt
 from lightning_avgpipe.plugin import compat, sharded, streamed, tensor, whole
-from lightning_avgpipe.plugin.bridge import Guard, StepBridge
+from lightning_avgpipe.plugin.bridge import StepBridge
 from lightning_avgpipe.plugin.compat import (
     _optimizers_to_device,
     _StrategyRegistry,
@@ -41,6 +40,7 @@ from lightning_avgpipe.plugin.compat import (
 from lightning_avgpipe.plugin.contract import pipeline_layers
 from lightning_avgpipe.plugin.data import GroupedBatches, same_order_on_every_rank
 from lightning_avgpipe.plugin.gradients import install_clipping
+from lightning_avgpipe.plugin.placeholders import Guard
 from lightning_avgpipe.plugin.precision import PipelineMixedPrecision, for_pipeline
 from lightning_avgpipe.plugin.process import ProcessStrategy
 from lightning_avgpipe.plugin.reconfigure import describe, next_config, placed_by
@@ -226,8 +226,32 @@ class AvgPipeStrategy(ProcessStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        arguments = locals()  # the pipeline's arguments are PipelineConfig's fields, under the same names
-        self.config = PipelineConfig(**{f.name: arguments[f.name] for f in fields(PipelineConfig)})
+        self.config = PipelineConfig(  # the pipeline's arguments, checked there; the rest are the strategy's own
+            num_stages=num_stages,
+            num_microbatches=num_microbatches,
+            schedule=schedule,
+            advance_forwards=advance_forwards,
+            stages_per_rank=stages_per_rank,
+            schedule_costs=schedule_costs,
+            memory_limit=memory_limit,
+            partition=partition,
+            num_pipelines=num_pipelines,
+            averaging=averaging,
+            outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
+            averaging_period=averaging_period,
+            elastic_alpha=elastic_alpha,
+            sync_reference=sync_reference,
+            replica_execution=replica_execution,
+            p2p=p2p,
+            trace_dir=trace_dir,
+            trace_steps=trace_steps,
+            p2p_timeout=p2p_timeout,
+            timeout=timeout,
+            activation_checkpointing=activation_checkpointing,
+            tensor_parallel_size=tensor_parallel_size,
+            shard_optimizer_state=shard_optimizer_state,
+        )
         self.tensor_parallel_plan = tensor.check_tensor_parallel_args(tensor_parallel_size, tensor_parallel_plan, None)
         # The k the user asked for, kept across fits (a tuner's reconfigure replaces "auto" with a number).
         self.user_advance_forwards: int | str = advance_forwards
