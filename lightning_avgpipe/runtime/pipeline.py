@@ -2,9 +2,11 @@
 all call (Lightning-free).
 
 It owns what a stage needs to train: its layers and their N replicas tied by elastic averaging
-(docs/how-it-works.md#elastic-averaging-rule), the executor and its link to the neighbouring stages, the plan cache, the
-micro-batch rules, the advance-forward search and the step's measurements. A caller gives it an iteration's N batches
-and a loss function, then steps the optimizer that :meth:`StagePipeline.optimizer` returns::
+(docs/how-it-works.md#elastic-averaging-rule), the executor and its link to the neighbouring stages, the plan cache and
+the micro-batch rules; what watches the step (k's search, the figures, checkpointing) is the controller's
+(``runtime/controller.py``). A caller gives it an iteration's N batches and a loss function (or a
+``StepRequest``, :meth:`StagePipeline.run_step`), then steps the optimizer that :meth:`StagePipeline.optimizer`
+returns::
 
     pipe = StagePipeline(layers, topology, PipelineConfig(num_microbatches=4, num_pipelines=2))
     opt = pipe.optimizer(torch.optim.AdamW(pipe.reference_params, lr=3e-4))
