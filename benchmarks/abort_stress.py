@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: this checkout's tests and package
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.harness import launch_ranks  # noqa: E402
+from tests.helpers.harness import launch_ranks  # noqa: E402
 
 # The multi-process Lightning tests' shapes of run, 2 ranks each (the first is the one that aborted in CI).
 CONFIGS: list[dict[str, Any]] = [

@@ -177,7 +177,7 @@ def run(
     ``MemoryError`` naming it."""
     import shutil
 
-    from benchmarks.harness import launch_ranks
+    from tests.helpers.harness import launch_ranks
 
     out = tempfile.mkdtemp(prefix="big-model-")
     cfg = {"out": out, "devices": devices, "late": late, "sharded": sharded, "cap": cap, "tensor": tensor}

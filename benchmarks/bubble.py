@@ -26,7 +26,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from benchmarks import throughput as T  # noqa: E402
-from benchmarks.harness import run_distributed  # noqa: E402
+from tests.helpers.harness import run_distributed  # noqa: E402
 
 SCHEDULES = ("1f1b", "zbh1", "interleaved", "zbv")
 COMPUTE = ("F", "B", "I", "W")

@@ -82,8 +82,8 @@ import torch.nn.functional as F  # noqa: E402, N812
 from torch import Tensor, nn  # noqa: E402
 
 from benchmarks.common import spearman  # noqa: E402
-from benchmarks.harness import run_distributed  # noqa: E402
 from examples.gpt_args import add_model_args, check_model_args, model_sizes  # noqa: E402
+from tests.helpers.harness import run_distributed  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: this checkout's package
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.harness import free_port  # noqa: E402
+from tests.helpers.harness import free_port  # noqa: E402
 
 RANK = """
 import atexit, sys, time

@@ -37,8 +37,8 @@ import torch.distributed as dist  # noqa: E402
 
 from benchmarks import throughput  # noqa: E402
 from benchmarks.common import make_batches  # noqa: E402
-from benchmarks.harness import run_distributed  # noqa: E402
 from lightning_avgpipe.noise import NoiseScale  # noqa: E402
+from tests.helpers.harness import run_distributed  # noqa: E402
 
 
 def _rank(rank: int, world: int, args: argparse.Namespace, data: torch.Tensor, vocab: int) -> dict[str, Any]:

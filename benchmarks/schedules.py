@@ -76,8 +76,8 @@ from torch import Tensor, nn  # noqa: E402
 from benchmarks.common import apply_layers as _apply  # noqa: E402
 from benchmarks.common import lm_loss as _ce  # noqa: E402
 from benchmarks.common import make_batches  # noqa: E402
-from benchmarks.harness import init_seconds, run_distributed  # noqa: E402
 from examples.gpt_args import add_model_args, check_model_args  # noqa: E402
+from tests.helpers.harness import init_seconds, run_distributed  # noqa: E402
 
 LINKS = ("loopback", "slow")
 SLOW_LABEL = "slow link (EMULATED: in-process delayed transport over gloo loopback, not a network)"

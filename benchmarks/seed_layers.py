@@ -25,7 +25,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from benchmarks.common import lm_loss, make_batches  # noqa: E402
-from benchmarks.harness import run_distributed  # noqa: E402
+from tests.helpers.harness import run_distributed  # noqa: E402
 
 
 def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:

@@ -80,8 +80,8 @@ from torch import Tensor, nn  # noqa: E402
 from benchmarks.common import apply_layers as _apply  # noqa: E402
 from benchmarks.common import lm_loss as _ce  # noqa: E402
 from benchmarks.common import make_batches  # noqa: E402
-from benchmarks.harness import run_distributed  # noqa: E402
 from examples.gpt_args import add_model_args, add_partition_arg, check_model_args, model_sizes, partition_of  # noqa: E402
+from tests.helpers.harness import run_distributed  # noqa: E402
 
 WORLD = 2
 ROWS = (

@@ -70,8 +70,8 @@ if str(ROOT) not in sys.path:  # run as a script: make `benchmarks` and `example
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import spearman  # noqa: E402
-from benchmarks.harness import launch_ranks  # noqa: E402
 from examples.gpt_args import add_model_args, add_partition_arg, check_model_args, model_sizes, partition_of  # noqa: E402
+from tests.helpers.harness import launch_ranks  # noqa: E402
 
 WORLD = 2
 TARGETS = {

@@ -40,8 +40,8 @@ if str(ROOT) not in sys.path:  # run as a script: make `examples` and this check
 import torch  # noqa: E402
 
 from benchmarks.common import lm_loss, make_batches  # noqa: E402
-from benchmarks.harness import run_distributed  # noqa: E402
 from examples.gpt_args import add_model_args, check_model_args, model_sizes  # noqa: E402
+from tests.helpers.harness import run_distributed  # noqa: E402
 
 OUTER = {"outer_lr": 0.7, "outer_momentum": 0.9}
 

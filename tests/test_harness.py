@@ -1,4 +1,4 @@
-"""The one launcher of the benchmarks and the tests (``benchmarks/harness.py``) and the char GPT's shared flags."""
+"""The one launcher of the benchmarks and the tests (``tests/helpers/harness.py``) and the char GPT's shared flags."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.harness import launch_ranks, run_distributed
 from examples.gpt_args import add_model_args, add_partition_arg, check_model_args, model_sizes, partition_of
+from tests.helpers.harness import launch_ranks, run_distributed
 
 
 def _gone(pid: int) -> bool:

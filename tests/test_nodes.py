@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks.harness import ROOT, free_port, launch_ranks
+from tests.helpers.harness import ROOT, free_port, launch_ranks
 from tests.test_checkpoint_layouts import PLAIN_ORDER, STEPS, TP, TP_PLAN, _close, _fit
 
 STRATEGY = {**TP, "tensor_parallel_plan": TP_PLAN}

@@ -156,7 +156,7 @@ def _rounds_worker(rank: int, world_size: int) -> int:
 def test_every_rank_runs_the_same_rounds_whichever_group_probed_busy() -> None:
     """The busy decision is the least share over the whole job: a tensor-parallel peer in another pipeline group that
     ran 3 rounds while this one ran 6 would hang in the shards' collectives."""
-    from benchmarks.harness import run_distributed
+    from tests.helpers.harness import run_distributed
 
     assert run_distributed(_rounds_worker, 4, timeout=90, what="busy rounds") == [BUSY_ROUNDS * 3] * 4
 

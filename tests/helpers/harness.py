@@ -11,9 +11,8 @@ every rank is killed (a hang is a failure, never a stuck run):
   (torchrun) sets, and returns each rank's exit code and output. The tests' Lightning workers
   (``tests/helpers/launch.py``) and ``benchmarks/tuner_accuracy.py`` use it.
 
-It lives here rather than under ``tests/`` because the benchmarks are scripts users run without the test suite;
-the tests import it from here, as they import ``benchmarks.convergence``. torch is imported inside the functions,
-so a parent that only starts subprocesses stays light.
+It lives with the tests, which stand alone; the benchmarks import it from here (they put the repository root on
+``sys.path``). torch is imported inside the functions, so a parent that only starts subprocesses stays light.
 """
 
 from __future__ import annotations
