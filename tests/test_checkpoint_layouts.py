@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from lightning_avgpipe import AvgPipeStrategy
+from tests.helpers.equivalence import run_lightning
 from tests.helpers.lit import PipeNet, loader, quiet_trainer
-from tests.test_strategy_equivalence import run_lightning
 
 STEPS = 4  # one epoch of 48 samples in batches of 12
 # every run reads the batches in the loader's order (a distributed strategy would otherwise shuffle them), and is
@@ -151,9 +151,9 @@ def test_tensor_parallel_trains_as_one_device_and_resumes_across_t(two_stage_che
 def test_tensor_parallel_replicas_match_one_process_and_resume_exactly(tmp_path: Path) -> None:
     """T = 2 on one stage with N = 2 elastic replicas (2 ranks): the AvgPipe rule as one process computes it, and a
     resume with the same mesh continues bit for bit (every rank's replicas and optimizers saved as local shards)."""
+    from tests.helpers.equivalence import final_state
     from tests.helpers.lit import reference_elastic
     from tests.test_parallel_pipelines import replicas_from_checkpoint
-    from tests.test_strategy_equivalence import final_state
 
     model = {"optimizer": "adam", "lr": 0.01}
     strategy = {"num_stages": 1, "num_microbatches": 2, "num_pipelines": 2, "tensor_parallel_size": 2}

@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 import torch
 
+from tests.helpers.equivalence import assert_matches, final_state, run_lightning
 from tests.helpers.lit import PipeNet, reference, reference_elastic
 from tests.helpers.tied import reference_tied
 from tests.test_precision import fp16_reference
-from tests.test_strategy_equivalence import assert_matches, final_state, run_lightning
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ import pytest
 
 from lightning_avgpipe.runtime import shutdown
 from lightning_avgpipe.runtime.shutdown import native_threads
-from tests.test_strategy_equivalence import GLOO_THREADS
+from tests.helpers.equivalence import GLOO_THREADS
 
 
 def test_every_lightning_run_is_checked_for_gloo_threads_at_finalization() -> None:
@@ -22,7 +22,7 @@ def test_every_lightning_run_is_checked_for_gloo_threads_at_finalization() -> No
     import inspect
 
     from tests.helpers import lightning_worker
-    from tests.test_strategy_equivalence import run_lightning as runner
+    from tests.helpers.equivalence import run_lightning as runner
 
     main = inspect.getsource(lightning_worker.main)
     assert main.index("atexit.register(exit_probe") < main.index("pl.Trainer(")

@@ -131,7 +131,7 @@ def test_non_finite_loss_is_named_on_every_rank() -> None:
 def test_killed_run_resumed_from_its_last_checkpoint_ends_bit_identical(tmp_path: Path) -> None:
     """SIGKILL a rank mid-training; resume from the last ModelCheckpoint file; final weights equal an uninterrupted
     run bit for bit (CPU, fixed seed), and no temporary checkpoint file is left behind."""
-    from tests.test_strategy_equivalence import final_state, run_lightning
+    from tests.helpers.equivalence import final_state, run_lightning
 
     model = {"optimizer": "adam", "lr": 0.01}
     strategy = {"num_microbatches": 2, "partition": [3, 3], "num_pipelines": 2, "p2p_timeout": 5}

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.equivalence import final_state, run_lightning
 from tests.helpers.lit import PipeNet, evaluate, reference
-from tests.test_strategy_equivalence import final_state, run_lightning
 
 pytestmark = pytest.mark.slow
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from lightning_avgpipe import AvgPipeStrategy
+from tests.helpers.equivalence import final_state, run_lightning
 from tests.helpers.lit import PipeNet, evaluate, loader, reference
-from tests.test_strategy_equivalence import final_state, run_lightning
 
 
 def _trainer(**kwargs: object) -> pl.Trainer:

@@ -250,8 +250,8 @@ def test_the_forward_check_runs_on_the_meta_device_by_shapes() -> None:
 def test_a_model_built_in_configure_model_trains_as_one_device(devices: int, partition: list[int]) -> None:
     """LateNet builds its layers in ``configure_model``: under AvgPipe on the meta device, each rank then holding
     only its own layers' parameters and Adam state (counted), and training equals one process's to float tolerance."""
+    from tests.helpers.equivalence import assert_matches, run_lightning
     from tests.helpers.models import make_layers
-    from tests.test_strategy_equivalence import assert_matches, run_lightning
 
     out = Path(tempfile.mkdtemp())
     adam = {"optimizer": "adam", "lr": 0.01}
@@ -287,9 +287,9 @@ def test_a_large_model_built_whole_gets_a_note_suggesting_configure_model(monkey
 def test_a_model_built_in_configure_model_splits_by_a_tensor_parallel_plan() -> None:
     """T = 2 on one stage: the plan splits the layers on the meta device, each rank makes only its shards real (counted
     after the run), and training equals one process's."""
+    from tests.helpers.equivalence import assert_matches, run_lightning
     from tests.helpers.models import make_layers
     from tests.test_checkpoint_layouts import TP_PLAN
-    from tests.test_strategy_equivalence import assert_matches, run_lightning
 
     out = Path(tempfile.mkdtemp())
     strategy = {"num_stages": 1, "num_microbatches": 2, "tensor_parallel_size": 2, "tensor_parallel_plan": TP_PLAN}

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tests.helpers.distributed import run_distributed
+from tests.helpers.equivalence import final_state, run_lightning
 from tests.helpers.lit import reference, reference_elastic
-from tests.test_strategy_equivalence import final_state, run_lightning
 
 pytestmark = pytest.mark.slow
 

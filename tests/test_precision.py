@@ -11,9 +11,9 @@ from torch import nn
 
 from lightning_avgpipe import microbatch
 from lightning_avgpipe.plugin.precision import agree_on_overflow
+from tests.helpers.equivalence import final_state, run_lightning
 from tests.helpers.lit import epoch_batches
 from tests.helpers.models import make_layers
-from tests.test_strategy_equivalence import final_state, run_lightning
 
 STEPS, M = 4, 2
 

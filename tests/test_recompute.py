@@ -16,9 +16,9 @@ from lightning_avgpipe.runtime.pipeline import StagePipeline
 from lightning_avgpipe.runtime.recompute import check_matches, layer_mask, stage_function
 from lightning_avgpipe.runtime.topology import Topology
 from tests.helpers.distributed import run_distributed
+from tests.helpers.equivalence import assert_matches, run_lightning
 from tests.helpers.models import make_batch
 from tests.test_runtime_equivalence import _cases_worker, reference
-from tests.test_strategy_equivalence import assert_matches, run_lightning
 
 
 def _dropout_layers() -> list[nn.Module]:

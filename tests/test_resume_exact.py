@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 
+from tests.helpers.equivalence import final_state, run_lightning
 from tests.helpers.launch import launch_ranks
-from tests.test_strategy_equivalence import final_state, run_lightning
 
 MODEL = {"optimizer": "adam", "lr": 0.01}
 STRATEGY = {"num_microbatches": 2, "partition": [3, 3], "num_pipelines": 2, "p2p_timeout": 5}

@@ -18,8 +18,8 @@ from lightning_avgpipe.plugin import tune as tune_module
 from lightning_avgpipe.tuning.model import PipelineProfile
 from lightning_avgpipe.tuning.retune import RetunePlan, check_retune, lr_exponent, lr_factor, scale_lr, setting_key
 from lightning_avgpipe.tuning.search import search
+from tests.helpers.equivalence import run_lightning
 from tests.helpers.lit import PipeNet, loader, quiet_trainer
-from tests.test_strategy_equivalence import run_lightning
 from tests.test_tuning_model import profile
 
 

@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_avgpipe.plugin.split import second_paths
+from tests.helpers.equivalence import final_state, run_lightning
 from tests.helpers.lit import AliasedNet, loader, reference
 from tests.helpers.models import make_layers
-from tests.test_strategy_equivalence import final_state, run_lightning
 
 
 def test_second_paths_are_found_outside_the_layers_only() -> None:

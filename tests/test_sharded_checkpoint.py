@@ -20,8 +20,8 @@ import torch
 from lightning_avgpipe import AvgPipeStrategy
 from lightning_avgpipe.plugin import sharded
 from lightning_avgpipe.runtime import torchfile
+from tests.helpers.equivalence import run_lightning
 from tests.helpers.lit import PipeNet, loader, quiet_trainer
-from tests.test_strategy_equivalence import run_lightning
 
 # every run reads the batches in the loader's order and is checkpointed at an epoch's end (4 steps): resumes are exact
 PLAIN_ORDER = {"use_distributed_sampler": False}

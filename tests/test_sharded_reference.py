@@ -127,7 +127,7 @@ def test_through_lightning_the_sharded_reference_equals_the_whole_one_and_resume
     trains as the whole reference does (to float tolerance); a callback sees the whole module after every step; the
     checkpoint holds the whole outer momentum, as the unsharded run's does; a resume from it continues bit for bit,
     and a resume of it without sharding is the same layout and continues as the sharded run does."""
-    from tests.test_strategy_equivalence import final_state, run_lightning
+    from tests.helpers.equivalence import final_state, run_lightning
 
     model = {"optimizer": "adam", "lr": 0.01}
     strategy: dict[str, Any] = {"num_stages": 1, "num_microbatches": 2, "num_pipelines": 2, "outer_lr": 0.7}
@@ -178,7 +178,7 @@ def test_through_lightning_the_sharded_reference_equals_the_whole_one_and_resume
 def test_sharded_reference_with_tensor_parallelism_equals_the_whole_one(tmp_path: Path) -> None:
     """D = 2 x T = 2 on one stage (4 ranks), one pipeline per group: each rank shards its tensor-parallel shard's
     reference over the data dimension, and the weights equal the whole reference's."""
-    from tests.test_strategy_equivalence import final_state, run_lightning
+    from tests.helpers.equivalence import final_state, run_lightning
 
     model = {"optimizer": "adam", "lr": 0.01}
     strategy: dict[str, Any] = {"num_stages": 1, "num_microbatches": 2, "tensor_parallel_size": 2}
@@ -327,7 +327,7 @@ def test_a_scalar_parameter_is_sharded_too() -> None:
 def test_the_tuner_keeps_elastic_averaging_with_a_sharded_reference(tmp_path: Path) -> None:
     """shard_optimizer_state leaves the tuner its averaging: asked for elastic, it searches N = 1, 2
     with the sharded reference, applies its choice on both ranks, and trains with whole weights between steps."""
-    from tests.test_strategy_equivalence import run_lightning
+    from tests.helpers.equivalence import run_lightning
 
     tuner = {"num_pipelines": [1, 2], "output_dir": str(tmp_path / "t"), "calibrate_steps": 2, "averaging": "elastic"}
     strategy = {"num_stages": 1, "num_microbatches": 2, "shard_optimizer_state": True}

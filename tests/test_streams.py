@@ -143,7 +143,7 @@ def test_a_layer_draws_the_same_mask_wherever_it_runs_and_the_generator_is_put_b
 def test_dropout_under_lightning_is_the_same_on_one_device_and_on_two_stages(tmp_path: Any) -> None:
     """PipeNet with dropout and BatchNorm (``noisy``) under the strategy, ``seed_everything(5)``: S = 1 on one device
     and S = 2 give the same losses and weights (the streams follow Lightning's step and batch index)."""
-    from tests.test_strategy_equivalence import run_lightning
+    from tests.helpers.equivalence import run_lightning
 
     noisy = {"noisy": True, "optimizer": "adam", "lr": 0.01}
     one = run_lightning(tmp_path / "one", 1, {"num_stages": 1, "num_microbatches": 3}, model=noisy, seed=5)

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 
+from tests.helpers.equivalence import final_state, run_lightning
 from tests.helpers.tied import TiedLM, reference_tied, tied_layers, token_loader
-from tests.test_strategy_equivalence import final_state, run_lightning
 
 
 def _assert_matches(tmp_path: Path, results: list[dict[str, Any]], steps: int, m: int, pipelines: int = 1) -> None:

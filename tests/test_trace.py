@@ -12,7 +12,7 @@ from torch import nn
 from lightning_avgpipe.__main__ import main as cli
 from lightning_avgpipe.runtime.trace import ActivationMeter, Span, chrome_trace, spans_from_simulation
 from lightning_avgpipe.schedules import build_plan, simulate
-from tests.test_strategy_equivalence import run_lightning
+from tests.helpers.equivalence import run_lightning
 
 
 def _compute_order(trace: dict, tid: int) -> list[str]:

@@ -23,8 +23,8 @@ from lightning_avgpipe.tuning.busy import BUSY_ROUNDS
 from lightning_avgpipe.tuning.model import divisors
 from lightning_avgpipe.tuning.profiler import Snapshot, fit_overhead, measure_link, unit_times
 from lightning_avgpipe.tuning.search import search
+from tests.helpers.equivalence import assert_matches, final_state, run_lightning
 from tests.helpers.launch import ROOT, launch_ranks
-from tests.test_strategy_equivalence import assert_matches, final_state, run_lightning
 
 
 # -- the pieces, in process ----------------------------------------------------------------------------------------
