@@ -421,7 +421,7 @@ def train_run(data: Data, method: str, lr: float, seed: int, n: int) -> dict[str
 def noise_scale(data: Data, model: nn.Module, batch: int, g: torch.Generator, draws: int = 16) -> dict[str, Any]:
     """B_simple at ``model``'s weights as the tuner measures it: per batch of B, the gradients of its two halves
     and of the whole (``GradientNorms``), averaged over ``draws`` batches; ``value`` is None when not positive."""
-    from lightning_avgpipe.noise import GradientNorms
+    from lightning_avgpipe.noise_scale import GradientNorms
 
     params = [p for p in model.parameters() if p.requires_grad]
 
@@ -734,7 +734,7 @@ def goodput_check(
     correlation of predicted goodput with 1 / measured time >= 0.8, and the method with the highest predicted
     goodput within 15% of the best measured time. Also the λ each elastic method's samples imply.
     """
-    from lightning_avgpipe.noise import ELASTIC_BATCH_FACTOR, effective_batch, efficiency, elastic_factor
+    from lightning_avgpipe.noise_scale import ELASTIC_BATCH_FACTOR, effective_batch, efficiency, elastic_factor
 
     b = study.batch
     b_noise = (noise or {}).get("value")

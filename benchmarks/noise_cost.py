@@ -37,7 +37,7 @@ import torch.distributed as dist  # noqa: E402
 
 from benchmarks import throughput  # noqa: E402
 from benchmarks.common import make_batches  # noqa: E402
-from lightning_avgpipe.noise import NoiseScale  # noqa: E402
+from lightning_avgpipe.noise_scale import NoiseScale  # noqa: E402
 from tests.helpers.harness import run_distributed  # noqa: E402
 
 

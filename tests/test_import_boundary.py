@@ -28,7 +28,7 @@ CORE_MODULES = [
     "lightning_avgpipe.replicas",
     "lightning_avgpipe.microbatch",
     "lightning_avgpipe.config",
-    "lightning_avgpipe.autotune",
+    "lightning_avgpipe.advance_k",
     "lightning_avgpipe.cpu",
     "lightning_avgpipe.errors",
     "lightning_avgpipe.optim",

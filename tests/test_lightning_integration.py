@@ -138,7 +138,7 @@ def test_noise_scale_is_measured_and_logged_on_the_steps_lightning_writes_logs(
 
     from lightning.pytorch.loggers import CSVLogger
 
-    from lightning_avgpipe.runtime.gradnoise import GradientProbe
+    from lightning_avgpipe.runtime.gradient_probe import GradientProbe
 
     trainer = _trainer(
         strategy=AvgPipeStrategy(num_microbatches=m, num_pipelines=n, partition=[6]),

@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_avgpipe.config import PipelineConfig
-from lightning_avgpipe.noise import GradientNorms, NoiseScale, efficiency
+from lightning_avgpipe.noise_scale import GradientNorms, NoiseScale, efficiency
 from lightning_avgpipe.runtime.controller import StepController
-from lightning_avgpipe.runtime.gradnoise import GradientProbe
+from lightning_avgpipe.runtime.gradient_probe import GradientProbe
 from lightning_avgpipe.runtime.pipeline import StagePipeline
 from lightning_avgpipe.runtime.topology import Topology
 from tests.helpers.distributed import run_distributed

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torchmetrics import Metric
 
 from lightning_avgpipe import microbatch
-from lightning_avgpipe.noise import GradientNorms
+from lightning_avgpipe.noise_scale import GradientNorms
 from lightning_avgpipe.optim import clone_optimizer
 from lightning_avgpipe.plugin import compat
 from lightning_avgpipe.plugin.contract import pipeline_inputs

@@ -30,10 +30,10 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_avgpipe import microbatch
-from lightning_avgpipe.autotune import AdvanceSearch, added_bytes
+from lightning_avgpipe.advance_k import AdvanceSearch, added_bytes
 from lightning_avgpipe.config import PipelineConfig
 from lightning_avgpipe.cpu import host_memory_bytes
-from lightning_avgpipe.noise import NoiseScale
+from lightning_avgpipe.noise_scale import NoiseScale
 from lightning_avgpipe.runtime import collectives
 from lightning_avgpipe.runtime.pipeline import StagePipeline, StepResult
 from lightning_avgpipe.runtime.request import StepRequest

@@ -38,7 +38,7 @@ from lightning_avgpipe.runtime import collectives, units
 from lightning_avgpipe.runtime.chunking import ChunkLayout
 from lightning_avgpipe.runtime.deferred import WeightGradQueue
 from lightning_avgpipe.runtime.executor import StageExecutor
-from lightning_avgpipe.runtime.gradnoise import GradientProbe
+from lightning_avgpipe.runtime.gradient_probe import GradientProbe
 from lightning_avgpipe.runtime.p2p import Link
 from lightning_avgpipe.runtime.recompute import layer_mask, stage_function
 from lightning_avgpipe.runtime.request import StepRequest

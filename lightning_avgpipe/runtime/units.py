@@ -19,7 +19,7 @@ from torch import Tensor
 
 from lightning_avgpipe import microbatch
 from lightning_avgpipe.errors import loss_of
-from lightning_avgpipe.noise import GradientNorms
+from lightning_avgpipe.noise_scale import GradientNorms
 from lightning_avgpipe.replicas import BatchedReplicas, select, stack
 from lightning_avgpipe.runtime.trace import StepTrace
 
@@ -114,7 +114,7 @@ class StepResult:
         trace: this stage's timeline of the step (compute, waits, sends; activation peak when measured).
         divergence: ``(N,)`` relative distances ‖w_n − w_ref‖/‖w_ref‖ over the whole pipeline, when asked for.
         noise: the step's squared gradient norms at two batch sizes over the whole job, when asked for and the
-            step has two sizes (``runtime/gradnoise.py``); the controller smooths them into its ``noise_scale``.
+            step has two sizes (``runtime/gradient_probe.py``); the controller smooths them into its ``noise_scale``.
     """
 
     losses: dict[int, Tensor]

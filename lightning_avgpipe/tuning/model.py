@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from lightning_avgpipe.noise import effective_batch, efficiency, elastic_factor
+from lightning_avgpipe.noise_scale import effective_batch, efficiency, elastic_factor
 from lightning_avgpipe.schedules import build_plan, simulate
 from lightning_avgpipe.schedules.generate import CHUNKED, check_stages_per_rank, reads_k, splits_backward
 

@@ -6,7 +6,7 @@ gradient is accumulated over the micro-batches; the probe copies it once, after 
 backwards, so that the two halves (b_small = B/2) and the whole (b_big = B) are known.
 
 Each stage measures its own slice of the parameters; one all-reduce of two numbers over the job adds the stages
-(and averages the D pipeline groups), so every rank gets the same :class:`~lightning_avgpipe.noise.GradientNorms`.
+(and averages the D pipeline groups), so every rank gets the same :class:`~lightning_avgpipe.noise_scale.GradientNorms`.
 A weight shared between stages (a tied embedding) is counted once.
 """
 
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_avgpipe.noise import GradientNorms
+from lightning_avgpipe.noise_scale import GradientNorms
 from lightning_avgpipe.shards import local, norm_weight
 
 
