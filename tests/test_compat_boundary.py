@@ -74,7 +74,7 @@ def test_used_by_lists_are_true() -> None:
 
 
 def test_the_used_by_check_sees_a_new_use() -> None:
-    path = PACKAGE / "plugin" / "tuner.py"
+    path = PACKAGE / "plugin" / "tuner" / "callback.py"
     before = compat_uses(path)
     after = compat_uses(path, path.read_text() + "\nfrom lightning_avgpipe.plugin.compat import writes_logs\n")
     assert after - before == {"writes_logs"}
@@ -94,7 +94,9 @@ def test_no_module_but_compat_imports_lightnings_private_names() -> None:
 
 
 PLUGIN_MODULES = sorted(
-    f"lightning_avgpipe.plugin.{p.stem}" for p in (PACKAGE / "plugin").glob("*.py") if p.stem not in ("compat",)
+    "lightning_avgpipe." + ".".join(p.relative_to(PACKAGE).with_suffix("").parts).removesuffix(".__init__")
+    for p in (PACKAGE / "plugin").rglob("*.py")
+    if p.stem not in ("compat", "__init__")
 ) + ["lightning_avgpipe.cli"]
 
 

@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_avgpipe import AvgPipeStrategy, AvgPipeTuner
-from lightning_avgpipe.plugin import tune as tune_module
+from lightning_avgpipe.plugin.tuner import run as tune_module
 from lightning_avgpipe.tuning.model import PipelineProfile
 from lightning_avgpipe.tuning.retune import RetunePlan, check_retune, lr_exponent, lr_factor, scale_lr, setting_key
 from lightning_avgpipe.tuning.search import search

@@ -510,7 +510,7 @@ except ImportError:  # pragma: no cover
 
 
 def test_batch_norm_drops_micro_batches_of_one_sample() -> None:
-    from lightning_avgpipe.plugin.tune import batch_norm_candidates
+    from lightning_avgpipe.plugin.tuner.run import batch_norm_candidates
 
     plain = [nn.Linear(4, 4)]
     norm = [nn.Linear(4, 4), nn.Sequential(nn.BatchNorm1d(4), nn.ReLU())]
@@ -545,7 +545,7 @@ def test_tuner_keeps_the_setting_when_resuming(tmp_path: Path) -> None:
 
 
 def test_resuming_from_reads_the_path_fit_is_about_to_restore() -> None:
-    from lightning_avgpipe.plugin.tuner import resuming_from
+    from lightning_avgpipe.plugin.tuner.callback import resuming_from
 
     class FakeTrainer:
         ckpt_path = None
@@ -565,7 +565,7 @@ def test_resuming_from_reads_the_path_fit_is_about_to_restore() -> None:
 
 
 def test_batch_norm_looks_at_the_short_last_batch_too() -> None:
-    from lightning_avgpipe.plugin.tune import batch_norm_candidates
+    from lightning_avgpipe.plugin.tuner.run import batch_norm_candidates
 
     norm = [nn.BatchNorm1d(4)]
     # B = 8, last batch 5: M = 4 splits it into 2/1/1/1, M = 2 into 3/2
@@ -586,7 +586,7 @@ def _fake_trainer(loader: Any, **attrs: Any) -> Any:
 def test_first_batch_leaves_the_loaders_own_generators_as_they_were() -> None:
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_avgpipe.plugin.profiling import first_batch
+    from lightning_avgpipe.plugin.tuner.measure import first_batch
 
     data = TensorDataset(torch.arange(50.0))
 
@@ -625,7 +625,7 @@ def test_search_caps_the_pipelines_at_the_batches_an_epoch_has() -> None:
 
 
 def test_resuming_from_prefers_this_fits_path_over_a_stale_one() -> None:
-    from lightning_avgpipe.plugin.tuner import resuming_from
+    from lightning_avgpipe.plugin.tuner.callback import resuming_from
 
     trainer = _fake_trainer(None, ckpt_path="validated.ckpt")  # left by an earlier trainer.validate(ckpt_path=...)
 
@@ -637,7 +637,7 @@ def test_resuming_from_prefers_this_fits_path_over_a_stale_one() -> None:
 
 
 def test_a_report_that_cannot_be_written_warns(tmp_path: Path) -> None:
-    from lightning_avgpipe.plugin.tuner import _write
+    from lightning_avgpipe.plugin.tuner.callback import _write
     from tests.test_tuning_model import profile
 
     blocker = tmp_path / "file"
@@ -651,7 +651,7 @@ def test_calibration_times_whole_accumulation_cycles(monkeypatch: pytest.MonkeyP
     from types import SimpleNamespace
 
     from lightning_avgpipe import AvgPipeTuner
-    from lightning_avgpipe.plugin import tuner as tuner_module
+    from lightning_avgpipe.plugin.tuner import callback as tuner_module
     from tests.test_tuning_model import profile
 
     tuner = AvgPipeTuner(calibrate_steps=3)
@@ -759,7 +759,7 @@ def test_the_tuner_profiles_a_zbv_strategy_in_its_own_placement(tmp_path: Path) 
 
 
 def test_candidate_schedules_keep_the_cut() -> None:
-    from lightning_avgpipe.plugin.tune import candidate_schedules
+    from lightning_avgpipe.plugin.tuner.run import candidate_schedules
     from lightning_avgpipe.tuning.model import PipelineProfile, StageProfile
 
     def profile(split: bool) -> PipelineProfile:

@@ -13,10 +13,10 @@ Private state read or written (each a function or class below; Lightning 2.6):
 - ``writes_logs(trainer)``: ``trainer._logger_connector.should_update_logs``. Used by: ``plugin/steps.py``.
 - ``reset_train_dataloader(trainer)``: ``trainer.fit_loop._combined_loader = None``. Used by: ``plugin/strategy.py``.
 - ``rebuild_train_dataloader(trainer)``: the same, then ``fit_loop.setup_data()`` and the sampler's epoch
-  (``_set_sampler_epoch``). Used by: ``plugin/retune.py``.
+  (``_set_sampler_epoch``). Used by: ``plugin/tuner/retune.py``.
 - ``attached_trainer(module)``: ``LightningModule._trainer``. Used by: ``plugin/split.py``, ``plugin/strategy.py``.
 - ``request_train_dataloader(trainer)``: ``trainer.fit_loop._data_source.dataloader()``. Used by:
-  ``plugin/profiling.py``, ``plugin/split.py``.
+  ``plugin/tuner/measure.py``, ``plugin/split.py``.
 - ``stop_before_training(trainer)``: the epoch loop's ``max_steps = 0`` (``fit_loop.epoch_loop``, a loop's
   internals). Used by: ``cli.py``.
 - ``ScriptLaunchedStrategy``: a ``ParallelStrategy`` whose private ``_configure_launcher`` sets the private
@@ -31,7 +31,7 @@ Private state read or written (each a function or class below; Lightning 2.6):
 Public helpers kept here because they stand beside those:
 
 - ``unwrap_optimizer(optimizer)``: ``LightningOptimizer.optimizer``. Used by: ``plugin/checkpoint.py``,
-  ``plugin/retune.py``.
+  ``plugin/tuner/retune.py``.
 - ``every(step, period)``: whether a step is one of every ``period``. Used by: ``plugin/steps.py``.
 
 Private names imported from Lightning (internal, but the API every custom strategy uses), re-exported here so

@@ -2,7 +2,7 @@
 (Design: docs/how-it-works.md#choosing-m-and-n.)
 
 The model and the search take and give plain numbers; only the profiler touches torch modules, and none of
-them imports Lightning (the ``AvgPipeTuner`` callback in ``plugin/tuner.py`` is the glue).
+them imports Lightning (the ``AvgPipeTuner`` callback in ``plugin/tuner/callback.py`` is the glue).
 """
 
 from lightning_avgpipe.tuning.model import PipelineProfile, Prediction, StageProfile, interpolate, predict

@@ -1,5 +1,5 @@
 """Profiling for ``AvgPipeTuner``: one batch through the real pipeline at a few micro-batch sizes, timed per stage
-(``profile_pipeline``), and the batch it profiles on (``first_batch``). Collective over every rank; ``plugin/tune.py``
+(``profile_pipeline``), and the batch it profiles on (``first_batch``). Collective over every rank; ``run.py``
 searches what it measured.
 """
 

@@ -1,6 +1,6 @@
 """The tuner's run: the batch, the candidates (micro-batch counts BatchNorm allows, the schedules a fit may switch
-to), the profile (``plugin/profiling.py``), then the search over every (M, N, averaging) (``tuning/search.py``), with
-what the other placements would predict. Collective over every rank; ``plugin/tuner.py`` calls it in
+to), the profile (``measure.py``), then the search over every (M, N, averaging) (``tuning/search.py``), with
+what the other placements would predict. Collective over every rank; ``callback.py`` calls it in
 ``on_fit_start`` and at each retune.
 """
 
@@ -15,7 +15,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_avgpipe import microbatch
-from lightning_avgpipe.plugin.profiling import first_batch, profile_pipeline
+from lightning_avgpipe.plugin.tuner.measure import first_batch, profile_pipeline
 from lightning_avgpipe.schedules.generate import CHUNKED, SPLIT, reads_k, splits_backward
 from lightning_avgpipe.tuning.busy import busy_machine
 from lightning_avgpipe.tuning.model import PipelineProfile, checkpointed, microbatch_sizes, predict

@@ -22,8 +22,8 @@ from lightning_avgpipe.checks import is_int, is_number
 from lightning_avgpipe.plugin.precision import PipelineMixedPrecision
 from lightning_avgpipe.plugin.reconfigure import placed_by
 from lightning_avgpipe.plugin.resume import resuming_from
-from lightning_avgpipe.plugin.retune import Retuner, check_retunable
-from lightning_avgpipe.plugin.tune import tune
+from lightning_avgpipe.plugin.tuner.retune import Retuner, check_retunable
+from lightning_avgpipe.plugin.tuner.run import tune
 from lightning_avgpipe.schedules.generate import reads_k
 from lightning_avgpipe.tuning.model import PipelineProfile
 from lightning_avgpipe.tuning.retune import check_lr_scaling, check_retune
