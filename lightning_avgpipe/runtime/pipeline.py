@@ -35,11 +35,11 @@ from lightning_avgpipe.errors import check_finite
 from lightning_avgpipe.optim import ElasticOptimizer, clone_optimizer
 from lightning_avgpipe.replicas import BatchedReplicas
 from lightning_avgpipe.runtime import collectives, units
-from lightning_avgpipe.runtime.chunking import ChunkLayout
 from lightning_avgpipe.runtime.deferred import WeightGradQueue
 from lightning_avgpipe.runtime.executor import StageExecutor
 from lightning_avgpipe.runtime.gradient_probe import GradientProbe
 from lightning_avgpipe.runtime.p2p import Link
+from lightning_avgpipe.runtime.rank_stages import ChunkLayout
 from lightning_avgpipe.runtime.recompute import layer_mask, stage_function
 from lightning_avgpipe.runtime.request import StepRequest
 from lightning_avgpipe.runtime.sharded_reference import ShardedReference
