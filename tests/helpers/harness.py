@@ -31,7 +31,7 @@ from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository root
 
 _init_s: float | None = None  # in a rank of run_distributed: seconds from its start to its process group
 
