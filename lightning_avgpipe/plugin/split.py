@@ -48,6 +48,12 @@ class Kept:
         for t in self.tensors.values():
             t.data = torch.empty(0, dtype=t.dtype, device=t.device)
 
+    def take_away(self) -> None:
+        """Split again: the placeholders back in place, the other stages' storage released."""
+        self.place(layers=False)
+        self.release()
+        self.whole = False
+
     def place(self, layers: bool) -> None:
         """Put the layers (``True``) or their placeholders back where the module holds them."""
         for parent, attr, layer, placeholder in self.spots:
@@ -107,9 +113,7 @@ class SplitModule:
         """A later fit/validate with this strategy: split again (rank 0's module was whole after the last run),
         guard the layers and hide the example input again."""
         if self.kept is not None and self.kept.whole:
-            self.kept.place(layers=False)
-            self.kept.release()
-            self.kept.whole = False
+            self.kept.take_away()
         self.module.example_input_array = None  # type: ignore[assignment]
         if not self.handles:
             self.handles = guard_layers(self.names(), self.guard)

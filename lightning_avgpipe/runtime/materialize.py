@@ -419,10 +419,10 @@ class _Replay:
         others = sum(st.nbytes() for s, st in self.real.items() if s not in self.kept or s in self.split)
         self.place(i)
         self.report.peak_other_bytes = max(self.report.peak_other_bytes, others)
-        done = [s for s in self.real if s not in self.kept and self.last_use.get(s, -1) <= i]
-        freed = sum(self.real[s].nbytes() for s in done)
-        for s in done:
-            del self.real[s]
+        self._free([s for s in self.real if s not in self.kept and self.last_use.get(s, -1) <= i])
+
+    def _free(self, storages: list[int]) -> None:
+        freed = sum(self.real.pop(s).nbytes() for s in storages if s in self.real)
         if freed >= 1 << 20 and self.device.type == "cpu":  # glibc keeps a freed block below its mmap threshold
             _trim_heap()
 
@@ -436,9 +436,7 @@ class _Replay:
                     self.report.uninitialized.append(name)
                 self.report.kept_bytes += place(_real_view(self, t)).untyped_storage().nbytes()
             self.kept.discard(s)
-            freed = self.real.pop(s).nbytes() if s in self.real else 0
-            if freed >= 1 << 20 and self.device.type == "cpu":
-                _trim_heap()
+            self._free([s])
 
 
 def _is_meta_device(value: Any) -> bool:
