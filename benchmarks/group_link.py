@@ -144,7 +144,7 @@ def _rank(rank: int, world: int, study: Any, m: int, steps: int, warmup: int, li
                 t0 = time.perf_counter()
                 for _ in range(4):
                     _step(pipes[name], batch, loss)
-                pipes[name][0].elastic.wait()  # an update still in flight belongs to this turn
+                pipes[name][0].replicas.elastic.wait()  # an update still in flight belongs to this turn
                 times[name].append((time.perf_counter() - t0) / 4)
         dist.all_reduce = real
         out[link] = times

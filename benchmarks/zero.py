@@ -133,7 +133,7 @@ def _rank(rank: int, world: int, averaging: str, shard: bool | str, cfg: dict[st
         opt.zero_grad()
         pipe.train_step(batches, lambda out, b, share: cfg["loss"](out, b[1]))
         if i == cfg["steps"] - 1:  # after the backward, every buffer allocated: what the stage holds at its peak
-            av = pipe.elastic
+            av = pipe.replicas.elastic
             offsets = [t for per in (av._offsets or []) for t in per]
             outer = _bytes(av.buffers()) - _bytes(offsets) + _bytes(av.reference_params) if elastic else 0
             inner = [o for o in getattr(opt, "replicas", [opt])]

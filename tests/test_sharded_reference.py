@@ -43,7 +43,7 @@ def _train(rank: int, top: Any, shard: bool, steps: int, options: dict[str, Any]
     cfg = PipelineConfig(1, 2, num_pipelines=2, shard_optimizer_state=shard, sync_reference=True, **options)
     pipe = StagePipeline(make_layers(), top, cfg)
     opt = pipe.optimizer(torch.optim.Adam(pipe.reference_params, lr=0.01))
-    elastic = pipe.elastic
+    elastic = pipe.replicas.elastic
     seen: dict[str, Any] = {"divergence": [], "between": []}
 
     def closure(step: int) -> None:
@@ -56,7 +56,7 @@ def _train(rank: int, top: Any, shard: bool, steps: int, options: dict[str, Any]
         seen["averaging_bytes"] = _count(elastic.buffers()) - offsets
         seen["static_bytes"] = static_bytes(pipe, [opt])
         seen["finite"] = all(bool(torch.isfinite(p).all()) for p in elastic.reference_params)
-        seen["divergence"].append(pipe.divergence())
+        seen["divergence"].append(pipe.replicas.divergence())
 
     for step in range(steps):
         opt.step(lambda step=step: closure(step))
@@ -228,7 +228,7 @@ def _edge_worker(rank: int, world: int) -> dict[str, Any]:
         return out.float().pow(2).mean() * 0 + torch.ones((), requires_grad=True)
 
     opt.step(lambda: empty.train_step([make_batch(rank + n)[0:1] * 2 for n in range(2)], loss))
-    out: dict[str, Any] = {"empty_released": empty.elastic.released}
+    out: dict[str, Any] = {"empty_released": empty.replicas.elastic.released}
 
     pipe = StagePipeline(make_layers(), top, cfg)
     opt = pipe.optimizer(torch.optim.SGD(pipe.reference_params, lr=0.1))
@@ -241,11 +241,11 @@ def _edge_worker(rank: int, world: int) -> dict[str, Any]:
         opt.step(failing)
     except KeyboardInterrupt:
         pass
-    out["released"] = pipe.elastic.released
+    out["released"] = pipe.replicas.elastic.released
     out["nan"] = all(bool(torch.isnan(p).all()) for p in pipe.reference_params)
     checks = {
-        "save": lambda: pipe.elastic.state_dict(),
-        "enter": pipe.elastic.enter_step,
+        "save": lambda: pipe.replicas.elastic.state_dict(),
+        "enter": pipe.replicas.elastic.enter_step,
         "eval": lambda: pipe.eval_step(make_batch(0), lambda o, b, s: o),
     }
     for what, call in checks.items():
@@ -255,14 +255,14 @@ def _edge_worker(rank: int, world: int) -> dict[str, Any]:
         except RuntimeError as e:
             out[what] = str(e)
     # a checkpoint loaded after the failure: the parameters get storage again, and training goes on
-    pipe.elastic.reclaim()
-    out["reclaimed"] = not pipe.elastic.released and all(
+    pipe.replicas.elastic.reclaim()
+    out["reclaimed"] = not pipe.replicas.elastic.released and all(
         p.untyped_storage().nbytes() == 4 * p.numel() for p in pipe.reference_params
     )
     with torch.no_grad():
         for mine, saved in zip(pipe.layers, make_layers()):
             mine.load_state_dict(saved.state_dict())
-    pipe.elastic.reset_replicas()
+    pipe.replicas.elastic.reset_replicas()
     opt.step(lambda: pipe.train_step([make_batch(n) for n in range(2)], lambda o, b, s: F.cross_entropy(o, b[1])))
     out["after"] = all(bool(torch.isfinite(p).all()) for p in pipe.reference_params)
     return out

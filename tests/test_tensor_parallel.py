@@ -272,7 +272,7 @@ def _worker(rank: int, world: int, stages: int, tp: int, configs: list[tuple[Any
             result = pipe.train_step(batches, lambda out, b, share: F.cross_entropy(out, b[1]), measure=True)
             opt.step()
             losses.append(float(result.loss) if result.loss is not None else None)
-        pipe.elastic.wait()
+        pipe.replicas.elastic.wait()
         state = {f"{i}.{k}": full(v).detach().clone() for i, m in own.items() for k, v in m.state_dict().items()}
         peak = result.trace.peak_activation_bytes
         link = pipe.link  # only shard 0 of a stage talks to the neighbouring stages: one copy crosses a boundary

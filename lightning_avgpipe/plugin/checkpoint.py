@@ -38,8 +38,8 @@ def assemble_state_dict(module: nn.Module, pipeline: StagePipeline, full_keys: S
 def whole_state_dict(module: nn.Module, pipeline: StagePipeline) -> dict[str, Any]:
     """This stage's weights under the unsplit model's names, on the CPU, tensor shards gathered whole (collective
     over a tensor group)."""
-    pipeline.elastic.wait()  # the checkpoint holds the up-to-date reference
-    pipeline.elastic.require_whole("Saving the model")
+    pipeline.replicas.elastic.wait()  # the checkpoint holds the up-to-date reference
+    pipeline.replicas.elastic.require_whole("Saving the model")
     return {k: full(v).detach().cpu() for k, v in module.state_dict().items()}
 
 
@@ -65,7 +65,7 @@ def optimizer_entry(optimizer: Optimizer, pipeline: StagePipeline, names: Names,
     replicas, its own optimizers' states, the replicas' weights and the averaging's state (``"optim"``,
     ``"replicas"``, ``"elastic"``). ``whole=False`` keeps tensor-parallel state as it is (``DTensor``)."""
     inner = compat.unwrap_optimizer(optimizer)
-    elastic = pipeline.elastic
+    elastic = pipeline.replicas.elastic
     named = named_groups(inner, pipeline, names, whole)  # collective over a tensor group when whole
     if whole and pipeline.topology.tensor_rank > 0:  # shard 0 of the stage sends the whole tensors; the rest copies
         named = [{**group, "params": []} for group in named]
@@ -114,8 +114,8 @@ LOCAL = "avgpipe_local"  # optimizer_state()'s value when saving sharded: this r
 
 def local_state_dict(module: nn.Module, pipeline: StagePipeline) -> dict[str, Any]:
     """This stage's weights under the unsplit model's names, tensor shards as they are (a sharded save)."""
-    pipeline.elastic.wait()
-    pipeline.elastic.require_whole("Saving the model")
+    pipeline.replicas.elastic.wait()
+    pipeline.replicas.elastic.require_whole("Saving the model")
     return {k: v.detach() if isinstance(v, Tensor) else v for k, v in module.state_dict().items()}
 
 
@@ -221,7 +221,7 @@ def split_refs(view: Mapping[str, Any], current: Mapping[str, Tensor]) -> dict[s
 def unsplit_names(pipeline: StagePipeline, names: Names) -> dict[int, str]:
     """``id(reference parameter) -> its name in the unsplit model`` for this stage's own parameters (a stage's copy
     of a shared weight under the weight's first name)."""
-    own = {id(p) for p in pipeline.elastic.reference_params}
+    own = {id(p) for p in pipeline.replicas.elastic.reference_params}
     return {i: names.aliases.get(n, n) for i, n in names.local.items() if i in own}
 
 
@@ -234,7 +234,10 @@ def named_groups(
     named = unsplit_names(pipeline, names)
     if isinstance(optimizer, ElasticOptimizer):
         user, clone = optimizer.user, optimizer.replicas[0]
-        to_replica = {id(r): q for r, q in zip(pipeline.elastic.reference_params, pipeline.elastic.replica_params(0))}
+        to_replica = {
+            id(r): q
+            for r, q in zip(pipeline.replicas.elastic.reference_params, pipeline.replicas.elastic.replica_params(0))
+        }
 
         def state_of(p: Any) -> Any:
             return clone.state.get(to_replica.get(id(p)), {})  # type: ignore[arg-type]
@@ -307,7 +310,7 @@ def load_stage_state(module: nn.Module, checkpoint: Mapping[str, Any], pipeline:
             f"The checkpoint lacks {missing[:5]} that stage {pipeline.stage} holds; it was saved from another model."
         )
     load_whole(module, {k: full[k] for k in local_keys if k in full})
-    pipeline.elastic.reset_replicas()
+    pipeline.replicas.elastic.reset_replicas()
 
 
 def load_whole(module: nn.Module, state: Mapping[str, Any], whole: bool = True) -> None:
@@ -358,11 +361,11 @@ def load_optimizer_states(
         if entry is not None and "optim" in entry:  # the same layout with replicas (or a checkpoint from before names)
             optimizer.load_state_dict(entry["optim"])
             relayout_state(optimizer)
-            for layers, saved_layers in zip(pipeline.elastic.replicas, entry["replicas"]):
+            for layers, saved_layers in zip(pipeline.replicas.elastic.replicas, entry["replicas"]):
                 for layer, layer_state in zip(layers, saved_layers):
                     load_whole(layer, layer_state, whole=False)
-            if "elastic" in entry and not pipeline.elastic.trivial:
-                pipeline.elastic.load_state_dict(entry["elastic"])
+            if "elastic" in entry and not pipeline.replicas.elastic.trivial:
+                pipeline.replicas.elastic.load_state_dict(entry["elastic"])
             continue
         if not named:  # an AvgPipe checkpoint from before the unsplit state, under another layout
             note = (
@@ -381,7 +384,7 @@ def load_optimizer_states(
                 + (
                     "; the replicas start from the reference, each with the saved (replica 0's) optimizer state, "
                     "and their spread and the averaging's state start anew."
-                    if not pipeline.elastic.trivial
+                    if not pipeline.replicas.elastic.trivial
                     else " from replica 0's state: not exact, the other replicas' states are left behind."
                     if had_replicas
                     else " (exact: one model per stage)."
@@ -409,7 +412,7 @@ def load_by_name(optimizer: Optimizer, unified: Mapping[str, Any], pipeline: Sta
             f"builds {len(user.param_groups)}; resume with the same optimizer groups."
         )
     by_name = [dict(zip(g["param_names"], g["params"])) for g in saved_groups]
-    ref = pipeline.elastic.reference_params
+    ref = pipeline.replicas.elastic.reference_params
     name_of = unsplit_names(pipeline, names)
 
     def local(groups: Sequence[Mapping[str, Any]], source: Sequence[int], to_ref: Mapping[int, Any]) -> dict[str, Any]:
@@ -432,7 +435,7 @@ def load_by_name(optimizer: Optimizer, unified: Mapping[str, Any], pipeline: Sta
         for group, saved in zip(user.param_groups, saved_groups):
             group.update(hyperparameters(saved))
         for n, clone in enumerate(optimizer.replicas):
-            to_ref = {id(q): r for q, r in zip(pipeline.elastic.replica_params(n), ref)}
+            to_ref = {id(q): r for q, r in zip(pipeline.replicas.elastic.replica_params(n), ref)}
             clone.load_state_dict(local(clone.param_groups, source_groups(clone), to_ref))
     else:
         user.load_state_dict(local(user.param_groups, list(range(len(user.param_groups))), {}))

@@ -60,14 +60,14 @@ def install_clipping(precision: Any, pipeline: Callable[[], Any], device: torch.
 
     def clip_grad_by_norm(optimizer: Any, clip_val: int | float) -> None:
         pipe = pipeline()
-        elastic, top = pipe.elastic, pipe.topology
+        elastic, top = pipe.replicas.elastic, pipe.topology
         sets = [elastic.replica_params(n) for n in range(elastic.num_replicas)]
         clip_grad_norm_across(
             sets,
             float(clip_val),
             top.pipeline_group,
             device=device,
-            uncounted=pipe.uncounted_params,
+            uncounted=pipe.replicas.uncounted,
             tensor_group=top.tensor_group,
             tensor_parallel_size=top.tensor_parallel_size,
         )

@@ -78,7 +78,7 @@ class PipelineSteps:
             inputs=lambda micro: pipeline_inputs(module, micro),
             accumulate=trainer.accumulate_grad_batches,
             forward_context=precision.train_step_context,
-            divergence=not pipeline.elastic.trivial and writes_logs,
+            divergence=not pipeline.replicas.elastic.trivial and writes_logs,
             noise=writes_logs or compat.every(trainer.global_step, noise_every),
             param_names=self.param_names,
             loss_scale=loss_scale_of(precision),
@@ -94,7 +94,7 @@ class PipelineSteps:
         log_report(module, report)
         replay_logs(module, logs, device)
         loss = loss.to(device)
-        if not pipeline.elastic.trivial:  # the mean over replicas, whatever the user logs
+        if not pipeline.replicas.elastic.trivial:  # the mean over replicas, whatever the user logs
             module.log("avgpipe/loss", loss, on_step=True, on_epoch=False)
         return loss
 
@@ -134,7 +134,7 @@ def log_report(module: pl.LightningModule, report: StepReport) -> None:
 
 def announce_averaging(pipeline: StagePipeline) -> None:
     """Say how the N batches of a step combine, when there is more than one (rank 0)."""
-    cfg, elastic, groups = pipeline.config, pipeline.elastic, pipeline.topology.num_groups
+    cfg, elastic, groups = pipeline.config, pipeline.replicas.elastic, pipeline.topology.num_groups
     if cfg.exact and cfg.num_pipelines * groups > 1:
         rank_zero_info(
             f"AvgPipe: averaging='exact': each step trains {cfg.num_pipelines} batches x {groups} groups "

@@ -337,7 +337,7 @@ class AvgPipeStrategy(ProcessStrategy):
         """The replicas and reference of this stage (after setup)."""
         if self._controller is None:
             raise RuntimeError("AvgPipeStrategy creates the replicas in setup(); they do not exist yet.")
-        return self._controller.pipeline.elastic
+        return self._controller.pipeline.replicas.elastic
 
     @property
     def stage_layers(self) -> list[nn.Module]:
@@ -687,7 +687,7 @@ class AvgPipeStrategy(ProcessStrategy):
     @override
     @_own_use
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        self.pipeline.elastic.reclaim()  # a sharded reference a failed step left released takes the weights again
+        self.pipeline.replicas.elastic.reclaim()  # a sharded reference a failed step released takes the weights again
         ckpt.load_stage_state(self._lightning(), checkpoint, self.pipeline, strict)
 
     @override
@@ -814,7 +814,7 @@ class AvgPipeStrategy(ProcessStrategy):
     @override
     def teardown(self) -> None:
         if self._controller is not None:
-            elastic = self._controller.pipeline.elastic
+            elastic = self._controller.pipeline.replicas.elastic
             elastic.wait()  # the model the user keeps is the up-to-date reference
             if elastic.released:
                 warnings.warn(

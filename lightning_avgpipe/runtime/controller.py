@@ -61,7 +61,7 @@ def memory_limit_bytes(limit: float | None, device: torch.device, processes: int
 
 def static_bytes(pipeline: StagePipeline, optimizers: Sequence[Optimizer] = ()) -> float:
     """Bytes of a stage's weights (replicas and reference), gradients, optimizer states and averaging buffers."""
-    elastic = pipeline.elastic
+    elastic = pipeline.replicas.elastic
     seen: set[int] = set()
 
     def count(tensors: Any) -> int:
@@ -229,7 +229,7 @@ class StepController:
         if not self.measuring_k:
             return None
         pipe = self.pipeline
-        units = pipe.num_microbatches * (1 if pipe.batched is not None else pipe.num_pipelines)
+        units = pipe.num_microbatches * (1 if pipe.replicas.batched is not None else pipe.num_pipelines)
         if self.k_search is None:
             self.k_search = AdvanceSearch(
                 max_k=max_advance_forwards(pipe.num_stages, units), memory_limit=self.memory_limit

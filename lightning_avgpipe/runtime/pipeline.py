@@ -1,10 +1,10 @@
 """StagePipeline: one rank's part of the pipelined step, the one step that the strategy, the tuner and the benchmarks
 all call (Lightning-free).
 
-It owns what a stage needs to train: its layers and their N replicas tied by elastic averaging
-(docs/how-it-works.md#elastic-averaging-rule), the executor and its link to the neighbouring stages, the plan cache and
-the micro-batch rules; what watches the step (k's search, the figures, checkpointing) is the controller's
-(``runtime/controller.py``). A caller gives it an iteration's N batches and a loss function (or a
+It runs one executor (``runtime/executor.py``) over a plan (``schedules/``): it splits an iteration's N batches into
+micro-batches by the rules a user can rely on, builds the plan for them (cached) and sends every (replica,
+micro-batch) unit through it; the replicas it runs are :class:`~lightning_avgpipe.runtime.stage_replicas.StageReplicas`
+(averaging, optimizers, batched execution, ties). A caller gives it the N batches and a loss function (or a
 ``StepRequest``, :meth:`StagePipeline.run_step`), then steps the optimizer that :meth:`StagePipeline.optimizer`
 returns::
 
@@ -19,7 +19,6 @@ returns::
 from __future__ import annotations
 
 import contextlib
-import copy
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
@@ -30,10 +29,8 @@ from torch.optim import Optimizer
 
 from lightning_avgpipe import microbatch
 from lightning_avgpipe.config import PipelineConfig, check_same_placement
-from lightning_avgpipe.elastic import ElasticAveraging, average_gradients
+from lightning_avgpipe.elastic import average_gradients
 from lightning_avgpipe.errors import check_finite
-from lightning_avgpipe.optim import ElasticOptimizer, clone_optimizer
-from lightning_avgpipe.replicas import BatchedReplicas
 from lightning_avgpipe.runtime import collectives, units
 from lightning_avgpipe.runtime.deferred import WeightGradQueue
 from lightning_avgpipe.runtime.executor import StageExecutor
@@ -42,14 +39,13 @@ from lightning_avgpipe.runtime.p2p import Link
 from lightning_avgpipe.runtime.rank_stages import ChunkLayout
 from lightning_avgpipe.runtime.recompute import layer_mask, stage_function
 from lightning_avgpipe.runtime.request import StepRequest
-from lightning_avgpipe.runtime.sharded_reference import ShardedReference
+from lightning_avgpipe.runtime.stage_replicas import StageReplicas
 from lightning_avgpipe.runtime.streams import RandomStreams
 from lightning_avgpipe.runtime.tensor_parallel import whole_outputs
-from lightning_avgpipe.runtime.ties import TiedGradients, TiedWeights
+from lightning_avgpipe.runtime.ties import TiedWeights
 from lightning_avgpipe.runtime.topology import Topology
 from lightning_avgpipe.runtime.trace import ActivationMeter, StepTrace
 from lightning_avgpipe.runtime.units import LossFn, StepResult, first_input
-from lightning_avgpipe.runtime.zero import ShardedOptimizer
 from lightning_avgpipe.schedules import Plan, build_plan, validate_plan
 from lightning_avgpipe.schedules.generate import reads_k, splits_backward
 
@@ -90,33 +86,77 @@ class StagePipeline:
         ties: Sequence[TiedWeights] = (),
         chunks: Sequence[int] | None = None,
     ) -> None:
-        self.layers = list(layers)
-        self.topology = topology
-        self.config = config if config is not None else PipelineConfig()
-        self.device = device if device is not None else torch.device("cpu")
-        self.backend = backend
-        self.processes = processes
-        if topology.tensor_parallel_size > 1 and self.config.replica_execution == "batched":
+        config = config if config is not None else PipelineConfig()
+        if topology.tensor_parallel_size > 1 and config.replica_execution == "batched":
             raise ValueError(
                 "replica_execution='batched' with tensor_parallel_size > 1 is not supported (torch.func.vmap over "
                 "DTensor layers); use replica_execution='sequential', or tensor_parallel_size=1."
             )
-        self.recompute = layer_mask(self.layers, self.config.activation_checkpointing)  # checkpointed layers
+        device = device if device is not None else torch.device("cpu")
+        # what the stage functions read as they are made (every part is set in _hold)
+        self.layers, self.topology = list(layers), topology
+        self.streams: RandomStreams | None = None
+        self.recompute = layer_mask(self.layers, config.activation_checkpointing)  # checkpointed layers
+        layout = ChunkLayout.of(config, topology, len(self.layers), chunks)
+        stage_fns = layout.functions(self.layers, self._stage_function)
+        coalesce = self._batched_p2p(config, backend)
+        if layout.v == 1:
+            link = link or collectives.stage_link(topology, device)
+            fn = stage_fns[topology.stage]
+            executor = StageExecutor(topology.stage, topology.num_stages, fn, link, coalesce=coalesce)
+        else:
+            executor = layout.executor(topology, device, stage_fns, coalesce)
+        self._hold(
+            layers=self.layers,
+            topology=topology,
+            config=config,
+            device=device,
+            backend=backend,
+            processes=processes,
+            chunks=layout,
+            recompute=self.recompute,
+            executor=executor,
+            ties=tuple(ties),
+            replicas=self._make_replicas(config, device, layout, ties),
+            streams=None,
+            bounds_link_timeout=True,
+        )
+        self._defer_weight_grads()
+
+    def _hold(
+        self,
+        *,
+        layers: list[nn.Module],
+        topology: Topology,
+        config: PipelineConfig,
+        device: torch.device,
+        backend: str | None,
+        processes: int,
+        chunks: ChunkLayout,
+        recompute: list[bool],
+        executor: StageExecutor,
+        ties: tuple[TiedWeights, ...],
+        replicas: StageReplicas,
+        streams: RandomStreams | None,
+        bounds_link_timeout: bool,
+    ) -> None:
+        """Every part a pipeline holds, set here alone: :meth:`__init__` and :meth:`alone` both pass them all."""
+        self.layers, self.topology, self.device, self.backend = layers, topology, device, backend
+        self.processes, self.chunks, self.recompute, self.executor = processes, chunks, recompute, executor
+        self.ties, self.replicas = ties, replicas
+        self._bounds_link_timeout = bounds_link_timeout  # the first step may be slow; later ones are bounded
         # each layer's random draws from a stream of its own (runtime/streams.py): set by the caller; None: the
         # process's generator
-        self.streams: RandomStreams | None = None
-        self.chunks = ChunkLayout.of(self.config, topology, len(self.layers), chunks)
-        stage_fns = self.chunks.functions(self.layers, self._stage_function)
-        if self.chunks.v == 1:
-            link = link or collectives.stage_link(topology, self.device)
-            fn = stage_fns[topology.stage]
-            self.executor = StageExecutor(topology.stage, topology.num_stages, fn, link, coalesce=self.batched_p2p)
-        else:
-            self.executor = self.chunks.executor(topology, self.device, stage_fns, self.batched_p2p)
-        self._start(self.config)
-        self._bounds_link_timeout = True
-        self.ties = tuple(ties)
-        self._make_replicas()
+        self.streams = streams
+        self.meter = ActivationMeter(replicas.params)
+        self._start(config)
+
+    def _make_replicas(
+        self, config: PipelineConfig, device: torch.device, chunks: ChunkLayout, ties: Sequence[TiedWeights]
+    ) -> StageReplicas:
+        return StageReplicas.build(
+            self.layers, self.topology, config, device, ties, lambda copy: chunks.functions(copy, self._stage_function)
+        )
 
     def _start(self, config: PipelineConfig) -> None:
         """What the step derives from its config, afresh: k's start, the plan cache, the full batch size."""
@@ -154,8 +194,11 @@ class StagePipeline:
     @property
     def batched_p2p(self) -> bool:
         """Whether transfers are posted just in time as ``batch_isend_irecv`` groups (NCCL) rather than eagerly."""
-        mode = self.config.p2p
-        return mode == "batched" or (mode == "auto" and self.backend == "nccl")
+        return self._batched_p2p(self.config, self.backend)
+
+    @staticmethod
+    def _batched_p2p(config: PipelineConfig, backend: str | None) -> bool:
+        return config.p2p == "batched" or (config.p2p == "auto" and backend == "nccl")
 
     @property
     def advance_forwards(self) -> int:
@@ -169,11 +212,11 @@ class StagePipeline:
     @property
     def params(self) -> list[nn.Parameter]:
         """Every replica's parameters on this stage (the reference's when N·D = 1): what a step's gradients reach."""
-        return list(self._params)
+        return list(self.replicas.params)
 
     @property
     def reference_params(self) -> list[nn.Parameter]:
-        return self.elastic.reference_params
+        return self.replicas.elastic.reference_params
 
     @property
     def full_batch(self) -> int | None:
@@ -183,31 +226,6 @@ class StagePipeline:
     @full_batch.setter
     def full_batch(self, value: int | None) -> None:
         self._full_batch = value
-
-    def _make_replicas(self) -> None:
-        cfg, top = self.config, self.topology
-        sharded = cfg.shard_optimizer_state and not cfg.exact and top.num_groups > 1
-        self.elastic = (ShardedReference if sharded else ElasticAveraging)(  # exact: one model, the reference itself
-            self.layers,
-            1 if cfg.exact else cfg.num_pipelines,
-            1 if cfg.exact else top.num_groups,
-            alpha=cfg.elastic_alpha,
-            group=top.stage_group,
-            synchronous=cfg.synchronous_reference,
-            device=self.device,
-            outer_lr=cfg.outer_lr,
-            outer_momentum=cfg.outer_momentum,
-            period=cfg.averaging_period,
-            tensor_parallel_size=top.tensor_parallel_size,
-        )
-        self._params = self.elastic.all_replica_params()
-        self._defer_weight_grads()
-        self._tied = TiedGradients(self.ties, self.elastic, self.stage)
-        self._replica_fns = [self.chunks.functions(layers, self._stage_function) for layers in self.elastic.replicas]
-        self.batched: BatchedReplicas | None = None
-        if cfg.replica_execution == "batched" and not self.elastic.trivial:
-            self.batched = BatchedReplicas(self.elastic.replicas)
-        self.meter = ActivationMeter(self._params)
 
     @property
     def splits_backward(self) -> bool:
@@ -222,13 +240,9 @@ class StagePipeline:
             return
         queue = self.executor.weight_grads
         if queue is None:
-            self.executor.weight_grads = WeightGradQueue(self._every_copy())
+            self.executor.weight_grads = WeightGradQueue(self.replicas.copies)
         else:
-            queue.install(self._every_copy())
-
-    def _every_copy(self) -> list[nn.Module]:
-        """The stage's layers and every replica's copy of them."""
-        return [*self.layers, *(m for replica in self.elastic.replicas for m in replica)]
+            queue.install(self.replicas.copies)
 
     def _stage_function(self, stage: int, start: int, layers: Sequence[nn.Module]) -> Callable[[Any], Any]:
         """``layers`` (model stage ``stage``'s, from ``start`` in this rank's) applied in order (the checkpointed
@@ -245,20 +259,11 @@ class StagePipeline:
         return whole_outputs(fn, top.tensor_group, f"stage {top.stage} (rank {top.rank})")
 
     def optimizer(self, user: Optimizer) -> Optimizer:
-        """The optimizer to step: ``user`` itself when N·D = 1, else one clone of it per replica, stepped together
-        and followed by the elastic update (``user`` must be built over :attr:`reference_params`)."""
-        elastic, top = self.elastic, self.topology
-        if elastic.trivial:
-            if self.config.shard_optimizer_state and top.num_groups > 1:  # one model over D groups: ZeRO-1
-                return ShardedOptimizer(
-                    user, elastic.reference_params, top.stage_group, top.stage_ranks, top.group_index
-                )
-            return user
-        clones = [
-            clone_optimizer(user, elastic.replica_params(n), elastic.reference_params)
-            for n in range(elastic.num_replicas)
-        ]
-        return ElasticOptimizer(user, clones, elastic)
+        """The optimizer to step (:meth:`StageReplicas.optimizer
+        <lightning_avgpipe.runtime.stage_replicas.StageReplicas.optimizer>`): ``user`` itself when N·D = 1, else one
+        clone of it per replica, stepped together and followed by the elastic update (``user`` must be built over
+        :attr:`reference_params`)."""
+        return self.replicas.optimizer(user)
 
     def reconfigure(self, config: PipelineConfig) -> bool:
         """Take a new M, N, k or averaging; returns whether the replicas were made anew (the caller then makes new
@@ -278,8 +283,10 @@ class StagePipeline:
             return False
         if self.one_model(old) and self.one_model(config):  # exact under another N: the same one model and optimizer
             return False
-        self.elastic.wait()
-        self._make_replicas()
+        self.replicas.elastic.wait()
+        self.replicas = self._make_replicas(config, self.device, self.chunks, self.ties)
+        self.meter = ActivationMeter(self.replicas.params)
+        self._defer_weight_grads()
         return True
 
     @contextlib.contextmanager
@@ -289,7 +296,7 @@ class StagePipeline:
         if self.executor.weight_grads is not None:
             yield
             return
-        queue = self.executor.weight_grads = WeightGradQueue(self._every_copy())
+        queue = self.executor.weight_grads = WeightGradQueue(self.replicas.copies)
         try:
             yield
         finally:
@@ -300,12 +307,22 @@ class StagePipeline:
         """This stage running replica 0 alone under ``config`` (N = 1, sequential): the same layers, executor and
         link, its own plans, micro-batch rules and activation meter; it leaves the link's timeout as it is. The
         controller's :meth:`~lightning_avgpipe.runtime.controller.StepController.variant` makes it."""
-        other = copy.copy(self)
-        other._start(replace(config, num_pipelines=1, replica_execution="sequential"))
-        other._bounds_link_timeout = False
-        other._replica_fns = self._replica_fns[:1]
-        other.batched = None
-        other.meter = ActivationMeter(self._params)
+        other = object.__new__(StagePipeline)
+        other._hold(
+            layers=self.layers,
+            topology=self.topology,
+            config=replace(config, num_pipelines=1, replica_execution="sequential"),
+            device=self.device,
+            backend=self.backend,
+            processes=self.processes,
+            chunks=self.chunks,
+            recompute=self.recompute,
+            executor=self.executor,
+            ties=self.ties,
+            replicas=self.replicas.first_alone(),
+            streams=self.streams,
+            bounds_link_timeout=False,
+        )
         return other
 
     def one_model(self, config: PipelineConfig) -> bool:
@@ -399,23 +416,24 @@ class StagePipeline:
         meter = self.meter if measure else None
         if meter is not None:
             meter.reset()
-        self.elastic.follow_reference()  # frozen layers, eval-mode BatchNorm: as the user's module has them
-        before = self._tied.before(replicas) if self.ties else None
+        reps = self.replicas
+        reps.elastic.follow_reference()  # frozen layers, eval-mode BatchNorm: as the user's module has them
+        before = reps.tied.before(replicas) if self.ties else None
         probe = None
         # the probe reads each unit's gradients when they are whole; a split backward interleaves units' parts
         whole_units = not self.splits_backward and self.chunks.v == 1
         if request.noise and accumulate == 1 and whole_units and GradientProbe.usable(replicas, len(micro)):
-            params = [self.elastic.replica_params(n) for n in range(replicas)] if replicas > 1 else [self.params]
+            params = [reps.elastic.replica_params(n) for n in range(replicas)] if replicas > 1 else [reps.params]
             sizes = [microbatch.batch_size(mb) for mb in micro]
             T = self.topology.tensor_parallel_size
-            probe = GradientProbe(params, sizes, owner, skip=self.uncounted_params, tensor_parallel_size=T)
+            probe = GradientProbe(params, sizes, owner, skip=reps.uncounted, tensor_parallel_size=T)
         step = (request.key, micro, weights, owner, replicas, accumulate, request.loss_fn, request.inputs)
-        batched = self.batched
+        batched = reps.batched
         if batched is not None:  # micro-batch m of every replica in one vmap call: M units
             todo = units.batched(*step, batched_replicas=batched)
             batched.begin()
         else:  # each replica's micro-batches: N x M units
-            todo = units.sequential(*step, replica_fns=self._replica_fns)
+            todo = units.sequential(*step, replica_fns=reps.fns)
         results = self.executor.run(
             self.plan(True, len(todo.keys)).stages[self.stage],
             todo.keys,
@@ -431,16 +449,16 @@ class StagePipeline:
         if batched is not None:
             batched.finish()
         if self.ties:
-            self._tied.sum(replicas, before, self.device)
-        spread = self.divergence() if request.divergence else None
+            reps.tied.sum(replicas, before, self.device)
+        spread = reps.divergence() if request.divergence else None
         norms = None
         if probe is not None:
             norms = probe.finish(self.topology.job_group, self.topology.num_groups, self.device)
         if exact and self.topology.num_groups > 1:  # the D groups' gradients: one batch of D x N x B
             average_gradients(self.params, self.topology.stage_group, self.topology.num_groups, self.device)
-        grads = self._params if request.loss_scale is None else []  # under loss scaling an overflow skips the step
+        grads = reps.params if request.loss_scale is None else []  # under loss scaling an overflow skips the step
         where = f"stage {self.stage} (rank {self.topology.rank})"
-        check_finite(where, results, grads, self.elastic.reference_params, request.param_names or {})
+        check_finite(where, results, grads, reps.elastic.reference_params, request.param_names or {})
         if self._bounds_link_timeout:
             for link in self.executor.all_links:
                 link.timeout = self.config.p2p_timeout  # the first step may be slow; later ones are bounded
@@ -448,21 +466,6 @@ class StagePipeline:
         if self.is_last and results:
             loss = torch.stack([r.float() for r in results.values()]).sum() * accumulate / replicas
         return StepResult(results, loss, samples, trace, spread, norms)
-
-    @property
-    def uncounted_params(self) -> set[int]:
-        """Ids of the shared weights' copies a global gradient norm must not count on this stage."""
-        return self._tied.uncounted()
-
-    def divergence(self) -> Tensor:
-        """``(N,)``: ‖w_n − w_ref‖ / ‖w_ref‖ over all stages of this pipeline (collective over the pipeline).
-
-        Waits for the previous step's reference update first (an overlapped all-reduce had the whole pipeline to
-        hide behind).
-        """
-        self.elastic.wait()
-        sums = torch.stack(self.elastic.divergence())  # (N, 2): ‖w_n - w_ref‖², ‖w_ref‖² on this stage
-        return collectives.pipeline_divergence(self.topology, sums)
 
     # -- evaluation ----------------------------------------------------------------------------------------------
     def eval_step(
@@ -478,8 +481,8 @@ class StagePipeline:
 
         Returns, on the last stage, micro-batch -> ``head(output, micro_batch, share)``; elsewhere an empty dict.
         """
-        self.elastic.wait()  # evaluate the up-to-date reference
-        self.elastic.require_whole("Evaluating the model")
+        self.replicas.elastic.wait()  # evaluate the up-to-date reference
+        self.replicas.elastic.require_whole("Evaluating the model")
         micro, shares = self.microbatches(batch, training=False)
         return self.executor.run(
             self.plan(False, len(micro)).stages[self.stage],
@@ -508,7 +511,7 @@ class StagePipeline:
         """Checkpoint the layers in ``mask`` from the next step on (every replica's copy of them)."""
         self.recompute = list(mask)
         self.executor.stage_fns = self.chunks.functions(self.layers, self._stage_function)
-        self._replica_fns = [self.chunks.functions(layers, self._stage_function) for layers in self.elastic.replicas]
+        self.replicas.remake_functions(lambda copy: self.chunks.functions(copy, self._stage_function))
 
     def describe(self) -> str:
         cfg = self.config

@@ -107,7 +107,7 @@ def profile_pipeline(strategy: AvgPipeStrategy, batch: Any, sizes: Sequence[floa
     top = strategy.topology
     S, stage = top.num_stages, top.stage
     device = strategy.root_device
-    elastic = pipeline.elastic
+    elastic = pipeline.replicas.elastic
     params = pipeline.params
     metrics = [m for m in module.modules() if isinstance(m, Metric)]
     replica_layers = [m for layers in elastic.replicas for m in layers] if not elastic.trivial else []
