@@ -270,7 +270,7 @@ def rank_main(cfg: dict[str, Any]) -> None:
         trainer, wall = fit(ms[0], ns[0], cfg["tuner_steps"], [tuner])
         assert tuner.table is not None and tuner.choice is not None
         choice = tuner.choice
-        applied = (trainer.strategy.num_microbatches, trainer.strategy.num_pipelines)
+        applied = (trainer.strategy.pipeline.num_microbatches, trainer.strategy.config.num_pipelines)
         result["tuners"].append(
             {
                 "seconds": tuner.seconds,
@@ -320,7 +320,7 @@ def rank_main(cfg: dict[str, Any]) -> None:
                 "timed_s": sum(timed),
                 "wall_s": wall,
                 "peak_mib": list(timer.peaks),
-                "config_seen": [trainer.strategy.num_microbatches, trainer.strategy.num_pipelines],
+                "config_seen": [trainer.strategy.pipeline.num_microbatches, trainer.strategy.config.num_pipelines],
             }
             del trainer
             gc.collect()  # the old Trainer's cycles go now, not in a collection inside a later setting's timing

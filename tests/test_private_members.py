@@ -71,8 +71,8 @@ def test_no_module_reads_another_modules_private_members() -> None:
 
 def test_the_check_sees_a_strategy_method_moved_out() -> None:
     trees = package_trees()
-    trees["lightning_avgpipe/plugin/moved.py"] = ast.parse("def step(strategy):\n    return strategy._param_names\n")
+    trees["lightning_avgpipe/plugin/moved.py"] = ast.parse("def step(strategy):\n    return strategy._topology_of\n")
     assert foreign_reads(trees) == [
-        "lightning_avgpipe/plugin/moved.py:2 strategy._param_names "
+        "lightning_avgpipe/plugin/moved.py:2 strategy._topology_of "
         "(defined in ['lightning_avgpipe/plugin/strategy.py'])"
     ]

@@ -9,12 +9,13 @@ Private state read or written (each a function or class below; Lightning 2.6):
   ``ckpt_path`` (read through the calling frames). Used by: ``plugin/resume.py``, ``plugin/split.py``.
 - ``dumping_checkpoint(trainer)``: whether the call is inside ``trainer._checkpoint_connector.dump_checkpoint``
   (read through the calling frames), where the strategy's state dicts go to its own ``save_checkpoint``. Used by:
-  ``plugin/strategy.py``.
+  ``plugin/checkpoint_hooks.py``.
 - ``writes_logs(trainer)``: ``trainer._logger_connector.should_update_logs``. Used by: ``plugin/steps.py``.
 - ``reset_train_dataloader(trainer)``: ``trainer.fit_loop._combined_loader = None``. Used by: ``plugin/strategy.py``.
 - ``rebuild_train_dataloader(trainer)``: the same, then ``fit_loop.setup_data()`` and the sampler's epoch
   (``_set_sampler_epoch``). Used by: ``plugin/tuner/retune.py``.
-- ``attached_trainer(module)``: ``LightningModule._trainer``. Used by: ``plugin/split.py``, ``plugin/strategy.py``.
+- ``attached_trainer(module)``: ``LightningModule._trainer``. Used by: ``plugin/checkpoint_hooks.py``,
+  ``plugin/split.py``, ``plugin/strategy.py``.
 - ``request_train_dataloader(trainer)``: ``trainer.fit_loop._data_source.dataloader()``. Used by:
   ``plugin/tuner/measure.py``, ``plugin/split.py``.
 - ``stop_before_training(trainer)``: the epoch loop's ``max_steps = 0`` (``fit_loop.epoch_loop``, a loop's
@@ -42,7 +43,8 @@ the plugin imports them from one place:
 - ``_get_default_process_group_backend_for_device`` (the same). Used by: ``plugin/process.py``.
 - ``_init_dist_connection`` (the same). Used by: ``plugin/process.py``.
 - ``_sync_ddp_if_available`` (the same). Used by: ``plugin/process.py``, ``plugin/strategy.py``.
-- ``_optimizers_to_device`` (``lightning.fabric.utilities.optimizer``). Used by: ``plugin/strategy.py``.
+- ``_optimizers_to_device`` (``lightning.fabric.utilities.optimizer``). Used by: ``plugin/checkpoint_hooks.py``,
+  ``plugin/strategy.py``.
 
 Private state of other libraries, not kept here: torchmetrics ``Metric._defaults``, ``_update_count``,
 ``_forward_cache``, ``_computed`` (``plugin/bridge.py``); torch ``GradScaler._per_optimizer_states`` and ``_scale``

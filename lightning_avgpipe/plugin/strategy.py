@@ -6,90 +6,57 @@ maps Lightning's life cycle onto it (docs/how-it-works.md#lightning-integration)
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import itertools
 import warnings
-import zipfile
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Generator, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchCheckpointIO
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch import Tensor, nn
+from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_avgpipe.config import PipelineConfig
-from lightning_avgpipe.plugin import checkpoint as ckpt
-from lightning_avgpipe.plugin import compat, sharded, streamed, tensor, whole
+from lightning_avgpipe.plugin import compat, streamed, tensor, whole
 from lightning_avgpipe.plugin.bridge import StepBridge
+from lightning_avgpipe.plugin.checkpoint_hooks import CheckpointHooks
 from lightning_avgpipe.plugin.compat import (
     _optimizers_to_device,
     _StrategyRegistry,
     _sync_ddp_if_available,
 )
-from lightning_avgpipe.plugin.contract import pipeline_layers
+from lightning_avgpipe.plugin.cut import CutInputs, cut_module
 from lightning_avgpipe.plugin.data import GroupedBatches, same_order_on_every_rank
 from lightning_avgpipe.plugin.gradients import install_clipping
 from lightning_avgpipe.plugin.placeholders import Guard
 from lightning_avgpipe.plugin.precision import PipelineMixedPrecision, for_pipeline
-from lightning_avgpipe.plugin.process import ProcessStrategy
-from lightning_avgpipe.plugin.reconfigure import describe, next_config, placed_by
+from lightning_avgpipe.plugin.reconfigure import describe, next_config
 from lightning_avgpipe.plugin.split import (
     SplitModule,
-    announce_shared,
-    check_forward_of,
-    check_layer_count,
     check_supported,
-    choose_partition,
-    forward_sample,
-    materialize_own,
     metrics_sync_over,
-    own_layers,
     recorded_build,
-    shared_across_stages,
-    split_module,
-    suggest_configure_model,
 )
 from lightning_avgpipe.plugin.steps import PipelineSteps, announce_averaging, announce_checkpointing, announce_sharding
-from lightning_avgpipe.runtime import torchfile
 from lightning_avgpipe.runtime.controller import StepController, memory_limit_bytes
 from lightning_avgpipe.runtime.failures import guarded
-from lightning_avgpipe.runtime.materialize import InitRecord, Shard, is_meta_module
+from lightning_avgpipe.runtime.materialize import InitRecord
 from lightning_avgpipe.runtime.pipeline import StagePipeline
-from lightning_avgpipe.runtime.recompute import check_matches
 from lightning_avgpipe.runtime.shutdown import failed
 from lightning_avgpipe.runtime.streams import RandomStreams
-from lightning_avgpipe.runtime.ties import TiedWeights, tie_groups
+from lightning_avgpipe.runtime.ties import TiedWeights
 from lightning_avgpipe.runtime.topology import Topology
-from lightning_avgpipe.schedules.chunks import stages_of
-from lightning_avgpipe.schedules.generate import schedule_layout
-from lightning_avgpipe.shards import is_dtensor
 
 
-def _own_use(method: Callable[..., Any]) -> Callable[..., Any]:
-    """A hook where the strategy reads or fills its split module itself (a checkpoint after the run too): its
-    placeholders let it (``Guard.allowing``)."""
-
-    @functools.wraps(method)
-    def wrapped(self: AvgPipeStrategy, *args: Any, **kwargs: Any) -> Any:
-        split = self._split.as_split() if self._split is not None else contextlib.nullcontext()
-        with self._guard.allowing(), split:
-            return method(self, *args, **kwargs)
-
-    return wrapped
-
-
-class AvgPipeStrategy(ProcessStrategy):
+class AvgPipeStrategy(CheckpointHooks):
     """Pipeline-parallel training: the model's layers split over ``num_stages`` processes, micro-batches in flight.
 
     The result equals plain training with gradient accumulation over the same micro-batches (docs/strategy.md).
@@ -292,28 +259,6 @@ class AvgPipeStrategy(ProcessStrategy):
             raise RuntimeError("AvgPipeStrategy's topology is known once the trainer has set up its processes.")
         return self._topology
 
-    @property
-    def num_stages(self) -> int:
-        """Stages per pipeline (known once processes are up)."""
-        if self._topology is None:
-            raise RuntimeError("AvgPipeStrategy.num_stages is known once the trainer has set up its processes.")
-        return self._topology.num_stages
-
-    @property
-    def stage(self) -> int:
-        """This rank's stage index."""
-        return self.topology.stage
-
-    @property
-    def group_index(self) -> int:
-        """This rank's pipeline group (data-parallel index)."""
-        return self.topology.group_index
-
-    @property
-    def num_groups(self) -> int:
-        """D, the pipeline groups (data-parallel degree): world size / stages."""
-        return self.topology.num_groups
-
     @override
     def data_parallel_size(self) -> int:
         # D: one group reads the user's loader as it is; D > 1 are sharded by Lightning's DistributedSampler
@@ -333,18 +278,6 @@ class AvgPipeStrategy(ProcessStrategy):
         return self.controller.pipeline
 
     @property
-    def elastic(self) -> Any:
-        """The replicas and reference of this stage (after setup)."""
-        if self._controller is None:
-            raise RuntimeError("AvgPipeStrategy creates the replicas in setup(); they do not exist yet.")
-        return self._controller.pipeline.replicas.elastic
-
-    @property
-    def stage_layers(self) -> list[nn.Module]:
-        """This rank's layers of the user's module (the reference), after setup."""
-        return list(self.pipeline.layers)
-
-    @property
     def bridge(self) -> StepBridge:
         """Runs the user's step hooks on the last stage (after setup)."""
         if self._bridge is None:
@@ -359,26 +292,10 @@ class AvgPipeStrategy(ProcessStrategy):
         return list(self._split.partition)
 
     @property
-    def num_pipelines(self) -> int:
-        return self.config.num_pipelines
-
-    @property
-    def num_microbatches(self) -> int:
-        return self.config.microbatches_for(self.num_stages)
-
-    @property
-    def advance_forwards(self) -> int:
-        """The k in use: fixed, or where ``advance_forwards="auto"`` currently is."""
-        if self._controller is None:
-            k = self.config.advance_forwards
-            return 0 if k == "auto" else int(k)
-        return self._controller.pipeline.advance_forwards
-
-    @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # All stages of a pipeline group read the same batches; only groups get distinct shards.
-        return {"num_replicas": self.num_groups, "rank": self.group_index}
+        return {"num_replicas": self.topology.num_groups, "rank": self.topology.group_index}
 
     @property
     @override
@@ -407,7 +324,7 @@ class AvgPipeStrategy(ProcessStrategy):
                 self._topology = Topology.build(
                     self.global_rank, self.world_size, stages, self.config.timeout, T, self.root_device.type
                 )
-        self.start_watchdog(f"rank {self.global_rank} (stage {self.stage})", grace=self.config.p2p_timeout)
+        self.start_watchdog(f"rank {self.global_rank} (stage {self.topology.stage})", grace=self.config.p2p_timeout)
 
     # -- setup ---------------------------------------------------------------------------------------------------
     @override
@@ -428,7 +345,7 @@ class AvgPipeStrategy(ProcessStrategy):
         module = self.lightning_module
         assert module is not None and self.model is not None
         self._guard.finished = False  # a new run of the same Trainer uses the split module again
-        check_supported(module, self.precision_plugin, self.config.one_model(self.num_groups))
+        check_supported(module, self.precision_plugin, self.config.one_model(self.topology.num_groups))
         self.precision_plugin = for_pipeline(self.precision_plugin)
         if self._split is None:
             self._split_module(module)
@@ -446,46 +363,15 @@ class AvgPipeStrategy(ProcessStrategy):
         install_clipping(self.precision_plugin, lambda: self.pipeline, self.root_device)
 
     def _split_module(self, module: pl.LightningModule) -> None:
-        layout = schedule_layout(self.config.schedule, self.num_stages, self.config.stages_per_rank)
-        layers, stages, v = pipeline_layers(module), layout.num_chunks, layout.v  # the model's stages: S x v
-        check_layer_count(len(layers), stages, v)  # on every rank: none may wait in the broadcast for a failed rank 0
-        check_matches(layers, self.config.activation_checkpointing)
-        deferred = is_meta_module(module)  # built without memory: checked on the meta device, by shapes
-        forward_note = None
-        if self.check_forward:  # every rank checks its own whole copy, so every rank fails alike
-            sample = forward_sample(module)
-            if sample is not None:
-                forward_note = check_forward_of(module, layers, sample, deferred)
-        # decided on rank 0: "balanced" times the layers, and the ranks' timings would differ
-        partition = self.config.partition
-        sizes = choose_partition(module, layers, partition, stages, v, deferred) if self.global_rank == 0 else None
-        sizes = self.broadcast(sizes, src=0)
-        assert sizes is not None
-        shared = shared_across_stages(module, layers, list(sizes))
-        tensor.check_model(self.config.tensor_parallel_size, self.tensor_parallel_plan, module, shared)
-        with guarded("making the tied weights' groups (setup)"):
-            self._ties = tie_groups(shared, self.topology, self.config.timeout, layout.rank_of)
-        announce_shared(shared, layout.rank_of)
-        mine = stages_of(self.stage, self.num_stages, v, layout.placement)
-        shards: list[Shard] = []
-        if deferred:  # this rank's stages (and what lies outside every layer) made real, with one process's values
-            records, self._init_records = self._init_records, []
-            owned = own_layers(module, layers, list(sizes), mine)  # split over the tensor group first: shards only
-            shards = tensor.apply(owned, self.tensor_parallel_plan, self.topology, module, on_meta=True)
-            materialize_own(module, layers, list(sizes), mine, records, self.root_device, forward_note, shards)
-        else:
-            suggest_configure_model(module)
-        # a model built whole comes back whole into rank 0's module after a run (plugin/whole.py)
-        self._whole_after_run = not deferred and self.config.tensor_parallel_size == 1 and self.num_stages > 1
-        keep = self._whole_after_run and self.global_rank == 0
-        self._split = split_module(module, layers, list(sizes), mine, self._guard, keep)
-        self._split.tensor_split = deferred and self.config.tensor_parallel_size > 1
-        placed = f" ({v} per rank, {layout.placement} placement)" if v > 1 else ""
-        rank_zero_info(
-            f"AvgPipe: {stages} stages{placed}, layers per stage {list(sizes)}, schedule={self.config.schedule}, "
-            f"num_microbatches={self.num_microbatches}"
-            + (f", {placed_by(self.config.schedule_costs)}." if self.config.schedule_costs is not None else ".")
+        records, self._init_records = self._init_records, []
+        cut = cut_module(
+            module,
+            self.config,
+            self.topology,
+            self.tensor_parallel_plan,
+            CutInputs(records, self.root_device, self._guard, self.check_forward, self.broadcast),
         )
+        self._split, self._ties, self._whole_after_run = cut.split, cut.ties, cut.whole_after_run
         self._bridge = StepBridge(module, self._guard)
         metrics_sync_over(module, self.topology.stage_group)  # mirrored on every stage: one group per stage syncs
 
@@ -547,7 +433,7 @@ class AvgPipeStrategy(ProcessStrategy):
             "schedule_costs": schedule_costs,
         }
         old, control = self.config, self._controller
-        groups = self.num_groups if control is not None else None
+        groups = self.topology.num_groups if control is not None else None
         scaling = isinstance(self.precision_plugin, PipelineMixedPrecision)
         changes = {k: v for k, v in changes.items() if v is not None}
         new = self.config = next_config(old, changes, groups, scaling, keep_optimizers)  # checked, then swapped in
@@ -564,7 +450,7 @@ class AvgPipeStrategy(ProcessStrategy):
                 if remade or (new_n and not keep_optimizers):
                     self.setup_optimizers(trainer)
                     _optimizers_to_device(self.optimizers, self.root_device)
-        rank_zero_info(describe(new, self.num_stages, self.num_groups))
+        rank_zero_info(describe(new, self.topology.num_stages, self.topology.num_groups))
 
     # -- steps ---------------------------------------------------------------------------------------------------
     @override
@@ -572,10 +458,10 @@ class AvgPipeStrategy(ProcessStrategy):
         # Each training iteration gives every one of the N pipelines its own batch of the user's size B.
         module = self.lightning_module
         training = module is not None and module.trainer.training
-        if training and self._topology is not None and self.num_groups == 1:  # no DistributedSampler put on it
+        if training and self._topology is not None and self.topology.num_groups == 1:  # no DistributedSampler put on it
             same_order_on_every_rank(dataloader)
-        if self.num_pipelines > 1 and training:
-            return GroupedBatches(dataloader, self.num_pipelines)
+        if self.config.num_pipelines > 1 and training:
+            return GroupedBatches(dataloader, self.config.num_pipelines)
         return dataloader
 
     @property
@@ -587,7 +473,9 @@ class AvgPipeStrategy(ProcessStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self.steps.training_step(args[0], args[1:], self.precision_plugin, self.num_pipelines, self.noise_every)
+        return self.steps.training_step(
+            args[0], args[1:], self.precision_plugin, self.config.num_pipelines, self.noise_every
+        )
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
@@ -612,12 +500,6 @@ class AvgPipeStrategy(ProcessStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         return self.steps.eval_step("predict_step", args, self.precision_plugin, share_output=True)
 
-    def _lightning(self) -> pl.LightningModule:
-        module = self.lightning_module
-        if module is None:
-            raise RuntimeError("AvgPipeStrategy has no LightningModule yet; the Trainer attaches it in fit/validate.")
-        return module
-
     # -- collectives ---------------------------------------------------------------------------------------------
 
     @override
@@ -631,185 +513,12 @@ class AvgPipeStrategy(ProcessStrategy):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
-    # -- checkpoints ---------------------------------------------------------------------------------------------
-    @property
-    def layout(self) -> dict[str, Any]:
-        """What a checkpoint's optimizer states depend on: stages, groups, pipelines and the partition."""
-        T = self.config.tensor_parallel_size
-        return {
-            "stages": self.num_stages,
-            "groups": self.num_groups,
-            "pipelines": self.num_pipelines,
-            "partition": self.partition,
-            **({"tensor_parallel": T} if T > 1 else {}),
-        }
-
-    @override
-    @_own_use
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The unsplit model's state dict, under its own names, assembled on rank 0 (empty elsewhere). In Lightning's
-        checkpoint dump: this rank's stage as it is (a folder), or on rank 0 its own tensors and a placeholder for
-        each other rank's, which ``save_checkpoint`` receives as it writes (one file)."""
-        assert self._split is not None
-        if compat.dumping_checkpoint(self._trainer_or_none()):  # save_checkpoint writes what this returns
-            if self.save_distributed_checkpoint:
-                return ckpt.local_state_dict(self._lightning(), self.pipeline)
-            # a dump starts here: the other ranks' tensors are streamed at the save
-            self._outbox = streamed.Outbox()
-            local = ckpt.whole_state_dict(self._lightning(), self.pipeline)
-            with guarded("a checkpoint's gather of every stage's tensor names to rank 0"):
-                parts = self._outbox.gather(sharded.to_refs(local, "state_dict", self._outbox.tensors), *self._ranks)
-            merged = {k: v for part in parts or [] for k, v in part.items()}
-            return {} if parts is None else ckpt.ordered(merged, self._split.full_keys)
-        return ckpt.assemble_state_dict(self._lightning(), self.pipeline, self._split.full_keys)
-
-    @override
-    @_own_use
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """The unsplit model's optimizer state, and every rank's replicas when N·D > 1, gathered on rank 0. In
-        Lightning's checkpoint dump, as ``lightning_module_state_dict`` says."""
-        if compat.dumping_checkpoint(self._trainer_or_none()):
-            if self.save_distributed_checkpoint:
-                return {ckpt.LOCAL: ckpt.optimizer_entry(optimizer, self.pipeline, self._names(), whole=False)}
-            box = self._outbox
-            entry = ckpt.optimizer_entry(optimizer, self.pipeline, self._names())
-            part = ckpt.optimizer_part(entry, box.optimizers, self.global_rank, box.tensors)
-            box.optimizers += 1
-            with guarded("a checkpoint's gather of every stage's optimizer state names to rank 0"):
-                parts = box.gather(part, *self._ranks)
-            return {} if parts is None else ckpt.unsplit_optimizer_state(parts, self.layout, self._names())
-        return ckpt.gather_optimizer_state(optimizer, self.pipeline, self.layout, self._names())
-
-    def _names(self) -> ckpt.Names:
-        assert self._split is not None
-        return ckpt.Names(self._param_names, self._split.aliases, self._split.param_names)
-
-    @override
-    @_own_use
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        self.pipeline.replicas.elastic.reclaim()  # a sharded reference a failed step released takes the weights again
-        ckpt.load_stage_state(self._lightning(), checkpoint, self.pipeline, strict)
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        note = ckpt.load_optimizer_states(self.optimizers, checkpoint, self.pipeline, self.layout, self._names())
-        if note is not None:
-            rank_zero_info(note)
-        _optimizers_to_device(self.optimizers, self.root_device)
-
-    @override
-    @_own_use
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load and verify a checkpoint; a truncated or corrupt file is named with what to do instead.
-
-        Loads with ``weights_only=True`` unless ``trusted_checkpoints=True`` or the caller passed
-        ``weights_only=False``: this strategy's checkpoints hold only tensors and plain values, and unpickling
-        anything else can run code from the file on every rank.
-        """
-        weights_only = (not self.trusted_checkpoints) if weights_only is None else weights_only
-        if Path(str(checkpoint_path)).is_dir():
-            loaded = self._load_sharded(Path(str(checkpoint_path)))
-        else:
-            loaded = self._load_file(checkpoint_path, weights_only)
-        module = self.lightning_module
-        trainer = compat.attached_trainer(module) if module is not None else None
-        ckpt.check_loaded(loaded, checkpoint_path, trainer is not None and trainer.state.fn == TrainerFn.FITTING)
-        return loaded
-
-    def _load_file(self, checkpoint_path: Any, weights_only: bool) -> dict[str, Any]:
-        """Through the checkpoint IO; a local file through Lightning's default IO memory-mapped instead: every rank
-        touches only the bytes of its own stage's tensors."""
-        try:
-            path = ckpt.local_path(self.checkpoint_io, checkpoint_path)
-            if type(self.checkpoint_io) is TorchCheckpointIO and path is not None and zipfile.is_zipfile(path):
-                return torch.load(path, map_location="cpu", weights_only=weights_only, mmap=True)  # type: ignore[no-any-return]
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        except FileNotFoundError:
-            raise
-        except Exception as err:  # unpickling, zip and EOF errors all mean the same to the user
-            if weights_only and ckpt.needs_unpickling(err):
-                raise ckpt.refused(checkpoint_path, err) from err
-            raise ckpt.unreadable(checkpoint_path, err) from err
-
-    @override
-    @_own_use
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Write on rank 0 to a temporary file, then rename: a crash never leaves a half-written checkpoint. Saving
-        sharded, every rank writes its part into a folder (``plugin/sharded.py``)."""
-        if self.save_distributed_checkpoint:
-            self._save_sharded(checkpoint, filepath)
-        elif self._outbox:
-            self._save_streamed(checkpoint, filepath, storage_options)
-        elif self.is_global_zero:
-            ckpt.save_atomically(self.checkpoint_io, checkpoint, filepath, storage_options)
-
-    @property
-    def _ranks(self) -> tuple[int, int]:
-        return self.global_rank, self.world_size
-
-    def _trainer_or_none(self) -> pl.Trainer | None:
-        module = self.lightning_module
-        return compat.attached_trainer(module) if module is not None else None
-
-    def _save_streamed(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any) -> None:
-        """Rank 0 writes the file tensor by tensor, each other rank's tensor received as it is written
-        (``plugin/streamed.py``)."""
-        outbox, self._outbox = self._outbox, streamed.Outbox()
-        device = self.root_device if dist.is_initialized() and dist.get_backend() == "nccl" else torch.device("cpu")
-        io = self.checkpoint_io
-        streams = type(io) is TorchCheckpointIO and storage_options is None  # Lightning's refuses storage_options
-
-        def write(prepared: Any, fetch: Any) -> None:
-            if streams and ckpt.local_path(io, filepath) is not None:
-                ckpt.save_atomically(
-                    io, checkpoint, filepath, storage_options, lambda tmp: torchfile.write(tmp, prepared, fetch)
-                )
-            else:
-                whole = streamed.received(prepared, fetch, checkpoint)
-                ckpt.save_atomically(io, whole, filepath, storage_options)
-
-        with guarded("a checkpoint's transfer of every stage's tensors to rank 0"):
-            streamed.transfer(checkpoint if self.is_global_zero else None, outbox, *self._ranks, device, write)
-
-    def _save_sharded(self, checkpoint: dict[str, Any], filepath: Any) -> None:
-        assert self._split is not None
-        path = Path(self.broadcast(str(filepath)))
-        if self.is_global_zero:
-            with guarded("preparing a sharded checkpoint's folder"):
-                sharded.prepare(path)
-        self.barrier("avgpipe: sharded checkpoint prepared")
-        tensors: dict[str, Tensor] = {}
-        part = ckpt.sharded_part(checkpoint, self.global_rank, tensors)
-        parts: list[Any] | None = [part] if self.world_size == 1 else None
-        with guarded("a sharded checkpoint's save"):
-            if self.world_size > 1:
-                parts = [None] * self.world_size if self.is_global_zero else None
-                dist.gather_object(part, parts, dst=0)  # the structure only: each tensor is a reference
-            sharded.write_tensors(sharded.staging(path), tensors, None)
-            if parts is not None:
-                meta = ckpt.merge_parts(checkpoint, parts, self._split.full_keys, self.layout, self._names())
-                sharded.finish(path, meta)
-        self.barrier("avgpipe: sharded checkpoint written")
-
-    def _load_sharded(self, path: Path) -> dict[str, Any]:
-        """This rank's part of a sharded checkpoint: its stage's weights, its parameters' optimizer states, and in
-        the same layout its own replicas; read by this rank alone."""
-        meta, metadata = sharded.check_folder(path)
-        view = ckpt.rank_view(meta, self._lightning(), self.pipeline, self.layout, self._names())
-        current = self._lightning().state_dict()  # the weights are read into the parameters themselves
-        into = {
-            ref[sharded.REF]: current[name]
-            for name, ref in view["state_dict"].items()
-            if sharded.is_ref(ref) and name in current and not is_dtensor(current[name])
-        }
-        split_as = ckpt.split_refs(view, current)  # a tensor shard's weight and state: this rank's part alone
-        loaded = sharded.read_tensors(path, metadata, sharded.refs_in(view), into, split_as)
-        return sharded.resolve(view, loaded.__getitem__)
-
     # -- the end -------------------------------------------------------------------------------------------------
     @override
     def failure_site(self) -> str:
-        return f"rank {self.global_rank} ({f'stage {self.stage}' if self._controller is not None else 'setup'})"
+        return (
+            f"rank {self.global_rank} ({f'stage {self.topology.stage}' if self._controller is not None else 'setup'})"
+        )
 
     @override
     def teardown(self) -> None:
@@ -830,7 +539,9 @@ class AvgPipeStrategy(ProcessStrategy):
                     mine = self._lightning().state_dict(keep_vars=True) if self.topology.group_index == 0 else {}
                     whole.bring_back(self._split, mine, self.global_rank, self.world_size)
         super().teardown()
-        if self._split is not None and self.num_stages > 1:  # the module is not whole here: its placeholders refuse
+        if (
+            self._split is not None and self.topology.num_stages > 1
+        ):  # the module is not whole here: its placeholders refuse
             self._guard.finished = True
 
     @override

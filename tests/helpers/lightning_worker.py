@@ -53,10 +53,16 @@ class Fault(pl.Callback):
 
         strategy = trainer.strategy
         if self.kind == "inf_grad":  # an overflow in this stage's first weight's gradient, this step only
-            weight = next(strategy.stage_layers[0].parameters())
+            weight = next(strategy.pipeline.layers[0].parameters())
             self.handle = weight.register_hook(lambda g: g * float("inf"))
             return
-        firsts = {id(m): m for m in [strategy.stage_layers[0], *(layers[0] for layers in strategy.elastic.replicas)]}
+        firsts = {
+            id(m): m
+            for m in [
+                strategy.pipeline.layers[0],
+                *(layers[0] for layers in strategy.pipeline.replicas.elastic.replicas),
+            ]
+        }
         for layer in firsts.values():  # the reference and every replica's copy of this rank's first layer
             layer.register_forward_pre_hook(nan if self.kind == "nan" else fail)
 
@@ -264,7 +270,7 @@ def main(cfg: dict[str, Any]) -> None:
     loader_seen = trainer.train_dataloader
     result["sampler"] = type(getattr(loader_seen, "sampler", None)).__name__  # what Lightning left on the loader
     if isinstance(strategy, AvgPipeStrategy):
-        result["setting"] = [strategy.num_microbatches, strategy.num_pipelines]
+        result["setting"] = [strategy.pipeline.num_microbatches, strategy.config.num_pipelines]
         result["averaging"] = strategy.config.averaging
         result["schedule"] = strategy.config.schedule
         top = strategy.topology
@@ -275,7 +281,7 @@ def main(cfg: dict[str, Any]) -> None:
         result["optimizer_elements"] = sum(
             v.numel() for st in states for v in st.values() if torch.is_tensor(v) and v.dim()
         )
-        result["averaging_class"] = type(strategy.elastic).__name__
+        result["averaging_class"] = type(strategy.pipeline.replicas.elastic).__name__
         # where this rank sits: (node, pipeline group, stage, tensor shard), and its tensor group's global ranks
         result["place"] = [trainer.node_rank, top.group_index, top.stage, top.tensor_rank, top.tensor_ranks]
         # tensor parallelism: the parameters this rank holds as shards (DTensor)

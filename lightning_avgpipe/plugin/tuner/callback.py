@@ -171,7 +171,7 @@ class AvgPipeTuner(Callback):
             )
             return
         started = time.perf_counter()
-        base = (strategy.num_microbatches, strategy.num_pipelines, strategy.config.averaging)
+        base = (strategy.pipeline.num_microbatches, strategy.config.num_pipelines, strategy.config.averaging)
         one_model = isinstance(strategy.precision_plugin, PipelineMixedPrecision)
         if self.retuner is not None or one_model:
             averaging = ["exact"]  # one model per stage: its optimizer survives a new N, its scaler unscales it
@@ -199,7 +199,7 @@ class AvgPipeTuner(Callback):
                 num_microbatches=choice.num_microbatches,
                 num_pipelines=choice.num_pipelines,
                 advance_forwards=k,
-                averaging=choice.averaging if choice.num_pipelines * strategy.num_groups > 1 else None,
+                averaging=choice.averaging if choice.num_pipelines * strategy.topology.num_groups > 1 else None,
                 schedule=choice.schedule if choice.schedule != strategy.config.schedule else None,
                 schedule_costs=choice.schedule_costs,
             )
@@ -227,7 +227,11 @@ class AvgPipeTuner(Callback):
                 )
                 + f"chosen: schedule='{choice.schedule}', num_microbatches="
                 f"{choice.num_microbatches}, num_pipelines={choice.num_pipelines}"
-                + (f", averaging='{choice.averaging}'" if choice.num_pipelines * strategy.num_groups > 1 else "")
+                + (
+                    f", averaging='{choice.averaging}'"
+                    if choice.num_pipelines * strategy.topology.num_groups > 1
+                    else ""
+                )
                 + (f", advance_forwards={choice.advance_forwards}" if reads_k(choice.schedule) else "")
                 + (f", {placed_by(choice.schedule_costs)}" if choice.schedule_costs is not None else "")
                 + f", {choice.samples_per_sec:.1f} samples/s predicted"

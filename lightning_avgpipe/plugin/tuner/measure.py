@@ -237,7 +237,7 @@ def profile_pipeline(strategy: AvgPipeStrategy, batch: Any, sizes: Sequence[floa
     )
     stages = _gather_stages(strategy, mine)
     reduce_s = 0.0
-    if strategy.num_groups > 1:  # the reference update's all-reduce over the D groups (every rank takes part)
+    if strategy.topology.num_groups > 1:  # the reference update's all-reduce over the D groups (every rank takes part)
         nbytes = float(sum(local(t).numel() * 4 for t in reference))  # the flat float32 buffer ElasticAveraging reduces
         reduce_s = _max_list(strategy, [time_allreduce(nbytes, device, top.stage_group)])[0]
     profile = PipelineProfile(
@@ -245,7 +245,7 @@ def profile_pipeline(strategy: AvgPipeStrategy, batch: Any, sizes: Sequence[floa
         batch_size=size,
         latency_s=latency,
         bandwidth=bandwidth,
-        num_groups=strategy.num_groups,
+        num_groups=strategy.topology.num_groups,
         schedule=strategy.config.schedule,
         stages_per_rank=v,
         reference_allreduce_s=reduce_s,
@@ -309,9 +309,9 @@ def pooled_noise_scale(measurements: Sequence[GradientNorms]) -> float | None:
 
 
 def _gather_stages(strategy: AvgPipeStrategy, mine: StageProfile) -> list[StageProfile]:
-    if strategy.num_stages == 1:
+    if strategy.topology.num_stages == 1:
         return [mine]
-    gathered: list[Any] = [None] * strategy.num_stages
+    gathered: list[Any] = [None] * strategy.topology.num_stages
     dist.all_gather_object(gathered, mine, group=strategy.topology.pipeline_group)
     return list(gathered)
 
@@ -324,6 +324,6 @@ def _max_over(strategy: AvgPipeStrategy, value: float) -> float:
 
 def _max_list(strategy: AvgPipeStrategy, values: Sequence[float]) -> list[float]:
     t = torch.tensor(list(values), dtype=torch.float64, device=strategy.root_device)
-    if strategy.num_stages > 1:
+    if strategy.topology.num_stages > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=strategy.topology.pipeline_group)
     return [float(v) for v in t]

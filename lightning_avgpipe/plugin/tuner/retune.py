@@ -65,7 +65,7 @@ class Retuner:
         args = dict(table.notes["search_args"], schedule=chosen, schedules=[chosen])
         self.plan = RetunePlan(table.profile, args, setting_key(table.choice))
         self.plan.advance_forwards = table.choice.advance_forwards
-        if base[1] * strategy.num_groups == 1:  # one model either way: only M and N tell settings apart
+        if base[1] * strategy.topology.num_groups == 1:  # one model either way: only M and N tell settings apart
             base = (base[0], base[1], "exact")
         self._scale_lr(trainer, strategy, base, self.plan.current)
         self._arm(strategy)
@@ -116,7 +116,7 @@ class Retuner:
             num_microbatches=M,
             num_pipelines=N,
             advance_forwards=self.plan.advance_forwards if strategy.config.schedule == "advance" else None,
-            averaging=averaging if N * strategy.num_groups > 1 else None,
+            averaging=averaging if N * strategy.topology.num_groups > 1 else None,
             keep_optimizers=True,
         )
 

@@ -53,7 +53,7 @@ def tune(
     ms = batch_norm_candidates(
         candidate_microbatches(size, num_microbatches),
         size,
-        strategy.stage_layers,
+        strategy.pipeline.layers,
         strategy.root_device,
         given=num_microbatches is not None,
         last_batch=last,
@@ -61,7 +61,7 @@ def tune(
     ns = candidate_pipelines(num_pipelines)
     cap = None
     if batches is not None:  # an iteration takes N batches: N above an epoch's batches (per group) trains nothing
-        cap = max(1, batches // strategy.num_groups)
+        cap = max(1, batches // strategy.topology.num_groups)
         dropped = [n for n in ns if n > cap]
         if dropped and num_pipelines is not None:
             rank_zero_info(

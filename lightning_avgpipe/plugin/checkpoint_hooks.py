@@ -1,0 +1,258 @@
+"""AvgPipeStrategy's checkpoint hooks: the unsplit model and optimizer state gathered on rank 0, streamed into one
+file or written shard by shard into a folder, and loaded back into any layout.
+
+The layout rules live in ``plugin/checkpoint.py`` (what a checkpoint holds and how a stage's part is cut from it),
+the transports in ``plugin/streamed.py`` (one file) and ``plugin/sharded.py`` (a folder); this mixin maps Lightning's
+hooks onto them. :class:`~lightning_avgpipe.plugin.strategy.AvgPipeStrategy` sets the state it reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import zipfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import TorchCheckpointIO
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_avgpipe.config import PipelineConfig
+from lightning_avgpipe.plugin import checkpoint as ckpt
+from lightning_avgpipe.plugin import compat, sharded, streamed
+from lightning_avgpipe.plugin.compat import _optimizers_to_device
+from lightning_avgpipe.plugin.placeholders import Guard
+from lightning_avgpipe.plugin.process import ProcessStrategy
+from lightning_avgpipe.plugin.split import SplitModule
+from lightning_avgpipe.runtime import torchfile
+from lightning_avgpipe.runtime.failures import guarded
+from lightning_avgpipe.runtime.pipeline import StagePipeline
+from lightning_avgpipe.runtime.topology import Topology
+from lightning_avgpipe.shards import is_dtensor
+
+
+def _own_use(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A hook where the strategy reads or fills its split module itself (a checkpoint after the run too): its
+    placeholders let it (``Guard.allowing``)."""
+
+    @functools.wraps(method)
+    def wrapped(self: CheckpointHooks, *args: Any, **kwargs: Any) -> Any:
+        split = self._split.as_split() if self._split is not None else contextlib.nullcontext()
+        with self._guard.allowing(), split:
+            return method(self, *args, **kwargs)
+
+    return wrapped
+
+
+class CheckpointHooks(ProcessStrategy):
+    """Lightning's checkpoint hooks for a model split over stages (docs/strategy.md#checkpoints)."""
+
+    # set by AvgPipeStrategy: its settings and the split module's state at setup
+    config: PipelineConfig
+    save_distributed_checkpoint: bool
+    trusted_checkpoints: bool
+    _split: SplitModule | None
+    _guard: Guard
+    _outbox: streamed.Outbox  # a checkpoint being dumped: this rank's tensors, until save_checkpoint
+    _param_names: dict[int, str]  # id(parameter) -> its name in the module
+
+    @property
+    def topology(self) -> Topology:
+        raise NotImplementedError
+
+    @property
+    def pipeline(self) -> StagePipeline:
+        raise NotImplementedError
+
+    @property
+    def partition(self) -> list[int]:
+        raise NotImplementedError
+
+    def _lightning(self) -> pl.LightningModule:
+        module = self.lightning_module
+        if module is None:
+            raise RuntimeError("AvgPipeStrategy has no LightningModule yet; the Trainer attaches it in fit/validate.")
+        return module
+
+    # -- the layout and the hooks ---------------------------------------------------------------------------------
+    @property
+    def layout(self) -> dict[str, Any]:
+        """What a checkpoint's optimizer states depend on: stages, groups, pipelines and the partition."""
+        T = self.config.tensor_parallel_size
+        return {
+            "stages": self.topology.num_stages,
+            "groups": self.topology.num_groups,
+            "pipelines": self.config.num_pipelines,
+            "partition": self.partition,
+            **({"tensor_parallel": T} if T > 1 else {}),
+        }
+
+    @override
+    @_own_use
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The unsplit model's state dict, under its own names, assembled on rank 0 (empty elsewhere). In Lightning's
+        checkpoint dump: this rank's stage as it is (a folder), or on rank 0 its own tensors and a placeholder for
+        each other rank's, which ``save_checkpoint`` receives as it writes (one file)."""
+        assert self._split is not None
+        if compat.dumping_checkpoint(self._trainer_or_none()):  # save_checkpoint writes what this returns
+            if self.save_distributed_checkpoint:
+                return ckpt.local_state_dict(self._lightning(), self.pipeline)
+            # a dump starts here: the other ranks' tensors are streamed at the save
+            self._outbox = streamed.Outbox()
+            local = ckpt.whole_state_dict(self._lightning(), self.pipeline)
+            with guarded("a checkpoint's gather of every stage's tensor names to rank 0"):
+                parts = self._outbox.gather(sharded.to_refs(local, "state_dict", self._outbox.tensors), *self._ranks)
+            merged = {k: v for part in parts or [] for k, v in part.items()}
+            return {} if parts is None else ckpt.ordered(merged, self._split.full_keys)
+        return ckpt.assemble_state_dict(self._lightning(), self.pipeline, self._split.full_keys)
+
+    @override
+    @_own_use
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The unsplit model's optimizer state, and every rank's replicas when N·D > 1, gathered on rank 0. In
+        Lightning's checkpoint dump, as ``lightning_module_state_dict`` says."""
+        if compat.dumping_checkpoint(self._trainer_or_none()):
+            if self.save_distributed_checkpoint:
+                return {ckpt.LOCAL: ckpt.optimizer_entry(optimizer, self.pipeline, self._names(), whole=False)}
+            box = self._outbox
+            entry = ckpt.optimizer_entry(optimizer, self.pipeline, self._names())
+            part = ckpt.optimizer_part(entry, box.optimizers, self.global_rank, box.tensors)
+            box.optimizers += 1
+            with guarded("a checkpoint's gather of every stage's optimizer state names to rank 0"):
+                parts = box.gather(part, *self._ranks)
+            return {} if parts is None else ckpt.unsplit_optimizer_state(parts, self.layout, self._names())
+        return ckpt.gather_optimizer_state(optimizer, self.pipeline, self.layout, self._names())
+
+    def _names(self) -> ckpt.Names:
+        assert self._split is not None
+        return ckpt.Names(self._param_names, self._split.aliases, self._split.param_names)
+
+    @override
+    @_own_use
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        self.pipeline.replicas.elastic.reclaim()  # a sharded reference a failed step released takes the weights again
+        ckpt.load_stage_state(self._lightning(), checkpoint, self.pipeline, strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        note = ckpt.load_optimizer_states(self.optimizers, checkpoint, self.pipeline, self.layout, self._names())
+        if note is not None:
+            rank_zero_info(note)
+        _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    @_own_use
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load and verify a checkpoint; a truncated or corrupt file is named with what to do instead.
+
+        Loads with ``weights_only=True`` unless ``trusted_checkpoints=True`` or the caller passed
+        ``weights_only=False``: this strategy's checkpoints hold only tensors and plain values, and unpickling
+        anything else can run code from the file on every rank.
+        """
+        weights_only = (not self.trusted_checkpoints) if weights_only is None else weights_only
+        if Path(str(checkpoint_path)).is_dir():
+            loaded = self._load_sharded(Path(str(checkpoint_path)))
+        else:
+            loaded = self._load_file(checkpoint_path, weights_only)
+        module = self.lightning_module
+        trainer = compat.attached_trainer(module) if module is not None else None
+        ckpt.check_loaded(loaded, checkpoint_path, trainer is not None and trainer.state.fn == TrainerFn.FITTING)
+        return loaded
+
+    def _load_file(self, checkpoint_path: Any, weights_only: bool) -> dict[str, Any]:
+        """Through the checkpoint IO; a local file through Lightning's default IO memory-mapped instead: every rank
+        touches only the bytes of its own stage's tensors."""
+        try:
+            path = ckpt.local_path(self.checkpoint_io, checkpoint_path)
+            if type(self.checkpoint_io) is TorchCheckpointIO and path is not None and zipfile.is_zipfile(path):
+                return torch.load(path, map_location="cpu", weights_only=weights_only, mmap=True)  # type: ignore[no-any-return]
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        except FileNotFoundError:
+            raise
+        except Exception as err:  # unpickling, zip and EOF errors all mean the same to the user
+            if weights_only and ckpt.needs_unpickling(err):
+                raise ckpt.refused(checkpoint_path, err) from err
+            raise ckpt.unreadable(checkpoint_path, err) from err
+
+    @override
+    @_own_use
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Write on rank 0 to a temporary file, then rename: a crash never leaves a half-written checkpoint. Saving
+        sharded, every rank writes its part into a folder (``plugin/sharded.py``)."""
+        if self.save_distributed_checkpoint:
+            self._save_sharded(checkpoint, filepath)
+        elif self._outbox:
+            self._save_streamed(checkpoint, filepath, storage_options)
+        elif self.is_global_zero:
+            ckpt.save_atomically(self.checkpoint_io, checkpoint, filepath, storage_options)
+
+    @property
+    def _ranks(self) -> tuple[int, int]:
+        return self.global_rank, self.world_size
+
+    def _trainer_or_none(self) -> pl.Trainer | None:
+        module = self.lightning_module
+        return compat.attached_trainer(module) if module is not None else None
+
+    def _save_streamed(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any) -> None:
+        """Rank 0 writes the file tensor by tensor, each other rank's tensor received as it is written
+        (``plugin/streamed.py``)."""
+        outbox, self._outbox = self._outbox, streamed.Outbox()
+        device = self.root_device if dist.is_initialized() and dist.get_backend() == "nccl" else torch.device("cpu")
+        io = self.checkpoint_io
+        streams = type(io) is TorchCheckpointIO and storage_options is None  # Lightning's refuses storage_options
+
+        def write(prepared: Any, fetch: Any) -> None:
+            if streams and ckpt.local_path(io, filepath) is not None:
+                ckpt.save_atomically(
+                    io, checkpoint, filepath, storage_options, lambda tmp: torchfile.write(tmp, prepared, fetch)
+                )
+            else:
+                whole = streamed.received(prepared, fetch, checkpoint)
+                ckpt.save_atomically(io, whole, filepath, storage_options)
+
+        with guarded("a checkpoint's transfer of every stage's tensors to rank 0"):
+            streamed.transfer(checkpoint if self.is_global_zero else None, outbox, *self._ranks, device, write)
+
+    def _save_sharded(self, checkpoint: dict[str, Any], filepath: Any) -> None:
+        assert self._split is not None
+        path = Path(self.broadcast(str(filepath)))
+        if self.is_global_zero:
+            with guarded("preparing a sharded checkpoint's folder"):
+                sharded.prepare(path)
+        self.barrier("avgpipe: sharded checkpoint prepared")
+        tensors: dict[str, Tensor] = {}
+        part = ckpt.sharded_part(checkpoint, self.global_rank, tensors)
+        parts: list[Any] | None = [part] if self.world_size == 1 else None
+        with guarded("a sharded checkpoint's save"):
+            if self.world_size > 1:
+                parts = [None] * self.world_size if self.is_global_zero else None
+                dist.gather_object(part, parts, dst=0)  # the structure only: each tensor is a reference
+            sharded.write_tensors(sharded.staging(path), tensors, None)
+            if parts is not None:
+                meta = ckpt.merge_parts(checkpoint, parts, self._split.full_keys, self.layout, self._names())
+                sharded.finish(path, meta)
+        self.barrier("avgpipe: sharded checkpoint written")
+
+    def _load_sharded(self, path: Path) -> dict[str, Any]:
+        """This rank's part of a sharded checkpoint: its stage's weights, its parameters' optimizer states, and in
+        the same layout its own replicas; read by this rank alone."""
+        meta, metadata = sharded.check_folder(path)
+        view = ckpt.rank_view(meta, self._lightning(), self.pipeline, self.layout, self._names())
+        current = self._lightning().state_dict()  # the weights are read into the parameters themselves
+        into = {
+            ref[sharded.REF]: current[name]
+            for name, ref in view["state_dict"].items()
+            if sharded.is_ref(ref) and name in current and not is_dtensor(current[name])
+        }
+        split_as = ckpt.split_refs(view, current)  # a tensor shard's weight and state: this rank's part alone
+        loaded = sharded.read_tensors(path, metadata, sharded.refs_in(view), into, split_as)
+        return sharded.resolve(view, loaded.__getitem__)
