@@ -202,7 +202,7 @@ def test_a_retune_changes_n_scales_the_lr_keeps_the_optimizer_and_resumes_exactl
     moves = [(d["epoch"], d["from"][1], d["to"][1]) for d in tuner.decisions]
     # epoch 1: tiny noise keeps N = 1; epoch 2: the noise dominates and N = 4 (exact) pays; epoch 3 keeps it
     assert moves[1:] == [(1, 1, 1), (2, 1, 4), (3, 4, 4)], tuner.decisions
-    assert trainer.strategy.num_pipelines == 4 and trainer.strategy.config.averaging == "exact"
+    assert trainer.strategy.config.num_pipelines == 4 and trainer.strategy.config.averaging == "exact"
     optimizer = trainer.optimizers[0]
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.02)  # Adam: sqrt(4) x 0.01
     assert optimizer.state  # the moments carried over (exact averaging keeps one model and its optimizer)

@@ -586,7 +586,7 @@ def _fake_trainer(loader: Any, **attrs: Any) -> Any:
 def test_first_batch_leaves_the_loaders_own_generators_as_they_were() -> None:
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_avgpipe.plugin.tuner.measure import first_batch
+    from lightning_avgpipe.plugin.tuner.run import first_batch
 
     data = TensorDataset(torch.arange(50.0))
 

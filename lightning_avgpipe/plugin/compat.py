@@ -17,7 +17,7 @@ Private state read or written (each a function or class below; Lightning 2.6):
 - ``attached_trainer(module)``: ``LightningModule._trainer``. Used by: ``plugin/checkpoint_hooks.py``,
   ``plugin/split.py``, ``plugin/strategy.py``.
 - ``request_train_dataloader(trainer)``: ``trainer.fit_loop._data_source.dataloader()``. Used by:
-  ``plugin/tuner/measure.py``, ``plugin/split.py``.
+  ``plugin/tuner/run.py``, ``plugin/split.py``.
 - ``stop_before_training(trainer)``: the epoch loop's ``max_steps = 0`` (``fit_loop.epoch_loop``, a loop's
   internals). Used by: ``cli.py``.
 - ``ScriptLaunchedStrategy``: a ``ParallelStrategy`` whose private ``_configure_launcher`` sets the private

@@ -15,11 +15,10 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_avgpipe.config import PipelineConfig
+from lightning_avgpipe.config import PipelineConfig, placed_by
 from lightning_avgpipe.plugin import tensor
 from lightning_avgpipe.plugin.contract import pipeline_layers
 from lightning_avgpipe.plugin.placeholders import Guard
-from lightning_avgpipe.plugin.reconfigure import placed_by
 from lightning_avgpipe.plugin.split import (
     SplitModule,
     announce_shared,

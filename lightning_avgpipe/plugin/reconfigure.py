@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from lightning_avgpipe.config import PipelineConfig, check_same_placement
+from lightning_avgpipe.config import PipelineConfig, check_same_placement, placed_by
 from lightning_avgpipe.schedules.generate import reads_k
 
 
@@ -36,12 +36,6 @@ def next_config(
             "or use averaging='exact', whose one model keeps its optimizer."
         )
     return new
-
-
-def placed_by(costs: tuple[float, float, float]) -> str:
-    """``placed by F:I:W = 1:1.12:0.63``: the measured costs a chunked plan was placed by, scaled to F = 1."""
-    f = costs[0]
-    return "placed by F:I:W = " + ":".join(f"{c / f:.3g}" for c in costs)
 
 
 def describe(config: PipelineConfig, num_stages: int, num_groups: int) -> str:

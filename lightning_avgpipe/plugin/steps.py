@@ -56,12 +56,10 @@ class PipelineSteps:
         self.results = StepResults(controller.pipeline)  # the step's loss and logs to every stage
         self.stash = GradStash()  # the step's gradients, between training_step and backward
 
-    def training_step(
-        self, batch: Any, rest: tuple[Any, ...], precision: Precision, num_pipelines: int, noise_every: int = 0
-    ) -> Tensor:
+    def training_step(self, batch: Any, rest: tuple[Any, ...], precision: Precision, num_pipelines: int) -> Tensor:
         """One training iteration: the pipeline's step over the N batches, the user's ``training_step`` as the loss
         on the last stage; returns the loss every stage reports (the last stage's, shared). The noise scale is
-        measured on the logged steps and every ``noise_every`` steps (0: only the logged ones)."""
+        measured on the logged steps and every ``controller.noise_every`` steps."""
         module, control, bridge = self.module, self.controller, self.bridge
         pipeline, trainer = control.pipeline, module.trainer
         for n, one in enumerate(batch if num_pipelines > 1 else [batch]):
@@ -79,7 +77,7 @@ class PipelineSteps:
             accumulate=trainer.accumulate_grad_batches,
             forward_context=precision.train_step_context,
             divergence=not pipeline.replicas.elastic.trivial and writes_logs,
-            noise=writes_logs or compat.every(trainer.global_step, noise_every),
+            noise=writes_logs or compat.every(trainer.global_step, control.noise_every),
             param_names=self.param_names,
             loss_scale=loss_scale_of(precision),
         )

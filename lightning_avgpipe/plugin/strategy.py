@@ -22,6 +22,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.optim import Optimizer
+from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_avgpipe.config import PipelineConfig
@@ -33,6 +34,7 @@ from lightning_avgpipe.plugin.compat import (
     _StrategyRegistry,
     _sync_ddp_if_available,
 )
+from lightning_avgpipe.plugin.contract import pipeline_inputs
 from lightning_avgpipe.plugin.cut import CutInputs, cut_module
 from lightning_avgpipe.plugin.data import GroupedBatches, same_order_on_every_rank
 from lightning_avgpipe.plugin.gradients import install_clipping
@@ -54,6 +56,7 @@ from lightning_avgpipe.runtime.shutdown import failed
 from lightning_avgpipe.runtime.streams import RandomStreams
 from lightning_avgpipe.runtime.ties import TiedWeights
 from lightning_avgpipe.runtime.topology import Topology
+from lightning_avgpipe.tuning.probe import StageProbe
 
 
 class AvgPipeStrategy(CheckpointHooks):
@@ -248,7 +251,6 @@ class AvgPipeStrategy(CheckpointHooks):
         self._param_names: dict[int, str] = {}  # id(parameter) -> its name in the module, for error messages
         self._outbox = streamed.Outbox()  # a checkpoint being dumped: this rank's tensors, until save_checkpoint
         self._init_records: list[InitRecord] = []  # builds on the meta device, replayed per rank at setup
-        self.noise_every = 0  # also measure the noise scale every this many steps (AvgPipeTuner's retune sets it)
 
     # -- topology ------------------------------------------------------------------------------------------------
 
@@ -452,6 +454,21 @@ class AvgPipeStrategy(CheckpointHooks):
                     _optimizers_to_device(self.optimizers, self.root_device)
         rank_zero_info(describe(new, self.topology.num_stages, self.topology.num_groups))
 
+    def probe(self) -> StageProbe:
+        """The tuner's one handle on this rank's stage (``tuning/probe.py``): run steps at a setting, return their
+        timings, put every state back. Lightning stays here: the user's ``training_step`` is the probe's loss."""
+        module, bridge = self._lightning(), self.bridge
+        return StageProbe(
+            self.controller,
+            loss=lambda output, micro, share: bridge.call_step("training_step", output, micro, share, 0),
+            inputs=lambda micro: pipeline_inputs(module, micro),
+            forward_context=self.precision_plugin.train_step_context,
+            after_step=bridge.take_logs,
+            optimizer=self.optimizers[0],
+            broadcast=lambda obj: self.broadcast(obj, src=0),
+            metrics=[m for m in module.modules() if isinstance(m, Metric)],
+        )
+
     # -- steps ---------------------------------------------------------------------------------------------------
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -473,9 +490,7 @@ class AvgPipeStrategy(CheckpointHooks):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self.steps.training_step(
-            args[0], args[1:], self.precision_plugin, self.config.num_pipelines, self.noise_every
-        )
+        return self.steps.training_step(args[0], args[1:], self.precision_plugin, self.config.num_pipelines)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:

@@ -108,6 +108,7 @@ class StepController:
     def __init__(self, pipeline: StagePipeline) -> None:
         self.pipeline = pipeline
         self.noise_scale = NoiseScale()  # B_simple, smoothed over the steps that measure it
+        self.noise_every = 0  # measure it also every this many steps (0: only on logged ones): measure_noise_every
         self.k_search: AdvanceSearch | None = None  # advance_forwards="auto", once it has started
         self._recompute_seen = 0  # activation_checkpointing="auto": measured steps seen; -1 once decided
         self._last_start: float | None = None  # when the previous training step started (samples/s)
@@ -143,6 +144,11 @@ class StepController:
         """Whether step ``step`` is measured: its figures are logged (``log``), it is traced, or a search still
         needs it (every rank answers alike)."""
         return log or self.traced(step) or self.measuring_k or self.measuring_memory
+
+    def measure_noise_every(self, steps: int) -> None:
+        """Measure the noise scale every ``steps`` training steps besides the logged ones (0: only those); the
+        tuner's retune reads it."""
+        self.noise_every = int(steps)
 
     def pause(self) -> None:
         """Something other than training ran (evaluation): the next step's samples/s must not include it."""

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_avgpipe.config import placed_by
 from lightning_avgpipe.schedules import max_advance_forwards
 from lightning_avgpipe.schedules.generate import CHUNKED, reads_k
 from lightning_avgpipe.tuning.model import PipelineProfile, Prediction, divisors, predict
@@ -175,6 +176,50 @@ class TuningTable:
         tmp.write_text(json.dumps(self.to_dict(), indent=1))
         tmp.replace(path)
         return path
+
+    def summary(
+        self, num_groups: int, applied: bool, where: str = "", with_rows: bool = True, calibrating: bool = False
+    ) -> str:
+        """The setup log's account: the table (``with_rows``), the choice with its predicted figures, whether it
+        was applied and where the report went. ``num_groups``: D (the averaging is named where N x D > 1)."""
+        c = self.choice
+        assert c is not None
+        rows = (
+            "predicted iteration time and peak memory per setting"
+            + (" (the model's raw figures: calibration rescales them)" if calibrating else "")
+            + f"\n{self.format()}\n"
+        )
+        return (
+            (rows if with_rows else "")
+            + f"chosen: schedule='{c.schedule}', num_microbatches={c.num_microbatches}, num_pipelines={c.num_pipelines}"
+            + (f", averaging='{c.averaging}'" if c.num_pipelines * num_groups > 1 else "")
+            + (f", advance_forwards={c.advance_forwards}" if reads_k(c.schedule) else "")
+            + (f", {placed_by(c.schedule_costs)}" if c.schedule_costs is not None else "")
+            + f", {c.samples_per_sec:.1f} samples/s predicted"
+            + (f", efficiency {c.efficiency:.3f}, goodput {c.goodput:.1f}" if self.objective == "goodput" else "")
+            + (
+                ", every layer checkpointed (nothing fits without)"
+                if self.notes.get("activation_checkpointing")
+                else ""
+            )
+            + ("" if applied else " (not applied: apply=False)")
+            + (f"; written to {where}" if where else "")
+        )
+
+    def metrics(self) -> dict[str, float]:
+        """The choice as logger metrics (``tuner/...``)."""
+        c = self.choice
+        assert c is not None
+        return {
+            "tuner/num_microbatches": float(c.num_microbatches),
+            "tuner/num_pipelines": float(c.num_pipelines),
+            "tuner/predicted_samples_per_sec": c.samples_per_sec,
+            "tuner/predicted_efficiency": c.efficiency,
+            "tuner/predicted_goodput": c.goodput,
+            "tuner/exact_averaging": float(c.averaging == "exact"),
+            "tuner/predicted_step_time_s": c.step_time,
+            "tuner/seconds": float(self.notes.get("tuner_seconds", 0.0)),
+        }
 
     def format(self) -> str:
         """The table as text: one line per (M, N, averaging), the choice marked, then the reason for it."""

@@ -20,7 +20,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_avgpipe.checks import is_int, is_number
 from lightning_avgpipe.plugin.precision import PipelineMixedPrecision
-from lightning_avgpipe.plugin.reconfigure import placed_by
 from lightning_avgpipe.plugin.resume import resuming_from
 from lightning_avgpipe.plugin.tuner.retune import Retuner, check_retunable
 from lightning_avgpipe.plugin.tuner.run import tune
@@ -216,52 +215,10 @@ class AvgPipeTuner(Callback):
         if trainer.is_global_zero:
             self.files = _write(table, out)
             where = " and ".join(str(p) for p in self.files.values())
-            rank_zero_info(
-                f"AvgPipeTuner ({self.seconds:.1f} s): "
-                + (
-                    "predicted iteration time and peak memory per setting"
-                    + (" (the model's raw figures: calibration rescales them)" if self._calibrating else "")
-                    + f"\n{table.format()}\n"
-                    if self.log_table
-                    else ""
-                )
-                + f"chosen: schedule='{choice.schedule}', num_microbatches="
-                f"{choice.num_microbatches}, num_pipelines={choice.num_pipelines}"
-                + (
-                    f", averaging='{choice.averaging}'"
-                    if choice.num_pipelines * strategy.topology.num_groups > 1
-                    else ""
-                )
-                + (f", advance_forwards={choice.advance_forwards}" if reads_k(choice.schedule) else "")
-                + (f", {placed_by(choice.schedule_costs)}" if choice.schedule_costs is not None else "")
-                + f", {choice.samples_per_sec:.1f} samples/s predicted"
-                + (
-                    f", efficiency {choice.efficiency:.3f}, goodput {choice.goodput:.1f}"
-                    if table.objective == "goodput"
-                    else ""
-                )
-                + (
-                    ", every layer checkpointed (nothing fits without)"
-                    if table.notes.get("activation_checkpointing")
-                    else ""
-                )
-                + ("" if self.apply else " (not applied: apply=False)")
-                + (f"; written to {where}" if where else "")
-            )
+            summary = table.summary(strategy.topology.num_groups, self.apply, where, self.log_table, self._calibrating)
+            rank_zero_info(f"AvgPipeTuner ({self.seconds:.1f} s): " + summary)
         for logger in trainer.loggers:
-            logger.log_metrics(
-                {
-                    "tuner/num_microbatches": float(choice.num_microbatches),
-                    "tuner/num_pipelines": float(choice.num_pipelines),
-                    "tuner/predicted_samples_per_sec": choice.samples_per_sec,
-                    "tuner/predicted_efficiency": choice.efficiency,
-                    "tuner/predicted_goodput": choice.goodput,
-                    "tuner/exact_averaging": float(choice.averaging == "exact"),
-                    "tuner/predicted_step_time_s": choice.step_time,
-                    "tuner/seconds": self.seconds,
-                },
-                step=0,
-            )
+            logger.log_metrics(table.metrics(), step=0)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.retuner is not None and self.retuner.plan is None and resuming_from(trainer) is not None:

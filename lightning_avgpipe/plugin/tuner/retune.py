@@ -75,7 +75,7 @@ class Retuner:
     def _arm(self, strategy: AvgPipeStrategy) -> None:
         # about 8 noise measurements per retune window, but never more than one step in 4 (a measured step at N = 1
         # costs about 4%, benchmarks/noise_cost.py)
-        strategy.noise_every = max(4, self.every // 8)
+        strategy.controller.measure_noise_every(max(4, self.every // 8))
 
     # -- timing --------------------------------------------------------------------------------------------------
     def batch_started(self) -> None:

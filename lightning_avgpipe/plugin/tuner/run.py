@@ -1,11 +1,13 @@
 """The tuner's run: the batch, the candidates (micro-batch counts BatchNorm allows, the schedules a fit may switch
-to), the profile (``measure.py``), then the search over every (M, N, averaging) (``tuning/search.py``), with
-what the other placements would predict. Collective over every rank; ``callback.py`` calls it in
-``on_fit_start`` and at each retune.
+to), the profile (``tuning/measure.py``, through the strategy's ``StageProbe``), then the search over every (M, N,
+averaging) (``tuning/search.py``), with what the other placements would predict. Collective over every rank;
+``callback.py`` calls it in ``on_fit_start``.
 """
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -15,10 +17,13 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_avgpipe import microbatch
-from lightning_avgpipe.plugin.tuner.measure import first_batch, profile_pipeline
+from lightning_avgpipe.plugin import compat
+from lightning_avgpipe.plugin.data import loader_generators
 from lightning_avgpipe.schedules.generate import CHUNKED, SPLIT, reads_k, splits_backward
 from lightning_avgpipe.tuning.busy import busy_machine
+from lightning_avgpipe.tuning.measure import profile_pipeline
 from lightning_avgpipe.tuning.model import PipelineProfile, checkpointed, microbatch_sizes, predict
+from lightning_avgpipe.tuning.profiler import Snapshot
 from lightning_avgpipe.tuning.search import (
     NoFeasibleSettingError,
     TuningTable,
@@ -68,7 +73,7 @@ def tune(
                 f"AvgPipeTuner: leaving out num_pipelines={dropped}: an epoch has {cap} batches per "
                 "pipeline group and an iteration takes one per pipeline."
             )
-    profile = profile_pipeline(strategy, batch, microbatch_sizes(size, ms), profile_steps)
+    profile = profile_pipeline(strategy.probe(), batch, microbatch_sizes(size, ms), profile_steps)
     busy = busy_machine(profile.cpu_share, profile.clock, profile.rounds, profile_steps)
     if busy:
         rank_zero_warn(busy)
@@ -107,6 +112,49 @@ def tune(
     table.notes["other_placements"] = other_placements(table)
     table.notes["busy_machine"] = busy
     return table
+
+
+def first_batch(trainer: pl.Trainer, fetches: int = 3) -> tuple[Any, float, int | None, int | None]:
+    """One training batch, the median time to draw one, the loader's batches per epoch (``None``: no length) and
+    the size of its short last batch (``None``: none or not known).
+
+    Drawn from a fresh iterator; the global RNG states and the loader's own generators (``DataLoader(generator=)``,
+    a sampler's ``generator``) are put back, so the data order training sees is kept.
+    """
+    loader = compat.request_train_dataloader(trainer)
+    if loader is None:
+        raise ValueError("AvgPipeTuner needs a training DataLoader to profile on; none is attached to fit().")
+    snap = Snapshot([], [], generators=loader_generators(loader))
+    times = []
+    try:
+        it = iter(loader)
+        batch = next(it)
+        for _ in range(fetches):
+            t0 = time.perf_counter()
+            try:
+                next(it)
+            except StopIteration:
+                break
+            times.append(time.perf_counter() - t0)
+    finally:
+        snap.restore()
+    try:
+        batches: int | None = len(loader)
+    except TypeError:  # an iterable dataset without a length
+        batches = None
+    return batch, statistics.median(times) if times else 0.0, batches, _last_batch_size(loader)
+
+
+def _last_batch_size(loader: Any) -> int | None:
+    """The size of an epoch's short last batch (``None``: none, or not known)."""
+    size, drop = getattr(loader, "batch_size", None), getattr(loader, "drop_last", True)
+    try:
+        n = len(loader.dataset)
+    except (TypeError, AttributeError):
+        return None
+    if not isinstance(size, int) or drop or n % size == 0:
+        return None
+    return n % size
 
 
 def _users_microbatches(strategy: AvgPipeStrategy) -> int | None:
