@@ -30,7 +30,8 @@ from lightning_avgpipe.plugin.contract import check_forward, locate, pipeline_in
 from lightning_avgpipe.plugin.data import peek
 from lightning_avgpipe.plugin.placeholders import Anchor, Elsewhere, Guard, guard_layers
 from lightning_avgpipe.plugin.resume import checkpoint_layout
-from lightning_avgpipe.runtime.materialize import InitRecord, Materialized, Shard, materialize
+from lightning_avgpipe.runtime.init_record import InitRecord
+from lightning_avgpipe.runtime.materialize import Materialized, Shard, materialize
 from lightning_avgpipe.shards import is_dtensor
 
 
