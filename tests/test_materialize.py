@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_avgpipe.runtime.materialize import InitRecord, is_meta_module, materialize
+from lightning_avgpipe.runtime.init_record import InitRecord
+from lightning_avgpipe.runtime.materialize import is_meta_module, materialize
 
 
 class Block(nn.Module):

@@ -13,7 +13,8 @@ import torch
 
 from lightning_avgpipe import load_pretrained
 from lightning_avgpipe.runtime import pretrained
-from lightning_avgpipe.runtime.materialize import InitRecord, materialize
+from lightning_avgpipe.runtime.init_record import InitRecord
+from lightning_avgpipe.runtime.materialize import materialize
 
 transformers = pytest.importorskip("transformers")
 

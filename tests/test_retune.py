@@ -20,7 +20,7 @@ from lightning_avgpipe.tuning.retune import RetunePlan, check_retune, lr_exponen
 from lightning_avgpipe.tuning.search import search
 from tests.helpers.equivalence import run_lightning
 from tests.helpers.lit import PipeNet, loader, quiet_trainer
-from tests.test_tuning_model import profile
+from tests.helpers.tuning import profile
 
 
 # -- the pieces ------------------------------------------------------------------------------------------------------

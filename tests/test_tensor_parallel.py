@@ -219,7 +219,8 @@ def _worker(rank: int, world: int, stages: int, tp: int, configs: list[tuple[Any
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     from lightning_avgpipe.config import PipelineConfig
-    from lightning_avgpipe.runtime.materialize import InitRecord, materialize
+    from lightning_avgpipe.runtime.init_record import InitRecord
+    from lightning_avgpipe.runtime.materialize import materialize
     from lightning_avgpipe.runtime.pipeline import StagePipeline
     from lightning_avgpipe.runtime.tensor_parallel import parallelize_stage, split_on_meta
     from lightning_avgpipe.shards import full, is_dtensor

@@ -25,6 +25,7 @@ from lightning_avgpipe.tuning.profiler import Snapshot, fit_overhead, measure_li
 from lightning_avgpipe.tuning.search import search
 from tests.helpers.equivalence import assert_matches, final_state, run_lightning
 from tests.helpers.launch import ROOT, launch_ranks
+from tests.helpers.tuning import profile
 
 
 # -- the pieces, in process ----------------------------------------------------------------------------------------
@@ -617,8 +618,6 @@ def test_first_batch_leaves_the_loaders_own_generators_as_they_were() -> None:
 
 
 def test_search_caps_the_pipelines_at_the_batches_an_epoch_has() -> None:
-    from tests.test_tuning_model import profile
-
     table = search(profile(), [1, 2], num_pipelines=[1, 2, 4, 8], max_pipelines=3)
     assert {r.num_pipelines for r in table.rows} == {1, 2}
     assert search(profile(), [1], num_pipelines=[4], max_pipelines=2).rows[0].num_pipelines == 4  # nothing else
@@ -638,7 +637,6 @@ def test_resuming_from_prefers_this_fits_path_over_a_stale_one() -> None:
 
 def test_a_report_that_cannot_be_written_warns(tmp_path: Path) -> None:
     from lightning_avgpipe.plugin.tuner.callback import _write
-    from tests.test_tuning_model import profile
 
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
@@ -652,7 +650,6 @@ def test_calibration_times_whole_accumulation_cycles(monkeypatch: pytest.MonkeyP
 
     from lightning_avgpipe import AvgPipeTuner
     from lightning_avgpipe.plugin.tuner import callback as tuner_module
-    from tests.test_tuning_model import profile
 
     tuner = AvgPipeTuner(calibrate_steps=3)
     tuner.table = search(profile(), [1, 2], [1])

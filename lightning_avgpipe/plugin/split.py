@@ -28,36 +28,13 @@ from lightning_avgpipe.partition import partition_layers
 from lightning_avgpipe.plugin import compat
 from lightning_avgpipe.plugin.contract import check_forward, locate, pipeline_inputs
 from lightning_avgpipe.plugin.data import peek
+from lightning_avgpipe.plugin.kept import Kept
 from lightning_avgpipe.plugin.placeholders import Anchor, Elsewhere, Guard, guard_layers
 from lightning_avgpipe.plugin.resume import checkpoint_layout
-from lightning_avgpipe.runtime.materialize import InitRecord, Materialized, Shard, materialize
+from lightning_avgpipe.plugin.second_paths import announce_second_paths, second_paths
+from lightning_avgpipe.runtime.init_record import InitRecord
+from lightning_avgpipe.runtime.materialize import Materialized, Shard, materialize
 from lightning_avgpipe.shards import is_dtensor
-
-
-@dataclass
-class Kept:
-    """On the launching process (rank 0), for a model it built whole: what the split took away, so that the whole
-    trained model can come back into the user's module after a run (:meth:`SplitModule.put_back`)."""
-
-    spots: list[tuple[nn.Module, str, nn.Module, nn.Module]]  # parent, attribute, the layer, its placeholder
-    tensors: dict[str, Tensor]  # state-dict name -> another stage's tensor, its storage released while split
-    shapes: dict[str, tuple[int, ...]]
-    whole: bool = False  # the layers are back in place, with the trained values
-
-    def release(self) -> None:
-        for t in self.tensors.values():
-            t.data = torch.empty(0, dtype=t.dtype, device=t.device)
-
-    def take_away(self) -> None:
-        """Split again: the placeholders back in place, the other stages' storage released."""
-        self.place(layers=False)
-        self.release()
-        self.whole = False
-
-    def place(self, layers: bool) -> None:
-        """Put the layers (``True``) or their placeholders back where the module holds them."""
-        for parent, attr, layer, placeholder in self.spots:
-            setattr(parent, attr, layer if layers else placeholder)
 
 
 @dataclass
@@ -322,61 +299,6 @@ def suggest_configure_model(module: nn.Module) -> None:
         rank_zero_info(
             f"AvgPipe: the model ({_size(total)}) was built whole on every rank; build its layers in configure_model() "
             "instead and each rank makes only its own stages real (docs/guide.md, 'A model larger than one device')."
-        )
-
-
-@dataclass(frozen=True)
-class SecondPath:
-    """A module inside pipeline layers that the LightningModule also reaches by another path, outside every layer
-    (``self.gpt = gpt`` kept beside wrappers around ``gpt.wte``): ``path`` is that other name, ``name`` its name
-    inside the layer, ``stages`` the stages whose layers hold it."""
-
-    path: str
-    name: str
-    stages: frozenset[int]
-    parent: nn.Module
-    attr: str
-
-
-def second_paths(module: nn.Module, layers: Sequence[nn.Module], stage_of: Sequence[int]) -> list[SecondPath]:
-    """Every path from ``module`` to a module inside ``layers`` that passes through no layer (the whole tree is
-    walked once; a layer registered under two names is not one of them: the split replaces it under both)."""
-    qualified = {id(m): n for n, m in module.named_modules()}
-    is_layer = {id(layer) for layer in layers}
-    inside: dict[int, tuple[str, set[int]]] = {}  # id(submodule) -> (its name inside a layer, the layers' stages)
-    for layer, stage in zip(layers, stage_of):
-        base = qualified[id(layer)]
-        for name, sub in layer.named_modules(remove_duplicate=False):
-            entry = inside.setdefault(id(sub), (f"{base}.{name}" if name else base, set()))
-            entry[1].add(stage)
-    found: list[SecondPath] = []
-    seen: set[int] = set()
-
-    def walk(parent: nn.Module, prefix: str) -> None:
-        for attr, child in parent.named_children():
-            if id(child) in is_layer:
-                continue
-            path = prefix + attr
-            if id(child) in inside:
-                name, holders = inside[id(child)]
-                found.append(SecondPath(path, name, frozenset(holders), parent, attr))
-                continue
-            if id(child) not in seen:
-                seen.add(id(child))
-                walk(child, path + ".")
-
-    walk(module, "")
-    return found
-
-
-def announce_second_paths(found: Sequence[SecondPath]) -> None:
-    """Name the second paths: the checkpoint holds the trained weights under both names, and a rank that does not
-    run a stage holds a placeholder under the second name too (no copy of another stage's weights)."""
-    if found:
-        pairs = ", ".join(f"{a.path} is {a.name} (stage {min(a.stages)})" for a in found)
-        rank_zero_info(
-            f"AvgPipe: the module reaches layers of the pipeline by a second path: {pairs}. The checkpoint holds "
-            "their trained weights under both names; a rank that does not run that stage holds a placeholder there."
         )
 
 

@@ -2,7 +2,7 @@
 own launchers bring the trained weights back (docs/guide.md#checkpoint-resume-and-load).
 
 Rank 0 built the model whole (in ``__init__``), so it fits there: the split kept the other stages' layers aside with
-their storage released (``split.Kept``). At the end of a run each of their tensors comes from the lowest rank of the
+their storage released (``kept.Kept``). At the end of a run each of their tensors comes from the lowest rank of the
 first pipeline group that holds it (its stage's reference, the model the run trained), one tensor at a time, and the
 layers go back in place of the placeholders. On the other ranks, and for a model built without memory (which may
 not fit one process), the placeholders stay and refuse to pass for the whole model (``placeholders.Elsewhere``).

@@ -5,10 +5,8 @@ layer's ``reset_parameters()`` again would draw from the random generator in ano
 model did (a rank holding stage 1 skips stage 0's draws), and would miss a custom init (``apply(_init_weights)``,
 ``weight.data.normal_()``). So the build is recorded instead, and replayed:
 
-- **Record** (:class:`InitRecord`, a ``TorchFunctionMode`` around the build): every torch call that creates a tensor or
-  gives one values, in order, with its arguments (meta tensors: no memory). ``torch.nn.init``'s initializers are
-  recorded as one call each; those that return early on a meta tensor (``orthogonal_``, ``trunc_normal_``,
-  ``sparse_``, ``eye_``, ``dirac_``) are recorded by a wrapper while the build runs, and so is ``torch.manual_seed``.
+- **Record** (:class:`InitRecord`, ``runtime/init_record.py``, a ``TorchFunctionMode`` around the build): every torch
+  call that creates a tensor or gives one values, in order, with its arguments (meta tensors: no memory).
 - **Replay** (:func:`materialize`): from the random generator's state at the start of the build, every recorded call
   runs again on real tensors of ``device``, in order. The tensors to keep (this rank's own parameters and buffers)
   are kept; every other tensor is created when the replay first needs it and freed after its last use, so the
@@ -25,197 +23,24 @@ after the replay are not (said in the report). Pure PyTorch: no Lightning import
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten, tree_map
 
-# calls that read a tensor's metadata, or switch autograd: nothing to replay
-_QUERIES = frozenset(
-    {
-        "__get__",
-        "__len__",
-        "_is_view",
-        "_set_grad_enabled",
-        "dim",
-        "element_size",
-        "get_device",
-        "is_complex",
-        "is_floating_point",
-        "ndimension",
-        "numel",
-        "size",
-        "stride",
-        "requires_grad_",
-    }
-)
+from lightning_avgpipe.runtime.init_record import InitRecord, Step, rng_state, same_rng, set_rng_state, storage_key
+
 # factories that give no values
 # draws the CPU makes element by element, which a small buffer can make in chunks (_Replay._chunked_uniform)
 _UNIFORM = frozenset({"uniform_", "kaiming_uniform_", "xavier_uniform_"})
 _CHUNK = 1 << 16
 _EMPTY = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
-# torch.nn.init's initializers that return early on a meta tensor (no torch-function dispatch of their own)
-_META_SKIPPING_INITS = ("orthogonal_", "trunc_normal_", "sparse_", "eye_", "dirac_")
-
-
-def _storage(t: Tensor) -> int:
-    return int(t.untyped_storage()._cdata)
-
-
-def _snapshot(value: Any) -> Any:
-    """``value`` with every tensor detached: the view as it is now (a later ``t_()``, ``.data =`` or ``.to(dtype)`` of
-    the same tensor must not change what an earlier call saw), holding no autograd graph or module reference."""
-    return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, value)
-
-
-# calls that draw from the random generator (by name; ``torch.nn.init``'s initializers included)
-_RANDOM = frozenset(
-    {
-        "uniform_", "normal_", "random_", "bernoulli_", "exponential_", "geometric_", "cauchy_", "log_normal_",
-        "rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like", "normal", "bernoulli",
-        "multinomial", "poisson", "dropout", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
-        "xavier_normal_", "trunc_normal_", "orthogonal_", "sparse_",
-    }
-)  # fmt: skip
-
-
-@dataclass
-class _Step:
-    func: Callable[..., Any]
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    out: Any
-    always: bool = False  # a call on the generator itself (a seeding, a state set): replayed whatever it touches
-
-    @property
-    def name(self) -> str:
-        return str(getattr(self.func, "__name__", ""))
-
-    def inputs(self) -> list[Tensor]:
-        return [t for t in tree_flatten((self.args, self.kwargs))[0] if isinstance(t, Tensor)]
-
-    def outputs(self) -> list[Tensor]:
-        return [t for t in tree_flatten(self.out)[0] if isinstance(t, Tensor)]
-
-    def in_place(self) -> bool:
-        return self.name.endswith("_") or "out" in self.kwargs
-
-    def draws(self) -> bool:
-        return self.name in _RANDOM
-
-
-class InitRecord(TorchFunctionMode):
-    """Records a model's build on the meta device (use inside ``torch.device("meta")``).
-
-    ``rng`` is the random generators' state when the build began (CPU, and the current CUDA device's where CUDA is
-    initialized), ``rng_end`` when it ended; ``steps`` the recorded calls, their tensors as they were then.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.steps: list[_Step] = []
-        self.rng: dict[str, Tensor] = {}
-        self.rng_end: dict[str, Tensor] = {}
-        self.dtype = torch.get_default_dtype()
-        self._patches: contextlib.ExitStack | None = None
-
-    def __enter__(self) -> InitRecord:
-        _ACTIVE.append(self)
-        self.rng = _rng_state()
-        self.dtype = torch.get_default_dtype()  # factories without a dtype take it: the replay sets it again
-        self._patches = contextlib.ExitStack()
-        for name in _META_SKIPPING_INITS:
-            original = getattr(nn.init, name, None)
-            if original is not None:
-                self._patches.enter_context(_patched(nn.init, name, self._recording(original)))
-        for owner in (torch, torch.random):  # the generator set inside the build: replayed at its place
-            for name in ("manual_seed", "get_rng_state", "set_rng_state"):
-                self._patches.enter_context(_patched(owner, name, self._recording(getattr(owner, name), True)))
-        super().__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        _ACTIVE.remove(self)
-        super().__exit__(*exc)
-        self.rng_end = _rng_state()  # the build drew nothing; a seeding inside it moved the generator
-        if self._patches is not None:
-            self._patches.close()
-            self._patches = None
-
-    def _recording(self, original: Callable[..., Any], always: bool = False) -> Callable[..., Any]:
-        @functools.wraps(original)
-        def record(*args: Any, **kwargs: Any) -> Any:
-            before = _snapshot((args, kwargs))
-            out = original(*args, **kwargs)
-            if always:  # the objects themselves: a state read here is the one set back later (fork_rng)
-                self.steps.append(_Step(original, args, kwargs, out, always=True))
-            elif any(t.is_meta for t in tree_flatten(before)[0] if isinstance(t, Tensor)):
-                self.steps.append(_Step(original, before[0], before[1], _snapshot(out)))
-            return out
-
-        return record
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        before = _snapshot((tuple(args), dict(kwargs))) if name not in _QUERIES else None
-        out = func(*args, **kwargs)
-        if before is not None:
-            self.steps.append(_Step(func, before[0], before[1], _snapshot(out)))
-        return out
-
-
-_ACTIVE: list[InitRecord] = []  # the builds being recorded, innermost last
-
-
-def record_step(func: Callable[..., Any], args: tuple[Any, ...]) -> None:
-    """Record ``func(*args)``, a call that fills its first argument (a meta tensor of the build) in place, as a step
-    of the build being recorded: the replay runs it on the real tensor where a rank keeps it (its name must end in
-    ``_``). Outside a recorded build, a meta tensor has no replay to wait for: refused."""
-    if not _ACTIVE:
-        raise RuntimeError(
-            f"{getattr(func, '__name__', func)}: the model is on the meta device outside AvgPipeStrategy's recorded "
-            "build, so nothing would ever fill it. Call it inside configure_model under AvgPipeStrategy, or once the "
-            "model has real tensors."
-        )
-    before = _snapshot(args)
-    _ACTIVE[-1].steps.append(_Step(func, before, {}, before[0]))
-
-
-@contextlib.contextmanager
-def _patched(owner: Any, name: str, value: Any) -> Iterator[None]:
-    original = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)
-
-
-def _rng_state() -> dict[str, Tensor]:
-    state = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict[str, Tensor]) -> None:
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-def _same_rng(a: dict[str, Tensor], b: dict[str, Tensor]) -> bool:
-    """Whether the generators both states know are in the same state (CUDA may be initialized only later)."""
-    return all(torch.equal(a[k], b[k]) for k in a.keys() & b.keys())
 
 
 @dataclass
@@ -257,13 +82,13 @@ def materialize(
     report = Materialized()
     if not records:
         return report
-    now, dtype = _rng_state(), torch.get_default_dtype()
-    report.rng_moved = not _same_rng(now, records[-1].rng_end)
+    now, dtype = rng_state(), torch.get_default_dtype()
+    report.rng_moved = not same_rng(now, records[-1].rng_end)
     try:
         for k, record in enumerate(records):
-            if k == 0 or not _same_rng(record.rng, records[k - 1].rng_end):
+            if k == 0 or not same_rng(record.rng, records[k - 1].rng_end):
                 report.rng_moved |= k > 0
-                _set_rng_state(record.rng)
+                set_rng_state(record.rng)
             named = [
                 (n, t)
                 for n, t in [
@@ -272,12 +97,12 @@ def materialize(
                 ]
                 if not is_traceable_wrapper_subclass(t)  # already split (a DTensor): its tensor comes through shards
             ]
-            created = {_storage(t) for step in record.steps for t in step.outputs() if t.is_meta}
-            kept = {_storage(t) for _, t in named if t.is_meta and keep(t) and _storage(t) in created}
+            created = {storage_key(t) for step in record.steps for t in step.outputs() if t.is_meta}
+            kept = {storage_key(t) for _, t in named if t.is_meta and keep(t) and storage_key(t) in created}
             split: dict[int, list[Shard]] = {}
             for shard in shards:
-                if shard[1].is_meta and _storage(shard[1]) in created:
-                    split.setdefault(_storage(shard[1]), []).append(shard)
+                if shard[1].is_meta and storage_key(shard[1]) in created:
+                    split.setdefault(storage_key(shard[1]), []).append(shard)
             replay = _Replay(record, kept, device, report, split)
             torch.set_default_dtype(record.dtype)
             for i, step in enumerate(record.steps):
@@ -288,7 +113,7 @@ def materialize(
     finally:
         torch.set_default_dtype(dtype)
         if report.rng_moved:
-            _set_rng_state(now)
+            set_rng_state(now)
     return report
 
 
@@ -321,7 +146,7 @@ class _Replay:
             if self.needed[i]:
                 for t in [*step.inputs(), *step.outputs()]:
                     if t.is_meta:
-                        self.last_use[_storage(t)] = i
+                        self.last_use[storage_key(t)] = i
 
     def new_storage(self, t: Tensor) -> torch.UntypedStorage:
         return torch.empty(t.untyped_storage().nbytes(), dtype=torch.uint8, device=self.device).untyped_storage()
@@ -332,7 +157,7 @@ class _Replay:
             return self.device
         if not (isinstance(t, Tensor) and t.is_meta):
             return t
-        s = _storage(t)
+        s = storage_key(t)
         if s not in self.real:
             self.real[s] = self.new_storage(t)
         view = torch.empty(0, dtype=t.dtype, device=self.device)
@@ -355,7 +180,7 @@ class _Replay:
         view = torch.empty(0, dtype=t.dtype, device=self.device)
         return view.set_(self.scratch, 0, t.size(), t.stride())
 
-    def _chunked_uniform(self, step: _Step) -> bool:
+    def _chunked_uniform(self, step: Step) -> bool:
         """A uniform draw on the CPU over a tensor no one keeps, made in chunks of a small buffer: the CPU kernel
         draws element by element in order (a fixed count per element of a dtype), so the generator ends where the
         whole draw leaves it, without a tensor of its size (checked in ``tests/test_materialize.py``)."""
@@ -377,7 +202,7 @@ class _Replay:
                 left -= n
         return True
 
-    def run(self, i: int, step: _Step) -> None:
+    def run(self, i: int, step: Step) -> None:
         if step.always:  # the generator itself: a state read now is the replay's, and is set back as such
             args = tuple(self.states.get(id(a), a) for a in step.args)
             value = step.func(*args, **step.kwargs)
@@ -407,13 +232,13 @@ class _Replay:
             out = step.func(*args, **kwargs)
         for meta_t, real_t in zip(tree_flatten(step.out)[0], tree_flatten(out)[0]):
             if isinstance(meta_t, Tensor) and meta_t.is_meta and isinstance(real_t, Tensor):
-                self.real.setdefault(_storage(meta_t), real_t.untyped_storage())
+                self.real.setdefault(storage_key(meta_t), real_t.untyped_storage())
                 if step.name not in _EMPTY:
-                    self.written.add(_storage(meta_t))
+                    self.written.add(storage_key(meta_t))
         if step.in_place():  # the first tensor argument got values
             first = next(iter(step.inputs()), None)
             if first is not None and first.is_meta:
-                self.written.add(_storage(first))
+                self.written.add(storage_key(first))
         del args, kwargs, out
         self.report.steps += 1
         others = sum(st.nbytes() for s, st in self.real.items() if s not in self.kept or s in self.split)
@@ -444,19 +269,19 @@ def _is_meta_device(value: Any) -> bool:
     return (isinstance(value, torch.device) and value.type == "meta") or (isinstance(value, str) and value == "meta")
 
 
-def _needed(steps: list[_Step], kept: set[int]) -> list[bool]:
+def _needed(steps: list[Step], kept: set[int]) -> list[bool]:
     """Which steps must run on real tensors: those that write a storage still needed later (kept, or read by a later
     needed step), and every call on the generator itself; found walking back from the end."""
     live = set(kept)
     needed = [False] * len(steps)
     for i in range(len(steps) - 1, -1, -1):
         step = steps[i]
-        reads = {_storage(t) for t in step.inputs() if t.is_meta}
-        outs = {_storage(t) for t in step.outputs() if t.is_meta}
+        reads = {storage_key(t) for t in step.inputs() if t.is_meta}
+        outs = {storage_key(t) for t in step.outputs() if t.is_meta}
         first = next(iter(step.inputs()), None)
         writes = outs - reads  # a new tensor; a view or the same tensor writes nothing
         if step.in_place() and first is not None and first.is_meta:
-            writes.add(_storage(first))
+            writes.add(storage_key(first))
         if step.always or writes & live or (outs & live and not writes):
             needed[i] = True
             live |= reads
@@ -471,7 +296,7 @@ def _install(module: nn.Module, named: list[tuple[str, Tensor]], replay: _Replay
     counted: set[int] = set()
     report = replay.report
     for name, t in named:
-        s = _storage(t) if t.is_meta else None
+        s = storage_key(t) if t.is_meta else None
         if s is None or s not in replay.kept or id(t) in done:
             continue
         if s not in replay.written:
@@ -490,7 +315,7 @@ def _install(module: nn.Module, named: list[tuple[str, Tensor]], replay: _Replay
                 isinstance(value, Tensor)
                 and not is_traceable_wrapper_subclass(value)
                 and value.is_meta
-                and _storage(value) in replay.kept
+                and storage_key(value) in replay.kept
             ):
                 setattr(mod, key, done.get(id(value), _real_view(replay, value)))
         for key, buf in list(mod.named_buffers(recurse=False)):
@@ -499,7 +324,7 @@ def _install(module: nn.Module, named: list[tuple[str, Tensor]], replay: _Replay
 
 
 def _real_view(replay: _Replay, t: Tensor) -> Tensor:
-    s = _storage(t)
+    s = storage_key(t)
     if s not in replay.real:  # kept but never touched by a call that ran: allocated here
         replay.real[s] = replay.new_storage(t)
     return torch.empty(0, dtype=t.dtype, device=replay.device).set_(

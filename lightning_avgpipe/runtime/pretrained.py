@@ -6,7 +6,7 @@ parameters and persistent buffers, matching names as ``from_pretrained`` does: t
 model's ``base_model_prefix``, the legacy ``gamma``/``beta`` names, the class's ``_checkpoint_conversion_mapping``,
 and a tied weight from whichever of its names the file holds.
 
-Called on a model being built on the meta device under a recorded build (``runtime/materialize.py``; the strategy's
+Called on a model being built on the meta device under a recorded build (``runtime/init_record.py``; the strategy's
 ``configure_model``), each copy is recorded as a step of the build: the replay runs it only for the tensors a rank
 keeps, after the layers' own initialization, each read memory-mapped from its file. On a real model it copies now.
 """
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_avgpipe.runtime.materialize import record_step
+from lightning_avgpipe.runtime.init_record import record_step
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
