@@ -13,3 +13,10 @@ def is_int(value: Any, minimum: int | None = None) -> bool:
 def is_number(value: Any) -> bool:
     """``value`` is an ``int`` or a ``float`` (``True``/``False`` are not)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_flag(name: str, value: Any, true: str, false: str) -> bool:
+    """``value`` when it is a bool; otherwise a TypeError naming ``name`` and what True and False mean."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}={value!r} must be True ({true}) or False ({false}).")
+    return value

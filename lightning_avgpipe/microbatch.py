@@ -127,3 +127,32 @@ def tensors(obj: Any) -> list[Tensor]:
     if isinstance(obj, (list, tuple)):
         return [leaf for v in obj for leaf in tensors(v)]
     return []
+
+
+def split_step(batch: Any, m: int, full_batch: int | None) -> tuple[list[Any], list[float]]:
+    """Split a step's ``batch`` into ``m`` micro-batches and their shares of it, by the rules a user can rely on.
+
+    ``full_batch``: in training, the largest batch seen (``None``: evaluation, where any size splits). A training
+    batch must split into ``m`` equal parts, except an epoch's shorter last batch, which may split unevenly (losses
+    are weighted by size) or, below ``m`` samples, into parts of one sample.
+    """
+    size = batch_size(batch)
+    if size == 0:
+        raise ValueError("The batch is empty (0 samples on dim 0); a pipeline step needs at least one sample.")
+    full = full_batch is not None and size == full_batch
+    if size < m:
+        if full:
+            raise ValueError(
+                f"The batch has {size} samples but num_microbatches={m}; use a DataLoader batch_size of at least "
+                f"{m} or fewer micro-batches."
+            )
+        m = size  # a short last batch of an epoch: one sample per micro-batch
+    elif full and size % m:
+        divisors = [d for d in range(1, size + 1) if size % d == 0]
+        raise ValueError(
+            f"A batch of {size} samples does not split into num_microbatches={m} equal micro-batches; use a "
+            f"DataLoader batch_size divisible by {m} (e.g. {size + m - size % m}) or num_microbatches in "
+            f"{divisors}. (A shorter last batch of an epoch may split unevenly: losses are weighted by size.)"
+        )
+    micro = split(batch, m)
+    return micro, [batch_size(mb) / size for mb in micro]

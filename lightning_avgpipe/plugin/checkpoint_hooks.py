@@ -29,6 +29,7 @@ from lightning_avgpipe.config import PipelineConfig
 from lightning_avgpipe.plugin import checkpoint as ckpt
 from lightning_avgpipe.plugin import compat, sharded, streamed
 from lightning_avgpipe.plugin.compat import _optimizers_to_device
+from lightning_avgpipe.plugin.optimizer_by_name import Names
 from lightning_avgpipe.plugin.placeholders import Guard
 from lightning_avgpipe.plugin.process import ProcessStrategy
 from lightning_avgpipe.plugin.split import SplitModule
@@ -131,9 +132,9 @@ class CheckpointHooks(ProcessStrategy):
             return {} if parts is None else ckpt.unsplit_optimizer_state(parts, self.layout, self._names())
         return ckpt.gather_optimizer_state(optimizer, self.pipeline, self.layout, self._names())
 
-    def _names(self) -> ckpt.Names:
+    def _names(self) -> Names:
         assert self._split is not None
-        return ckpt.Names(self._param_names, self._split.aliases, self._split.param_names)
+        return Names(self._param_names, self._split.aliases, self._split.param_names)
 
     @override
     @_own_use

@@ -11,11 +11,12 @@ Private state read or written (each a function or class below; Lightning 2.6):
   (read through the calling frames), where the strategy's state dicts go to its own ``save_checkpoint``. Used by:
   ``plugin/checkpoint_hooks.py``.
 - ``writes_logs(trainer)``: ``trainer._logger_connector.should_update_logs``. Used by: ``plugin/steps.py``.
-- ``reset_train_dataloader(trainer)``: ``trainer.fit_loop._combined_loader = None``. Used by: ``plugin/strategy.py``.
+- ``reset_train_dataloader(trainer)``: ``trainer.fit_loop._combined_loader = None``. Used by:
+  ``plugin/tuner_surface.py``.
 - ``rebuild_train_dataloader(trainer)``: the same, then ``fit_loop.setup_data()`` and the sampler's epoch
   (``_set_sampler_epoch``). Used by: ``plugin/tuner/retune.py``.
 - ``attached_trainer(module)``: ``LightningModule._trainer``. Used by: ``plugin/checkpoint_hooks.py``,
-  ``plugin/split.py``, ``plugin/strategy.py``.
+  ``plugin/split.py``, ``plugin/tuner_surface.py``.
 - ``request_train_dataloader(trainer)``: ``trainer.fit_loop._data_source.dataloader()``. Used by:
   ``plugin/tuner/run.py``, ``plugin/split.py``.
 - ``stop_before_training(trainer)``: the epoch loop's ``max_steps = 0`` (``fit_loop.epoch_loop``, a loop's
@@ -44,7 +45,7 @@ the plugin imports them from one place:
 - ``_init_dist_connection`` (the same). Used by: ``plugin/process.py``.
 - ``_sync_ddp_if_available`` (the same). Used by: ``plugin/process.py``, ``plugin/strategy.py``.
 - ``_optimizers_to_device`` (``lightning.fabric.utilities.optimizer``). Used by: ``plugin/checkpoint_hooks.py``,
-  ``plugin/strategy.py``.
+  ``plugin/strategy.py``, ``plugin/tuner_surface.py``.
 
 Private state of other libraries, not kept here: torchmetrics ``Metric._defaults``, ``_update_count``,
 ``_forward_cache``, ``_computed`` (``plugin/bridge.py``); torch ``GradScaler._per_optimizer_states`` and ``_scale``

@@ -33,7 +33,8 @@ from lightning_avgpipe.plugin.split import (
     suggest_configure_model,
 )
 from lightning_avgpipe.runtime.failures import guarded
-from lightning_avgpipe.runtime.materialize import InitRecord, Shard, is_meta_module
+from lightning_avgpipe.runtime.init_record import InitRecord
+from lightning_avgpipe.runtime.materialize import Shard, is_meta_module
 from lightning_avgpipe.runtime.recompute import check_matches
 from lightning_avgpipe.runtime.ties import TiedWeights, tie_groups
 from lightning_avgpipe.runtime.topology import Topology

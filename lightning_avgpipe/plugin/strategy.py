@@ -19,14 +19,13 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.optim import Optimizer
-from torchmetrics import Metric
 from typing_extensions import override
 
+from lightning_avgpipe.checks import check_flag
 from lightning_avgpipe.config import PipelineConfig
-from lightning_avgpipe.plugin import compat, streamed, tensor, whole
+from lightning_avgpipe.plugin import streamed, tensor, whole
 from lightning_avgpipe.plugin.bridge import StepBridge
 from lightning_avgpipe.plugin.checkpoint_hooks import CheckpointHooks
 from lightning_avgpipe.plugin.compat import (
@@ -34,13 +33,11 @@ from lightning_avgpipe.plugin.compat import (
     _StrategyRegistry,
     _sync_ddp_if_available,
 )
-from lightning_avgpipe.plugin.contract import pipeline_inputs
 from lightning_avgpipe.plugin.cut import CutInputs, cut_module
 from lightning_avgpipe.plugin.data import GroupedBatches, same_order_on_every_rank
 from lightning_avgpipe.plugin.gradients import install_clipping
 from lightning_avgpipe.plugin.placeholders import Guard
-from lightning_avgpipe.plugin.precision import PipelineMixedPrecision, for_pipeline
-from lightning_avgpipe.plugin.reconfigure import describe, next_config
+from lightning_avgpipe.plugin.precision import for_pipeline
 from lightning_avgpipe.plugin.split import (
     SplitModule,
     check_supported,
@@ -48,18 +45,18 @@ from lightning_avgpipe.plugin.split import (
     recorded_build,
 )
 from lightning_avgpipe.plugin.steps import PipelineSteps, announce_averaging, announce_checkpointing, announce_sharding
-from lightning_avgpipe.runtime.controller import StepController, memory_limit_bytes
+from lightning_avgpipe.plugin.tuner_surface import TunerSurface
+from lightning_avgpipe.runtime.controller import StepController
 from lightning_avgpipe.runtime.failures import guarded
-from lightning_avgpipe.runtime.materialize import InitRecord
+from lightning_avgpipe.runtime.init_record import InitRecord
 from lightning_avgpipe.runtime.pipeline import StagePipeline
 from lightning_avgpipe.runtime.shutdown import failed
 from lightning_avgpipe.runtime.streams import RandomStreams
 from lightning_avgpipe.runtime.ties import TiedWeights
 from lightning_avgpipe.runtime.topology import Topology
-from lightning_avgpipe.tuning.probe import StageProbe
 
 
-class AvgPipeStrategy(CheckpointHooks):
+class AvgPipeStrategy(CheckpointHooks, TunerSurface):
     """Pipeline-parallel training: the model's layers split over ``num_stages`` processes, micro-batches in flight.
 
     The result equals plain training with gradient accumulation over the same micro-batches (docs/strategy.md).
@@ -227,18 +224,16 @@ class AvgPipeStrategy(CheckpointHooks):
         self.user_advance_forwards: int | str = advance_forwards
         self.check_forward = bool(check_forward)
         self.trusted_checkpoints = bool(trusted_checkpoints)
-        if not isinstance(save_distributed_checkpoint, bool):
-            raise TypeError(
-                f"save_distributed_checkpoint={save_distributed_checkpoint!r} must be True (a folder every rank writes "
-                "its part of) or False (one file)."
-            )
-        self.save_distributed_checkpoint = save_distributed_checkpoint
-        if not isinstance(seed_layers, bool):
-            raise TypeError(
-                f"seed_layers={seed_layers!r} must be True (each layer's random draws seeded by step, micro-batch and "
-                "layer: the same for every layout) or False (each process's own generator)."
-            )
-        self.seed_layers = seed_layers
+        parts = "a folder every rank writes its part of"
+        self.save_distributed_checkpoint = check_flag(
+            "save_distributed_checkpoint", save_distributed_checkpoint, parts, "one file"
+        )
+        self.seed_layers = check_flag(
+            "seed_layers",
+            seed_layers,
+            "each layer's random draws seeded by step, micro-batch and layer: the same for every layout",
+            "each process's own generator",
+        )
         self._topology: Topology | None = None
         self._topology_of: Any = None  # the default process group the topology's groups were made in
         self._controller: StepController | None = None  # the stage's step and what steers it
@@ -303,12 +298,6 @@ class AvgPipeStrategy(CheckpointHooks):
     @override
     def restore_checkpoint_after_setup(self) -> bool:
         return True
-
-    def memory_limit_bytes(self, limit: float | None = None) -> float | None:
-        """``limit`` (default: the configured ``memory_limit``) in bytes: a fraction (<= 1) is of device memory
-        (on CPU, of this machine's memory shared by the stage processes on it)."""
-        limit = self.config.memory_limit if limit is None else limit
-        return memory_limit_bytes(limit, self.root_device, self.num_processes)
 
     @override
     def setup_environment(self) -> None:
@@ -407,68 +396,6 @@ class AvgPipeStrategy(CheckpointHooks):
         self.optimizers = [self.pipeline.optimizer(self.optimizers[0])]
         announce_sharding(self.pipeline, self.optimizers[0])
 
-    def reconfigure(
-        self,
-        num_microbatches: int | None = None,
-        num_pipelines: int | None = None,
-        advance_forwards: int | str | None = None,
-        averaging: str | None = None,
-        keep_optimizers: bool = False,
-        schedule: str | None = None,
-        schedule_costs: tuple[float, float, float] | None = None,
-    ) -> None:
-        """Change M, N, k, the averaging or the schedule (the tuner calls it in ``on_fit_start``, and between epochs
-        to retune). A new schedule must keep the model's cut: one stage per rank (``1f1b``, ``zbh1``, ``advance``,
-        ``zbadvance``, ``afab``) or the same chunked schedule, which ``schedule_costs`` may place anew.
-
-        A new N or averaging that needs replicas re-makes them from the reference and the optimizers
-        (``configure_optimizers`` runs again), as does any new N unless ``keep_optimizers``; every rank must call it
-        with the same values. ``keep_optimizers=True`` (during training) keeps the optimizers and their state, which
-        only one model per stage allows (exact averaging, or N·D = 1).
-        """
-        changes = {
-            "num_microbatches": num_microbatches,
-            "num_pipelines": num_pipelines,
-            "advance_forwards": advance_forwards,
-            "averaging": averaging,
-            "schedule": schedule,
-            "schedule_costs": schedule_costs,
-        }
-        old, control = self.config, self._controller
-        groups = self.topology.num_groups if control is not None else None
-        scaling = isinstance(self.precision_plugin, PipelineMixedPrecision)
-        changes = {k: v for k, v in changes.items() if v is not None}
-        new = self.config = next_config(old, changes, groups, scaling, keep_optimizers)  # checked, then swapped in
-        if control is not None:
-            remade = control.reconfigure(new)
-            module = self.lightning_module
-            trainer = compat.attached_trainer(module) if module is not None else None
-            if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
-                new_n = old.num_pipelines != new.num_pipelines
-                if remade or new_n:
-                    # A loader already grouped for the old N (trainer.estimated_stepping_batches sets it up early)
-                    # is set up again, and configure_optimizers then sees the new number of iterations per epoch.
-                    compat.reset_train_dataloader(trainer)
-                if remade or (new_n and not keep_optimizers):
-                    self.setup_optimizers(trainer)
-                    _optimizers_to_device(self.optimizers, self.root_device)
-        rank_zero_info(describe(new, self.topology.num_stages, self.topology.num_groups))
-
-    def probe(self) -> StageProbe:
-        """The tuner's one handle on this rank's stage (``tuning/probe.py``): run steps at a setting, return their
-        timings, put every state back. Lightning stays here: the user's ``training_step`` is the probe's loss."""
-        module, bridge = self._lightning(), self.bridge
-        return StageProbe(
-            self.controller,
-            loss=lambda output, micro, share: bridge.call_step("training_step", output, micro, share, 0),
-            inputs=lambda micro: pipeline_inputs(module, micro),
-            forward_context=self.precision_plugin.train_step_context,
-            after_step=bridge.take_logs,
-            optimizer=self.optimizers[0],
-            broadcast=lambda obj: self.broadcast(obj, src=0),
-            metrics=[m for m in module.modules() if isinstance(m, Metric)],
-        )
-
     # -- steps ---------------------------------------------------------------------------------------------------
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -541,12 +468,7 @@ class AvgPipeStrategy(CheckpointHooks):
             elastic = self._controller.pipeline.replicas.elastic
             elastic.wait()  # the model the user keeps is the up-to-date reference
             if elastic.released:
-                warnings.warn(
-                    f"AvgPipe: rank {self.global_rank} stopped inside a training step with the reference sharded "
-                    "(shard_optimizer_state=True): this rank's part of the module holds NaN placeholders. Resume "
-                    "from the last checkpoint.",
-                    stacklevel=2,
-                )
+                warnings.warn(whole.released(self.global_rank), stacklevel=2)
         if self._split is not None:
             self._split.release()
             if self._whole_after_run and self._controller is not None and not failed():
@@ -554,10 +476,8 @@ class AvgPipeStrategy(CheckpointHooks):
                     mine = self._lightning().state_dict(keep_vars=True) if self.topology.group_index == 0 else {}
                     whole.bring_back(self._split, mine, self.global_rank, self.world_size)
         super().teardown()
-        if (
-            self._split is not None and self.topology.num_stages > 1
-        ):  # the module is not whole here: its placeholders refuse
-            self._guard.finished = True
+        if self._split is not None and self.topology.num_stages > 1:
+            self._guard.finished = True  # the module is not whole here: its placeholders refuse
 
     @override
     def close(self) -> None:

@@ -17,6 +17,14 @@ from torch import Tensor
 from lightning_avgpipe.plugin.split import SplitModule
 
 
+def released(rank: int) -> str:
+    """The warning of a rank that stopped inside a step with its part of a sharded reference released."""
+    return (
+        f"AvgPipe: rank {rank} stopped inside a training step with the reference sharded (shard_optimizer_state=True): "
+        "this rank's part of the module holds NaN placeholders. Resume from the last checkpoint."
+    )
+
+
 def bring_back(split: SplitModule, mine: dict[str, Tensor], rank: int, world_size: int) -> None:
     """Collective over every rank: rank 0 receives each tensor its ``split.kept`` lacks from the lowest rank whose
     ``mine`` (its state-dict tensors by name; empty outside the first pipeline group) holds it, and puts the layers

@@ -281,7 +281,9 @@ class StagePipeline:
             self.executor.weight_grads = None
         if config.num_pipelines == old.num_pipelines and config.averaging == old.averaging:
             return False
-        if self.one_model(old) and self.one_model(config):  # exact under another N: the same one model and optimizer
+        if old.one_model(self.topology.num_groups) and config.one_model(
+            self.topology.num_groups
+        ):  # exact under another N: the same one model and optimizer
             return False
         self.replicas.elastic.wait()
         self.replicas = self._make_replicas(config, self.device, self.chunks, self.ties)
@@ -325,10 +327,6 @@ class StagePipeline:
         )
         return other
 
-    def one_model(self, config: PipelineConfig) -> bool:
-        """Whether ``config`` trains one model per stage (exact averaging, or N·D = 1): no replicas to make."""
-        return config.one_model(self.topology.num_groups)
-
     # -- the step's parts ----------------------------------------------------------------------------------------
     def plan(self, training: bool, units: int) -> Plan:
         """The validated plan for ``units`` units (cached; evaluation runs forwards only, in 1F1B order)."""
@@ -343,33 +341,10 @@ class StagePipeline:
         return self._plans[key]
 
     def microbatches(self, batch: Any, training: bool) -> tuple[list[Any], list[float]]:
-        """Split ``batch`` into M micro-batches and their shares of it, by the rules a user can rely on.
-
-        A training batch must split into M equal parts, except an epoch's shorter last batch, which may split
-        unevenly (losses are weighted by size) or, below M samples, into parts of one sample.
-        """
-        size = microbatch.batch_size(batch)
-        m = self.num_microbatches
-        if size == 0:
-            raise ValueError("The batch is empty (0 samples on dim 0); a pipeline step needs at least one sample.")
+        """``batch`` as M micro-batches and their shares of it, by the rules of :func:`microbatch.split_step`."""
         if training:
-            self._full_batch = max(size, self._full_batch or 0)
-        if size < m:
-            if training and size == self._full_batch:
-                raise ValueError(
-                    f"The batch has {size} samples but num_microbatches={m}; use a DataLoader batch_size of at least "
-                    f"{m} or fewer micro-batches."
-                )
-            m = size  # a short last batch of an epoch: one sample per micro-batch
-        elif training and size == self._full_batch and size % m:
-            divisors = [d for d in range(1, size + 1) if size % d == 0]
-            raise ValueError(
-                f"A batch of {size} samples does not split into num_microbatches={m} equal micro-batches; use a "
-                f"DataLoader batch_size divisible by {m} (e.g. {size + m - size % m}) or num_microbatches in "
-                f"{divisors}. (A shorter last batch of an epoch may split unevenly: losses are weighted by size.)"
-            )
-        micro = microbatch.split(batch, m)
-        return micro, [microbatch.batch_size(mb) / size for mb in micro]
+            self._full_batch = max(microbatch.batch_size(batch), self._full_batch or 0)
+        return microbatch.split_step(batch, self.num_microbatches, self._full_batch if training else None)
 
     # -- training ------------------------------------------------------------------------------------------------
     def train_step(
