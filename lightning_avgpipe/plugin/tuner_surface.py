@@ -105,6 +105,5 @@ class TunerSurface(ProcessStrategy):
             forward_context=self.precision_plugin.train_step_context,
             after_step=bridge.take_logs,
             optimizer=self.optimizers[0],
-            broadcast=lambda obj: self.broadcast(obj, src=0),
             metrics=[m for m in module.modules() if isinstance(m, Metric)],
         )

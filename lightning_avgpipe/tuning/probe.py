@@ -39,7 +39,6 @@ class StageProbe:
         forward_context: a context every forward runs in (the precision's autocast).
         after_step: drops what a probe step logged (the user's ``self.log`` calls).
         optimizer: the user's optimizer, which a copy of the stage's optimizer is cloned from.
-        broadcast: rank 0's object to every rank.
         metrics: objects whose states a step changes and :meth:`held` puts back (torchmetrics).
     """
 
@@ -49,7 +48,6 @@ class StageProbe:
     forward_context: Callable[[], Any]
     after_step: Callable[[], object]
     optimizer: Optimizer
-    broadcast: Callable[[Any], Any]
     metrics: Sequence[Any] = field(default_factory=list)
 
     @property
@@ -119,6 +117,15 @@ class StageProbe:
         user = getattr(self.optimizer, "user", self.optimizer)
         reference = self.pipeline.replicas.elastic.reference_params
         return CopyOptimizer(lambda ps: clone_optimizer(user, ps, reference), reference)
+
+    # -- collectives ---------------------------------------------------------------------------------------------
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank of the job."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     # -- the pipeline's collectives ------------------------------------------------------------------------------
     def max_over(self, values: Sequence[float]) -> list[float]:
