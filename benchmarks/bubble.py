@@ -26,6 +26,9 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from benchmarks import throughput as T  # noqa: E402
+from benchmarks.common import make_batches  # noqa: E402
+from benchmarks.throughput_rows import WORLD, PipeRow, _lm_loss, v_chunks  # noqa: E402
+from examples.gpt_args import model_sizes  # noqa: E402
 from tests.helpers.harness import run_distributed  # noqa: E402
 
 SCHEDULES = ("1f1b", "zbh1", "interleaved", "zbv")
@@ -37,22 +40,22 @@ def _rank(rank: int, world: int, args: Any, data: torch.Tensor, vocab: int) -> d
     from examples.char_gpt import GPTConfig, gpt_layers
 
     torch.manual_seed(args.seed)
-    base = list(gpt_layers(GPTConfig(vocab_size=vocab, **T.model_sizes(args), dropout=0.0)))
-    batches = T.make_batches(data, args.block_size, args.batch_size, args.warmup + args.steps, args.seed + 1)
+    base = list(gpt_layers(GPTConfig(vocab_size=vocab, **model_sizes(args), dropout=0.0)))
+    batches = make_batches(data, args.block_size, args.batch_size, args.warmup + args.steps, args.seed + 1)
     start, count = sum(args.partition[:rank]), args.partition[rank]
     rows = {}
     for name in SCHEDULES:
         if name in ("interleaved", "zbv"):
-            own, sizes = T.v_chunks(copy.deepcopy(base), rank, "v" if name == "zbv" else "loop")
-            rows[name] = T.PipeRow(name, 1, own, rank, args, batches, sizes)
+            own, sizes = v_chunks(copy.deepcopy(base), rank, "v" if name == "zbv" else "loop")
+            rows[name] = PipeRow(name, 1, own, rank, args, batches, sizes)
         else:
-            rows[name] = T.PipeRow(name, 1, copy.deepcopy(base)[start : start + count], rank, args, batches)
+            rows[name] = PipeRow(name, 1, copy.deepcopy(base)[start : start + count], rank, args, batches)
     seen: dict[str, dict[str, list[float]]] = {n: collections.defaultdict(list) for n in rows}
     for i in range(args.warmup + args.steps):
         for name, row in rows.items():  # interleaved: background load hits every schedule alike
             torch.distributed.barrier()
             row.opt.zero_grad(set_to_none=True)
-            result = row.pipe.train_step([row.batches[i]], T._lm_loss, measure=True)
+            result = row.pipe.train_step([row.batches[i]], _lm_loss, measure=True)
             row.opt.step()
             if i < args.warmup:
                 continue
@@ -73,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = T.parse_args(["--n-layer", "8", "--batch-size", "16", "--microbatches", "4", "--steps", "12", *(argv or [])])
     data, chars = encode(stdlib_docstrings(args.corpus_chars))
-    ranks = run_distributed(_rank, T.WORLD, args, data, len(chars), timeout=args.timeout, what="bubble benchmark")
+    ranks = run_distributed(_rank, WORLD, args, data, len(chars), timeout=args.timeout, what="bubble benchmark")
     print(f"{'schedule':<12} {'bubble':>8} {'simulated':>10} {'ratio':>6}  {'peak MiB per rank':<20} step ms per rank")
     for name in SCHEDULES:
         per = [r[name] for r in ranks]
@@ -82,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         f = [p["F"] / v for p in per]  # a chunk's share of its rank's unit
         b = [(p["B"] + p["I"] + p["W"]) / v for p in per]
         w = [p["W"] / v for p in per] if split else None
-        sim = simulate(build_plan(name, T.WORLD, args.microbatches, stages_per_rank=v), f, b, weight_grad_cost=w)
+        sim = simulate(build_plan(name, WORLD, args.microbatches, stages_per_rank=v), f, b, weight_grad_cost=w)
         slowest = max(p["step"] for p in per)
         measured = 1 - sum(p["busy"] for p in per) / (len(per) * slowest)
         peaks = "/".join(f"{p['peak_mib']:.2f}" for p in per)

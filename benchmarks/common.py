@@ -1,16 +1,21 @@
 """Helpers the benchmarks share: GPT training batches from the corpus, applying a stage's layers, the LM loss,
-Spearman's rank correlation."""
+Spearman's rank correlation, and the writer of ``benchmarks/history/*.json`` records."""
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+HISTORY = Path(__file__).resolve().parent / "history"
+NOTE_LIMIT = 200  # a record's note is one sentence on one line; what a run showed goes to README.md's run history
 
 
 def make_batches(data: Tensor, block_size: int, batch_size: int, count: int, seed: int) -> list[tuple[Tensor, Tensor]]:
@@ -62,3 +67,29 @@ def spearman(x: Sequence[float], y: Sequence[float]) -> float:
     sxx = sum((a - mx) ** 2 for a in rx)
     syy = sum((b - my) ** 2 for b in ry)
     return sxy / math.sqrt(sxx * syy) if sxx and syy else math.nan
+
+
+def check_note(note: str) -> str:
+    """``note`` if it is one line of at most ``NOTE_LIMIT`` characters, else ``ValueError``. Nothing is trimmed: a
+    summary cut short says less than one written to fit; the prose goes to benchmarks/README.md's run history."""
+    if not note.strip():
+        raise ValueError("a history note is a one-sentence summary of the run; this one is empty")
+    if "\n" in note or "\r" in note:
+        raise ValueError(f"a history note is one line, this one has {len(note.splitlines())}: {note[:80]!r}...")
+    if len(note) > NOTE_LIMIT:
+        raise ValueError(f"a history note is at most {NOTE_LIMIT} characters, this one has {len(note)}")
+    return note
+
+
+def append_history(benchmark: str, record: dict[str, Any], directory: Path = HISTORY) -> Path:
+    """Append ``record`` (``date``, ``title``, ``command``, ``figures``, ``note``) to ``<directory>/<benchmark>.json``,
+    a list of dated runs; refuses a record without those keys or with a note ``check_note`` refuses."""
+    missing = [key for key in ("date", "title", "command", "figures", "note") if key not in record]
+    if missing:
+        raise ValueError(f"a history record needs {missing}")
+    check_note(record["note"])
+    path = directory / f"{benchmark}.json"
+    records = json.loads(path.read_text()) if path.exists() else []
+    records.append(record)
+    path.write_text(json.dumps(records, indent=1, ensure_ascii=False) + "\n")
+    return path

@@ -41,7 +41,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.convergence import Data, make_studies, parse_args  # noqa: E402
+from benchmarks.convergence import parse_args  # noqa: E402
+from benchmarks.convergence_studies import Data, make_studies  # noqa: E402
 from tests.helpers.harness import run_distributed  # noqa: E402
 
 METHODS: dict[

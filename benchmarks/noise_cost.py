@@ -37,6 +37,7 @@ import torch.distributed as dist  # noqa: E402
 
 from benchmarks import throughput  # noqa: E402
 from benchmarks.common import make_batches  # noqa: E402
+from benchmarks.throughput_rows import WORLD, _lm_loss, _pipeline  # noqa: E402
 from lightning_avgpipe.noise_scale import NoiseScale  # noqa: E402
 from tests.helpers.harness import run_distributed  # noqa: E402
 
@@ -53,7 +54,7 @@ def _rank(rank: int, world: int, args: argparse.Namespace, data: torch.Tensor, v
     batches = make_batches(data, args.block_size, args.batch_size, total * max(args.pipelines) + 1, args.seed + 1)
     out: dict[str, Any] = {}
     for n in args.pipelines:
-        pipe = throughput._pipeline("1f1b", copy.deepcopy(base)[start : start + count], rank, args, n)
+        pipe = _pipeline("1f1b", copy.deepcopy(base)[start : start + count], rank, args, n)
         noise_scale = NoiseScale()  # what the controller keeps: the smoothed estimate over the measured steps
         with_, without = [], []
         for i in range(total):
@@ -64,7 +65,7 @@ def _rank(rank: int, world: int, args: argparse.Namespace, data: torch.Tensor, v
                     p.grad = None
                 dist.barrier()
                 t0 = time.perf_counter()
-                result = pipe.train_step(step, throughput._lm_loss, noise=noise)
+                result = pipe.train_step(step, _lm_loss, noise=noise)
                 spent = time.perf_counter() - t0
                 if i >= args.warmup:
                     (with_ if noise else without).append(spent)
@@ -101,14 +102,14 @@ def measure(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict[str
     data, chars = encode(stdlib_docstrings(base.corpus_chars))
     vocab = len(chars)
     started = time.perf_counter()
-    got = run_distributed(_rank, throughput.WORLD, base, data, vocab, timeout=600, what="noise cost")
+    got = run_distributed(_rank, WORLD, base, data, vocab, timeout=600, what="noise cost")
     report: dict[str, Any] = {}
     print(
-        f"noise-scale measurement cost, char GPT on {throughput.WORLD} gloo ranks, batch {base.batch_size}, "
+        f"noise-scale measurement cost, char GPT on {WORLD} gloo ranks, batch {base.batch_size}, "
         f"{base.microbatches} micro-batches per batch, {args.steps} paired steps"
     )
     for n in base.pipelines:
-        per = [got[r][str(n)] for r in range(throughput.WORLD)]
+        per = [got[r][str(n)] for r in range(WORLD)]
         with_ = [max(p["with"][i] for p in per) for i in range(args.steps)]  # the slower rank's step
         without = [max(p["without"][i] for p in per) for i in range(args.steps)]
         ratios = [a / b - 1 for a, b in zip(with_, without)]

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from benchmarks.common import spearman
-from benchmarks.convergence import METHODS, Data, Study, lr_grid, pick, train_run
+from benchmarks.convergence_studies import METHODS, Data, Study
+from benchmarks.convergence_train import lr_grid, pick, train_run
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -112,6 +113,32 @@ def test_the_docs_stay_an_evenings_read() -> None:
     assert size <= 130_000, f"docs/ is {size} bytes; cut prose to at most 130,000 (a table or the code may do)"
     lines = len((ROOT / "benchmarks" / "README.md").read_text().splitlines())
     assert lines <= 400, f"benchmarks/README.md has {lines} lines; history belongs in benchmarks/history/*.json"
+
+
+def _long_notes(path: Path, limit: int) -> list[str]:
+    """The records of a history file whose ``note`` is more than one line or longer than ``limit`` characters."""
+    return [
+        f"{path.name}[{i}]: {len(note.splitlines())} line(s), {len(note)} characters"
+        for i, note in enumerate(record["note"] for record in json.loads(path.read_text()))
+        if "\n" in note or "\r" in note or len(note) > limit
+    ]
+
+
+def test_every_benchmark_history_note_is_one_line(tmp_path: Path) -> None:
+    """A record's ``note`` in benchmarks/history/*.json is a one-sentence summary on one line; what the run showed is
+    a row of benchmarks/README.md's run history. The writer, ``benchmarks.common.append_history``, refuses others."""
+    from benchmarks.common import NOTE_LIMIT, append_history
+
+    files = sorted((ROOT / "benchmarks" / "history").glob("*.json"))
+    assert files, "no benchmarks/history/*.json"
+    long = [entry for path in files for entry in _long_notes(path, NOTE_LIMIT)]
+    assert not long, f"history notes over one line or {NOTE_LIMIT} characters (move the prose to the README): {long}"
+    record = {"date": "2026-12-04", "title": "t", "command": "c", "figures": {}, "note": "a summary\nand prose"}
+    (tmp_path / "sample.json").write_text(json.dumps([record]))
+    assert _long_notes(tmp_path / "sample.json", NOTE_LIMIT), "the check let a two-line note through"
+    with pytest.raises(ValueError, match="one line"):
+        append_history("refused", record, tmp_path)
+    assert not (tmp_path / "refused.json").exists()
 
 
 def test_the_docs_name_every_logged_figure_every_reconfigure_argument_and_the_checkpoints_keys() -> None:
