@@ -127,6 +127,14 @@ class StageProbe:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def least(self, value: float) -> float:
+        """The smallest ``value`` over every rank of the job."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return value
+        t = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return float(t[0])
+
     # -- the pipeline's collectives ------------------------------------------------------------------------------
     def max_over(self, values: Sequence[float]) -> list[float]:
         """The largest of each value over this pipeline's stages."""

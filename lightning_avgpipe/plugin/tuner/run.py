@@ -54,26 +54,27 @@ def tune(
     # every stage of every group profiles the same batch
     batch, fetch_s, batches, last = strategy.broadcast((batch, fetch_s, batches, last), src=0)
     batch = strategy.batch_to_device(batch)
+    probe = strategy.probe()  # what the tuner measures through (tuning/probe.py)
     size = microbatch.batch_size(batch)
     ms = batch_norm_candidates(
         candidate_microbatches(size, num_microbatches),
         size,
-        strategy.pipeline.layers,
-        strategy.root_device,
+        probe.pipeline.layers,
+        probe.device,
         given=num_microbatches is not None,
         last_batch=last,
     )
     ns = candidate_pipelines(num_pipelines)
     cap = None
     if batches is not None:  # an iteration takes N batches: N above an epoch's batches (per group) trains nothing
-        cap = max(1, batches // strategy.topology.num_groups)
+        cap = max(1, batches // probe.topology.num_groups)
         dropped = [n for n in ns if n > cap]
         if dropped and num_pipelines is not None:
             rank_zero_info(
                 f"AvgPipeTuner: leaving out num_pipelines={dropped}: an epoch has {cap} batches per "
                 "pipeline group and an iteration takes one per pipeline."
             )
-    profile = profile_pipeline(strategy.probe(), batch, microbatch_sizes(size, ms), profile_steps)
+    profile = profile_pipeline(probe, batch, microbatch_sizes(size, ms), profile_steps)
     busy = busy_machine(profile.cpu_share, profile.clock, profile.rounds, profile_steps)
     if busy:
         rank_zero_warn(busy)
@@ -81,10 +82,8 @@ def tune(
     profile.accumulate = int(trainer.accumulate_grad_batches)
     limit = memory_limit if memory_limit is not None else strategy.config.memory_limit
     limit = strategy.memory_limit_bytes(limit)
-    if limit is not None and strategy.world_size > 1:  # a fraction of memory can differ by rank: the smallest rules
-        t = torch.tensor([float(limit)], dtype=torch.float64, device=strategy.root_device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        limit = float(t[0])
+    if limit is not None:  # a fraction of memory can differ by rank: the smallest rules
+        limit = probe.least(limit)
     # the user's k, not one a previous fit's tuner applied (reconfigure replaces "auto" with a number)
     k: int | str = strategy.user_advance_forwards if reads_k(strategy.config.schedule) else 0
     # every rank searches the same broadcast profile: a setting that fits nowhere raises on every rank alike
@@ -101,7 +100,7 @@ def tune(
     try:
         table = search(profile, *args, **options)
     except NoFeasibleSettingError as err:
-        if strategy.config.activation_checkpointing != "auto" or any(strategy.pipeline.recompute):
+        if strategy.config.activation_checkpointing != "auto" or any(probe.pipeline.recompute):
             raise
         # recomputation trades time for memory: what fits with every layer checkpointed (tuning.model.checkpointed)
         try:
