@@ -6,36 +6,14 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
 
-import lightning.pytorch as pl
 import pytest
 import torch
 
 from lightning_avgpipe import AvgPipeStrategy
+from tests.helpers.checkpoints import PLAIN_ORDER, STEPS, TP, TP_PLAN, assert_states_close, fit_with_checkpoints
 from tests.helpers.equivalence import run_lightning
-from tests.helpers.lit import PipeNet, loader, quiet_trainer
-
-STEPS = 4  # one epoch of 48 samples in batches of 12
-# every run reads the batches in the loader's order (a distributed strategy would otherwise shuffle them), and is
-# checkpointed by ModelCheckpoint during training (a save_checkpoint after fit stopped at max_steps does not resume
-# exactly, with or without this strategy)
-PLAIN_ORDER = {"use_distributed_sampler": False}
-
-
-def _fit(
-    root: Path, steps: int, ckpt: str | None = None, strategy: Any = None, named: bool = False
-) -> tuple[pl.Trainer, PipeNet]:
-    torch.manual_seed(0)
-    model = PipeNet(optimizer="adam", lr=0.01)
-    if named:  # an optimizer over named parameters: its state dict names them
-        model.configure_optimizers = lambda: torch.optim.Adam(model.named_parameters(), lr=0.01)  # type: ignore[method-assign]
-    every = pl.callbacks.ModelCheckpoint(dirpath=root / "every", every_n_train_steps=STEPS, save_top_k=-1)
-    trainer = quiet_trainer(
-        root, max_steps=steps, callbacks=[every], **PLAIN_ORDER, **({"strategy": strategy} if strategy else {})
-    )
-    trainer.fit(model, loader(), ckpt_path=ckpt)
-    return trainer, model
+from tests.helpers.lit import PipeNet
 
 
 @pytest.fixture(scope="module")
@@ -48,12 +26,6 @@ def two_stage_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "every" / f"epoch=0-step={STEPS}.ckpt"
 
 
-def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_two_stages_resume_on_plain_lightning_and_on_one_stage(two_stage_checkpoint: Path, tmp_path: Path) -> None:
@@ -63,36 +35,36 @@ def test_two_stages_resume_on_plain_lightning_and_on_one_stage(two_stage_checkpo
     assert group["param_names"] == [n for n, _ in PipeNet().named_parameters()]
     assert group["params"] == list(range(len(group["param_names"])))
     assert set(saved["state"]) == set(group["params"]) and "exp_avg" in saved["state"][0]
-    _, plain = _fit(tmp_path / "plain", 2 * STEPS)  # the uninterrupted run, plain Lightning
+    _, plain = fit_with_checkpoints(tmp_path / "plain", 2 * STEPS)  # the uninterrupted run, plain Lightning
 
     # plain Lightning (SingleDeviceStrategy) takes the checkpoint as it is: no KeyError 'param_groups'
-    trainer, resumed = _fit(tmp_path / "resumed", 2 * STEPS, str(two_stage_checkpoint))
+    trainer, resumed = fit_with_checkpoints(tmp_path / "resumed", 2 * STEPS, str(two_stage_checkpoint))
     state = trainer.optimizers[0].state_dict()
     assert all(int(s["step"]) == 2 * STEPS for s in state["state"].values())  # Adam's count went on from 4
-    _close(resumed.state_dict(), plain.state_dict())
+    assert_states_close(resumed.state_dict(), plain.state_dict())
 
     # AvgPipe on one process (S = 1): another layout, the optimizer state moved by name (exact: one model)
-    trainer, one_stage = _fit(
+    trainer, one_stage = fit_with_checkpoints(
         tmp_path / "one_stage", 2 * STEPS, str(two_stage_checkpoint), AvgPipeStrategy(num_microbatches=2)
     )
     assert all(int(s["step"]) == 2 * STEPS for s in trainer.optimizers[0].state_dict()["state"].values())
-    _close(one_stage.state_dict(), plain.state_dict())
+    assert_states_close(one_stage.state_dict(), plain.state_dict())
 
 
 @pytest.mark.timeout(120)
 def test_a_plain_checkpoint_with_names_resumes_under_avgpipe(tmp_path: Path) -> None:
     """Plain Lightning's checkpoint of an optimizer built from named parameters splits by name; without names the
     refusal says how to get them."""
-    _, plain = _fit(tmp_path / "plain", 2 * STEPS)
-    _fit(tmp_path / "named", STEPS, named=True)
+    _, plain = fit_with_checkpoints(tmp_path / "plain", 2 * STEPS)
+    fit_with_checkpoints(tmp_path / "named", STEPS, named=True)
     named = tmp_path / "named" / "every" / f"epoch=0-step={STEPS}.ckpt"
-    _, resumed = _fit(tmp_path / "resumed", 2 * STEPS, str(named), AvgPipeStrategy(num_microbatches=2))
-    _close(resumed.state_dict(), plain.state_dict())
+    _, resumed = fit_with_checkpoints(tmp_path / "resumed", 2 * STEPS, str(named), AvgPipeStrategy(num_microbatches=2))
+    assert_states_close(resumed.state_dict(), plain.state_dict())
 
-    _fit(tmp_path / "unnamed", STEPS)
+    fit_with_checkpoints(tmp_path / "unnamed", STEPS)
     unnamed = tmp_path / "unnamed" / "every" / f"epoch=0-step={STEPS}.ckpt"
     with pytest.raises(ValueError, match=r"names no parameters .* build the optimizer from\s+self.named_parameters"):
-        _fit(tmp_path / "refused", 2 * STEPS, str(unnamed), AvgPipeStrategy(num_microbatches=2))
+        fit_with_checkpoints(tmp_path / "refused", 2 * STEPS, str(unnamed), AvgPipeStrategy(num_microbatches=2))
 
 
 @pytest.mark.slow
@@ -111,16 +83,12 @@ def test_ddp_resumes_a_two_stage_checkpoint(two_stage_checkpoint: Path, tmp_path
         assert r["optimizer_steps"] == [STEPS + 2] and len(r["losses"]) == 2
 
 
-TP_PLAN = {"layers.3": "colwise", "layers.5": "rowwise"}  # PipeNet's Linear(16, 16) then Linear(16, 4), on stage 1
-TP = {"num_stages": 2, "num_microbatches": 2, "partition": [3, 3], "tensor_parallel_size": 2}
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_tensor_parallel_trains_as_one_device_and_resumes_across_t(two_stage_checkpoint: Path, tmp_path: Path) -> None:
     """T = 2, S = 2 (4 ranks) trains as plain Lightning does; its checkpoint (shards saved whole) resumes on one
     device with Adam's state, and a T = 1 checkpoint resumes under T = 2: each equals the uninterrupted run."""
-    _, plain = _fit(tmp_path / "plain", 2 * STEPS)
+    _, plain = fit_with_checkpoints(tmp_path / "plain", 2 * STEPS)
     model = {"optimizer": "adam", "lr": 0.01}
     tp = {**TP, "tensor_parallel_plan": TP_PLAN}
     results = run_lightning(
@@ -130,20 +98,20 @@ def test_tensor_parallel_trains_as_one_device_and_resumes_across_t(two_stage_che
     assert [r["sharded"] for r in results] == [[], [], split, split]  # stage 1's two shards; stage 0 has no pair
     final = torch.load(tmp_path / "tp" / "final.ckpt", weights_only=True)
     assert final["optimizer_states"][0]["avgpipe_layout"]["tensor_parallel"] == 2
-    _close({k: v for k, v in final["state_dict"].items() if k.startswith("layers.")}, plain.state_dict())
+    assert_states_close({k: v for k, v in final["state_dict"].items() if k.startswith("layers.")}, plain.state_dict())
 
     # T = 2 -> one device (plain Lightning): the whole weights and Adam's state, exact
     mid = tmp_path / "tp" / "every" / f"epoch=0-step={STEPS}.ckpt"
-    trainer, resumed = _fit(tmp_path / "resumed", 2 * STEPS, str(mid))
+    trainer, resumed = fit_with_checkpoints(tmp_path / "resumed", 2 * STEPS, str(mid))
     assert all(int(s["step"]) == 2 * STEPS for s in trainer.optimizers[0].state_dict()["state"].values())
-    _close(resumed.state_dict(), plain.state_dict())
+    assert_states_close(resumed.state_dict(), plain.state_dict())
 
     # T = 1 (S = 2) -> T = 2: each shard takes its part of the whole state by name
     run_lightning(
         tmp_path / "back", 4, tp, steps=2 * STEPS, model=model, ckpt_path=str(two_stage_checkpoint), trainer=PLAIN_ORDER
     )
     back = torch.load(tmp_path / "back" / "final.ckpt", weights_only=True)["state_dict"]
-    _close({k: v for k, v in back.items() if k.startswith("layers.")}, plain.state_dict())
+    assert_states_close({k: v for k, v in back.items() if k.startswith("layers.")}, plain.state_dict())
 
 
 @pytest.mark.slow
@@ -151,9 +119,9 @@ def test_tensor_parallel_trains_as_one_device_and_resumes_across_t(two_stage_che
 def test_tensor_parallel_replicas_match_one_process_and_resume_exactly(tmp_path: Path) -> None:
     """T = 2 on one stage with N = 2 elastic replicas (2 ranks): the AvgPipe rule as one process computes it, and a
     resume with the same mesh continues bit for bit (every rank's replicas and optimizers saved as local shards)."""
+    from tests.helpers.checkpoints import replicas_from_checkpoint
     from tests.helpers.equivalence import final_state
     from tests.helpers.lit import reference_elastic
-    from tests.test_parallel_pipelines import replicas_from_checkpoint
 
     model = {"optimizer": "adam", "lr": 0.01}
     strategy = {"num_stages": 1, "num_microbatches": 2, "num_pipelines": 2, "tensor_parallel_size": 2}
@@ -189,7 +157,7 @@ def test_sharded_optimizer_state_trains_as_one_device_and_saves_the_whole_state(
     """D = 2 groups, exact averaging, shard_optimizer_state=True (2 ranks reading the same batches): the weights of
     plain Lightning, a checkpoint whose optimizer state is whole (each group's half put together), and a resume of it
     on one device equal to the uninterrupted run."""
-    _, plain = _fit(tmp_path / "plain", 2 * STEPS)
+    _, plain = fit_with_checkpoints(tmp_path / "plain", 2 * STEPS)
     strategy = {"num_stages": 1, "num_microbatches": 2, "averaging": "exact", "shard_optimizer_state": True}
     model = {"optimizer": "adam", "lr": 0.01}
     results = run_lightning(
@@ -197,13 +165,13 @@ def test_sharded_optimizer_state_trains_as_one_device_and_saves_the_whole_state(
     )
     assert [r["optimizer"] for r in results] == ["ShardedOptimizer"] * 2
     final = torch.load(tmp_path / "zero" / "final.ckpt", weights_only=True)
-    _close({k: v for k, v in final["state_dict"].items() if k.startswith("layers.")}, plain.state_dict())
+    assert_states_close({k: v for k, v in final["state_dict"].items() if k.startswith("layers.")}, plain.state_dict())
     state = final["optimizer_states"][0]
     assert set(state["state"]) == set(state["param_groups"][0]["params"])  # every parameter's state, from its owner
     assert all("exp_avg" in s and int(s["step"]) == 2 * STEPS for s in state["state"].values())
     mid = tmp_path / "zero" / "every" / f"epoch=0-step={STEPS}.ckpt"
-    trainer, resumed = _fit(tmp_path / "resumed", 2 * STEPS, str(mid))
-    _close(resumed.state_dict(), plain.state_dict())
+    trainer, resumed = fit_with_checkpoints(tmp_path / "resumed", 2 * STEPS, str(mid))
+    assert_states_close(resumed.state_dict(), plain.state_dict())
     # the setup log: every group's share of every stage (flat slices: a half each, to a few elements)
     out = results[0]["output"]
     said = r"over 2 groups by flat slices \(Adam steps each element alone\); each group keeps, of a stage's: "
@@ -213,7 +181,7 @@ def test_sharded_optimizer_state_trains_as_one_device_and_saves_the_whole_state(
     run_lightning(
         tmp_path / "zero_resumed", 2, strategy, steps=2 * STEPS, model=model, trainer=PLAIN_ORDER, ckpt_path=str(mid)
     )
-    _close(
+    assert_states_close(
         {k: v for k, v in torch.load(tmp_path / "zero_resumed" / "final.ckpt")["state_dict"].items() if "layers." in k},
         plain.state_dict(),
     )

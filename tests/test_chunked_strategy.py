@@ -13,9 +13,8 @@ import pytest
 import torch
 
 from tests.helpers.equivalence import assert_matches, final_state, run_lightning
-from tests.helpers.lit import PipeNet, reference, reference_elastic
+from tests.helpers.lit import PipeNet, fp16_reference, reference, reference_elastic
 from tests.helpers.tied import reference_tied
-from tests.test_precision import fp16_reference
 
 
 @pytest.mark.slow

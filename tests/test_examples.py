@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_launchers import ROOT, run
+from tests.helpers.launch import ROOT, run_command
 
 pytestmark = pytest.mark.slow
 
@@ -18,7 +18,9 @@ def test_a_cnn_with_batchnorm_equals_accumulation_over_the_micro_batches(tmp_pat
     """``examples/cnn_batchnorm.py --check``: 3 pipelined steps of a BatchNorm CNN equal one process with gradient
     accumulation over the same 4 micro-batches: every weight and running statistic, and num_batches_tracked = M x
     steps (BatchNorm updates once per micro-batch)."""
-    out = run([sys.executable, str(ROOT / "examples" / "cnn_batchnorm.py"), "--check", "--steps", "3"], tmp_path)
+    out = run_command(
+        [sys.executable, str(ROOT / "examples" / "cnn_batchnorm.py"), "--check", "--steps", "3"], tmp_path
+    )
     assert "check: OK" in out, out[-3000:]
     worst = float(re.search(r"max \|pipelined - one process .*?\| = ([0-9.e+-]+)", out).group(1))  # type: ignore[union-attr]
     assert worst < 1e-5
@@ -29,7 +31,7 @@ def test_a_cnn_with_batchnorm_equals_accumulation_over_the_micro_batches(tmp_pat
 def test_blocks_that_carry_a_rotary_cache_and_a_mask_in_a_tuple(tmp_path: Path) -> None:
     """``examples/rotary_tuple.py --check``: blocks taking ``(x, cos, sin, mask)`` and returning it, cut over 2
     stages (the boolean mask and the cache cross as they are), train as one process with accumulation does."""
-    out = run([sys.executable, str(ROOT / "examples" / "rotary_tuple.py"), "--check"], tmp_path)
+    out = run_command([sys.executable, str(ROOT / "examples" / "rotary_tuple.py"), "--check"], tmp_path)
     assert "check: OK" in out, out[-3000:]
     assert float(re.search(r"accumulation\| = ([0-9.e+-]+)", out).group(1)) < 1e-5  # type: ignore[union-attr]
 
@@ -40,7 +42,7 @@ def test_a_hugging_face_gpt2_with_tied_weights(tmp_path: Path) -> None:
     forward, trains over 2 stages as one process with accumulation does, keeps wte and lm_head one tensor, and
     checkpoints the trained weights under its second path (``gpt.*``) too."""
     pytest.importorskip("transformers")
-    out = run([sys.executable, str(ROOT / "examples" / "hf_gpt2_tied.py"), "--check"], tmp_path)
+    out = run_command([sys.executable, str(ROOT / "examples" / "hf_gpt2_tied.py"), "--check"], tmp_path)
     assert "check: OK" in out, out[-3000:]
     assert float(re.search(r"accumulation\| = ([0-9.e+-]+)", out).group(1)) < 1e-5  # type: ignore[union-attr]
     assert "tied: embedding and head equal True; gpt.* equal to layers.* True" in out
@@ -53,7 +55,7 @@ def test_a_hugging_face_llama_split_by_its_own_tensor_parallel_plan(tmp_path: Pa
     plan given: the strategy follows the model's config.base_model_tp_plan (q, k, v, o, gate, up, down of every
     block, on both stages) and trains as one process with accumulation does."""
     pytest.importorskip("transformers")
-    out = run([sys.executable, str(ROOT / "examples" / "hf_llama_tp.py"), "--check"], tmp_path)
+    out = run_command([sys.executable, str(ROOT / "examples" / "hf_llama_tp.py"), "--check"], tmp_path)
     assert "check: OK" in out, out[-3000:]
     assert "tensor parallelism follows the Hugging Face model's config.base_model_tp_plan" in out
     split = out.split("splits, per stage, ")[1].split("\n")[0]
@@ -70,7 +72,7 @@ def test_a_gpt_split_by_heads_with_the_default_plan(tmp_path: Path, model: str) 
     heads and MLP pairs on both stages, and train as one process with accumulation does."""
     if model == "gpt2":
         pytest.importorskip("transformers")
-    out = run([sys.executable, str(ROOT / "examples" / "gpt_tp.py"), "--model", model, "--check"], tmp_path)
+    out = run_command([sys.executable, str(ROOT / "examples" / "gpt_tp.py"), "--model", model, "--check"], tmp_path)
     assert "check: OK" in out, out[-3000:]
     assert float(re.search(r"accumulation\| = ([0-9.e+-]+)", out).group(1)) < 1e-5  # type: ignore[union-attr]
     split = out.split("splits, per stage, ")[1].split("\n")[0]
@@ -86,7 +88,9 @@ def test_a_hugging_face_llama_with_a_lora_adapter_is_whole_after_fit_and_saves_e
     ``fit`` the launching process's module is the whole trained model, so ``save_pretrained`` writes all 16 LoRA
     tensors, equal to one process's training with accumulation."""
     pytest.importorskip("peft")
-    out = run([sys.executable, str(ROOT / "examples" / "peft_lora.py"), "--check", "--root", str(tmp_path)], tmp_path)
+    out = run_command(
+        [sys.executable, str(ROOT / "examples" / "peft_lora.py"), "--check", "--root", str(tmp_path)], tmp_path
+    )
     assert "check: OK" in out and "16 LoRA tensors" in out, out[-3000:]
 
 
@@ -97,7 +101,9 @@ def test_a_hugging_face_llama_built_per_stage_and_loaded_from_its_shards(tmp_pat
     stage's weights), trained and saved as a folder, consolidated, equals from_pretrained on one process with
     accumulation."""
     pytest.importorskip("transformers")
-    out = run([sys.executable, str(ROOT / "examples" / "big_model.py"), "--check", "--root", str(tmp_path)], tmp_path)
+    out = run_command(
+        [sys.executable, str(ROOT / "examples" / "big_model.py"), "--check", "--root", str(tmp_path)], tmp_path
+    )
     assert "check: OK" in out, out[-3000:]
     total = float(re.search(r"rank 0: [0-9.]+ KiB of ([0-9.]+) KiB", out).group(1))  # type: ignore[union-attr]
     made = {int(r): int(kib) for r, kib in re.findall(r"rank (\d): (\d+) KiB of parameters made real", out)}

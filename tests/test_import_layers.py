@@ -5,11 +5,16 @@ The order, lowest first: the shared checks; schedules, micro-batches and the noi
 averaging, optimizers and the config; the runtime; the tuning maths; partitioning; the Lightning plugin; the command
 lines and the package's face. Every import counts, at module level or inside a function, under ``TYPE_CHECKING`` or
 not: each is a dependency a reader must follow.
+
+The tests stand alone as well: what several test modules share lives in ``tests/helpers/``, and no module of
+``tests/`` or ``benchmarks/`` imports a test module (``tests/test_*.py``), by an import statement or by a dotted name
+a launch imports (``"tests.test_x:worker"``); a test module may name itself.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -157,3 +162,74 @@ def test_no_import_cycle() -> None:
 def test_the_cycle_check_finds_a_circle() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(graph) == [["a", "b", "c"]]
+
+
+# a test module (tests/test_*.py) as a dotted name, alone or as a launch's "module:function"
+TEST_MODULE = re.compile(r"^(tests\.test_\w+)(?:[.:][\w.]*)?$")
+
+
+def imports_of_test_modules(sources: dict[str, str]) -> list[str]:
+    """``path:line imports tests.test_x`` for each import of another test module in ``sources`` (a path relative to
+    the repository root -> its text): ``import``, ``from ... import`` (relative ones resolved) and string constants
+    that name a test module (a launch's dotted path)."""
+    wrong = []
+    for path, text in sorted(sources.items()):
+        parts = list(Path(path).with_suffix("").parts)
+        own = ".".join(parts)
+        package = parts[:-1]
+        for node in ast.walk(ast.parse(text, path)):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = [*package[: len(package) - (node.level - 1)]] if node.level else []
+                base += node.module.split(".") if node.module else []
+                names = [".".join(base), *(".".join([*base, alias.name]) for alias in node.names)]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                names = [node.value]
+            else:
+                continue
+            found = {m.group(1) for m in map(TEST_MODULE.match, names) if m} - {own}
+            wrong += [f"{path}:{node.lineno} imports {module}" for module in sorted(found)]
+    return wrong
+
+
+def sources_in_tests_and_benchmarks() -> dict[str, str]:
+    return {
+        str(p.relative_to(ROOT)): p.read_text()
+        for folder in ("tests", "benchmarks")
+        for p in sorted((ROOT / folder).rglob("*.py"))
+    }
+
+
+def test_no_test_module_imports_another() -> None:
+    wrong = imports_of_test_modules(sources_in_tests_and_benchmarks())
+    assert not wrong, "move what the test modules share into tests/helpers/:\n" + "\n".join(wrong)
+
+
+def test_the_check_finds_a_test_module_imported() -> None:
+    """The check is live: a planted test module and benchmark that import test modules every way are refused, line
+    by line; imports of tests/helpers and a test module naming itself are not."""
+    t = "tests.test_"  # spelled apart, so that a grep for such imports finds none in this file
+    sources = sources_in_tests_and_benchmarks()
+    sources["tests/test_planted.py"] = "\n".join(
+        [
+            "from tests.helpers.lit import reference",  # 1: a helper, fine
+            f"from {t}runtime_equivalence import CASES",  # 2
+            f"import {t}precision as precision",  # 3
+            "from tests import test_nodes, helpers",  # 4
+            "from .test_launchers import ROOT",  # 5: relative
+            "def f():",
+            f"    from {t}checkpoint_layouts import TP_PLAN",  # 7: inside a function
+            f"    return run('{t}recompute:worker', '{t}planted:own')",  # 8: a launch; itself, fine
+        ]
+    )
+    sources["benchmarks/planted.py"] = f"import os\nimport {t}gpu\n"
+    assert imports_of_test_modules(sources) == [
+        "benchmarks/planted.py:2 imports tests.test_gpu",
+        "tests/test_planted.py:2 imports tests.test_runtime_equivalence",
+        "tests/test_planted.py:3 imports tests.test_precision",
+        "tests/test_planted.py:4 imports tests.test_nodes",
+        "tests/test_planted.py:5 imports tests.test_launchers",
+        "tests/test_planted.py:7 imports tests.test_checkpoint_layouts",
+        "tests/test_planted.py:8 imports tests.test_recompute",
+    ]

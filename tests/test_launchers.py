@@ -2,34 +2,21 @@
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers.launch import ROOT, run_command
+
 pytestmark = pytest.mark.slow
-
-
-def run(args: list[str], tmp_path: Path, timeout: float = 240) -> str:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT", "RANK"):
-        env.pop(var, None)
-    proc = subprocess.run(
-        args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout, start_new_session=True
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    return out
 
 
 def test_plain_script_uses_lightnings_launcher(tmp_path: Path) -> None:
     """`python examples/digits.py`: Lightning starts rank 1 itself; torchmetrics accuracy comes back on rank 0."""
-    out = run([sys.executable, str(ROOT / "examples" / "digits.py"), "--epochs", "2"], tmp_path)
+    out = run_command([sys.executable, str(ROOT / "examples" / "digits.py"), "--epochs", "2"], tmp_path)
     assert "AvgPipe: 2 stages" in out
     accuracy = float(re.search(r"test accuracy ([0-9.]+)", out).group(1))  # type: ignore[union-attr]
     assert accuracy > 0.7, out[-2000:]
@@ -37,7 +24,7 @@ def test_plain_script_uses_lightnings_launcher(tmp_path: Path) -> None:
 
 def test_torchrun(tmp_path: Path) -> None:
     torchrun = Path(sys.executable).with_name("torchrun")
-    out = run(
+    out = run_command(
         [
             str(torchrun),
             "--nproc_per_node",
@@ -77,7 +64,7 @@ CLI = [
 
 
 def test_cli_class_path_flags(tmp_path: Path) -> None:
-    out = run(
+    out = run_command(
         [
             sys.executable,
             *CLI,
@@ -96,7 +83,7 @@ def test_cli_class_path_flags(tmp_path: Path) -> None:
 
 
 def test_cli_strategy_name(tmp_path: Path) -> None:
-    out = run(
+    out = run_command(
         [sys.executable, *CLI, "--trainer.default_root_dir", str(tmp_path), "--trainer.strategy", "avgpipe"], tmp_path
     )
     assert "schedule=1f1b, num_microbatches=4" in out, out[-2000:]  # the registered defaults: 2 x stages

@@ -288,9 +288,9 @@ def test_a_large_model_built_whole_gets_a_note_suggesting_configure_model(monkey
 def test_a_model_built_in_configure_model_splits_by_a_tensor_parallel_plan() -> None:
     """T = 2 on one stage: the plan splits the layers on the meta device, each rank makes only its shards real (counted
     after the run), and training equals one process's."""
+    from tests.helpers.checkpoints import TP_PLAN
     from tests.helpers.equivalence import assert_matches, run_lightning
     from tests.helpers.models import make_layers
-    from tests.test_checkpoint_layouts import TP_PLAN
 
     out = Path(tempfile.mkdtemp())
     strategy = {"num_stages": 1, "num_microbatches": 2, "tensor_parallel_size": 2, "tensor_parallel_plan": TP_PLAN}

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
+from tests.helpers.checkpoints import PLAIN_ORDER, STEPS, TP, TP_PLAN, assert_states_close, fit_with_checkpoints
 from tests.helpers.harness import ROOT, free_port, launch_ranks
-from tests.test_checkpoint_layouts import PLAIN_ORDER, STEPS, TP, TP_PLAN, _close, _fit
 
 STRATEGY = {**TP, "tensor_parallel_plan": TP_PLAN}
 MODEL = {"optimizer": "adam", "lr": 0.01}
@@ -40,12 +40,12 @@ def _check(out: Path, plain: dict[str, torch.Tensor], environment: str) -> None:
         assert (node, group, stage, shard) == (r // 2, 0, r // 2, r % 2), result["place"]
         assert [t // 2 for t in tensor_ranks] == [node, node]  # the tensor group: this node's two ranks
     state = torch.load(out / "final.ckpt", weights_only=True)["state_dict"]
-    _close({k: v for k, v in state.items() if k.startswith("layers.")}, plain)
+    assert_states_close({k: v for k, v in state.items() if k.startswith("layers.")}, plain)
 
 
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
-    _, model = _fit(tmp_path_factory.mktemp("plain"), STEPS)
+    _, model = fit_with_checkpoints(tmp_path_factory.mktemp("plain"), STEPS)
     return model.state_dict()
 
 

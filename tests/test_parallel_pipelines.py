@@ -8,17 +8,12 @@ from typing import Any
 import pytest
 import torch
 
+from tests.helpers.checkpoints import replicas_from_checkpoint
 from tests.helpers.distributed import run_distributed
 from tests.helpers.equivalence import final_state, run_lightning
 from tests.helpers.lit import reference, reference_elastic
 
 pytestmark = pytest.mark.slow
-
-
-def replicas_from_checkpoint(path: Path) -> dict[tuple[int, int], list[dict[str, torch.Tensor]]]:
-    """(global rank) -> per replica, the stage's layer states, from the checkpoint's optimizer entry."""
-    state = torch.load(path, weights_only=False)["optimizer_states"][0]
-    return {rank: entry["replicas"] for rank, entry in enumerate(state["avgpipe_ranks"])}
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam", "adamw"])

@@ -17,8 +17,8 @@ from lightning_avgpipe.runtime.recompute import check_matches, layer_mask, stage
 from lightning_avgpipe.runtime.topology import Topology
 from tests.helpers.distributed import run_distributed
 from tests.helpers.equivalence import assert_matches, run_lightning
+from tests.helpers.executor import cases_worker, reference
 from tests.helpers.models import make_batch
-from tests.test_runtime_equivalence import _cases_worker, reference
 
 
 def _dropout_layers() -> list[nn.Module]:
@@ -90,13 +90,14 @@ def test_bad_specs_and_layers_are_named() -> None:
 def test_two_stages_with_checkpointing_match_plain_training() -> None:
     """Every layer (tuples and an int tensor cross the checkpointed Fork and Join), or the Linear layers only, under
     1F1B, AFAB and advance forwards."""
-    # test_runtime_equivalence's cases: (schedule, partition, M, batch sizes, batched p2p, k, checkpointing)
+    # stage_worker's cases (tests/helpers/executor.py): (schedule, partition, M, batch sizes, batched p2p, k,
+    # checkpointing)
     cases = [
         ("1f1b", [3, 3], 4, None, False, 0, True),
         ("afab", [1, 5], 3, None, False, 0, ("Linear",)),
         ("advance", [3, 3], 4, None, False, 2, True),
     ]
-    got = run_distributed(_cases_worker, 2, cases, timeout=100)
+    got = run_distributed(cases_worker, 2, cases, timeout=100)
     for index, case in enumerate(cases):
         ref_losses, ref_states = reference(case[2])
         torch.testing.assert_close(torch.tensor(got[1][index]["losses"]), torch.tensor(ref_losses))

@@ -239,7 +239,7 @@ def test_two_stages_write_their_own_stage_resume_exactly_and_move_to_one_device(
 def test_tensor_shards_and_replicas_resume_exactly_from_a_folder(tmp_path: Path) -> None:
     """T = 2 on one stage with N = 2 elastic replicas (2 ranks): tensors saved as their shards, each rank's replicas
     and optimizers under its rank; a resume in the same layout continues bit for bit."""
-    from tests.test_checkpoint_layouts import TP_PLAN
+    from tests.helpers.checkpoints import TP_PLAN
 
     strategy = {"num_stages": 1, "num_microbatches": 2, "num_pipelines": 2, "tensor_parallel_size": 2}
     strategy.update(tensor_parallel_plan=TP_PLAN, save_distributed_checkpoint=True)  # type: ignore[arg-type]

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers.distributed import run_distributed
-from tests.test_runtime_equivalence import reference
+from tests.helpers.executor import reference
 
 STEPS = 3
 UNSPLIT = {"zbh1": "1f1b", "zbadvance": "advance"}

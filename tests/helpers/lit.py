@@ -1,4 +1,5 @@
-"""A pipeline-ready LightningModule for tests, and the plain-PyTorch reference it must match."""
+"""A pipeline-ready LightningModule for tests, and the plain-PyTorch references it must match (float32, float16 with
+a GradScaler, N elastic replicas)."""
 
 from __future__ import annotations
 
@@ -216,6 +217,30 @@ def epoch_batches(
         (data.tensors[0][order[i : i + batch_size]], data.tensors[1][order[i : i + batch_size]])
         for i in range(0, len(order), batch_size)
     ]
+
+
+def fp16_reference(steps: int, m: int, overflow_at: int | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """PipeNet's layers in one process: float16 autocast around forward and loss, the loss scaled per micro-batch,
+    SGD through ``torch.amp.GradScaler("cpu")``; ``overflow_at``: that step's first weight gets an inf gradient."""
+    layers = nn.Sequential(*make_layers())
+    opt = torch.optim.SGD(layers.parameters(), lr=0.1, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu")
+    batches = epoch_batches(0) + epoch_batches(1)
+    scales = []
+    for step in range(steps):
+        x, y = batches[step]
+        handle = layers[0].weight.register_hook(lambda g: g * float("inf")) if step == overflow_at else None
+        for mx, my in zip(microbatch.split(x, m), microbatch.split(y, m)):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.cross_entropy(layers(mx), my) * (len(mx) / len(x))
+            scaler.scale(loss).backward()
+        if handle is not None:
+            handle.remove()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        scales.append(float(scaler.get_scale()))
+    return scales, {f"layers.{k}": v for k, v in layers.state_dict().items()}
 
 
 def reference_elastic(
