@@ -248,9 +248,3 @@ def check_same_placement(old: PipelineConfig, new: PipelineConfig) -> None:
             f"{old.schedule!r} ({old.chunks_per_rank}): the model is cut for the old placement. Start a new fit with "
             f"AvgPipeStrategy(schedule={new.schedule!r})."
         )
-
-
-def placed_by(costs: tuple[float, float, float]) -> str:
-    """``placed by F:I:W = 1:1.12:0.63``: the measured costs a chunked plan was placed by, scaled to F = 1."""
-    f = costs[0]
-    return "placed by F:I:W = " + ":".join(f"{c / f:.3g}" for c in costs)

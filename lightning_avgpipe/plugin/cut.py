@@ -15,7 +15,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_avgpipe.config import PipelineConfig, placed_by
+from lightning_avgpipe.config import PipelineConfig
 from lightning_avgpipe.plugin import tensor
 from lightning_avgpipe.plugin.contract import pipeline_layers
 from lightning_avgpipe.plugin.placeholders import Guard
@@ -39,7 +39,7 @@ from lightning_avgpipe.runtime.recompute import check_matches
 from lightning_avgpipe.runtime.ties import TiedWeights, tie_groups
 from lightning_avgpipe.runtime.topology import Topology
 from lightning_avgpipe.schedules.chunks import stages_of
-from lightning_avgpipe.schedules.generate import schedule_layout
+from lightning_avgpipe.schedules.generate import placed_by, schedule_layout
 
 
 @dataclass(frozen=True)

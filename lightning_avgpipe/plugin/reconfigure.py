@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from lightning_avgpipe.config import PipelineConfig, check_same_placement, placed_by
-from lightning_avgpipe.schedules.generate import reads_k
+from lightning_avgpipe.config import PipelineConfig, check_same_placement
+from lightning_avgpipe.schedules.generate import placed_by, reads_k
 
 
 def next_config(

@@ -476,3 +476,9 @@ def _check_sizes(num_stages: int, num_units: int, advance_forwards: int) -> None
         raise ValueError(f"num_units={num_units!r} must be an int >= 1 (micro-batches times replicas).")
     if not isinstance(advance_forwards, int) or advance_forwards < 0:
         raise ValueError(f"advance_forwards={advance_forwards!r} must be an int >= 0 (0 gives 1F1B).")
+
+
+def placed_by(costs: tuple[float, float, float]) -> str:
+    """``placed by F:I:W = 1:1.12:0.63``: the measured costs a chunked plan was placed by, scaled to F = 1."""
+    f = costs[0]
+    return "placed by F:I:W = " + ":".join(f"{c / f:.3g}" for c in costs)

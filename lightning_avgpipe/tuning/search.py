@@ -10,9 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_avgpipe.config import placed_by
 from lightning_avgpipe.schedules import max_advance_forwards
-from lightning_avgpipe.schedules.generate import CHUNKED, reads_k
+from lightning_avgpipe.schedules.generate import CHUNKED, placed_by, reads_k
 from lightning_avgpipe.tuning.model import PipelineProfile, Prediction, divisors, predict
 
 DEFAULT_MAX_PIPELINES = 8
