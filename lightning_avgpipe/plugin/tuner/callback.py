@@ -12,7 +12,7 @@ import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
@@ -32,6 +32,9 @@ from lightning_avgpipe.tuning.search import (
     candidate_pipelines,
     check_averaging,
 )
+
+if TYPE_CHECKING:
+    from lightning_avgpipe.plugin.strategy import AvgPipeStrategy
 
 
 class AvgPipeTuner(Callback):
@@ -171,13 +174,6 @@ class AvgPipeTuner(Callback):
             return
         started = time.perf_counter()
         base = (strategy.pipeline.num_microbatches, strategy.config.num_pipelines, strategy.config.averaging)
-        one_model = isinstance(strategy.precision_plugin, PipelineMixedPrecision)
-        if self.retuner is not None or one_model:
-            averaging = ["exact"]  # one model per stage: its optimizer survives a new N, its scaler unscales it
-        elif self.averaging is not None:
-            averaging = check_averaging(self.averaging)
-        else:
-            averaging = ["exact", "elastic"] if self.objective == "goodput" else [strategy.config.averaging]
         table = tune(
             strategy,
             trainer,
@@ -186,24 +182,12 @@ class AvgPipeTuner(Callback):
             self.num_microbatches,
             self.profile_steps,
             objective=self.objective,
-            averaging=averaging,
+            averaging=self._averaging(strategy),
             weigh_split=self.retune_every_n_steps is None,  # a retune reads the noise scale, which a split hides
         )
         self.table, self.profile = table, table.profile
-        choice = table.choice
-        assert choice is not None
         if self.apply:
-            k = choice.advance_forwards if reads_k(choice.schedule) else None
-            strategy.reconfigure(
-                num_microbatches=choice.num_microbatches,
-                num_pipelines=choice.num_pipelines,
-                advance_forwards=k,
-                averaging=choice.averaging if choice.num_pipelines * strategy.topology.num_groups > 1 else None,
-                schedule=choice.schedule if choice.schedule != strategy.config.schedule else None,
-                schedule_costs=choice.schedule_costs,
-            )
-            if table.notes.get("activation_checkpointing"):  # "auto", and nothing fitted without it
-                strategy.controller.set_recompute([True] * len(strategy.pipeline.layers))
+            _apply(strategy, table)
         if self.retuner is not None:
             self.retuner.start(trainer, strategy, table, base)
         self.seconds = time.perf_counter() - started
@@ -219,6 +203,14 @@ class AvgPipeTuner(Callback):
             rank_zero_info(f"AvgPipeTuner ({self.seconds:.1f} s): " + summary)
         for logger in trainer.loggers:
             logger.log_metrics(table.metrics(), step=0)
+
+    def _averaging(self, strategy: AvgPipeStrategy) -> list[str]:
+        """The ways to combine N batches the search weighs."""
+        if self.retuner is not None or isinstance(strategy.precision_plugin, PipelineMixedPrecision):
+            return ["exact"]  # one model per stage: its optimizer survives a new N, its scaler unscales it
+        if self.averaging is not None:
+            return check_averaging(self.averaging)
+        return ["exact", "elastic"] if self.objective == "goodput" else [strategy.config.averaging]
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.retuner is not None and self.retuner.plan is None and resuming_from(trainer) is not None:
@@ -293,6 +285,22 @@ class AvgPipeTuner(Callback):
             logger.log_metrics(
                 {"tuner/calibration_factor": factor, "tuner/measured_step_time_s": measured}, step=trainer.global_step
             )
+
+
+def _apply(strategy: AvgPipeStrategy, table: TuningTable) -> None:
+    """Run the table's choice (every rank alike)."""
+    choice = table.choice
+    assert choice is not None
+    strategy.reconfigure(
+        num_microbatches=choice.num_microbatches,
+        num_pipelines=choice.num_pipelines,
+        advance_forwards=choice.advance_forwards if reads_k(choice.schedule) else None,
+        averaging=choice.averaging if choice.num_pipelines * strategy.topology.num_groups > 1 else None,
+        schedule=choice.schedule if choice.schedule != strategy.config.schedule else None,
+        schedule_costs=choice.schedule_costs,
+    )
+    if table.notes.get("activation_checkpointing"):  # "auto", and nothing fitted without it
+        strategy.controller.set_recompute([True] * len(strategy.pipeline.layers))
 
 
 def _write(table: TuningTable, out: Path) -> dict[str, Path]:
