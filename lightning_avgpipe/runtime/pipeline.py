@@ -281,9 +281,8 @@ class StagePipeline:
             self.executor.weight_grads = None
         if config.num_pipelines == old.num_pipelines and config.averaging == old.averaging:
             return False
-        if old.one_model(self.topology.num_groups) and config.one_model(
-            self.topology.num_groups
-        ):  # exact under another N: the same one model and optimizer
+        groups = self.topology.num_groups
+        if old.one_model(groups) and config.one_model(groups):  # exact under another N: the same model and optimizer
             return False
         self.replicas.elastic.wait()
         self.replicas = self._make_replicas(config, self.device, self.chunks, self.ties)
