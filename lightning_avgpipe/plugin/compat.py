@@ -16,7 +16,7 @@ Private state read or written (each a function or class below; Lightning 2.6):
 - ``rebuild_train_dataloader(trainer)``: the same, then ``fit_loop.setup_data()`` and the sampler's epoch
   (``_set_sampler_epoch``). Used by: ``plugin/tuner/retune.py``.
 - ``attached_trainer(module)``: ``LightningModule._trainer``. Used by: ``plugin/checkpoint_hooks.py``,
-  ``plugin/split.py``, ``plugin/tuner_surface.py``.
+  ``plugin/process.py``, ``plugin/split.py``, ``plugin/tuner_surface.py``.
 - ``request_train_dataloader(trainer)``: ``trainer.fit_loop._data_source.dataloader()``. Used by:
   ``plugin/tuner/run.py``, ``plugin/split.py``.
 - ``stop_before_training(trainer)``: the epoch loop's ``max_steps = 0`` (``fit_loop.epoch_loop``, a loop's

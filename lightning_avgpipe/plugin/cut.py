@@ -13,11 +13,12 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_avgpipe.config import PipelineConfig
 from lightning_avgpipe.plugin import tensor
 from lightning_avgpipe.plugin.contract import pipeline_layers
+from lightning_avgpipe.plugin.hints import holding_warning
 from lightning_avgpipe.plugin.placeholders import Guard
 from lightning_avgpipe.plugin.split import (
     SplitModule,
@@ -30,7 +31,6 @@ from lightning_avgpipe.plugin.split import (
     own_layers,
     shared_across_stages,
     split_module,
-    suggest_configure_model,
 )
 from lightning_avgpipe.runtime.failures import guarded
 from lightning_avgpipe.runtime.init_record import InitRecord
@@ -90,13 +90,20 @@ def cut_module(
         ties = tie_groups(shared, topology, config.timeout, layout.rank_of)
     announce_shared(shared, layout.rank_of)
     mine = stages_of(topology.stage, topology.num_stages, v, layout.placement)
+    if first:  # a rank holding far more than it runs (the model built whole): said once, for every rank
+        held = holding_warning(
+            module,
+            layers,
+            sizes,
+            [stages_of(r, topology.num_stages, v, layout.placement) for r in range(topology.num_stages)],
+        )
+        if held is not None:
+            rank_zero_warn(held)
     shards: list[Shard] = []
     if deferred:  # this rank's stages (and what lies outside every layer) made real, with one process's values
         owned = own_layers(module, layers, sizes, mine)  # split over the tensor group first: shards only
         shards = tensor.apply(owned, plan, topology, module, on_meta=True)
         materialize_own(module, layers, sizes, mine, inputs.records, inputs.device, forward_note, shards)
-    else:
-        suggest_configure_model(module)
     # a model built whole comes back whole into rank 0's module after a run (plugin/whole.py)
     whole_after_run = not deferred and config.tensor_parallel_size == 1 and topology.num_stages > 1
     split = split_module(module, layers, sizes, mine, inputs.guard, whole_after_run and first)

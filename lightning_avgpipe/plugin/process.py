@@ -26,8 +26,11 @@ from lightning_avgpipe.plugin.compat import (
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
     _sync_ddp_if_available,
+    attached_trainer,
 )
+from lightning_avgpipe.plugin.hints import note_setup_order
 from lightning_avgpipe.plugin.launcher import note_failure, short_errors, watch_launcher
+from lightning_avgpipe.runtime import console
 from lightning_avgpipe.runtime.failures import guarded, handle_failure
 from lightning_avgpipe.runtime.shutdown import close_at_exit, mark_failed
 from lightning_avgpipe.runtime.watchdog import Watchdog
@@ -79,6 +82,9 @@ class ProcessStrategy(ScriptLaunchedStrategy):
         assert self.cluster_environment is not None
         _init_dist_connection(self.cluster_environment, backend, timeout=timedelta(seconds=self._process_group_timeout))
         close_at_exit(self)  # a gloo group still alive when the interpreter finalizes can abort it (SIGABRT)
+        trainer = attached_trainer(self.lightning_module)
+        if trainer is not None:  # the short errors' tracebacks: in the log directory (a collective, rank 0's)
+            console.set_folder(trainer.log_dir or trainer.default_root_dir)
 
     def close(self) -> None:
         """Called once at interpreter exit, before the process groups are destroyed: drop every reference to a
@@ -103,6 +109,7 @@ class ProcessStrategy(ScriptLaunchedStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        note_setup_order(exception, self.lightning_module)  # setup() reading what configure_model() builds
         if _distributed_is_initialized():  # recorded for every rank to name; see docs/how-it-works.md#failure-handling
             handle_failure(exception, self.failure_site(), self.global_rank, self.world_size)
         mark_failed()  # at exit, leave the groups be: destroying one could wait on a rank that is gone
@@ -111,7 +118,17 @@ class ProcessStrategy(ScriptLaunchedStrategy):
     @override
     def teardown(self) -> None:
         self.stop_watchdog()
-        super().teardown()
+        module = self.lightning_module
+        if module is None or not any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+            super().teardown()
+            return
+        # A build that failed left tensors on the meta device: Lightning's module.cpu() would raise "Cannot copy out
+        # of meta tensor" over the error that ended the run. The module stays where it is.
+        module.cpu = lambda: module  # type: ignore[method-assign]
+        try:
+            super().teardown()
+        finally:
+            del module.cpu
 
     @property
     @override

@@ -28,10 +28,12 @@ from lightning_avgpipe.partition import partition_layers
 from lightning_avgpipe.plugin import compat
 from lightning_avgpipe.plugin.contract import check_forward, locate, pipeline_inputs
 from lightning_avgpipe.plugin.data import peek
+from lightning_avgpipe.plugin.hints import build_step, meta_build_error
 from lightning_avgpipe.plugin.kept import Kept
 from lightning_avgpipe.plugin.placeholders import Anchor, Elsewhere, Guard, guard_layers
 from lightning_avgpipe.plugin.resume import checkpoint_layout
 from lightning_avgpipe.plugin.second_paths import announce_second_paths, second_paths
+from lightning_avgpipe.runtime.console import mark
 from lightning_avgpipe.runtime.init_record import InitRecord
 from lightning_avgpipe.runtime.materialize import Materialized, Shard, materialize
 from lightning_avgpipe.shards import is_dtensor
@@ -177,18 +179,19 @@ def split_module(
 @contextmanager
 def recorded_build(precision_context: ContextManager[Any], records: list[InitRecord]) -> Iterator[None]:
     """Build on the meta device under ``precision_context`` (the precision's default dtype), recording the build
-    into ``records``; a value read there (``.item()``, ``if`` on a tensor) fails saying why and what to do."""
+    into ``records``; a value read there (``.item()``, ``if`` on a tensor) or ``from_pretrained`` fails saying why and
+    what to do (``plugin/hints.py``), and any error of the build is said in short (``runtime/console.py``)."""
     record = InitRecord()
     try:
         with torch.device("meta"), precision_context, record:
             yield
-    except (NotImplementedError, RuntimeError) as err:
-        if "meta" in str(err).lower():
-            raise RuntimeError(
-                f"{err}\nAvgPipe builds configure_model() (and trainer.init_module() blocks) on the meta device, "
-                "where tensors have shapes but no values: compute values you need in Python there (.item(), "
-                "tolist(), if on a tensor) under `with torch.device('cpu'):`, or outside the block."
-            ) from err
+    except Exception as err:  # said in short, the user's message first (runtime/console.py)
+        step = build_step(err)
+        said = meta_build_error(err)
+        if said is not None:
+            mark(said, step)
+            raise said from err
+        mark(err, step)
         raise
     records.append(record)
 
@@ -284,22 +287,6 @@ def _size(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GiB"
-
-
-LARGE_MODEL_BYTES = 1 << 30
-"""A model built whole on every rank at least this large gets a note suggesting ``configure_model``."""
-
-
-def suggest_configure_model(module: nn.Module) -> None:
-    """Log, for a model built whole (in ``__init__``) of at least :data:`LARGE_MODEL_BYTES`, that building it in
-    ``configure_model`` makes each rank hold only its own stages."""
-    every = {id(t): t for t in [*module.parameters(), *module.buffers()]}
-    total = sum(t.nbytes for t in every.values())
-    if total >= LARGE_MODEL_BYTES:
-        rank_zero_info(
-            f"AvgPipe: the model ({_size(total)}) was built whole on every rank; build its layers in configure_model() "
-            "instead and each rank makes only its own stages real (docs/guide.md, 'A model larger than one device')."
-        )
 
 
 def check_layer_count(num_layers: int, stages: int, stages_per_rank: int = 1) -> None:

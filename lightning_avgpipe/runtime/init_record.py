@@ -20,6 +20,8 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from lightning_avgpipe.runtime.console import user_site
+
 # calls that read a tensor's metadata, or switch autograd: nothing to replay
 _QUERIES = frozenset(
     {
@@ -74,6 +76,7 @@ class Step:
     kwargs: dict[str, Any]
     out: Any
     always: bool = False  # a call on the generator itself (a seeding, a state set): replayed whatever it touches
+    site: str | None = None  # the user's line that asked for it (record_step), named if its replay fails
 
     @property
     def name(self) -> str:
@@ -167,7 +170,7 @@ def record_step(func: Callable[..., Any], args: tuple[Any, ...]) -> None:
             "model has real tensors."
         )
     before = _snapshot(args)
-    _ACTIVE[-1].steps.append(Step(func, before, {}, before[0]))
+    _ACTIVE[-1].steps.append(Step(func, before, {}, before[0], site=user_site()))
 
 
 @contextlib.contextmanager

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten, tree_map
 
+from lightning_avgpipe.runtime.console import mark
 from lightning_avgpipe.runtime.init_record import InitRecord, Step, rng_state, same_rng, set_rng_state, storage_key
 
 # factories that give no values
@@ -106,7 +107,11 @@ def materialize(
             replay = _Replay(record, kept, device, report, split)
             torch.set_default_dtype(record.dtype)
             for i, step in enumerate(record.steps):
-                replay.run(i, step)
+                try:
+                    replay.run(i, step)
+                except Exception as err:  # said in short, the user's message first (runtime/console.py)
+                    mark(err, "configure_model()'s build, replayed at setup", step.site)
+                    raise
             replay.place(len(record.steps))
             _trim_heap()
             _install(module, named, replay)
