@@ -5,6 +5,8 @@ are replaced by the record under test."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from lightning_avgpipe.runtime import failures
@@ -80,17 +82,18 @@ def test_a_placeholder_refuses_to_pass_for_the_whole_model_after_the_run() -> No
 
 
 def test_a_mistake_this_package_names_is_a_few_lines_and_its_traceback_goes_to_a_file(
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """runtime/console.py: raised by the package's own check, the message and where it came from, the traceback in
-    the file the last line names; an error of the user's own code (raised outside the package) is left alone."""
+    the file the last line names (in the current directory when no trainer set a log directory); an error of the
+    user's own code (raised outside the package) is left alone."""
     import re
     import sys
-    from pathlib import Path
 
     from lightning_avgpipe.config import check_partition
     from lightning_avgpipe.runtime.console import print_short
 
+    monkeypatch.chdir(tmp_path)
     try:
         check_partition([1, 2], 6, 2, 1)
     except ValueError:
@@ -101,6 +104,7 @@ def test_a_mistake_this_package_names_is_a_few_lines_and_its_traceback_goes_to_a
     assert len(said) == 2 and said[0].startswith("ValueError: partition=[1, 2] sums to 3"), said
     assert "raised at lightning_avgpipe/config.py:" in said[1] and "test_failure_messages.py:" in said[1], said
     path = Path(re.search(r"the full traceback: (\S+)\)", said[1]).group(1))  # type: ignore[union-attr]
+    assert path.parent == tmp_path.resolve()
     assert "Traceback (most recent call last)" in path.read_text() and "check_partition" in path.read_text()
     try:
         raise ValueError("the user's own")

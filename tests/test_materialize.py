@@ -270,20 +270,6 @@ def test_a_model_built_in_configure_model_trains_as_one_device(devices: int, par
     assert_matches(out, results, 2, **adam)
 
 
-def test_a_large_model_built_whole_gets_a_note_suggesting_configure_model(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lightning_avgpipe.plugin import split
-
-    said: list[str] = []
-    monkeypatch.setattr(split, "rank_zero_info", said.append)
-    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))  # 33,280 bytes of parameters
-    monkeypatch.setattr(split, "LARGE_MODEL_BYTES", 40_000)
-    split.suggest_configure_model(model)
-    assert said == []  # under the threshold: nothing said
-    monkeypatch.setattr(split, "LARGE_MODEL_BYTES", 30_000)
-    split.suggest_configure_model(model)
-    assert len(said) == 1 and "the model (32.5 KiB) was built whole on every rank; build its layers in" in said[0]
-
-
 @pytest.mark.slow
 def test_a_model_built_in_configure_model_splits_by_a_tensor_parallel_plan() -> None:
     """T = 2 on one stage: the plan splits the layers on the meta device, each rank makes only its shards real (counted

@@ -102,10 +102,10 @@ def _run(tmp_path: Path, where: str, csv: bool = False) -> tuple[int, str]:
 def test_an_error_inside_configure_model_is_said_in_short_with_its_traceback_in_the_log_directory(
     tmp_path: Path, csv: bool
 ) -> None:
-    """A wrong path given to load_pretrained in configure_model, on 2 ranks: at most 15 lines on the console (Lightning's
-    banner included), the user's message on the first line of the error and nowhere a traceback or the teardown's
-    "Cannot copy out of meta tensor"; each rank's traceback in a file under the log directory (the logger's version
-    folder, else default_root_dir), which the message names."""
+    """A wrong path given to load_pretrained in configure_model, on 2 ranks: at most 15 lines on the console
+    (Lightning's banner included), the user's message on the first line of the error and nowhere a traceback or the
+    teardown's "Cannot copy out of meta tensor"; each rank's traceback in a file under the log directory (the
+    logger's version folder, else default_root_dir), which the message names."""
     code, out = _run(tmp_path, "bad_path", csv)
     lines = out.splitlines()
     assert code == 1 and len(lines) <= 15, out
@@ -254,7 +254,9 @@ def test_a_labelled_error_of_the_users_is_said_in_short_with_its_traceback_in_th
     said = capsys.readouterr().err.splitlines()
     assert said[0] == "KeyError: 'my own mistake'", said
     path = tmp_path / "logs" / f"lightning_avgpipe-traceback-rank{os.environ.get('RANK', '0')}-pid{os.getpid()}.txt"
-    assert len(said) == 2 and said[1].startswith("(raised in configure_model(), at ") and said[1].endswith(
-        f"; the full traceback: {path})"
+    assert (
+        len(said) == 2
+        and said[1].startswith("(raised in configure_model(), at ")
+        and said[1].endswith(f"; the full traceback: {path})")
     ), said
     assert "in configure_model" in path.read_text()
