@@ -155,27 +155,27 @@ def test_the_holding_warning_weighs_what_a_rank_holds_against_what_it_runs(monke
     model = _model()
     layers, sizes = list(model), [2, 2]
     monkeypatch.setattr(hints, "HELD_MIN_BYTES", 0)
-    said = hints.holding_warning(model, layers, sizes, [[0], [1]])
+    said = hints.holding_warning(model, layers, sizes, {0: [0], 1: [1]})
     assert said is not None and said.startswith(
         "AvgPipe: every rank holds the whole model (65.0 KiB) and runs only its own stages of it "
         "(rank 0: 32.5 KiB, rank 1: 32.5 KiB): build the model in configure_model()"
     ), said
     assert "lightning_avgpipe.load_pretrained (docs/guide.md#a-model-larger-than-one-device)" in said
-    one = hints.holding_warning(model, layers, [3, 1], [[0], [1]])  # rank 0 runs 3/4: under 1.5 times
+    one = hints.holding_warning(model, layers, [3, 1], {0: [0], 1: [1]})  # rank 0 runs 3/4: under 1.5 times
     assert one == (
         "AvgPipe: rank 1 holds the whole model (65.0 KiB) and runs 16.2 KiB of it: build the model in "
         "configure_model(), and load weights with lightning_avgpipe.load_pretrained "
         "(docs/guide.md#a-model-larger-than-one-device); each rank then holds only what it runs."
     ), one
     monkeypatch.setattr(hints, "HELD_MIN_BYTES", 40_000)  # rank 1's 49,920 extra bytes are over, rank 0's under
-    assert hints.holding_warning(model, layers, sizes, [[0], [1]]) is None
-    assert hints.holding_warning(model, layers, [3, 1], [[0], [1]]) == one
+    assert hints.holding_warning(model, layers, sizes, {0: [0], 1: [1]}) is None
+    assert hints.holding_warning(model, layers, [3, 1], {0: [0], 1: [1]}) == one
     monkeypatch.setattr(hints, "HELD_MIN_BYTES", 0)
     with torch.device("meta"):
         late = _model()
-    assert hints.holding_warning(late, list(late), sizes, [[0], [1]]) is None
+    assert hints.holding_warning(late, list(late), sizes, {0: [0], 1: [1]}) is None
     late[0] = nn.Linear(64, 64)  # one layer on a real device on every rank: rank 1 holds it too, 2 of 3 it runs
-    partly = hints.holding_warning(late, list(late), sizes, [[0], [1]])
+    partly = hints.holding_warning(late, list(late), sizes, {0: [0], 1: [1]})
     assert partly is None  # 49,920 held against 33,280 run: exactly 1.5 times, not over
 
 

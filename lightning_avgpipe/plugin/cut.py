@@ -91,12 +91,9 @@ def cut_module(
     announce_shared(shared, layout.rank_of)
     mine = stages_of(topology.stage, topology.num_stages, v, layout.placement)
     if first:  # a rank holding far more than it runs (the model built whole): said once, for every rank
-        held = holding_warning(
-            module,
-            layers,
-            sizes,
-            [stages_of(r, topology.num_stages, v, layout.placement) for r in range(topology.num_stages)],
-        )
+        S = topology.num_stages  # each place's rank in the first pipeline group (shard 0) stands for the others
+        ranks = {topology.rank_of(0, s): stages_of(s, S, v, layout.placement) for s in range(S)}
+        held = holding_warning(module, layers, sizes, ranks)
         if held is not None:
             rank_zero_warn(held)
     shards: list[Shard] = []

@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import inspect
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
 import lightning.pytorch as pl
 from torch import nn
-
-from lightning_avgpipe.runtime.failures import name_first_failure
 
 HELD_RATIO = 1.5
 """A rank holding more than this times the bytes it runs (its stages and what lies outside every layer) is warned."""
@@ -40,10 +38,10 @@ def _size(n: float) -> str:
 
 
 def holding_warning(
-    module: nn.Module, layers: Sequence[nn.Module], sizes: Sequence[int], stages: Sequence[Sequence[int]]
+    module: nn.Module, layers: Sequence[nn.Module], sizes: Sequence[int], stages: Mapping[int, Sequence[int]]
 ) -> str | None:
     """What rank 0 says when a rank holds far more of ``module`` than it runs, or ``None``; ``stages[r]``: the model
-    stages rank ``r`` of a pipeline runs (``sizes`` layers per model stage).
+    stages rank ``r`` runs (``sizes`` layers per model stage), for one rank of each place in the pipeline.
 
     Computed before this rank makes its own stages real: every rank built the same module (the same script), so
     what is already on a real device is the same on every rank, and rank ``r`` will hold that plus its own stages.
@@ -56,7 +54,7 @@ def holding_warning(
     outside = set(every) - set().union(*of_layer)
     total = sum(nbytes.values())
     held_whole, lines = [], []
-    for rank, mine in enumerate(stages):
+    for rank, mine in stages.items():
         runs = outside.union(*(ids for ids, s in zip(of_layer, stage_of) if s in mine))
         held, ran = sum(nbytes[k] for k in real | runs), sum(nbytes[k] for k in runs)
         if held <= HELD_RATIO * ran or held - ran < HELD_MIN_BYTES:
@@ -158,9 +156,12 @@ def note_setup_order(exception: BaseException, module: Any) -> None:
         source = ""
     if source and not re.search(rf"\bself\.{name}\s*(:[^=]*)?=[^=]", source):
         return
-    name_first_failure(
-        exception,
+    note = (
         f"lightning_avgpipe: Lightning calls configure_model() after setup(), so `self.{name}`, which "
         "configure_model() builds, does not exist yet in setup(). Load its weights in configure_model(), right "
-        f"after building it (lightning_avgpipe.load_pretrained(self.{name}, path); {GUIDE}).",
+        f"after building it (lightning_avgpipe.load_pretrained(self.{name}, path); {GUIDE})."
     )
+    if hasattr(exception, "add_note"):  # Python 3.11+; before, the message itself
+        exception.add_note(note)
+    elif exception.args and isinstance(exception.args[0], str):
+        exception.args = (f"{exception.args[0]}\n{note}", *exception.args[1:])
