@@ -91,9 +91,10 @@ def test_a_mistake_this_package_names_is_a_few_lines_and_its_traceback_goes_to_a
     import sys
 
     from lightning_avgpipe.config import check_partition
-    from lightning_avgpipe.runtime.console import print_short
+    from lightning_avgpipe.runtime.console import print_short, set_folder
 
     monkeypatch.chdir(tmp_path)
+    set_folder(None)  # no log directory (an earlier Trainer of this process may have set one)
     try:
         check_partition([1, 2], 6, 2, 1)
     except ValueError:
