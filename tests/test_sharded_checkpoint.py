@@ -19,7 +19,7 @@ import torch
 
 from lightning_avgpipe import AvgPipeStrategy
 from lightning_avgpipe.plugin import sharded
-from lightning_avgpipe.runtime import torchfile
+from lightning_avgpipe.runtime import checksums, torchfile
 from tests.helpers.equivalence import run_lightning
 from tests.helpers.lit import PipeNet, loader, quiet_trainer
 
@@ -42,6 +42,14 @@ def assert_same(a: Any, b: Any, where: str = "") -> None:
             assert_same(x, y, f"{where}.{i}")
     else:
         assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def forge(folder: Path, name: str, data: bytes) -> None:
+    """Write ``data`` as the folder's file ``name`` and record its checksum in ``avgpipe.pt``, as a forger would."""
+    (folder / name).write_bytes(data)
+    meta = torch.load(folder / sharded.META, weights_only=True)
+    meta[sharded.FILES][name] = checksums.file_entry(folder / name, 0)
+    torch.save(meta, folder / sharded.META)
 
 
 def consolidated(folder: Path, out: Path) -> dict[str, Any]:
@@ -138,7 +146,7 @@ def test_incomplete_foreign_and_unsafe_folders_are_refused_by_name(tmp_path: Pat
     before = consolidated(good, tmp_path / "before.ckpt")
 
     # a save killed after every rank wrote, before rank 0's avgpipe.pt: the previous checkpoint stays whole
-    def killed(path: Path, meta: Any) -> None:
+    def killed(path: Path, meta: Any, files: Any = None) -> None:
         raise SystemExit("killed")
 
     monkeypatch.setattr(sharded, "finish", killed)
@@ -172,8 +180,8 @@ def test_incomplete_foreign_and_unsafe_folders_are_refused_by_name(tmp_path: Pat
             return (os.system, ("touch " + str(tmp_path / "pwned"),))
 
     unsafe = copy("unsafe")
-    (unsafe / sharded.DCP_META).write_bytes(pickle.dumps(Evil()))
-    with pytest.raises(ValueError, match=r"Refusing to load .*\((posix|os)\.system\)"):
+    forge(unsafe, sharded.DCP_META, pickle.dumps(Evil()))  # a forger rewrites the checksum too
+    with pytest.raises(ValueError, match=r"Refusing to load .*names (posix|os)\.system"):
         sharded.check_folder(unsafe)
     unsafe_meta = copy("unsafe_meta")
     buffer = io.BytesIO()

@@ -17,6 +17,7 @@ from lightning_avgpipe.microbatch import to_cpu
 from lightning_avgpipe.optim import ElasticOptimizer, hyperparameters
 from lightning_avgpipe.plugin import compat, sharded
 from lightning_avgpipe.plugin.optimizer_by_name import Names, load_by_name, named_groups, unsplit_names, unsplit_state
+from lightning_avgpipe.runtime import checksums
 from lightning_avgpipe.runtime.failures import guarded
 from lightning_avgpipe.runtime.pipeline import StagePipeline
 from lightning_avgpipe.shards import full, is_dtensor, like, to_local_tree
@@ -362,7 +363,10 @@ def save_atomically(
 ) -> None:
     """Write to a temporary file beside ``filepath`` (with ``checkpoint_io``, or ``write(tmp)``), then rename: a
     crash never leaves a half-written checkpoint. A remote path or ``AsyncCheckpointIO`` goes straight to the
-    checkpoint IO (:func:`local_path`)."""
+    checkpoint IO (:func:`local_path`). Written through the checkpoint IO, the file also holds each tensor's
+    checksum (``runtime/checksums.py``; ``write`` adds its own); a full disk is said as such."""
+    if write is None:
+        checkpoint = {**checkpoint, sharded.CHECKSUMS: checksums.tensor_checksums(checkpoint)}
     path = local_path(checkpoint_io, filepath)
     if path is None:
         checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
@@ -384,6 +388,11 @@ def save_atomically(
                 "Trainer(default_root_dir=...))."
             )
         os.replace(tmp, path)
+    except Exception as err:
+        full = sharded.no_space(err, tmp)
+        if full is None:
+            raise
+        raise full from None
     finally:
         if tmp.exists():
             tmp.unlink()
