@@ -80,11 +80,14 @@ def load_metadata(path: Path, trusted: bool = False) -> Any:
 
     Raises :class:`UnsafeCheckpointError` for a global outside :data:`ALLOWED`, and a ``ValueError`` saying the
     file is damaged for anything else that stops the read (a truncated file)."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
     data = (path / DCP_META).read_bytes()
     try:
         if trusted:
-            return pickle.loads(data)  # noqa: S301 - the user said the folder is theirs
-        return MetadataUnpickler(io.BytesIO(data)).load()
+            metadata = pickle.loads(data)  # noqa: S301 - the user said the folder is theirs
+        else:
+            metadata = MetadataUnpickler(io.BytesIO(data)).load()
     except _Refused as err:
         raise UnsafeCheckpointError(
             f"Refusing to load the checkpoint folder {path}: its {DCP_META} names {err}, which is not part of "
@@ -94,6 +97,11 @@ def load_metadata(path: Path, trusted: bool = False) -> Any:
         raise _damaged(path, err) from err
     except Exception as err:  # noqa: BLE001 - a truncated or garbled pickle fails in many ways
         raise _damaged(path, err) from err
+    if not isinstance(metadata, Metadata):
+        raise _damaged(path, TypeError(f"it holds a {type(metadata).__name__}, not DCP's Metadata"))
+    if not isinstance(metadata.state_dict_metadata, dict) or not isinstance(metadata.storage_data, dict):
+        raise _damaged(path, TypeError("its Metadata has no items"))
+    return metadata
 
 
 def _damaged(path: Path, err: BaseException) -> ValueError:
@@ -106,7 +114,7 @@ def _damaged(path: Path, err: BaseException) -> ValueError:
 def check_items(path: Path, metadata: Any, keys: Iterable[str], trusted: bool = False) -> None:
     """Before anything is read: each of ``keys`` is a tensor of the metadata, stored in a file of the folder as DCP
     names them, with no transform (a crafted ``.metadata`` could point anywhere, or ask for a pickle)."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
     for key in keys:
         md = metadata.state_dict_metadata.get(key)
@@ -118,6 +126,8 @@ def check_items(path: Path, metadata: Any, keys: Iterable[str], trusted: bool = 
             )
     for index, info in metadata.storage_data.items():
         name = getattr(info, "relative_path", None)
+        if not isinstance(index, MetadataIndex):
+            raise UnsafeCheckpointError(f"Refusing to load the checkpoint folder {path}: its {DCP_META} is malformed.")
         if not isinstance(name, str) or not FILE_NAME.fullmatch(name) or getattr(info, "transform_descriptors", None):
             raise UnsafeCheckpointError(
                 f"Refusing to load the checkpoint folder {path}: its {DCP_META} places {index.fqn!r} in "
