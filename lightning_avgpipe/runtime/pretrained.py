@@ -184,7 +184,9 @@ def load_pretrained(
             total = len(sub.state_dict())
             return total - len(match(sub, where, head).missing), total
 
-        raise RuntimeError(mismatch(module, path, list(where), loaded.missing, loaded.unexpected, count))
+        # a ValueError, not load_state_dict's RuntimeError: the meta build reads a RuntimeError that says "meta" (a
+        # path such as meta-llama/...) as a value read on the meta device, and would add a wrong hint
+        raise ValueError(mismatch(module, path, list(where), loaded.missing, loaded.unexpected, count))
     state = module.state_dict(keep_vars=True)
     done: set[int] = set()
     for name, key in loaded.keys.items():

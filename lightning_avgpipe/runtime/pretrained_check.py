@@ -46,8 +46,8 @@ def _what_it_is(path: Path, err: BaseException) -> str:
         if n > size - 8:
             return f"it is truncated (its header alone is {n} bytes; the file has {size}): copy it again"
         try:
-            entries = json.loads(header).values()
-            end = 8 + n + max((e["data_offsets"][1] for e in entries if isinstance(e, dict)), default=0)
+            entries = [e for k, e in json.loads(header).items() if k != "__metadata__"]
+            end = 8 + n + max((int(e["data_offsets"][1]) for e in entries), default=0)
         except (ValueError, KeyError, TypeError, IndexError):
             end = 0
         if end > size:
@@ -72,7 +72,8 @@ def mismatch(
             f"{_listed(missing)}. Pass strict=False to leave them as initialized (Loaded.missing lists them)."
         )
     lines = [
-        f"load_pretrained: only {matched} of the module's {total} tensors match a key of {path} ({len(keys)} keys). Nearest names:"
+        f"load_pretrained: only {matched} of the module's {total} tensors match a key of {path} "
+        f"({len(keys)} keys). Nearest names:"
     ]
     near_of = sorted(set(unused or keys))
     for name in missing[:SHOWN]:
