@@ -229,12 +229,23 @@ def test_under_half_matching_names_the_prefix_the_files_keys_carry(tmp_path: Pat
     )
 
 
-def test_a_strict_refusal_in_a_recorded_build_is_raised_at_the_call(saved: tuple[Path, Any]) -> None:
+def test_a_strict_refusal_in_a_recorded_build_is_raised_at_the_call(tmp_path: Path, saved: tuple[Path, Any]) -> None:
     """On the meta device (configure_model) the check needs only the names: raised at the call, before any rank
-    makes a tensor real, the same on every rank (each builds the whole model and reads every header)."""
+    makes a tensor real, the same on every rank (each builds the whole model and reads every header). The strategy's
+    build adds its hint on values read on the meta device to no such error, a path saying "meta" included."""
+    import contextlib
+    import shutil
+
+    from lightning_avgpipe.plugin.split import recorded_build
+
     path, config = saved
-    with torch.device("meta"), InitRecord(), pytest.raises(ValueError, match="pass module.net instead"):
-        load_pretrained(Holder(config), path)
+    folder = tmp_path / "meta-llama"
+    shutil.copytree(path, folder)
+    with pytest.raises(ValueError) as refused, recorded_build(contextlib.nullcontext(), []):
+        load_pretrained(Holder(config), folder)
+    said = str(refused.value)
+    assert said.startswith("load_pretrained: only 0 of") and "pass module.net instead" in said, said
+    assert "AvgPipe builds configure_model()" not in said, said
 
 
 def _torch_save(path: Path) -> None:

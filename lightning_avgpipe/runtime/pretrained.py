@@ -41,8 +41,9 @@ SINGLE = "model.safetensors"
 
 @dataclass
 class Loaded:
-    """What :func:`load_pretrained` matched: module name -> the file's key, and the names it found no key for (left
-    as initialized, as ``from_pretrained`` leaves them) and the file's keys nothing took."""
+    """What :func:`load_pretrained` matched: module name -> the file's key, the names it found no key for (with
+    ``strict=False``, left as initialized, as ``from_pretrained`` leaves them; else an error) and the file's keys
+    nothing took."""
 
     keys: dict[str, str] = field(default_factory=dict)
     missing: list[str] = field(default_factory=list)
@@ -61,9 +62,12 @@ def files_of(path: str | os.PathLike[str]) -> dict[str, Path]:
             except (ValueError, KeyError, TypeError) as err:
                 raise ValueError(f"load_pretrained: {path / INDEX} is not a readable index ({err!r}).") from err
             where = {key: path / name for key, name in weight_map.items()}
-            for shard in sorted(set(where.values())):
+            by_shard: dict[Path, list[str]] = {}
+            for key, shard in where.items():
+                by_shard.setdefault(shard, []).append(key)
+            for shard, keys in sorted(by_shard.items()):
                 held = set(_keys_of(shard, f" (a shard that {INDEX} names)"))
-                absent = [key for key, file in where.items() if file == shard and key not in held]
+                absent = [key for key in keys if key not in held]
                 if absent:
                     raise ValueError(
                         f"load_pretrained: {INDEX} maps {absent[0]!r} to {shard}, which does not hold it "
@@ -84,7 +88,7 @@ def _keys_of(path: Path, what: str = "") -> list[str]:
     try:
         with safe_open(str(path), framework="pt") as f:
             return list(f.keys())
-    except Exception as err:  # noqa: BLE001 - safetensors raises its own SafetensorError (an Exception) for any
+    except Exception as err:  # noqa: BLE001 - safetensors' own SafetensorError (an Exception), for any damage
         raise unreadable(path, err) from err
 
 
