@@ -75,11 +75,10 @@ def mismatch(
         f"load_pretrained: only {matched} of the module's {total} tensors match a key of {path} "
         f"({len(keys)} keys). Nearest names:"
     ]
+    fix, sub, prefix = _best_fix(module, missing, keys, count, matched)
     near_of = sorted(set(unused or keys))
     for name in missing[:SHOWN]:
-        near = difflib.get_close_matches(name, near_of, n=1, cutoff=0.0)
-        lines.append(f"  module: {name}  file: {near[0] if near else '(no key)'}")
-    fix = _best_fix(module, missing, keys, count, matched)
+        lines.append(f"  module: {name}  file: {_nearest(name, near_of, sub, prefix)}")
     cure = "pass strict=False to load what matches (Loaded.missing lists the rest)"
     lines.append(f"{fix}; or {cure}." if fix else f"No prefix on either side makes them match: {cure}.")
     return "\n".join(lines)
@@ -90,9 +89,25 @@ def _listed(names: Sequence[str], shown: int = 5) -> str:
     return ", ".join(names[:shown]) + more
 
 
-def _best_fix(module: nn.Module, names: Sequence[str], keys: Sequence[str], count: Counting, matched: int) -> str:
-    """What to pass so that most of ``names`` equal a key: a submodule and/or the file keys' prefix, with how many of
-    the tensors would match then; "" when nothing would match more than ``matched`` do now."""
+def _nearest(name: str, keys: Sequence[str], sub: str, prefix: str) -> str:
+    """The key nearest to ``name``: the one the fix (``sub``, ``prefix``) matches it with, else the most similar (of
+    those with its last part, ``weight``, where any has it)."""
+    if sub or prefix:
+        fixed = prefix + name.removeprefix(sub)
+        if name.startswith(sub) and fixed in keys:
+            return fixed
+    last = name.rpartition(".")[2]
+    alike = [k for k in keys if k.rpartition(".")[2] == last] or list(keys)
+    near = difflib.get_close_matches(name, alike[:2000], n=1, cutoff=0.0)
+    return near[0] if near else "(no key)"
+
+
+def _best_fix(
+    module: nn.Module, names: Sequence[str], keys: Sequence[str], count: Counting, matched: int
+) -> tuple[str, str, str]:
+    """What to pass so that most of ``names`` equal a key: a submodule and/or the file keys' prefix, said with how
+    many of the tensors would match then, and the two; ("", "", "") when nothing would match more than ``matched``
+    do now."""
     for (sub, prefix), _ in _common_heads(names, keys).most_common(3):
         if not sub and not prefix:
             continue
@@ -110,8 +125,8 @@ def _best_fix(module: nn.Module, names: Sequence[str], keys: Sequence[str], coun
         args = [f"{_attribute(sub)} instead of the module"] if sub else []
         args += [f"prefix={prefix!r}"] if prefix else []
         whose = "its" if sub else "the module's"
-        return f"{said}: pass {' and '.join(args)} ({filled} of {whose} {total} tensors match then)"
-    return ""
+        return f"{said}: pass {' and '.join(args)} ({filled} of {whose} {total} tensors match then)", sub, prefix
+    return "", "", ""
 
 
 def _common_heads(names: Sequence[str], keys: Sequence[str]) -> Counter[tuple[str, str]]:
