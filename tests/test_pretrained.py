@@ -158,7 +158,7 @@ def test_a_tensor_missing_from_the_file_is_named_unless_strict_is_false(tmp_path
         load_pretrained(model, file)
     said = str(refused.value)
     assert said == (
-        f"load_pretrained: 1 of the module's {len(state)} tensors have no key in {file}: model.norm.weight. "
+        f"load_pretrained: 1 of the module's {len(state)} tensors has no key in {file}: model.norm.weight. "
         "Pass strict=False to leave them as initialized (Loaded.missing lists them)."
     )
     loaded = load_pretrained(model, file, strict=False)  # today's behaviour: loaded, the tensor left as initialized

@@ -68,7 +68,8 @@ def mismatch(
     matched = total - len(missing)
     if 2 * matched >= total:
         return (
-            f"load_pretrained: {len(missing)} of the module's {total} tensors have no key in {path}: "
+            f"load_pretrained: {len(missing)} of the module's {total} tensors {'has' if len(missing) == 1 else 'have'} "
+            f"no key in {path}: "
             f"{_listed(missing)}. Pass strict=False to leave them as initialized (Loaded.missing lists them)."
         )
     lines = [
