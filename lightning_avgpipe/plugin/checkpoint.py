@@ -20,7 +20,7 @@ from lightning_avgpipe.plugin.optimizer_by_name import Names, load_by_name, name
 from lightning_avgpipe.runtime import checksums
 from lightning_avgpipe.runtime.failures import guarded
 from lightning_avgpipe.runtime.pipeline import StagePipeline
-from lightning_avgpipe.shards import full, is_dtensor, like, to_local_tree
+from lightning_avgpipe.shards import full, is_dtensor, like, same_data, to_local_tree
 
 
 def assemble_state_dict(module: nn.Module, pipeline: StagePipeline, full_keys: Sequence[str]) -> dict[str, Any]:
@@ -40,7 +40,16 @@ def whole_state_dict(module: nn.Module, pipeline: StagePipeline) -> dict[str, An
     over a tensor group)."""
     pipeline.replicas.elastic.wait()  # the checkpoint holds the up-to-date reference
     pipeline.replicas.elastic.require_whole("Saving the model")
-    return {k: full(v).detach().cpu() for k, v in module.state_dict().items()}
+    copies: dict[Any, Tensor] = {}  # a weight under two names is copied once, and stored once
+    out = {}
+    for k, v in module.state_dict().items():
+        same = same_data(v)
+        if same is None or same not in copies:
+            copy = full(v).detach().cpu()
+            if same is not None:
+                copies[same] = copy
+        out[k] = copies[same] if same is not None else copy
+    return out
 
 
 def ordered(merged: dict[str, Any], full_keys: Sequence[str]) -> dict[str, Any]:

@@ -289,7 +289,8 @@ def _last_checkpoints(trainer: Any) -> list[Path]:
     for callback in trainer.checkpoint_callbacks:
         if not isinstance(callback, ModelCheckpoint):
             continue
-        folder = Path(str(callback.dirpath or callback._ModelCheckpoint__resolve_ckpt_dir(trainer)))
+        resolve = callback._ModelCheckpoint__resolve_ckpt_dir  # type: ignore[attr-defined]
+        folder = Path(str(callback.dirpath or resolve(trainer)))
         pattern = f".{callback.CHECKPOINT_NAME_LAST}*{callback.FILE_EXTENSION}.replaced"
         found += [p.with_name(p.name[1 : -len(".replaced")]) for p in sorted(folder.glob(pattern))]
     return found

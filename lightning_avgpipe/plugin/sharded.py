@@ -133,16 +133,23 @@ def is_ref(value: Any) -> bool:
     return isinstance(value, dict) and len(value) == 1 and REF in value
 
 
-def to_refs(obj: Any, key: str, tensors: dict[str, Tensor]) -> Any:
+def to_refs(obj: Any, key: str, tensors: dict[str, Tensor], seen: dict[Any, str] | None = None) -> Any:
     """``obj`` with each tensor replaced by a reference keyed by its path under ``key``, the tensor put in
-    ``tensors``."""
+    ``tensors``. A tensor over the same bytes as one already put (a weight under two names) is referenced by that
+    one's key: it is stored once, and read back under both names."""
+    seen = {} if seen is None else seen
     if isinstance(obj, (Tensor, FlatPieces)):
+        same = shards.same_data(obj)
+        if same is not None and same in seen:
+            return ref(seen[same])
+        if same is not None:
+            seen[same] = key
         tensors[key] = obj.detach() if isinstance(obj, Tensor) else obj  # type: ignore[assignment]
         return ref(key)
     if isinstance(obj, Mapping):
-        return type(obj)((k, to_refs(v, f"{key}.{k}", tensors)) for k, v in obj.items())  # type: ignore[call-arg]
+        return type(obj)((k, to_refs(v, f"{key}.{k}", tensors, seen)) for k, v in obj.items())  # type: ignore[call-arg]
     if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
-        return type(obj)(to_refs(v, f"{key}.{i}", tensors) for i, v in enumerate(obj))
+        return type(obj)(to_refs(v, f"{key}.{i}", tensors, seen) for i, v in enumerate(obj))
     return obj
 
 
