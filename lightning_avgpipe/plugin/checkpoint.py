@@ -136,10 +136,22 @@ def optimizer_part(entry: Mapping[str, Any], i: int, rank: int, tensors: dict[st
     return {**sharded.to_refs(rest, f"optimizer_states.{i}.rank{rank}", tensors), "named": named}
 
 
-def sharded_part(checkpoint: Mapping[str, Any], rank: int, tensors: dict[str, Tensor]) -> dict[str, Any]:
+def state_refs(state: Mapping[str, Any], aliases: Mapping[str, str], tensors: dict[str, Tensor]) -> dict[str, Any]:
+    """A stage's weights, each a reference (its key and value put in ``tensors``) keyed by the unsplit model's first
+    name of that weight (``aliases``): a weight under two names, or tied across stages (the same values on two
+    ranks), has one key, so it is stored once and read back under every name."""
+    seen: dict[Any, str] = {}
+    return {
+        name: sharded.to_refs(v, f"state_dict.{aliases.get(name, name)}", tensors, seen) for name, v in state.items()
+    }
+
+
+def sharded_part(
+    checkpoint: Mapping[str, Any], rank: int, tensors: dict[str, Tensor], aliases: Mapping[str, str]
+) -> dict[str, Any]:
     """This rank's weights and optimizer entries with each tensor a reference (its key and value put in
     ``tensors``)."""
-    part: dict[str, Any] = {"state_dict": sharded.to_refs(checkpoint.get("state_dict", {}), "state_dict", tensors)}
+    part: dict[str, Any] = {"state_dict": state_refs(checkpoint.get("state_dict", {}), aliases, tensors)}
     if "optimizer_states" in checkpoint:
         part["optimizer_states"] = [
             optimizer_part(state[LOCAL], i, rank, tensors) for i, state in enumerate(checkpoint["optimizer_states"])

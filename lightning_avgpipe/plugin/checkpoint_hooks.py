@@ -111,7 +111,8 @@ class CheckpointHooks(ProcessStrategy):
             self._outbox = streamed.Outbox()
             local = ckpt.whole_state_dict(self._lightning(), self.pipeline)
             with guarded("a checkpoint's gather of every stage's tensor names to rank 0"):
-                parts = self._outbox.gather(sharded.to_refs(local, "state_dict", self._outbox.tensors), *self._ranks)
+                refs = ckpt.state_refs(local, self._split.aliases, self._outbox.tensors)
+                parts = self._outbox.gather(refs, *self._ranks)
             merged = {k: v for part in parts or [] for k, v in part.items()}
             return {} if parts is None else ckpt.ordered(merged, self._split.full_keys)
         return ckpt.assemble_state_dict(self._lightning(), self.pipeline, self._split.full_keys)
@@ -244,7 +245,7 @@ class CheckpointHooks(ProcessStrategy):
                 sharded.prepare(path)
         self.barrier("avgpipe: sharded checkpoint prepared")
         tensors: dict[str, Tensor] = {}
-        part = ckpt.sharded_part(checkpoint, self.global_rank, tensors)
+        part = ckpt.sharded_part(checkpoint, self.global_rank, tensors, self._split.aliases)
         staged = sharded.staging(path)
         try:
             with guarded("a sharded checkpoint's save"):

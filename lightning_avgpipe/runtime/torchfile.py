@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from lightning_avgpipe.runtime import checksums as _checksums
+from lightning_avgpipe.shards import same_data
 
 ALIGNMENT = 64
 # dtype -> the storage class torch's pickles name (torch.save's persistent ids)
@@ -152,10 +153,18 @@ class Prepared:
         return [slot.key for slot, _ in self.slots if slot.key not in self.real]
 
     def _slotted(self, value: Any) -> Any:
+        seen: dict[Any, Slot] = {}  # a tensor under two names (over the same bytes) is one slot, one record
+
         def slot(tensor: Tensor) -> Slot:
+            same = same_data(tensor)
+            if same is not None and same in seen:
+                return seen[same]
             key = f"\0real/{len(self.real)}"
             self.real[key] = tensor
-            return Slot.of(key, tensor)
+            made = Slot.of(key, tensor)
+            if same is not None:
+                seen[same] = made
+            return made
 
         return mapped(value, lambda x: isinstance(x, Tensor), slot)
 
