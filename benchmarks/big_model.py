@@ -64,9 +64,26 @@ def can_cap() -> str | None:
     return None
 
 
-def worker(cfg: dict[str, Any]) -> None:
+def _prepare(cfg: dict[str, Any]) -> None:
+    """A worker's process before anything is imported: in its cgroup, and its checksums off where asked."""
     if cfg.get("cap"):
         cap_self(cfg["cap"], f"avgpipe-big-model-{os.getppid()}-{os.getpid()}")
+    if cfg.get("checksums") is False:
+        _without_checksums()
+
+
+def _without_checksums() -> None:
+    """The save and resume as before issue 42: no file checksummed at the save or checked at the resume."""
+    from lightning_avgpipe.plugin import sharded
+    from lightning_avgpipe.runtime import checksums
+
+    checksums.file_entry = lambda path, rank: {"crc32": "", "bytes": os.path.getsize(path), "rank": rank}
+    checksums.check_file = lambda *a, **k: None
+    sharded.check_files = lambda *a, **k: None
+
+
+def worker(cfg: dict[str, Any]) -> None:
+    _prepare(cfg)
     import ctypes
     import gc
 
@@ -171,7 +188,13 @@ def worker(cfg: dict[str, Any]) -> None:
 
 
 def run(
-    devices: int, late: bool, args: argparse.Namespace, sharded: bool = False, cap: int = 0, tensor: int = 1
+    devices: int,
+    late: bool,
+    args: argparse.Namespace,
+    sharded: bool = False,
+    cap: int = 0,
+    tensor: int = 1,
+    checksums: bool = True,
 ) -> list[dict[str, Any]]:
     """Every rank's result (``devices`` = S x ``tensor`` ranks); with a ``cap``, a rank killed by it raises
     ``MemoryError`` naming it."""
@@ -181,6 +204,7 @@ def run(
 
     out = tempfile.mkdtemp(prefix="big-model-")
     cfg = {"out": out, "devices": devices, "late": late, "sharded": sharded, "cap": cap, "tensor": tensor}
+    cfg["checksums"] = checksums
     cfg.update({k: getattr(args, k) for k in ("width", "layers", "steps")})
     try:
         results = launch_ranks([str(Path(__file__)), "--worker", json.dumps(cfg)], devices, timeout=1800)
@@ -209,6 +233,7 @@ def main() -> None:
     parser.add_argument("--tensor", type=int, default=2, help="also S = 2 x T = this (tensor parallelism); 1: not")
     parser.add_argument("--cap-gib", type=float, help="run one device and S = 4 under this per-process memory cap")
     parser.add_argument("--quick", action="store_true", help="a smoke run: configure_model only (no __init__ row)")
+    parser.add_argument("--checksum-cost", type=int, metavar="N", help="S = 2 folder saves with and without checksums")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -219,6 +244,9 @@ def main() -> None:
     print(f"model: {args.layers} x Linear({args.width}, {args.width}) + Tanh, {weights / mib:.0f} MiB of weights, Adam")
     if args.cap_gib:
         capped(args, weights)
+        return
+    if args.checksum_cost:
+        checksum_cost(args)
         return
     one = run(1, True, args)[0]
     print("\nphase peaks above each process's import baseline, MiB, and the ratio to one device's")
@@ -240,6 +268,25 @@ def main() -> None:
     if args.tensor > 1:  # each stage split over T ranks on the meta device, each rank making only its shards real
         for r in run(2 * args.tensor, True, args, True, tensor=args.tensor):
             row(f"S=2 x T={args.tensor}, configure_model, folder", r)
+
+
+def checksum_cost(args: argparse.Namespace) -> None:
+    """S = 2 saving a folder and resuming from it, with the files' checksums (written at the save, checked at the
+    resume) and without, interleaved ``--checksum-cost`` times: the slowest rank's save and resume times."""
+    times: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+    for i in range(args.checksum_cost):
+        for on in (True, False) if i % 2 == 0 else (False, True):
+            results = run(2, True, args, sharded=True, checksums=on)
+            times[on].append((max(r["save_s"] for r in results), max(r["load_s"] for r in results)))
+    for on in (False, True):
+        saves = " ".join(f"{s:.2f}" for s, _ in times[on])
+        loads = " ".join(f"{x:.2f}" for _, x in times[on])
+        print(f"checksums {'on ' if on else 'off'}: save s {saves}; resume s {loads}")
+    mean = {on: [sum(t[k] for t in times[on]) / len(times[on]) for k in (0, 1)] for on in times}
+    print(
+        f"with checksums / without: save {mean[True][0] / mean[False][0]:.3f}x, "
+        f"resume {mean[True][1] / mean[False][1]:.3f}x (means over {args.checksum_cost} runs each)"
+    )
 
 
 def capped(args: argparse.Namespace, weights: int) -> None:

@@ -50,6 +50,15 @@ def norm_weight(t: Tensor, tensor_parallel_size: int) -> float:
     return 1.0 / tensor_parallel_size
 
 
+def same_data(t: Any) -> tuple[Any, ...] | None:
+    """What two tensors over the same bytes share (a weight reachable under two names): their storage, offset,
+    shape, strides and dtype; ``None`` for a tensor shard (a ``DTensor``), a meta tensor or anything else."""
+    if not isinstance(t, Tensor) or is_dtensor(t) or t.is_meta:
+        return None
+    storage = t.untyped_storage()
+    return (storage.data_ptr(), storage.nbytes(), t.device, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
 def full(t: Tensor) -> Tensor:
     """The whole tensor (collective over the tensor-parallel group for a ``DTensor``); ``t`` itself otherwise."""
     return t.full_tensor() if is_dtensor(t) else t  # type: ignore[attr-defined]

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from lightning_avgpipe import AvgPipeStrategy
-from lightning_avgpipe.plugin import sharded
-from lightning_avgpipe.runtime import torchfile
+from lightning_avgpipe.plugin import dcp_reader, sharded
+from lightning_avgpipe.runtime import checksums, torchfile
 from tests.helpers.equivalence import run_lightning
 from tests.helpers.lit import PipeNet, loader, quiet_trainer
 
@@ -42,6 +42,14 @@ def assert_same(a: Any, b: Any, where: str = "") -> None:
             assert_same(x, y, f"{where}.{i}")
     else:
         assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def forge(folder: Path, name: str, data: bytes) -> None:
+    """Write ``data`` as the folder's file ``name`` and record its checksum in ``avgpipe.pt``, as a forger would."""
+    (folder / name).write_bytes(data)
+    meta = torch.load(folder / sharded.META, weights_only=True)
+    meta[sharded.FILES][name] = checksums.file_entry(folder / name, 0)
+    torch.save(meta, folder / sharded.META)
 
 
 def consolidated(folder: Path, out: Path) -> dict[str, Any]:
@@ -138,7 +146,7 @@ def test_incomplete_foreign_and_unsafe_folders_are_refused_by_name(tmp_path: Pat
     before = consolidated(good, tmp_path / "before.ckpt")
 
     # a save killed after every rank wrote, before rank 0's avgpipe.pt: the previous checkpoint stays whole
-    def killed(path: Path, meta: Any) -> None:
+    def killed(path: Path, meta: Any, files: Any = None) -> None:
         raise SystemExit("killed")
 
     monkeypatch.setattr(sharded, "finish", killed)
@@ -172,8 +180,8 @@ def test_incomplete_foreign_and_unsafe_folders_are_refused_by_name(tmp_path: Pat
             return (os.system, ("touch " + str(tmp_path / "pwned"),))
 
     unsafe = copy("unsafe")
-    (unsafe / sharded.DCP_META).write_bytes(pickle.dumps(Evil()))
-    with pytest.raises(ValueError, match=r"Refusing to load .*\((posix|os)\.system\)"):
+    forge(unsafe, sharded.DCP_META, pickle.dumps(Evil()))  # a forger rewrites the checksum too
+    with pytest.raises(ValueError, match=r"Refusing to load .*names (posix|os)\.system"):
         sharded.check_folder(unsafe)
     unsafe_meta = copy("unsafe_meta")
     buffer = io.BytesIO()
@@ -201,7 +209,7 @@ def test_two_stages_write_their_own_stage_resume_exactly_and_move_to_one_device(
     mid = tmp_path / "shard" / "every" / "epoch=0-step=4.ckpt"
 
     # every rank wrote its own stage's weights and Adam state (layers 0-2 on rank 0, 3-5 on rank 1)
-    metadata = sharded.read_dcp_metadata(mid)
+    metadata = dcp_reader.load_metadata(mid)
     files: dict[str, set[str]] = {}
     for index, info in metadata.storage_data.items():
         key = index.fqn.split(".")
@@ -233,6 +241,21 @@ def test_two_stages_write_their_own_stage_resume_exactly_and_move_to_one_device(
     quiet_trainer(tmp_path / "plain", max_steps=8, **PLAIN_ORDER).fit(plain, loader(), ckpt_path=tmp_path / "mid.ckpt")
     torch.testing.assert_close({k: v for k, v in plain.state_dict().items() if k in ref}, ref, rtol=1e-5, atol=1e-6)
 
+    # 64 bytes flipped inside rank 1's weights: the file and its writer are named, on consolidate and on resume
+    damaged = tmp_path / "damaged.ckpt"
+    shutil.copytree(mid, damaged)
+    data = bytearray((damaged / "__1_0.distcp").read_bytes())
+    at = data.find(
+        torch.load(tmp_path / "mid.ckpt", weights_only=True)["state_dict"]["layers.3.weight"].numpy().tobytes()
+    )
+    assert at > 0
+    data[at : at + 64] = bytes(b ^ 0xFF for b in data[at : at + 64])
+    (damaged / "__1_0.distcp").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"damaged: its file __1_0.distcp \(written by rank 1\) does not match"):
+        consolidated(damaged, tmp_path / "d.ckpt")
+    with pytest.raises(ValueError, match=r"__1_0.distcp \(written by rank 1\)"):
+        _fit(tmp_path / "from-damaged", 8, str(damaged), every_n_train_steps=100)
+
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
@@ -245,7 +268,7 @@ def test_tensor_shards_and_replicas_resume_exactly_from_a_folder(tmp_path: Path)
     strategy.update(tensor_parallel_plan=TP_PLAN, save_distributed_checkpoint=True)  # type: ignore[arg-type]
     straight = run_lightning(tmp_path / "straight", 2, strategy, steps=4, model=ADAM, every_n_train_steps=2)
     mid = tmp_path / "straight" / "every" / "epoch=0-step=2.ckpt"
-    metadata = sharded.read_dcp_metadata(mid)
+    metadata = dcp_reader.load_metadata(mid)
     chunks = metadata.state_dict_metadata["state_dict.layers.3.weight"].chunks
     assert sorted(tuple(c.offsets) for c in chunks) == [(0, 0), (8, 0)]  # the two row shards, as they are
     assert any(k.startswith("optimizer_states.0.rank1.replicas") for k in metadata.state_dict_metadata)
@@ -268,7 +291,7 @@ def test_two_groups_with_sharded_optimizer_state_resume_exactly_from_a_folder(tm
     sharded_strategy = {**strategy, "save_distributed_checkpoint": True}
     straight = run_lightning(tmp_path / "straight", 2, sharded_strategy, **run)
     mid = tmp_path / "straight" / "every" / "epoch=0-step=4.ckpt"
-    metadata = sharded.read_dcp_metadata(mid)
+    metadata = dcp_reader.load_metadata(mid)
     weight = [i for i in metadata.storage_data if i.fqn == "state_dict.layers.0.weight"]
     assert len(weight) == 1  # one copy written, not one per group
     # Adam's moments as each group's flat slice holds them: boxes of the whole tensors, from both ranks' files
@@ -300,7 +323,7 @@ def test_elastic_replicas_with_a_sharded_reference_resume_exactly_from_a_folder(
     run = {"steps": 8, "model": ADAM, "every_n_train_steps": 4, "trainer": PLAIN_ORDER}
     straight = run_lightning(tmp_path / "straight", 2, strategy, **run)
     mid = tmp_path / "straight" / "every" / "epoch=1-step=4.ckpt"  # two batches a step: step 4 ends epoch 1
-    keys = sharded.read_dcp_metadata(mid).state_dict_metadata
+    keys = dcp_reader.load_metadata(mid).state_dict_metadata
     assert any(k.startswith("optimizer_states.0.rank1.") for k in keys) and any(".rank0." in k for k in keys)
     rest = run_lightning(tmp_path / "resumed", 2, strategy, ckpt_path=str(mid), **run)
     assert rest[0]["losses"] == straight[0]["losses"][4:]

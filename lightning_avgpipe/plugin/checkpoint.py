@@ -17,9 +17,10 @@ from lightning_avgpipe.microbatch import to_cpu
 from lightning_avgpipe.optim import ElasticOptimizer, hyperparameters
 from lightning_avgpipe.plugin import compat, sharded
 from lightning_avgpipe.plugin.optimizer_by_name import Names, load_by_name, named_groups, unsplit_names, unsplit_state
+from lightning_avgpipe.runtime import checksums
 from lightning_avgpipe.runtime.failures import guarded
 from lightning_avgpipe.runtime.pipeline import StagePipeline
-from lightning_avgpipe.shards import full, is_dtensor, like, to_local_tree
+from lightning_avgpipe.shards import full, is_dtensor, like, same_data, to_local_tree
 
 
 def assemble_state_dict(module: nn.Module, pipeline: StagePipeline, full_keys: Sequence[str]) -> dict[str, Any]:
@@ -39,7 +40,16 @@ def whole_state_dict(module: nn.Module, pipeline: StagePipeline) -> dict[str, An
     over a tensor group)."""
     pipeline.replicas.elastic.wait()  # the checkpoint holds the up-to-date reference
     pipeline.replicas.elastic.require_whole("Saving the model")
-    return {k: full(v).detach().cpu() for k, v in module.state_dict().items()}
+    copies: dict[Any, Tensor] = {}  # a weight under two names is copied once, and stored once
+    out = {}
+    for k, v in module.state_dict().items():
+        same = same_data(v)
+        if same is None or same not in copies:
+            copy = full(v).detach().cpu()
+            if same is not None:
+                copies[same] = copy
+        out[k] = copies[same] if same is not None else copy
+    return out
 
 
 def ordered(merged: dict[str, Any], full_keys: Sequence[str]) -> dict[str, Any]:
@@ -126,10 +136,22 @@ def optimizer_part(entry: Mapping[str, Any], i: int, rank: int, tensors: dict[st
     return {**sharded.to_refs(rest, f"optimizer_states.{i}.rank{rank}", tensors), "named": named}
 
 
-def sharded_part(checkpoint: Mapping[str, Any], rank: int, tensors: dict[str, Tensor]) -> dict[str, Any]:
+def state_refs(state: Mapping[str, Any], aliases: Mapping[str, str], tensors: dict[str, Tensor]) -> dict[str, Any]:
+    """A stage's weights, each a reference (its key and value put in ``tensors``) keyed by the unsplit model's first
+    name of that weight (``aliases``): a weight under two names, or tied across stages (the same values on two
+    ranks), has one key, so it is stored once and read back under every name."""
+    seen: dict[Any, str] = {}
+    return {
+        name: sharded.to_refs(v, f"state_dict.{aliases.get(name, name)}", tensors, seen) for name, v in state.items()
+    }
+
+
+def sharded_part(
+    checkpoint: Mapping[str, Any], rank: int, tensors: dict[str, Tensor], aliases: Mapping[str, str]
+) -> dict[str, Any]:
     """This rank's weights and optimizer entries with each tensor a reference (its key and value put in
     ``tensors``)."""
-    part: dict[str, Any] = {"state_dict": sharded.to_refs(checkpoint.get("state_dict", {}), "state_dict", tensors)}
+    part: dict[str, Any] = {"state_dict": state_refs(checkpoint.get("state_dict", {}), aliases, tensors)}
     if "optimizer_states" in checkpoint:
         part["optimizer_states"] = [
             optimizer_part(state[LOCAL], i, rank, tensors) for i, state in enumerate(checkpoint["optimizer_states"])
@@ -362,7 +384,10 @@ def save_atomically(
 ) -> None:
     """Write to a temporary file beside ``filepath`` (with ``checkpoint_io``, or ``write(tmp)``), then rename: a
     crash never leaves a half-written checkpoint. A remote path or ``AsyncCheckpointIO`` goes straight to the
-    checkpoint IO (:func:`local_path`)."""
+    checkpoint IO (:func:`local_path`). Written through the checkpoint IO, the file also holds each tensor's
+    checksum (``runtime/checksums.py``; ``write`` adds its own); a full disk is said as such."""
+    if write is None:
+        checkpoint = {**checkpoint, sharded.CHECKSUMS: checksums.tensor_checksums(checkpoint)}
     path = local_path(checkpoint_io, filepath)
     if path is None:
         checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
@@ -384,6 +409,11 @@ def save_atomically(
                 "Trainer(default_root_dir=...))."
             )
         os.replace(tmp, path)
+    except Exception as err:
+        full = sharded.no_space(err, tmp)
+        if full is None:
+            raise
+        raise full from None
     finally:
         if tmp.exists():
             tmp.unlink()

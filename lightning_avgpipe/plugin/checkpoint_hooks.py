@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import shutil
 import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -33,7 +34,7 @@ from lightning_avgpipe.plugin.optimizer_by_name import Names
 from lightning_avgpipe.plugin.placeholders import Guard
 from lightning_avgpipe.plugin.process import ProcessStrategy
 from lightning_avgpipe.plugin.split import SplitModule
-from lightning_avgpipe.runtime import torchfile
+from lightning_avgpipe.runtime import checksums, torchfile
 from lightning_avgpipe.runtime.failures import guarded
 from lightning_avgpipe.runtime.pipeline import StagePipeline
 from lightning_avgpipe.runtime.topology import Topology
@@ -110,7 +111,8 @@ class CheckpointHooks(ProcessStrategy):
             self._outbox = streamed.Outbox()
             local = ckpt.whole_state_dict(self._lightning(), self.pipeline)
             with guarded("a checkpoint's gather of every stage's tensor names to rank 0"):
-                parts = self._outbox.gather(sharded.to_refs(local, "state_dict", self._outbox.tensors), *self._ranks)
+                refs = ckpt.state_refs(local, self._split.aliases, self._outbox.tensors)
+                parts = self._outbox.gather(refs, *self._ranks)
             merged = {k: v for part in parts or [] for k, v in part.items()}
             return {} if parts is None else ckpt.ordered(merged, self._split.full_keys)
         return ckpt.assemble_state_dict(self._lightning(), self.pipeline, self._split.full_keys)
@@ -152,17 +154,25 @@ class CheckpointHooks(ProcessStrategy):
     @override
     @_own_use
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load and verify a checkpoint; a truncated or corrupt file is named with what to do instead.
+        """Load and verify a checkpoint; a truncated, damaged or corrupt file is named with what to do instead.
 
         Loads with ``weights_only=True`` unless ``trusted_checkpoints=True`` or the caller passed
         ``weights_only=False``: this strategy's checkpoints hold only tensors and plain values, and unpickling
-        anything else can run code from the file on every rank.
+        anything else can run code from the file on every rank. Each tensor this rank reads is checked against the
+        checksum recorded at the save (``runtime/checksums.py``).
         """
         weights_only = (not self.trusted_checkpoints) if weights_only is None else weights_only
-        if Path(str(checkpoint_path)).is_dir():
-            loaded = self._load_sharded(Path(str(checkpoint_path)))
+        local = ckpt.local_path(self.checkpoint_io, checkpoint_path)
+        found = sharded.interrupted(local) if local is not None else None
+        if found is not None:  # a kill between the two renames of a replace: read the complete one where it is
+            rank_zero_info(f"AvgPipe: {checkpoint_path} is missing after an interrupted save; resuming from {found}.")
+        if (found or Path(str(checkpoint_path))).is_dir():
+            loaded = self._load_sharded(found or Path(str(checkpoint_path)), not weights_only, found is not None)
         else:
-            loaded = self._load_file(checkpoint_path, weights_only)
+            loaded = self._load_file(found or checkpoint_path, weights_only)
+            view = ckpt.rank_view(loaded, self._lightning(), self.pipeline, self.layout, self._names())
+            checksums.check_tensors(view, loaded.get(sharded.CHECKSUMS), checkpoint_path)
+        loaded.pop(sharded.CHECKSUMS, None)
         module = self.lightning_module
         trainer = compat.attached_trainer(module) if module is not None else None
         ckpt.check_loaded(loaded, checkpoint_path, trainer is not None and trainer.state.fn == TrainerFn.FITTING)
@@ -214,7 +224,11 @@ class CheckpointHooks(ProcessStrategy):
         def write(prepared: Any, fetch: Any) -> None:
             if streams and ckpt.local_path(io, filepath) is not None:
                 ckpt.save_atomically(
-                    io, checkpoint, filepath, storage_options, lambda tmp: torchfile.write(tmp, prepared, fetch)
+                    io,
+                    checkpoint,
+                    filepath,
+                    storage_options,
+                    lambda tmp: torchfile.write(tmp, prepared, fetch, checksums=sharded.CHECKSUMS),
                 )
             else:
                 whole = streamed.received(prepared, fetch, checkpoint)
@@ -231,22 +245,33 @@ class CheckpointHooks(ProcessStrategy):
                 sharded.prepare(path)
         self.barrier("avgpipe: sharded checkpoint prepared")
         tensors: dict[str, Tensor] = {}
-        part = ckpt.sharded_part(checkpoint, self.global_rank, tensors)
-        parts: list[Any] | None = [part] if self.world_size == 1 else None
-        with guarded("a sharded checkpoint's save"):
-            if self.world_size > 1:
-                parts = [None] * self.world_size if self.is_global_zero else None
-                dist.gather_object(part, parts, dst=0)  # the structure only: each tensor is a reference
-            sharded.write_tensors(sharded.staging(path), tensors, None)
-            if parts is not None:
-                meta = ckpt.merge_parts(checkpoint, parts, self._split.full_keys, self.layout, self._names())
-                sharded.finish(path, meta)
+        part = ckpt.sharded_part(checkpoint, self.global_rank, tensors, self._split.aliases)
+        staged = sharded.staging(path)
+        try:
+            with guarded("a sharded checkpoint's save"):
+                files = sharded.write_tensors(staged, tensors, None)
+                parts: list[Any] | None = [(part, files)]
+                if self.world_size > 1:  # the structure only (each tensor is a reference) and the files' checksums
+                    parts = [None] * self.world_size if self.is_global_zero else None
+                    dist.gather_object((part, files), parts, dst=0)
+                if parts is not None:
+                    meta = ckpt.merge_parts(
+                        checkpoint, [p for p, _ in parts], self._split.full_keys, self.layout, self._names()
+                    )
+                    sharded.finish(path, meta, {name: entry for _, f in parts for name, entry in f.items()})
+        except BaseException as err:  # DCP's CheckpointException is a BaseException
+            full = sharded.no_space(err, staged / f"__{self.global_rank}_0.distcp")
+            if full is None:
+                raise
+            if self.is_global_zero:  # every rank's write has ended: DCP's save fails on all of them together
+                shutil.rmtree(staged, ignore_errors=True)
+            raise full from None
         self.barrier("avgpipe: sharded checkpoint written")
 
-    def _load_sharded(self, path: Path) -> dict[str, Any]:
+    def _load_sharded(self, path: Path, trusted: bool = False, staged: bool = False) -> dict[str, Any]:
         """This rank's part of a sharded checkpoint: its stage's weights, its parameters' optimizer states, and in
-        the same layout its own replicas; read by this rank alone."""
-        meta, metadata = sharded.check_folder(path)
+        the same layout its own replicas; read by this rank alone, each file it reads checked first."""
+        meta, metadata = sharded.check_folder(path, trusted, allow_staged=staged)
         view = ckpt.rank_view(meta, self._lightning(), self.pipeline, self.layout, self._names())
         current = self._lightning().state_dict()  # the weights are read into the parameters themselves
         into = {
@@ -255,5 +280,6 @@ class CheckpointHooks(ProcessStrategy):
             if sharded.is_ref(ref) and name in current and not is_dtensor(current[name])
         }
         split_as = ckpt.split_refs(view, current)  # a tensor shard's weight and state: this rank's part alone
-        loaded = sharded.read_tensors(path, metadata, sharded.refs_in(view), into, split_as)
+        loaded = sharded.read_tensors(path, metadata, sharded.refs_in(view), into, split_as, meta=meta)
+        view.pop(sharded.FILES, None)
         return sharded.resolve(view, loaded.__getitem__)

@@ -26,7 +26,12 @@ Private state read or written (each a function or class below; Lightning 2.6):
   cluster environment starts the processes itself. Used by: ``plugin/process.py``. It is a subclass adding
   ``plugin/launcher.py``'s guards: ``launch`` and the private ``_call_children_scripts`` overridden (the second sets
   the launcher's pid in the started ranks' environment only), ``self.procs`` read, and Lightning's private
-  ``_ChildProcessObserver`` quieted (its ``_child_processes`` emptied) before the guard ends the ranks.
+  ``_ChildProcessObserver`` quieted (its ``_child_processes`` emptied) before the guard ends the ranks. Its
+  ``launch`` also finishes a replace of ``last*.ckpt`` that a kill interrupted (``plugin/sharded.py``'s
+  ``recover``) before Lightning resolves ``ckpt_path="last"``: the only hook before ``_fit_impl``, absent under
+  torchrun, where the load reads the complete copy where it lies instead. It finds them in the folder
+  ``ModelCheckpoint``'s private ``__resolve_ckpt_dir`` (name-mangled) gives, as Lightning's own
+  ``_find_last_checkpoints`` does.
 - ``AfterClosureMixedPrecision``: ``MixedPrecision`` whose private ``_after_closure`` hook (after the closure,
   before the optimizer step) calls a public ``after_closure``. Used by: ``plugin/precision.py``.
 
@@ -56,11 +61,13 @@ Private state of other libraries, not kept here: torchmetrics ``Metric._defaults
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -81,6 +88,7 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from torch.optim import Optimizer
 
 from lightning_avgpipe.plugin.launcher import LAUNCHER_ENV, ChildGuard, check_port_free
+from lightning_avgpipe.plugin.sharded import recover
 
 __all__ = [
     "AfterClosureMixedPrecision",
@@ -248,6 +256,9 @@ class _GuardedScriptLauncher(_SubprocessScriptLauncher):
         if not env.creates_processes_externally:  # the first call: the ranks start now
             if env.node_rank() == 0:  # the rendezvous is on this node (the other nodes reach node 0's)
                 check_port_free(env.main_address, env.main_port)
+                if trainer is not None and _requested_checkpoint(function, args, kwargs) == "last":
+                    for path in _last_checkpoints(trainer):  # before Lightning looks for them, and any rank starts
+                        _finish_replace(path)
             ChildGuard(lambda: self.procs, before_ending=quiet_child_observer)  # procs: filled when they start
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
@@ -257,6 +268,38 @@ class _GuardedScriptLauncher(_SubprocessScriptLauncher):
             super()._call_children_scripts()
         finally:
             os.environ.pop(LAUNCHER_ENV, None)
+
+
+def _requested_checkpoint(function: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    """The ``ckpt_path`` the user passed to ``fit``/``validate``/... (``"last"``, a path, ``None``), read from the
+    arguments Lightning hands the launcher for ``Trainer._fit_impl`` (and its siblings)."""
+    try:
+        return inspect.signature(function).bind_partial(*args, **kwargs).arguments.get("ckpt_path")
+    except TypeError:
+        return None
+
+
+def _last_checkpoints(trainer: Any) -> list[Path]:
+    """Every ``last*.ckpt`` a kill left moved aside (``.last*.ckpt.replaced``) in a ``ModelCheckpoint``'s folder,
+    where Lightning's ``ckpt_path="last"`` looks; the folder as ``ModelCheckpoint`` resolves it (its private
+    ``__resolve_ckpt_dir``, as Lightning's own ``_find_last_checkpoints`` does)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    found = []
+    for callback in trainer.checkpoint_callbacks:
+        if not isinstance(callback, ModelCheckpoint):
+            continue
+        resolve = callback._ModelCheckpoint__resolve_ckpt_dir  # type: ignore[attr-defined]
+        folder = Path(str(callback.dirpath or resolve(trainer)))
+        pattern = f".{callback.CHECKPOINT_NAME_LAST}*{callback.FILE_EXTENSION}.replaced"
+        found += [p.with_name(p.name[1 : -len(".replaced")]) for p in sorted(folder.glob(pattern))]
+    return found
+
+
+def _finish_replace(path: Path) -> None:
+    done = recover(path)
+    if done is not None:
+        print(f"AvgPipe: {done}.", file=sys.stderr)
 
 
 def quiet_child_observer() -> None:

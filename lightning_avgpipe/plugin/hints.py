@@ -102,8 +102,8 @@ def meta_build_error(err: BaseException) -> RuntimeError | None:
     (``.item()``, ``if`` on a tensor); ``None`` for any other."""
     text = str(err)
     pretrained = next((f for f in _frames(err.__traceback__) if f.f_code.co_name == "from_pretrained"), None)
-    if pretrained is not None or "from_pretrained" in text:
-        cls = pretrained.f_locals.get("cls") if pretrained is not None else None
+    if pretrained is not None:  # raised inside a from_pretrained (a message merely naming it is not enough)
+        cls = pretrained.f_locals.get("cls")
         name = getattr(cls, "__name__", "Model")
         first = text.strip().splitlines()[0].rstrip(".") if text.strip() else type(err).__name__
         return RuntimeError(

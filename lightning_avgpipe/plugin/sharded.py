@@ -18,11 +18,13 @@ tensors with ``weights_only=True``. ``consolidate`` writes the single file of ``
 
 from __future__ import annotations
 
-import io
+import ctypes
+import errno
 import os
 import pickle
 import re
 import shutil
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -32,13 +34,18 @@ import torch
 from torch import Tensor
 
 from lightning_avgpipe import shards
-from lightning_avgpipe.runtime import torchfile
+from lightning_avgpipe.plugin import dcp_reader
+from lightning_avgpipe.runtime import checksums, torchfile
 
 REF = "__avgpipe_dcp__"
 META = "avgpipe.pt"
-DCP_META = ".metadata"
+DCP_META = dcp_reader.DCP_META
 INCOMPLETE = ".incomplete"
+REPLACED = ".replaced"
 SHARDED = "avgpipe_sharded"  # avgpipe.pt's own entry: the world size and layout that wrote the folder
+FILES = "avgpipe_files"  # avgpipe.pt's own entry: each file's size, checksum and writer (runtime/checksums.py)
+CHECKSUMS = "avgpipe_checksums"  # a single file's own entry: each tensor's checksum (runtime/checksums.py)
+FULL_BELOW = 1 << 20  # bytes free under which a failed write is said to be a full disk
 
 
 def boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
@@ -126,16 +133,23 @@ def is_ref(value: Any) -> bool:
     return isinstance(value, dict) and len(value) == 1 and REF in value
 
 
-def to_refs(obj: Any, key: str, tensors: dict[str, Tensor]) -> Any:
+def to_refs(obj: Any, key: str, tensors: dict[str, Tensor], seen: dict[Any, str] | None = None) -> Any:
     """``obj`` with each tensor replaced by a reference keyed by its path under ``key``, the tensor put in
-    ``tensors``."""
+    ``tensors``. A tensor over the same bytes as one already put (a weight under two names) is referenced by that
+    one's key: it is stored once, and read back under both names."""
+    seen = {} if seen is None else seen
     if isinstance(obj, (Tensor, FlatPieces)):
+        same = shards.same_data(obj)
+        if same is not None and same in seen:
+            return ref(seen[same])
+        if same is not None:
+            seen[same] = key
         tensors[key] = obj.detach() if isinstance(obj, Tensor) else obj  # type: ignore[assignment]
         return ref(key)
     if isinstance(obj, Mapping):
-        return type(obj)((k, to_refs(v, f"{key}.{k}", tensors)) for k, v in obj.items())  # type: ignore[call-arg]
+        return type(obj)((k, to_refs(v, f"{key}.{k}", tensors, seen)) for k, v in obj.items())  # type: ignore[call-arg]
     if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
-        return type(obj)(to_refs(v, f"{key}.{i}", tensors) for i, v in enumerate(obj))
+        return type(obj)(to_refs(v, f"{key}.{i}", tensors, seen) for i, v in enumerate(obj))
     return obj
 
 
@@ -160,9 +174,14 @@ def staging(path: Path) -> Path:
     return path.with_name(f".{path.name}{INCOMPLETE}")
 
 
+def replaced(path: Path) -> Path:
+    return path.with_name(f".{path.name}{REPLACED}")
+
+
 def prepare(path: Path) -> Path:
     """Rank 0, before the ranks write: an empty staging folder beside ``path`` (a stale one from a killed save
-    removed)."""
+    removed, and a replace a kill interrupted completed first: :func:`recover`)."""
+    recover(path, quiet=True)
     tmp = staging(path)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -171,79 +190,203 @@ def prepare(path: Path) -> Path:
     return tmp
 
 
-def write_tensors(tmp: Path, tensors: dict[str, Tensor], process_group: Any) -> None:
+def write_tensors(tmp: Path, tensors: dict[str, Tensor], process_group: Any) -> dict[str, dict[str, Any]]:
     """Every rank at once (collective): its tensors into DCP's files in ``tmp``; a key several ranks hold is written
-    by one of them."""
+    by one of them. Returns the checksum entry (``runtime/checksums.py``) of each file this rank wrote (DCP's
+    ``.metadata`` too, on the coordinator)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     writer = dcp.FileSystemWriter(tmp, thread_count=1)
     planner = _planner()
-    dcp.save(
-        tensors, storage_writer=writer, planner=planner, process_group=process_group, no_dist=not dist.is_initialized()
-    )
+    distributed = dist.is_initialized()
+    dcp.save(tensors, storage_writer=writer, planner=planner, process_group=process_group, no_dist=not distributed)
+    rank = dist.get_rank(process_group) if distributed else 0
+    mine = sorted(tmp.glob(f"__{rank}_*.distcp")) + ([tmp / DCP_META] if rank == 0 else [])
+    return {f.name: checksums.file_entry(f, rank) for f in mine}
 
 
-def finish(path: Path, meta: dict[str, Any]) -> None:
-    """Rank 0, after every rank wrote: ``avgpipe.pt``, then the folder renamed into place (a checkpoint already
-    there, file or folder, replaced only then)."""
+def finish(path: Path, meta: dict[str, Any], files: Mapping[str, Any] | None = None) -> None:
+    """Rank 0, after every rank wrote: ``avgpipe.pt`` (with ``files``, the checksum of every file the ranks wrote),
+    then the folder put into place (a checkpoint already there, file or folder, replaced only then)."""
     tmp = staging(path)
+    if files is not None:
+        meta = {**meta, FILES: dict(files)}
     with open(tmp / META, "wb") as f:
         torch.save(meta, f)
         f.flush()
         os.fsync(f.fileno())
-    old = path.with_name(f".{path.name}.replaced")
+    put_in_place(tmp, path)
+
+
+def put_in_place(tmp: Path, path: Path) -> None:
+    """``tmp`` renamed to ``path``. A folder or file already at ``path`` is swapped with ``tmp`` in one step where
+    the system can (Linux's ``renameat2(RENAME_EXCHANGE)``), then removed: ``path`` is never missing. Elsewhere it is
+    moved aside to ``.<name>.replaced`` first; a kill between the two renames leaves both, and :func:`recover` puts
+    the complete one back."""
     if path.exists() or path.is_symlink():
-        if old.is_dir():
-            shutil.rmtree(old)
+        if _exchange(tmp, path):
+            _remove(tmp)
+            return
+        old = replaced(path)
+        _remove(old)
         os.replace(path, old)
+        os.replace(tmp, path)
+        _remove(old)
+        return
     os.replace(tmp, path)
-    if old.is_dir():
-        shutil.rmtree(old)
-    elif old.exists():
-        old.unlink()
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap ``a`` and ``b`` atomically; ``False`` where the system or file system cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV, errno.EPERM):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def recover(path: Path, quiet: bool = False) -> str | None:
+    """Finish a replace of ``path`` that a kill interrupted between its two renames: no ``path``, but
+    ``.<name>.replaced`` (the previous checkpoint) and ``.<name>.incomplete`` (the new one, complete once its
+    ``avgpipe.pt`` is written). The complete new one is renamed into place, else the previous one is put back.
+    Returns what was done, or ``None`` when there was nothing to do; raises naming both when neither is complete
+    (``quiet``: leaves them as they are)."""
+    old, new = replaced(path), staging(path)
+    if path.exists() or not old.exists():
+        return None
+    for candidate, what in ((new, "the new checkpoint"), (old, "the previous checkpoint")):
+        if _complete(candidate):
+            os.replace(candidate, path)
+            for rest in (old, new):
+                _remove(rest)
+            return f"{path} was missing after an interrupted save; {what} ({candidate.name}) is back in its place"
+    if quiet:
+        return None
+    raise ValueError(
+        f"The checkpoint {path} is missing: a save was interrupted while replacing it, and neither {old} (the "
+        f"previous checkpoint) nor {new} (the new one) is complete. Resume from another checkpoint."
+    )
+
+
+def interrupted(path: Path) -> Path | None:
+    """Where to read ``path`` from when a kill interrupted its replace (:func:`recover`), without renaming anything
+    (every rank reads at once): the complete one of ``.<name>.incomplete`` and ``.<name>.replaced``; ``None`` when
+    ``path`` is there or no replace was interrupted. Raises naming both when neither is complete."""
+    old, new = replaced(path), staging(path)
+    if path.exists() or not old.exists():
+        return None
+    for candidate in (new, old):
+        if _complete(candidate):
+            return candidate
+    raise ValueError(
+        f"The checkpoint {path} is missing: a save was interrupted while replacing it, and neither {old} (the "
+        f"previous checkpoint) nor {new} (the new one) is complete. Resume from another checkpoint."
+    )
+
+
+def _complete(path: Path) -> bool:
+    if path.is_file():
+        return True  # a single file is renamed into place only once complete
+    try:
+        meta, _ = check_folder(path, allow_staged=True)
+        for name, entry in meta.get(FILES, {}).items():
+            if os.path.getsize(path / name) != entry["bytes"]:
+                return False
+        return True
+    except Exception:  # noqa: BLE001 - not complete, whatever is wrong with it
+        return False
+
+
+def no_space(err: BaseException, writing: Path) -> OSError | None:
+    """A write that failed for a full disk, said as such: ``err`` (or an error it carries: DCP's
+    ``CheckpointException`` holds every rank's) is ENOSPC, or the disk has (almost) nothing left. ``None`` for
+    any other failure."""
+    full = any(getattr(e, "errno", None) == errno.ENOSPC for e in _causes(err))
+    try:
+        free = shutil.disk_usage(writing.parent if not writing.exists() else writing).free
+    except OSError:
+        free = None
+    if not full and (free is None or free >= FULL_BELOW):
+        return None
+    text = f"{free / 2**20:.0f} MiB" if free is not None else "unknown"
+    return DiskFullError(
+        errno.ENOSPC,
+        f"No space left on device while writing {writing} (free: {text}). Free some space, or save elsewhere "
+        "(ModelCheckpoint(dirpath=...)); the previous checkpoint is untouched.",
+    )
+
+
+class DiskFullError(OSError, RuntimeError):
+    """A checkpoint's write ran out of disk space."""
+
+
+def _causes(err: BaseException) -> Iterable[BaseException]:
+    seen: set[int] = set()
+    todo = [err]
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        todo += [x for x in (e.__cause__, e.__context__) if x is not None]
+        failures = getattr(e, "failures", None)  # DCP's CheckpointException: {rank: (exception, traceback)}
+        if isinstance(failures, Mapping):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values() if f is not None]
 
 
 # -- reading ---------------------------------------------------------------------------------------------------
-class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's ``.metadata`` holds only its own dataclasses, dtypes, sizes and paths: anything else is refused."""
-
-    ALLOWED = {
-        "torch.distributed.checkpoint.metadata": None,  # any of its dataclasses
-        "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-        "torch.serialization": {"_get_layout"},
-        "torch": {"Size", "strided", "contiguous_format", "preserve_format", "channels_last", *dir(torch)},
-        "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"},
-        "collections": {"OrderedDict"},
-        "builtins": {"set", "frozenset", "tuple", "list", "dict"},
-    }
-
-    def find_class(self, module: str, name: str) -> Any:
-        allowed = self.ALLOWED.get(module, set())
-        if module in self.ALLOWED and (allowed is None or name in allowed):
-            value = super().find_class(module, name)
-            if module == "torch" and not isinstance(value, (torch.dtype, type, torch.layout, torch.memory_format)):
-                raise pickle.UnpicklingError(f"{module}.{name}")
-            return value
-        raise pickle.UnpicklingError(f"{module}.{name}")
-
-
-def read_dcp_metadata(path: Path) -> Any:
+def read_meta(path: Path, trusted: bool = False) -> dict[str, Any]:
+    """``avgpipe.pt``, with ``weights_only=True`` unless ``trusted``: a refusal said as one, any other failure as
+    a damaged file."""
     try:
-        return _MetadataUnpickler(io.BytesIO((path / DCP_META).read_bytes())).load()
+        return torch.load(path / META, map_location="cpu", weights_only=not trusted)  # type: ignore[no-any-return]
     except pickle.UnpicklingError as err:
-        raise ValueError(
-            f"Refusing to load the checkpoint folder {path}: its {DCP_META} holds objects other than "
-            f"torch.distributed.checkpoint's metadata ({err}), and unpickling them could run code from the file."
+        if "weights_only" not in str(err):
+            raise _damaged_meta(path, err) from err
+        raise dcp_reader.UnsafeCheckpointError(
+            f"Refusing to load {path / META}: it holds objects other than tensors and plain values, and unpickling "
+            "them could run code from the file. If you wrote this folder yourself, pass "
+            "AvgPipeStrategy(trusted_checkpoints=True)."
         ) from err
+    except Exception as err:  # noqa: BLE001 - zip, EOF and OS errors all mean a damaged file
+        raise _damaged_meta(path, err) from err
 
 
-def check_folder(path: Path) -> tuple[dict[str, Any], Any]:
+def _damaged_meta(path: Path, err: BaseException) -> ValueError:
+    return checksums.DamagedCheckpointError(
+        f"The checkpoint folder {path} is damaged: its {META} (written by rank 0) is truncated or damaged and cannot "
+        f"be read ({type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''}). Copy the folder "
+        "again, or resume from another checkpoint."
+    )
+
+
+def check_folder(path: Path, trusted: bool = False, allow_staged: bool = False) -> tuple[dict[str, Any], Any]:
     """Read a sharded checkpoint's ``avgpipe.pt`` and DCP's metadata, or say why the folder is not a complete one
-    (naming the missing rank's file or key)."""
+    (naming the missing rank's file or key), is damaged (a file not as written) or is refused (it would run code).
+    Only ``.metadata`` is checked against its checksum here; each tensor file when it is read
+    (:func:`check_files`)."""
     if not path.is_dir():
         raise FileNotFoundError(f"There is no checkpoint folder {path}.")
-    if path.name.endswith(INCOMPLETE) or not ((path / META).exists() or (path / DCP_META).exists()):
+    staged = path.name.endswith(INCOMPLETE) and not allow_staged
+    if staged or not ((path / META).exists() or (path / DCP_META).exists()):
         raise ValueError(
             f"The folder {path} is not a complete checkpoint: it has no {META}, which rank 0 writes last (a save "
             f"that did not finish leaves a folder named .<name>{INCOMPLETE}). Resume from the previous checkpoint."
@@ -255,7 +398,11 @@ def check_folder(path: Path) -> tuple[dict[str, Any], Any]:
         )
     if not (path / DCP_META).exists():
         raise ValueError(f"The checkpoint folder {path} is incomplete: it lacks {DCP_META}. Resume from another one.")
-    metadata = read_dcp_metadata(path)
+    meta = read_meta(path, trusted)
+    files = meta.get(FILES) or {}
+    if DCP_META in files:
+        checksums.check_file(path, DCP_META, files[DCP_META])
+    metadata = dcp_reader.load_metadata(path, trusted)
     missing = sorted({info.relative_path for info in metadata.storage_data.values()} - set(os.listdir(path)))
     if missing:
         ranks = sorted({int(m.group(1)) for f in missing if (m := re.match(r"__(\d+)_", f))})
@@ -263,18 +410,23 @@ def check_folder(path: Path) -> tuple[dict[str, Any], Any]:
             f"The checkpoint folder {path} is incomplete: rank(s) {ranks}'s file(s) {missing[:4]} are missing. "
             "Copy the whole folder, or resume from another checkpoint."
         )
-    try:
-        meta = torch.load(path / META, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
-        raise ValueError(
-            f"Refusing to load {path / META}: it holds objects other than tensors and plain values, and unpickling "
-            "them could run code from the file."
-        ) from err
     keys = set(metadata.state_dict_metadata)
     lost = [k for k in refs_in(meta) if k not in keys]
     if lost:
         raise ValueError(f"The checkpoint folder {path} lacks the tensors {lost[:5]} that its {META} names.")
+    dcp_reader.check_items(path, metadata, refs_in(meta), trusted)
     return meta, metadata
+
+
+def check_files(path: Path, meta: Mapping[str, Any], names: Iterable[str], checked: set[str] | None = None) -> None:
+    """Check each of the folder's files ``names`` against the checksum ``avgpipe.pt`` recorded for it (once per
+    ``checked``); a folder saved before checksums has none to check."""
+    files = meta.get(FILES) or {}
+    for name in sorted(set(names) - (checked or set())):
+        if name in files:
+            checksums.check_file(path, name, files[name])
+        if checked is not None:
+            checked.add(name)
 
 
 def read_tensors(
@@ -283,15 +435,20 @@ def read_tensors(
     keys: Iterable[str],
     into: dict[str, Tensor] | None = None,
     split_as: dict[str, Tensor] | None = None,
+    meta: Mapping[str, Any] | None = None,
+    checked: set[str] | None = None,
 ) -> dict[str, Tensor]:
     """The tensors ``keys`` of a sharded checkpoint, read by this process alone (only their bytes); a key in
     ``into`` is read into that tensor in place (a parameter being restored: no second copy of it); a key in
     ``split_as`` (a tensor-parallel parameter, a DTensor) is read as a DTensor of its layout: this rank's shard
-    alone."""
+    alone. The files they are in are first checked against ``meta``'s checksums (each once per ``checked``)."""
     import torch.distributed.checkpoint as dcp
 
+    keys = list(dict.fromkeys(keys))
+    if meta is not None:
+        check_files(path, meta, dcp_reader.files_of(metadata, keys), checked)
     state: dict[str, Tensor] = {}
-    for key in dict.fromkeys(keys):
+    for key in keys:
         md = metadata.state_dict_metadata[key]
         target = (into or {}).get(key)
         like = (split_as or {}).get(key)
@@ -303,15 +460,21 @@ def read_tensors(
     if state:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled", category=UserWarning)
-            dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+            dcp.load(
+                state, storage_reader=dcp_reader.reader(path, metadata), planner=dcp_reader.planner(), no_dist=True
+            )
     return state
 
 
-def consolidate(folder: str | os.PathLike[str], out: str | os.PathLike[str]) -> None:
+def consolidate(folder: str | os.PathLike[str], out: str | os.PathLike[str], trusted: bool = False) -> None:
     """The single-file checkpoint (``save_distributed_checkpoint=False``'s) of a sharded one, written tensor by
-    tensor: the peak is the largest tensor (``torchfile.write``)."""
-    path = Path(folder)
-    meta, metadata = check_folder(path)
+    tensor: the peak is the largest tensor (``torchfile.write``). Every file is checked against its checksum
+    first; nothing in the folder is unpickled in full unless ``trusted``."""
+    found = interrupted(Path(folder))
+    path = found or Path(folder)
+    meta, metadata = check_folder(path, trusted, allow_staged=found is not None)
+    check_files(path, meta, {info.relative_path for info in metadata.storage_data.values()})
+    meta.pop(FILES, None)
 
     def slot(key: str) -> torchfile.Slot:
         md = metadata.state_dict_metadata[key]
@@ -322,7 +485,7 @@ def consolidate(folder: str | os.PathLike[str], out: str | os.PathLike[str]) -> 
     out = Path(out)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
-        torchfile.write(tmp, tree, lambda key: read_tensors(path, metadata, [key])[key])
+        torchfile.write(tmp, tree, lambda key: read_tensors(path, metadata, [key])[key], checksums=CHECKSUMS)
         os.replace(tmp, out)
     finally:
         if tmp.exists():

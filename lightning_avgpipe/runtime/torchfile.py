@@ -26,6 +26,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_avgpipe.runtime import checksums as _checksums
+from lightning_avgpipe.shards import same_data
+
 ALIGNMENT = 64
 # dtype -> the storage class torch's pickles name (torch.save's persistent ids)
 STORAGE_TYPES = {
@@ -76,9 +79,13 @@ def _rebuild() -> Any:
 
 
 class _Pickler(pickle.Pickler):
-    def __init__(self, file: Any, slots: list[tuple[Slot, str]]) -> None:
+    """Pickles each :class:`Slot` as a tensor over the record of its key: slots of one key (a tensor under two
+    names) share one record, as ``torch.save`` stores a shared storage once."""
+
+    def __init__(self, file: Any, slots: list[tuple[Slot, str]], records: dict[str, str]) -> None:
         super().__init__(file, protocol=2)
         self.slots = slots
+        self.records = records
         self.rebuild = _rebuild()
 
     def persistent_id(self, obj: Any) -> Any:
@@ -91,8 +98,10 @@ class _Pickler(pickle.Pickler):
             return NotImplemented
         if obj.dtype not in STORAGE_TYPES:
             raise TypeError(f"Cannot write a tensor of dtype {obj.dtype} ({obj.key!r}) into a checkpoint file.")
-        record = str(len(self.slots))
-        self.slots.append((obj, record))
+        record = self.records.get(obj.key)
+        if record is None:
+            record = self.records[obj.key] = str(len(self.slots))
+            self.slots.append((obj, record))
         stride: list[int] = []
         step = 1
         for s in reversed(obj.shape):
@@ -121,34 +130,60 @@ class Prepared:
     def __init__(self, obj: Any) -> None:
         self.real: dict[str, Tensor] = {}
         self.slots: list[tuple[Slot, str]] = []
+        self.records: dict[str, str] = {}  # slot key -> its record
+        self.obj = self._slotted(obj)
+        self.pickle = self.pickled(self.obj)
+
+    def pickled(self, obj: Any) -> bytes:
         buffer = io.BytesIO()
-        _Pickler(buffer, self.slots).dump(self._slotted(obj))  # the structure first, as torch.save writes it
-        self.pickle = buffer.getvalue()
+        _Pickler(buffer, self.slots, self.records).dump(obj)
+        return buffer.getvalue()
+
+    def with_checksums(self, key: str, crcs: dict[str, str]) -> bytes:
+        """The pickle of ``obj`` (a dict) with ``key`` added: each tensor's CRC-32 by its path
+        (``runtime/checksums.py``), from ``crcs`` (record -> CRC-32)."""
+        if not isinstance(self.obj, dict):
+            raise TypeError(f"Checksums go into a checkpoint dict, not a {type(self.obj).__name__}.")
+        paths = _checksums.tensor_paths(self.obj, lambda x: isinstance(x, Slot))
+        entry = {"algorithm": _checksums.ALGORITHM, "tensors": {p: crcs[self.records[s.key]] for p, s in paths}}
+        return self.pickled({**self.obj, key: entry})
 
     @property
     def keys(self) -> list[str]:
         return [slot.key for slot, _ in self.slots if slot.key not in self.real]
 
     def _slotted(self, value: Any) -> Any:
+        seen: dict[Any, Slot] = {}  # a tensor under two names (over the same bytes) is one slot, one record
+
         def slot(tensor: Tensor) -> Slot:
+            same = same_data(tensor)
+            if same is not None and same in seen:
+                return seen[same]
             key = f"\0real/{len(self.real)}"
             self.real[key] = tensor
-            return Slot.of(key, tensor)
+            made = Slot.of(key, tensor)
+            if same is not None:
+                seen[same] = made
+            return made
 
         return mapped(value, lambda x: isinstance(x, Tensor), slot)
 
 
-def write(path: str | os.PathLike[str], obj: Any | Prepared, fetch: Callable[[str], Tensor]) -> None:
+def write(
+    path: str | os.PathLike[str], obj: Any | Prepared, fetch: Callable[[str], Tensor], checksums: str | None = None
+) -> None:
     """Write ``obj`` to ``path`` as ``torch.save`` would, each :class:`Slot` in it fetched only when written (in
-    the order of ``Prepared(obj).keys``).
+    the order of ``Prepared(obj).keys``); slots of one key are stored once. ``checksums``: a key under which the
+    dict ``obj`` also holds each tensor's CRC-32 (computed as it is written; the pickle goes last).
 
     A real tensor left in ``obj`` is written as it is (keep those small: they are all in memory already).
     """
     prepared = obj if isinstance(obj, Prepared) else Prepared(obj)
     real = dict(prepared.real)
+    crcs: dict[str, str] = {}
     with zipfile.ZipFile(Path(path), "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
         for name, data in (
-            ("archive/data.pkl", prepared.pickle),
+            *([] if checksums else [("archive/data.pkl", prepared.pickle)]),
             ("archive/.format_version", b"1"),
             ("archive/.storage_alignment", str(ALIGNMENT).encode()),
             ("archive/byteorder", b"little"),
@@ -165,7 +200,13 @@ def write(path: str | os.PathLike[str], obj: Any | Prepared, fetch: Callable[[st
             raw = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
             with _record(zf, f"archive/data/{record}", raw.nbytes) as f:
                 f.write(raw.data)
+            if checksums:
+                crcs[record] = f"{_checksums.crc_bytes(raw.data):08x}"
             del tensor, raw
+        if checksums:
+            data = prepared.with_checksums(checksums, crcs)
+            with _record(zf, "archive/data.pkl", len(data)) as f:
+                f.write(data)
         with _record(zf, "archive/version", 2) as f:
             f.write(b"3\n")
 
