@@ -260,3 +260,22 @@ def test_a_labelled_error_of_the_users_is_said_in_short_with_its_traceback_in_th
         and said[1].endswith(f"; the full traceback: {path})")
     ), said
     assert "in configure_model" in path.read_text()
+
+
+def test_an_error_of_the_build_gets_no_first_failure_note_each_rank_says_its_own() -> None:
+    """Two ranks whose replayed builds fail differently (each reads its own shard): each prints its own message, and the
+    second quotes nothing of the first (it printed it itself); an unlabelled error still gets the note."""
+    from lightning_avgpipe.runtime import failures
+
+    first = "rank 1 (setup): ValueError: load_pretrained: shard-4's 'w' is (64, 96); the model's is (64, 128)."
+    labelled = ValueError("load_pretrained: shard-2's 'v' is (64, 96); the model's is (64, 128).")
+    plain = ValueError("x")
+    console.mark(labelled, "configure_model()'s build, replayed at setup")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(failures, "report_failure", lambda text: None)
+        mp.setattr(failures, "recorded_failure", lambda: first)
+        mp.setattr(failures, "wait_until_seen", lambda *a, **k: None)
+        failures.handle_failure(labelled, "rank 0 (setup)", 0, 2)
+        failures.handle_failure(plain, "rank 0 (setup)", 0, 2)
+    assert not getattr(labelled, "__notes__", []), labelled.__notes__
+    assert "First failure: rank 1 (setup)" in " ".join(getattr(plain, "__notes__", []))

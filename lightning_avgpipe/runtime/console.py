@@ -49,7 +49,7 @@ def mark(value: BaseException, during: str, site: str | None = None) -> None:
     """Label ``value`` as raised ``during`` a step whose errors are the user's to read first (``"configure_model()"``):
     said in short whoever raised it; ``site``, the user's line that led to it (``file:line``) when its own frames do
     not show it (a call recorded in ``configure_model`` and replayed at setup)."""
-    if getattr(value, "_avgpipe_during", None) is not None:
+    if labelled(value) is not None:
         return  # the innermost label stays
     try:
         value._avgpipe_during = during  # type: ignore[attr-defined]
@@ -62,12 +62,17 @@ def _rank() -> str:
     return os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))
 
 
+def labelled(value: BaseException) -> str | None:
+    """What :func:`mark` labelled ``value`` as raised during, or ``None``."""
+    return getattr(value, "_avgpipe_during", None)
+
+
 def print_short(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> bool:
     """Where ``value`` was raised by this package's own code as one of :data:`NAMED`, or labelled by :func:`mark`:
     write its traceback to a file and print the short form on stderr. Returns whether it did (else the caller
     prints the traceback)."""
     frames = traceback.extract_tb(tb)
-    during = getattr(value, "_avgpipe_during", None)
+    during = labelled(value)
     ours = issubclass(kind, NAMED) and bool(frames) and frames[-1].filename.startswith(PACKAGE)
     if not frames or not (ours or (during is not None and issubclass(kind, Exception))):
         return False
@@ -104,8 +109,8 @@ def _origin(value: BaseException, frames: list[traceback.FrameSummary]) -> list[
     """The frames to name where ``value`` came from, innermost last: for an error labelled by :func:`mark` that this
     package raised from another (a message of ours around an error of the user's build), that other's."""
     cause = value.__cause__
-    labelled = getattr(value, "_avgpipe_during", None) is not None
-    if labelled and frames[-1].filename.startswith(PACKAGE) and cause is not None and cause.__traceback__ is not None:
+    ours = frames[-1].filename.startswith(PACKAGE)
+    if labelled(value) is not None and ours and cause is not None and cause.__traceback__ is not None:
         return traceback.extract_tb(cause.__traceback__)
     return frames
 

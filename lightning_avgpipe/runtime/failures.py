@@ -29,6 +29,8 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
+from lightning_avgpipe.runtime.console import labelled
+
 T = TypeVar("T")
 
 STORE_DEADLINE = 2.0
@@ -204,7 +206,8 @@ def handle_failure(exception: BaseException, where: str, rank: int, world_size: 
     The rank where a failure starts records it, so the others' messages name it (not just their neighbour); a
     neighbour's timeout is recorded too (unless something was first): then a rank stuck while alive, which raises
     nothing, is ended by its watchdog. An error that is a consequence (a neighbour gone mid-collective) gets a note
-    naming the first failure. Rank 0 hosts the store, so it gives the others' watchdogs (they poll every second) a
+    naming the first failure (not an error of the model's build, labelled by ``runtime/console.py``: each rank says
+    its own). Rank 0 hosts the store, so it gives the others' watchdogs (they poll every second) a
     few seconds to read the failure before it exits and takes the store with it. Every store call is bounded.
     """
     mine = f"{where}: {type(exception).__name__}: {shortened(str(exception))}"
@@ -215,7 +218,9 @@ def handle_failure(exception: BaseException, where: str, rank: int, world_size: 
             exception._avgpipe_same_as = first.split(": ", 1)[0]  # type: ignore[attr-defined]
         except AttributeError:
             pass
-    if first and first != mine and _what(first) != _what(mine):  # the same error on every rank needs no note
+    # the same error on every rank needs no note, nor one the model's build raised on this rank (each rank's own:
+    # the first one's rank prints it itself)
+    if first and first != mine and _what(first) != _what(mine) and labelled(exception) is None:
         consequence = isinstance(exception, PeerFailureError) or is_transport_error(exception)
         name_first_failure(
             exception,
