@@ -111,7 +111,9 @@ def test_an_error_inside_configure_model_is_said_in_short_with_its_traceback_in_
     assert code == 1 and len(lines) <= 15, out
     assert "Cannot copy out of meta tensor" not in out and "Traceback" not in out, out
     message = f"FileNotFoundError: load_pretrained: there is no file {tmp_path / 'pretrainde'}."
-    assert out.count(message) == 1, out
+    # once, or twice where rank 1 failed first: the launching process (rank 0) prints its message whatever, as it
+    # may end rank 1 before rank 1 prints its own
+    assert out.count(message) == 1 or (out.count(message) == 2 and "the same error" not in out), out
     errors = [i for i, line in enumerate(lines) if "Error: " in line]
     said = lines[errors[0]]
     assert said.endswith(message) or "FileNotFoundError: the same error as rank" in said, out  # message first

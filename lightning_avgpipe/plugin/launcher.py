@@ -138,7 +138,8 @@ class ChildGuard:
 
     def _excepthook(self, kind: type[BaseException], value: BaseException, tb: object) -> None:
         self.failed(f"the launching process (local rank 0) failed with {kind.__name__}")
-        if not console.print_short(kind, value, tb):  # type: ignore[arg-type]  # a named mistake: a few lines
+        # a named mistake: a few lines, the message itself (the rank that failed first may be ended before it says it)
+        if not console.print_short(kind, value, tb, abbreviate=False):  # type: ignore[arg-type]
             self._previous_hook(kind, value, tb)  # type: ignore[arg-type]
 
     def at_exit(self) -> list[str]:

@@ -6,7 +6,8 @@ message, where it was raised and from which line of the user's script, and the f
 frames of Lightning, torch and this package, which would otherwise fill the console on every rank, gloo's included).
 So does any error raised while the model is built (``configure_model``, or its build replayed at setup), which
 :func:`mark` labels: its message is the user's to read first, whoever raised it. A rank whose error is the same as the
-first failure's says so in one line. Any other exception (a bug: an ``AssertionError``, an ``AttributeError``, an
+first failure's says so in one line (not the launching process, which prints the message: the rank that recorded it
+first may be ended before it prints it). Any other exception (a bug: an ``AssertionError``, an ``AttributeError``, an
 error raised inside torch) keeps its full traceback on the console.
 
 The file goes to the folder :func:`set_folder` names (the trainer's log directory, set at setup), else to the
@@ -67,10 +68,13 @@ def labelled(value: BaseException) -> str | None:
     return getattr(value, "_avgpipe_during", None)
 
 
-def print_short(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> bool:
+def print_short(
+    kind: type[BaseException], value: BaseException, tb: TracebackType | None, abbreviate: bool = True
+) -> bool:
     """Where ``value`` was raised by this package's own code as one of :data:`NAMED`, or labelled by :func:`mark`:
     write its traceback to a file and print the short form on stderr. Returns whether it did (else the caller
-    prints the traceback)."""
+    prints the traceback). ``abbreviate=False``: the message even where it is the first failure's, recorded by
+    another rank (the launching process: it may end that rank before that rank prints its own)."""
     frames = traceback.extract_tb(tb)
     during = labelled(value)
     ours = issubclass(kind, NAMED) and bool(frames) and frames[-1].filename.startswith(PACKAGE)
@@ -93,7 +97,7 @@ def print_short(kind: type[BaseException], value: BaseException, tb: TracebackTy
     elif user is not None and (user.filename, user.lineno) != (raised.filename, raised.lineno):
         at += f", from {user.filename}:{user.lineno}"
     same = getattr(value, "_avgpipe_same_as", None)
-    if same is not None:
+    if same is not None and abbreviate:
         lines = [f"{kind.__name__}: the same error as {same} ({at}; {where})"]
     else:
         lines = "".join(traceback.format_exception_only(kind, value)).rstrip().splitlines()
