@@ -364,7 +364,7 @@ def read_meta(path: Path, trusted: bool = False) -> dict[str, Any]:
         raise dcp_reader.UnsafeCheckpointError(
             f"Refusing to load {path / META}: it holds objects other than tensors and plain values, and unpickling "
             "them could run code from the file. If you wrote this folder yourself, pass "
-            "AvgPipeStrategy(trusted_checkpoints=True)."
+            "AvgPipeStrategy(trusted_checkpoints=True) (consolidate: --trusted)."
         ) from err
     except Exception as err:  # noqa: BLE001 - zip, EOF and OS errors all mean a damaged file
         raise _damaged_meta(path, err) from err
