@@ -170,8 +170,9 @@ class CheckpointHooks(ProcessStrategy):
             loaded = self._load_sharded(found or Path(str(checkpoint_path)), not weights_only, found is not None)
         else:
             loaded = self._load_file(found or checkpoint_path, weights_only)
-            view = ckpt.rank_view(loaded, self._lightning(), self.pipeline, self.layout, self._names())
-            checksums.check_tensors(view, loaded.get(sharded.CHECKSUMS), checkpoint_path)
+            if sharded.CHECKSUMS in loaded:  # this rank's tensors only: the others' pages are never read
+                view = ckpt.rank_view(loaded, self._lightning(), self.pipeline, self.layout, self._names())
+                checksums.check_tensors(view, loaded[sharded.CHECKSUMS], checkpoint_path)
         loaded.pop(sharded.CHECKSUMS, None)
         module = self.lightning_module
         trainer = compat.attached_trainer(module) if module is not None else None
