@@ -36,6 +36,7 @@ from lightning_avgpipe.plugin.split import SplitModule
 from lightning_avgpipe.runtime import torchfile
 from lightning_avgpipe.runtime.failures import guarded
 from lightning_avgpipe.runtime.pipeline import StagePipeline
+from lightning_avgpipe.runtime.save_waits import SaveWaits
 from lightning_avgpipe.runtime.topology import Topology
 from lightning_avgpipe.shards import is_dtensor
 
@@ -109,8 +110,9 @@ class CheckpointHooks(ProcessStrategy):
             # a dump starts here: the other ranks' tensors are streamed at the save
             self._outbox = streamed.Outbox()
             local = ckpt.whole_state_dict(self._lightning(), self.pipeline)
-            with guarded("a checkpoint's gather of every stage's tensor names to rank 0"):
-                parts = self._outbox.gather(sharded.to_refs(local, "state_dict", self._outbox.tensors), *self._ranks)
+            tree = sharded.to_refs(local, "state_dict", self._outbox.tensors)
+            with self._waits("a checkpoint's gather of every stage's tensor names to rank 0") as waits:
+                parts = self._outbox.gather(tree, *self._ranks, waits)
             merged = {k: v for part in parts or [] for k, v in part.items()}
             return {} if parts is None else ckpt.ordered(merged, self._split.full_keys)
         return ckpt.assemble_state_dict(self._lightning(), self.pipeline, self._split.full_keys)
@@ -127,8 +129,8 @@ class CheckpointHooks(ProcessStrategy):
             entry = ckpt.optimizer_entry(optimizer, self.pipeline, self._names())
             part = ckpt.optimizer_part(entry, box.optimizers, self.global_rank, box.tensors)
             box.optimizers += 1
-            with guarded("a checkpoint's gather of every stage's optimizer state names to rank 0"):
-                parts = box.gather(part, *self._ranks)
+            with self._waits("a checkpoint's gather of every stage's optimizer state names to rank 0") as waits:
+                parts = box.gather(part, *self._ranks, waits)
             return {} if parts is None else ckpt.unsplit_optimizer_state(parts, self.layout, self._names())
         return ckpt.gather_optimizer_state(optimizer, self.pipeline, self.layout, self._names())
 
@@ -199,6 +201,20 @@ class CheckpointHooks(ProcessStrategy):
     def _ranks(self) -> tuple[int, int]:
         return self.global_rank, self.world_size
 
+    def _waits(self, what: str) -> SaveWaits:
+        """A save's waits, each bounded by ``p2p_timeout`` however long a live rank's I/O takes
+        (``runtime/save_waits.py``)."""
+        return SaveWaits(what, self.config.p2p_timeout, self.config.timeout)
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        """Lightning's barrier after ``save_checkpoint`` ("Trainer.save_checkpoint") is a save's last wait: bounded
+        by ``p2p_timeout`` as the save's own are. Any other barrier is the process group's."""
+        if name != "Trainer.save_checkpoint" or self.world_size < 2 or not dist.is_initialized():
+            return super().barrier(name)
+        with self._waits("the barrier after a checkpoint's save") as waits:
+            waits.arrive("barrier")
+
     def _trainer_or_none(self) -> pl.Trainer | None:
         module = self.lightning_module
         return compat.attached_trainer(module) if module is not None else None
@@ -207,7 +223,6 @@ class CheckpointHooks(ProcessStrategy):
         """Rank 0 writes the file tensor by tensor, each other rank's tensor received as it is written
         (``plugin/streamed.py``)."""
         outbox, self._outbox = self._outbox, streamed.Outbox()
-        device = self.root_device if dist.is_initialized() and dist.get_backend() == "nccl" else torch.device("cpu")
         io = self.checkpoint_io
         streams = type(io) is TorchCheckpointIO and storage_options is None  # Lightning's refuses storage_options
 
@@ -220,28 +235,39 @@ class CheckpointHooks(ProcessStrategy):
                 whole = streamed.received(prepared, fetch, checkpoint)
                 ckpt.save_atomically(io, whole, filepath, storage_options)
 
-        with guarded("a checkpoint's transfer of every stage's tensors to rank 0"):
-            streamed.transfer(checkpoint if self.is_global_zero else None, outbox, *self._ranks, device, write)
+        with self._waits("a checkpoint's transfer of every stage's tensors to rank 0") as waits:
+            streamed.transfer(checkpoint if self.is_global_zero else None, outbox, *self._ranks, write, waits)
 
     def _save_sharded(self, checkpoint: dict[str, Any], filepath: Any) -> None:
+        """Every rank writes its part into a staging folder, rank 0 renames it into place; each wait of it bounded by
+        ``p2p_timeout`` (``runtime/save_waits.py``), a slow write never failed for its length."""
         assert self._split is not None
-        path = Path(self.broadcast(str(filepath)))
-        if self.is_global_zero:
-            with guarded("preparing a sharded checkpoint's folder"):
-                sharded.prepare(path)
-        self.barrier("avgpipe: sharded checkpoint prepared")
-        tensors: dict[str, Tensor] = {}
-        part = ckpt.sharded_part(checkpoint, self.global_rank, tensors)
-        parts: list[Any] | None = [part] if self.world_size == 1 else None
-        with guarded("a sharded checkpoint's save"):
+        with self._waits(f"a sharded checkpoint's save ({Path(str(filepath)).name})") as waits:
+            box = [str(filepath)]
             if self.world_size > 1:
+                waits.collective("started", lambda g: dist.broadcast_object_list(box, 0, group=g))
+            path = Path(box[0])
+            if self.is_global_zero:
+                with guarded("preparing a sharded checkpoint's folder"):
+                    sharded.prepare(path)
+            waits.arrive("prepared")
+            tensors: dict[str, Tensor] = {}
+            part = ckpt.sharded_part(checkpoint, self.global_rank, tensors)
+            parts: list[Any] | None = [part] if self.world_size == 1 else None
+            if self.world_size > 1:  # the structure only: each tensor is a reference
                 parts = [None] * self.world_size if self.is_global_zero else None
-                dist.gather_object(part, parts, dst=0)  # the structure only: each tensor is a reference
-            sharded.write_tensors(sharded.staging(path), tensors, None)
-            if parts is not None:
-                meta = ckpt.merge_parts(checkpoint, parts, self._split.full_keys, self.layout, self._names())
-                sharded.finish(path, meta)
-        self.barrier("avgpipe: sharded checkpoint written")
+                waits.collective("parts", lambda g: dist.gather_object(part, parts, dst=0, group=g))
+            with guarded(waits.what):
+                try:
+                    sharded.write_tensors(sharded.staging(path), tensors, waits.group, waits.writer)
+                except Exception as err:
+                    waits.reraise(err)  # a wait inside torch.distributed.checkpoint that failed, if one did
+                    raise
+                waits.finish()
+                if parts is not None:
+                    meta = ckpt.merge_parts(checkpoint, parts, self._split.full_keys, self.layout, self._names())
+                    sharded.finish(path, meta)
+            waits.arrive("done")
 
     def _load_sharded(self, path: Path) -> dict[str, Any]:
         """This rank's part of a sharded checkpoint: its stage's weights, its parameters' optimizer states, and in

@@ -171,13 +171,14 @@ def prepare(path: Path) -> Path:
     return tmp
 
 
-def write_tensors(tmp: Path, tensors: dict[str, Tensor], process_group: Any) -> None:
+def write_tensors(tmp: Path, tensors: dict[str, Tensor], process_group: Any, wrap: Any = None) -> None:
     """Every rank at once (collective): its tensors into DCP's files in ``tmp``; a key several ranks hold is written
-    by one of them."""
+    by one of them. ``wrap``: given the storage writer, what DCP gets instead."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     writer = dcp.FileSystemWriter(tmp, thread_count=1)
+    writer = writer if wrap is None else wrap(writer)
     planner = _planner()
     dcp.save(
         tensors, storage_writer=writer, planner=planner, process_group=process_group, no_dist=not dist.is_initialized()
