@@ -36,7 +36,7 @@ from lightning_avgpipe.plugin.split import SplitModule
 from lightning_avgpipe.runtime import torchfile
 from lightning_avgpipe.runtime.failures import guarded
 from lightning_avgpipe.runtime.pipeline import StagePipeline
-from lightning_avgpipe.runtime.save_waits import SaveWaits
+from lightning_avgpipe.runtime.save_waits import SaveWaits, release_group
 from lightning_avgpipe.runtime.topology import Topology
 from lightning_avgpipe.shards import is_dtensor
 
@@ -205,6 +205,11 @@ class CheckpointHooks(ProcessStrategy):
         """A save's waits, each bounded by ``p2p_timeout`` however long a live rank's I/O takes
         (``runtime/save_waits.py``)."""
         return SaveWaits(what, self.config.p2p_timeout, self.config.timeout)
+
+    @override
+    def close(self) -> None:
+        release_group()  # the checkpoint group, freed when the groups are destroyed at exit
+        super().close()
 
     @override
     def barrier(self, name: str | None = None) -> None:

@@ -88,7 +88,8 @@ def transfer(
         ]
         waits.arrive("written")  # rank 0 wrote the file: every send was received
         for sent in sends:
-            sent.wait()
+            if sent is not None:
+                sent.wait()
         return
 
     def fetch(key: str) -> Tensor:

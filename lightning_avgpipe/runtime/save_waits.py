@@ -66,6 +66,12 @@ def checkpoint_group(timeout: float) -> Any:
     return _group["group"]
 
 
+def release_group() -> None:
+    """Drop this module's reference to the checkpoint group, at exit before the groups are destroyed: nothing then
+    holds it, so destroying it frees it and joins its gloo threads (``runtime/shutdown.py``)."""
+    _group["group"] = _group["of"] = None
+
+
 def _forget_group() -> None:
     """Destroy the checkpoint group after a failed wait (no work is pending on it): a collective still to come on it
     (torch.distributed.checkpoint's own, after our wait raised inside it) then fails at once instead of waiting on
