@@ -80,7 +80,7 @@ def test_a_rank_frozen_in_a_save_is_named_within_p2p_timeout() -> None:
         ((code0, out0), (code1, _)), ended = done[case]
         assert (outs[case] / "stopped").exists(), f"{case}: rank 1 never froze:\n{out0[-3000:]}"
         took = ended[0] - float((outs[case] / "stopped").read_text())
-        line = next((ln for ln in out0.splitlines() if "PeerFailureError" in ln), "(none)")
+        line = next((ln for ln in out0.splitlines() if re.match(r"^\S*PeerFailureError: ", ln)), "(none)")
         print(f"\n[table] rank 1 frozen in a save, {case} | rank 0 | {took:.1f} s | {line.strip()[:400]}")
         assert code1 == -9, f"{case}: rank 1 exited {code1}, it was not frozen to the end"
         assert code0 == 1, f"{case}: rank 0 exited {code0} (-9: still running) after {took:.1f} s:\n{out0[-3000:]}"

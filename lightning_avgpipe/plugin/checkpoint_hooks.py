@@ -262,7 +262,7 @@ class CheckpointHooks(ProcessStrategy):
             if self.world_size > 1:  # the structure only: each tensor is a reference
                 parts = [None] * self.world_size if self.is_global_zero else None
                 waits.collective("parts", lambda g: dist.gather_object(part, parts, dst=0, group=g))
-            with guarded(waits.what):
+            with guarded(f"{waits.what} (writing)"):
                 try:
                     sharded.write_tensors(sharded.staging(path), tensors, waits.group, waits.writer)
                 except Exception as err:
