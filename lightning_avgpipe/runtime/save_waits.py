@@ -17,7 +17,9 @@ within about ``p2p_timeout``. So a save is a :class:`SaveWaits` session:
   tensors) run only after such an arrival, on a gloo group of the whole job whose timeout is ``p2p_timeout``
   (:func:`checkpoint_group`): every rank is there, so only a rank frozen in between waits that long.
 
-Each session has its own keys (a counter every rank advances identically), so a save never reads an earlier one's.
+Each session has its own keys (a counter every rank advances identically), so a save never reads an earlier one's;
+a rank removes its keys of a session two sessions later, when every rank is past it. The heartbeat needs the GIL:
+I/O (file writes, ``fsync``, torch's copies) releases it, so a rank busy writing keeps beating.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ BEAT = 1.0
 """Seconds between a rank's heartbeats during a save (less when ``p2p_timeout`` is under 4 s)."""
 
 _sessions = itertools.count()
+_mine: dict[int, list[str]] = {}  # session -> the keys this rank set in it (removed two sessions later)
 _group: dict[str, Any] = {"of": None, "group": None}  # the checkpoint group, made once per default process group
 
 
@@ -100,7 +103,8 @@ class SaveWaits:
         up = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if up else 0
         self.world_size = dist.get_world_size() if up else 1
-        self.ns = f"lightning_avgpipe/save/{next(_sessions)}"
+        self.index = next(_sessions)
+        self.ns = f"lightning_avgpipe/save/{self.index}"
         self.failure: PeerFailureError | None = None  # a wait that failed inside torch.distributed.checkpoint
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
@@ -109,6 +113,8 @@ class SaveWaits:
     # -- the heartbeat -----------------------------------------------------------------------------------------------
     def __enter__(self) -> SaveWaits:
         if self.world_size > 1:
+            self._forget_old_keys()
+            _mine[self.index] = [self._key("alive", self.rank)]
             self._bump()
             self._beat = threading.Thread(target=self._beating, name="lightning_avgpipe-save-heartbeat", daemon=True)
             self._beat.start()
@@ -119,6 +125,15 @@ class SaveWaits:
         if self._beat is not None:
             self._beat.join(timeout=5.0)
             self._beat = None
+
+    def _forget_old_keys(self) -> None:
+        """Remove this rank's keys of sessions two or more before this one: every rank has arrived in the session
+        between, so none still reads them."""
+        old = [key for i in [i for i in _mine if i <= self.index - 2] for key in _mine.pop(i)]
+        try:
+            store_call(lambda s: [s.delete_key(key) for key in old])
+        except Exception:  # noqa: BLE001 - a key left behind is a few bytes in the store
+            pass
 
     def _key(self, kind: str, rank: int) -> str:
         return f"{self.ns}/{kind}/{rank}"
@@ -147,6 +162,7 @@ class SaveWaits:
             return
         record_progress(f"{self.what} ({point})")
         mine = self._key(point, self.rank)
+        _mine.setdefault(self.index, []).append(mine)
         waiting = [r for r in (range(self.world_size) if among is None else among) if r != self.rank]
         start = time.monotonic()
         silent_since: float | None = None
@@ -167,12 +183,12 @@ class SaveWaits:
             except StoreSilentError as err:
                 silent_since = time.monotonic() - err.silent_for if silent_since is None else silent_since
                 if time.monotonic() - silent_since >= self.p2p_timeout:
-                    self._fail(
-                        point,
-                        f"rank 0 did not arrive: the rendezvous store it serves did not answer for "
-                        f"{time.monotonic() - silent_since:.1f} s (rank 0, or torchrun's agent, is stopped, frozen "
-                        "or stuck)",
-                    )
+                    silent = time.monotonic() - silent_since
+                    raise PeerFailureError(
+                        f"rank {self.rank}: {self.what} did not complete at '{point}': rank 0 did not arrive: the "
+                        f"rendezvous store it serves did not answer for {silent:.1f} s (rank 0, or torchrun's agent, "
+                        "is stopped, frozen or stuck)."
+                    ) from err
             except PeerFailureError:
                 raise
             except Exception as err:  # noqa: BLE001 - the store went with its process
