@@ -1,8 +1,9 @@
 """A rank frozen in a checkpoint save ends the job within ``p2p_timeout``, naming it; a slow write is not failed.
 
-Rank 1 freezes itself (SIGSTOP, never continued) in the save at step 2: before it writes its part of a folder, while
-it writes it, at the save's last wait, or before a single file's transfer. Rank 0 must exit non-zero within
-``p2p_timeout`` plus a few seconds, naming rank 1 and the save; the test kills rank 1 afterwards. A write that sleeps
+A rank freezes itself (SIGSTOP, never continued) in the save at step 2: rank 1 before it writes its part of a folder,
+while it writes it, at the save's last wait, before a single file's transfer or as it sends its tensors; rank 0 as it
+writes (then the store it serves falls silent too). The other rank must exit non-zero within ``p2p_timeout`` plus a
+few seconds, naming the frozen rank and the save; the test kills the frozen rank afterwards. A write that sleeps
 twice ``p2p_timeout`` (rank 1's part of a folder, rank 0's single file) saves a whole checkpoint. The cases of a
 test run at once, each a job of two ranks, to keep the suite short.
 """
@@ -33,6 +34,8 @@ FROZEN = {  # case -> (strategy, the frozen rank, where)
     "folder, rank 1 at the final wait": (FOLDER, 1, "stop_at_end"),
     "folder, rank 0 during its write": (FOLDER, 0, "stop_in_write"),  # the store it serves falls silent
     "single file, rank 1 before the transfer": ({}, 1, "stop_in_save"),
+    "single file, rank 1 as it sends": ({}, 1, "stop_in_transfer"),
+    "single file, rank 0 as it writes": ({}, 0, "stop_in_file"),
 }
 
 
@@ -93,7 +96,7 @@ def test_a_rank_frozen_in_a_save_is_named_within_p2p_timeout() -> None:
         assert results[frozen][0] == -9, f"{case}: rank {frozen} exited {results[frozen][0]}, it was not frozen"
         assert code == 1, f"{case}: rank {other} exited {code} (-9: still running) after {took:.1f} s:\n{out[-3000:]}"
         assert took < BOUND, f"{case}: rank {other} ended {took:.1f} s after rank {frozen} froze:\n{out[-3000:]}"
-        named = rf"rank {other}: a .*checkpoint.* did not complete.*: rank {frozen} (did not arrive|\(pid)"
+        named = rf"rank {other}: a .*checkpoint.* did not complete.*: rank {frozen} (did not (arrive|send)|\(pid)"
         assert re.search(named, line), f"{case}:\n{out[-3000:]}"
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import inspect
 import itertools
-import json
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -38,13 +37,14 @@ import torch.distributed as dist
 
 from lightning_avgpipe.runtime.failures import (
     FAILURE_KEY,
-    PROGRESS_KEY,
     PeerFailureError,
     StoreSilentError,
     first_failure,
     guarded,
+    has_exited,
     is_transport_error,
     record_progress,
+    recorded_point,
     store_call,
 )
 
@@ -185,7 +185,7 @@ class SaveWaits:
                 if time.monotonic() - silent_since >= self.p2p_timeout:
                     silent = time.monotonic() - silent_since
                     raise PeerFailureError(
-                        f"rank {self.rank}: {self.what} did not complete at '{point}': rank 0 did not arrive: the "
+                        f"rank {self.rank}: {self.what} ({point}) did not complete: rank 0 did not arrive: the "
                         f"rendezvous store it serves did not answer for {silent:.1f} s (rank 0, or torchrun's agent, "
                         "is stopped, frozen or stuck)."
                     ) from err
@@ -209,6 +209,9 @@ class SaveWaits:
             self._fail(point, "another rank failed")
         now = time.monotonic()
         for r, count in zip(missing, counts, strict=True):
+            record = recorded_point(r)
+            if record is not None and has_exited(record):
+                self._fail(point, f"rank {r} (pid {record['pid']}) has exited or was killed, after {record['what']}")
             last, since = beats[r]
             if count != last:
                 beats[r] = (count, now if last >= 0 else since)
@@ -226,10 +229,8 @@ class SaveWaits:
         return missing
 
     def _last_point(self, rank: int) -> str:
-        key = PROGRESS_KEY.format(rank)
         try:
-            raw = store_call(lambda s: s.get(key) if s.check([key]) else b"")
-            info = json.loads(raw) if raw else None
+            info = recorded_point(rank)
         except Exception:  # noqa: BLE001 - only a detail of the message
             return ""
         if not info:
@@ -237,7 +238,7 @@ class SaveWaits:
         return f"; its last recorded point: {info['what']}, {time.time() - float(info['time']):.0f} s ago"
 
     def _fail(self, point: str, why: str) -> None:
-        raise PeerFailureError(f"rank {self.rank}: {self.what} did not complete at '{point}': {why}. {first_failure()}")
+        raise PeerFailureError(f"rank {self.rank}: {self.what} ({point}) did not complete: {why}. {first_failure()}")
 
     def collective(self, point: str, fn: Callable[[Any], T]) -> T:
         """``fn(group)``, a collective on the checkpoint group, once every rank arrived at ``point``."""

@@ -22,10 +22,14 @@ from lightning_avgpipe.shards import is_dtensor, local
 from tests.helpers.lit import AliasedNet, LateNet, PipeNet, dataset, loader
 from tests.helpers.tied import TiedLM, token_loader
 
-# a Fault's kinds in the save of the checkpoint at its step: SIGSTOP before this rank writes its part
-# of a folder, while it writes it, at the save's last wait, or in the dump (before a single file's transfer); or a
-# write ("slow_write": this rank's part of a folder, "slow_file": rank 0's file) that sleeps ``seconds`` first
-SAVE_FAULTS = {"stop_before_write", "stop_in_write", "stop_at_end", "stop_in_save", "slow_write", "slow_file"}
+# a Fault's kinds in the save of the checkpoint at its step: SIGSTOP before this rank writes its part of a folder,
+# while it writes it, at the save's last wait, in the dump (before a single file's transfer), as it sends its first
+# tensor of a single file, or as rank 0 writes the file; or a write ("slow_write": this rank's part of a folder,
+# "slow_file": rank 0's file) that sleeps ``seconds`` first
+SAVE_FAULTS = {
+    *("stop_before_write", "stop_in_write", "stop_at_end", "stop_in_save", "stop_in_transfer", "stop_in_file"),
+    *("slow_write", "slow_file"),
+}
 
 
 class Fault(pl.Callback):
@@ -82,15 +86,26 @@ class Fault(pl.Callback):
                 arrive(waits, point, *args)
 
             save_waits.SaveWaits.arrive = arrive_frozen  # type: ignore[method-assign]
-        elif kind == "slow_file":
+        elif kind in ("slow_file", "stop_in_file"):
             write_file = torchfile.write
 
             def slow(*args: Any, **kwargs: Any) -> None:
                 torchfile.write = write_file
-                time.sleep(fault.seconds)
+                if kind == "slow_file":
+                    time.sleep(fault.seconds)
+                else:
+                    fault.stop()
                 write_file(*args, **kwargs)
 
             torchfile.write = slow
+        elif kind == "stop_in_transfer":
+            isend = torch.distributed.isend
+
+            def frozen_send(*args: Any, **kwargs: Any) -> Any:
+                fault.stop()
+                return isend(*args, **kwargs)
+
+            torch.distributed.isend = frozen_send
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
