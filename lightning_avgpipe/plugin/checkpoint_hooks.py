@@ -253,7 +253,7 @@ class CheckpointHooks(ProcessStrategy):
                 waits.collective("started", lambda g: dist.broadcast_object_list(box, 0, group=g))
             path = Path(box[0])
             if self.is_global_zero:
-                with guarded("preparing a sharded checkpoint's folder"):
+                with guarded("preparing a sharded checkpoint's folder", record=False):  # rank 0's alone
                     sharded.prepare(path)
             waits.arrive("prepared")
             tensors: dict[str, Tensor] = {}

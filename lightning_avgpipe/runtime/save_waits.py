@@ -28,7 +28,7 @@ import inspect
 import itertools
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -155,15 +155,15 @@ class SaveWaits:
         """The checkpoint group (made at a session's first collective: every rank has arrived by then)."""
         return checkpoint_group(self.p2p_timeout) if self.world_size > 1 else None
 
-    def arrive(self, point: str, among: Iterable[int] | None = None) -> None:
-        """Record that this rank reached ``point`` and wait until every rank of ``among`` (all by default) did; raise
-        a :class:`PeerFailureError` naming a rank that gave no sign of life for ``p2p_timeout`` instead."""
+    def arrive(self, point: str) -> None:
+        """Record that this rank reached ``point`` and wait until every rank did; raise a :class:`PeerFailureError`
+        naming a rank that gave no sign of life for ``p2p_timeout`` (or exited) instead."""
         if self.world_size < 2:
             return
         record_progress(f"{self.what} ({point})")
         mine = self._key(point, self.rank)
         _mine.setdefault(self.index, []).append(mine)
-        waiting = [r for r in (range(self.world_size) if among is None else among) if r != self.rank]
+        waiting = [r for r in range(self.world_size) if r != self.rank]
         start = time.monotonic()
         silent_since: float | None = None
         beats: dict[int, tuple[int, float]] = {r: (-1, start) for r in waiting}  # last beat, when it last changed
@@ -192,7 +192,8 @@ class SaveWaits:
             except PeerFailureError:
                 raise
             except Exception as err:  # noqa: BLE001 - the store went with its process
-                self._fail(point, f"the rendezvous store is gone (rank 0, which serves it, exited, was killed: {err})")
+                gone = "the rendezvous store is gone (rank 0, which serves it, exited or was killed)"
+                self._fail(point, f"{gone}: {type(err).__name__}: {str(err).splitlines()[0][:160]}")
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
 
