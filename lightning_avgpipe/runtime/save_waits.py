@@ -167,7 +167,7 @@ class SaveWaits:
         start = time.monotonic()
         silent_since: float | None = None
         beats: dict[int, tuple[int, float]] = {r: (-1, start) for r in waiting}  # last beat, when it last changed
-        posted, pause, look = False, 0.002, start + 0.5
+        posted, pause, look = False, 0.001, start + 0.5
         while True:
             try:
                 if not posted:
@@ -194,8 +194,8 @@ class SaveWaits:
             except Exception as err:  # noqa: BLE001 - the store went with its process
                 gone = "the rendezvous store is gone (rank 0, which serves it, exited or was killed)"
                 self._fail(point, f"{gone}: {type(err).__name__}: {str(err).splitlines()[0][:160]}")
-            time.sleep(pause)
-            pause = min(pause * 2, 0.05)
+            time.sleep(pause)  # 1 ms doubling to 10 ms for a second, then to 100 ms (a long wait is an I/O's)
+            pause = min(pause * 2, 0.01 if time.monotonic() - start < 1.0 else 0.1)
 
     def _look(self, point: str, waiting: list[int], beats: dict[int, tuple[int, float]], start: float) -> list[int]:
         """The ranks still missing at ``point``, each one's heartbeat noted; fail on a silent one, a late one or a
