@@ -130,6 +130,8 @@ class SaveWaits:
         """Remove this rank's keys of sessions two or more before this one: every rank has arrived in the session
         between, so none still reads them."""
         old = [key for i in [i for i in _mine if i <= self.index - 2] for key in _mine.pop(i)]
+        if not old:
+            return
         try:
             store_call(lambda s: [s.delete_key(key) for key in old])
         except Exception:  # noqa: BLE001 - a key left behind is a few bytes in the store
