@@ -36,6 +36,7 @@ from torch import Tensor
 from lightning_avgpipe import shards
 from lightning_avgpipe.plugin import dcp_reader
 from lightning_avgpipe.runtime import checksums, torchfile
+from lightning_avgpipe.runtime.failures import PeerFailureError
 
 REF = "__avgpipe_dcp__"
 META = "avgpipe.pt"
@@ -190,20 +191,27 @@ def prepare(path: Path) -> Path:
     return tmp
 
 
-def write_tensors(tmp: Path, tensors: dict[str, Tensor], process_group: Any) -> dict[str, dict[str, Any]]:
+def write_tensors(
+    tmp: Path, tensors: dict[str, Tensor], process_group: Any, wrap: Any = None
+) -> dict[str, dict[str, Any]]:
     """Every rank at once (collective): its tensors into DCP's files in ``tmp``; a key several ranks hold is written
-    by one of them. Returns the checksum entry (``runtime/checksums.py``) of each file this rank wrote (DCP's
-    ``.metadata`` too, on the coordinator)."""
+    by one of them. ``wrap``: given the storage writer, what DCP gets instead. Returns the checksum entry
+    (``runtime/checksums.py``) of each file this rank wrote."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     writer = dcp.FileSystemWriter(tmp, thread_count=1)
+    writer = writer if wrap is None else wrap(writer)
     planner = _planner()
     distributed = dist.is_initialized()
     dcp.save(tensors, storage_writer=writer, planner=planner, process_group=process_group, no_dist=not distributed)
     rank = dist.get_rank(process_group) if distributed else 0
-    mine = sorted(tmp.glob(f"__{rank}_*.distcp")) + ([tmp / DCP_META] if rank == 0 else [])
-    return {f.name: checksums.file_entry(f, rank) for f in mine}
+    return file_entries(tmp, [f.name for f in sorted(tmp.glob(f"__{rank}_*.distcp"))], rank)
+
+
+def file_entries(folder: Path, names: Iterable[str], rank: int) -> dict[str, dict[str, Any]]:
+    """The checksum entries (``runtime/checksums.py``) of the folder's files ``names``, written by ``rank``."""
+    return {name: checksums.file_entry(folder / name, rank) for name in names}
 
 
 def finish(path: Path, meta: dict[str, Any], files: Mapping[str, Any] | None = None) -> None:
@@ -319,6 +327,8 @@ def no_space(err: BaseException, writing: Path) -> OSError | None:
     ``CheckpointException`` holds every rank's) is ENOSPC, or the disk has (almost) nothing left. ``None`` for
     any other failure."""
     full = any(getattr(e, "errno", None) == errno.ENOSPC for e in _causes(err))
+    if not full and isinstance(err, PeerFailureError):  # another rank's failure, whatever this disk holds
+        return None
     try:
         free = shutil.disk_usage(writing.parent if not writing.exists() else writing).free
     except OSError:
