@@ -25,6 +25,7 @@ import torch
 from lightning_avgpipe import AvgPipeStrategy
 from lightning_avgpipe.plugin import dcp_reader, sharded
 from lightning_avgpipe.runtime import checksums
+from lightning_avgpipe.runtime.disk_full import no_space
 from tests.helpers.lit import PipeNet, loader, quiet_trainer
 
 ADAM = {"optimizer": "adam", "lr": 0.01}
@@ -324,9 +325,9 @@ def test_no_space_recognises_errno_through_dcps_exception(tmp_path: Path) -> Non
         raise OSError(errno.ENOSPC, "No space left on device")
     except OSError as err:
         wrapped = CheckpointException("failed", {1: _wrap_exception(err)})
-    said = sharded.no_space(wrapped, tmp_path / "__1_0.distcp")
+    said = no_space(wrapped, tmp_path / "__1_0.distcp")
     assert isinstance(said, OSError) and said.errno == errno.ENOSPC and "__1_0.distcp" in str(said)
-    assert sharded.no_space(RuntimeError("unexpected pos 704 vs 598"), tmp_path / "x") is None  # disk not full
+    assert no_space(RuntimeError("unexpected pos 704 vs 598"), tmp_path / "x") is None  # disk not full
 
 
 # -- 5. an interrupted replace -----------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from lightning_avgpipe.plugin.placeholders import Guard
 from lightning_avgpipe.plugin.process import ProcessStrategy
 from lightning_avgpipe.plugin.split import SplitModule
 from lightning_avgpipe.runtime import checksums, torchfile
+from lightning_avgpipe.runtime.disk_full import no_space
 from lightning_avgpipe.runtime.failures import guarded
 from lightning_avgpipe.runtime.pipeline import StagePipeline
 from lightning_avgpipe.runtime.save_waits import SaveWaits, release_group
@@ -294,7 +295,7 @@ class CheckpointHooks(ProcessStrategy):
                     )
                     sharded.finish(path, meta, {name: entry for _, f in parts for name, entry in f.items()})
             except BaseException as err:
-                full = sharded.no_space(err, staged / f"__{self.global_rank}_0.distcp")
+                full = no_space(err, staged / f"__{self.global_rank}_0.distcp")
                 if full is None:
                     raise
                 if self.is_global_zero:  # every rank's write has ended: DCP's save fails on all of them together

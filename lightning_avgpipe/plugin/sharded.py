@@ -36,7 +36,6 @@ from torch import Tensor
 from lightning_avgpipe import shards
 from lightning_avgpipe.plugin import dcp_reader
 from lightning_avgpipe.runtime import checksums, torchfile
-from lightning_avgpipe.runtime.failures import PeerFailureError
 
 REF = "__avgpipe_dcp__"
 META = "avgpipe.pt"
@@ -46,7 +45,6 @@ REPLACED = ".replaced"
 SHARDED = "avgpipe_sharded"  # avgpipe.pt's own entry: the world size and layout that wrote the folder
 FILES = "avgpipe_files"  # avgpipe.pt's own entry: each file's size, checksum and writer (runtime/checksums.py)
 CHECKSUMS = "avgpipe_checksums"  # a single file's own entry: each tensor's checksum (runtime/checksums.py)
-FULL_BELOW = 1 << 20  # bytes free under which a failed write is said to be a full disk
 
 
 def boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
@@ -320,46 +318,6 @@ def _complete(path: Path) -> bool:
         return True
     except Exception:  # noqa: BLE001 - not complete, whatever is wrong with it
         return False
-
-
-def no_space(err: BaseException, writing: Path) -> OSError | None:
-    """A write that failed for a full disk, said as such: ``err`` (or an error it carries: DCP's
-    ``CheckpointException`` holds every rank's) is ENOSPC, or the disk has (almost) nothing left. ``None`` for
-    any other failure."""
-    full = any(getattr(e, "errno", None) == errno.ENOSPC for e in _causes(err))
-    if not full and isinstance(err, PeerFailureError):  # another rank's failure, whatever this disk holds
-        return None
-    try:
-        free = shutil.disk_usage(writing.parent if not writing.exists() else writing).free
-    except OSError:
-        free = None
-    if not full and (free is None or free >= FULL_BELOW):
-        return None
-    text = f"{free / 2**20:.0f} MiB" if free is not None else "unknown"
-    return DiskFullError(
-        errno.ENOSPC,
-        f"No space left on device while writing {writing} (free: {text}). Free some space, or save elsewhere "
-        "(ModelCheckpoint(dirpath=...)); the previous checkpoint is untouched.",
-    )
-
-
-class DiskFullError(OSError, RuntimeError):
-    """A checkpoint's write ran out of disk space."""
-
-
-def _causes(err: BaseException) -> Iterable[BaseException]:
-    seen: set[int] = set()
-    todo = [err]
-    while todo:
-        e = todo.pop()
-        if id(e) in seen:
-            continue
-        seen.add(id(e))
-        yield e
-        todo += [x for x in (e.__cause__, e.__context__) if x is not None]
-        failures = getattr(e, "failures", None)  # DCP's CheckpointException: {rank: (exception, traceback)}
-        if isinstance(failures, Mapping):
-            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values() if f is not None]
 
 
 # -- reading ---------------------------------------------------------------------------------------------------
