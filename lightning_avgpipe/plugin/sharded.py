@@ -194,17 +194,25 @@ def write_tensors(
 ) -> dict[str, dict[str, Any]]:
     """Every rank at once (collective): its tensors into DCP's files in ``tmp``; a key several ranks hold is written
     by one of them. ``wrap``: given the storage writer, what DCP gets instead. Returns the checksum entry
-    (``runtime/checksums.py``) of each file this rank wrote."""
+    (``runtime/checksums.py``) of each file this rank wrote, computed as it was written (no second read)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    writer = dcp.FileSystemWriter(tmp, thread_count=1)
-    writer = writer if wrap is None else wrap(writer)
+    inner = dcp.FileSystemWriter(tmp, thread_count=1)
+    fs = inner.fs = checksums.checksummed_file_system()
+    writer = inner if wrap is None else wrap(inner)
     planner = _planner()
     distributed = dist.is_initialized()
     dcp.save(tensors, storage_writer=writer, planner=planner, process_group=process_group, no_dist=not distributed)
     rank = dist.get_rank(process_group) if distributed else 0
-    return file_entries(tmp, [f.name for f in sorted(tmp.glob(f"__{rank}_*.distcp"))], rank)
+    mine = [f.name for f in sorted(tmp.glob(f"__{rank}_*.distcp"))]
+    written = fs.written
+    return {
+        name: {checksums.ALGORITHM: written[name][0], "bytes": written[name][1], "rank": rank}
+        if name in written and written[name][1] == os.path.getsize(tmp / name)
+        else checksums.file_entry(tmp / name, rank)
+        for name in mine
+    }
 
 
 def file_entries(folder: Path, names: Iterable[str], rank: int) -> dict[str, dict[str, Any]]:
