@@ -70,9 +70,29 @@ def stored_tensors(path: Path) -> int:
     return sum(1 for n in zipfile.ZipFile(path).namelist() if "/data/" in n)
 
 
+def wider(path: Path, vocab: int, hidden: int) -> None:
+    """The example's Llama (tied embedding, 4 layers) at width ``hidden``: per-tensor framing no longer counts."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=True,
+    )
+    LlamaForCausalLM(config).save_pretrained(path, max_shard_size="20MB")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--hidden", type=int, help="a random Llama of this width (4 layers) instead of the example's")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -86,7 +106,10 @@ def main() -> None:
 
     out = Path(tempfile.mkdtemp(prefix="checkpoint-size-"))
     _, vocab = text_batches(32, 16)
-    save_random_llama(out / "pretrained", vocab, 32)
+    if args.hidden:
+        wider(out / "pretrained", vocab, args.hidden)
+    else:
+        save_random_llama(out / "pretrained", vocab, 32)
     runs = (("plain", 1), ("file", 2), ("folder", 2))
     for kind, devices in runs:
         cfg = {

@@ -129,11 +129,16 @@ def consolidate_command(argv: list[str]) -> int:
     )
     p.add_argument("folder", help="the checkpoint folder")
     p.add_argument("out", help="the file to write (replaced only once complete)")
+    p.add_argument(
+        "--trusted",
+        action="store_true",
+        help="unpickle the folder's metadata in full: only for a folder you wrote yourself (runs code from it)",
+    )
     args = p.parse_args(argv)
     from lightning_avgpipe.plugin.sharded import consolidate
 
     try:
-        consolidate(args.folder, args.out)
+        consolidate(args.folder, args.out, trusted=args.trusted)
     except (ValueError, OSError) as err:
         print(f"consolidate: {err}", file=sys.stderr)
         return 1

@@ -25,6 +25,7 @@ import torch
 from lightning_avgpipe import AvgPipeStrategy
 from lightning_avgpipe.plugin import dcp_reader, sharded
 from lightning_avgpipe.runtime import checksums
+from lightning_avgpipe.runtime.disk_full import no_space
 from tests.helpers.lit import PipeNet, loader, quiet_trainer
 
 ADAM = {"optimizer": "adam", "lr": 0.01}
@@ -324,19 +325,18 @@ def test_no_space_recognises_errno_through_dcps_exception(tmp_path: Path) -> Non
         raise OSError(errno.ENOSPC, "No space left on device")
     except OSError as err:
         wrapped = CheckpointException("failed", {1: _wrap_exception(err)})
-    said = sharded.no_space(wrapped, tmp_path / "__1_0.distcp")
+    said = no_space(wrapped, tmp_path / "__1_0.distcp")
     assert isinstance(said, OSError) and said.errno == errno.ENOSPC and "__1_0.distcp" in str(said)
-    assert sharded.no_space(RuntimeError("unexpected pos 704 vs 598"), tmp_path / "x") is None  # disk not full
+    assert no_space(RuntimeError("unexpected pos 704 vs 598"), tmp_path / "x") is None  # disk not full
 
 
 # -- 5. an interrupted replace -----------------------------------------------------------------------------------
 def test_a_resume_from_last_after_a_kill_between_the_renames_resumes_not_restarts(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    every = {"every_n_train_steps": 2, "save_last": True, "save_top_k": 0}
-    _, straight = _fit(tmp_path / "straight", 6, **every)
-
-    _fit(tmp_path / "run", 2, **every)
+    every = {"every_n_train_steps": 4, "save_last": True, "save_top_k": 0}  # at each epoch's end: resumes exact
+    _, straight = _fit(tmp_path / "straight", 16, **every)
+    _fit(tmp_path / "run", 4, **every)
     last = tmp_path / "run" / "every" / "last.ckpt"
     assert last.is_dir()
 
@@ -344,22 +344,50 @@ def test_a_resume_from_last_after_a_kill_between_the_renames_resumes_not_restart
         os.replace(path, sharded.replaced(path))
         raise SystemExit("killed between the renames")
 
-    monkeypatch.setattr(sharded, "put_in_place", killed_between)
-    with pytest.raises(SystemExit):
-        _fit(tmp_path / "run", 4, ckpt="last", **every)
-    monkeypatch.undo()
-    assert not last.exists() and sharded.replaced(last).is_dir() and sharded.staging(last).is_dir()
+    def interrupted_run(steps: int) -> None:
+        monkeypatch.setattr(sharded, "put_in_place", killed_between)
+        with pytest.raises(SystemExit):
+            _fit(tmp_path / "run", steps, ckpt="last", **every)
+        monkeypatch.undo()
+        assert not last.exists() and sharded.replaced(last).is_dir() and sharded.staging(last).is_dir()
 
-    # consolidate reads the complete copy where it lies, renaming nothing
-    sharded.consolidate(last, tmp_path / "c.ckpt")
-    assert torch.load(tmp_path / "c.ckpt", weights_only=True)["global_step"] == 4
-    assert not last.exists()
+    interrupted_run(8)
+    sharded.consolidate(last, tmp_path / "c.ckpt")  # reads the complete copy where it lies, renaming nothing
+    assert torch.load(tmp_path / "c.ckpt", weights_only=True)["global_step"] == 8 and not last.exists()
 
-    trainer, resumed = _fit(tmp_path / "run", 6, ckpt="last", **every)  # the launcher puts the new one in place
+    # no launcher of ours finished it before Lightning looked (torchrun, or a second fit in this process): the setup
+    # puts it back and stops, naming it
+    with pytest.raises(RuntimeError, match=r'ckpt_path="last"\) found no last checkpoint: .*Run again'):
+        _fit(tmp_path / "run", 12, ckpt="last", **every)
+    assert last.is_dir() and not sharded.replaced(last).exists()
+
+    # a fresh process, as after a crash: the launcher puts the new one in place before Lightning looks
+    interrupted_run(12)
+    script = (
+        "import sys, torch, lightning.pytorch as pl\n"
+        "from lightning_avgpipe import AvgPipeStrategy\n"
+        "from tests.helpers.lit import PipeNet, loader, quiet_trainer\n"
+        "torch.manual_seed(0); model = PipeNet(optimizer='adam', lr=0.01); root = sys.argv[1]\n"
+        "every = pl.callbacks.ModelCheckpoint(dirpath=root + '/every', every_n_train_steps=4, save_last=True, "
+        "save_top_k=0)\n"
+        "trainer = quiet_trainer(root, max_steps=16, callbacks=[every], use_distributed_sampler=False, "
+        "strategy=AvgPipeStrategy(num_microbatches=2, save_distributed_checkpoint=True))\n"
+        "trainer.fit(model, loader(), ckpt_path='last')\n"
+        "torch.save({'step': trainer.global_step, 'weights': model.state_dict()}, root + '/result.pt')\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    for var in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT", "NODE_RANK"):
+        env.pop(var, None)
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "run")], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "the new checkpoint (.last.ckpt.incomplete) is back in its place" in done.stderr
     assert last.is_dir() and not sharded.replaced(last).exists() and not sharded.staging(last).exists()
-    assert trainer.global_step == 6
+    result = torch.load(tmp_path / "run" / "result.pt", weights_only=True)
+    assert result["step"] == 16
     for key, value in straight.state_dict().items():
-        torch.testing.assert_close(resumed.state_dict()[key], value, rtol=0, atol=0)
+        torch.testing.assert_close(result["weights"][key], value, rtol=0, atol=0)
 
 
 def test_an_interrupted_replace_with_neither_copy_complete_names_both(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ from lightning_avgpipe.optim import ElasticOptimizer, hyperparameters
 from lightning_avgpipe.plugin import compat, sharded
 from lightning_avgpipe.plugin.optimizer_by_name import Names, load_by_name, named_groups, unsplit_names, unsplit_state
 from lightning_avgpipe.runtime import checksums
+from lightning_avgpipe.runtime.disk_full import no_space
 from lightning_avgpipe.runtime.failures import guarded
 from lightning_avgpipe.runtime.pipeline import StagePipeline
 from lightning_avgpipe.shards import full, is_dtensor, like, same_data, to_local_tree
@@ -410,7 +411,7 @@ def save_atomically(
             )
         os.replace(tmp, path)
     except Exception as err:
-        full = sharded.no_space(err, tmp)
+        full = no_space(err, tmp)
         if full is None:
             raise
         raise full from None

@@ -35,8 +35,10 @@ from lightning_avgpipe.plugin.placeholders import Guard
 from lightning_avgpipe.plugin.process import ProcessStrategy
 from lightning_avgpipe.plugin.split import SplitModule
 from lightning_avgpipe.runtime import checksums, torchfile
+from lightning_avgpipe.runtime.disk_full import no_space
 from lightning_avgpipe.runtime.failures import guarded
 from lightning_avgpipe.runtime.pipeline import StagePipeline
+from lightning_avgpipe.runtime.save_waits import SaveWaits, release_group
 from lightning_avgpipe.runtime.topology import Topology
 from lightning_avgpipe.shards import is_dtensor
 
@@ -110,9 +112,9 @@ class CheckpointHooks(ProcessStrategy):
             # a dump starts here: the other ranks' tensors are streamed at the save
             self._outbox = streamed.Outbox()
             local = ckpt.whole_state_dict(self._lightning(), self.pipeline)
-            with guarded("a checkpoint's gather of every stage's tensor names to rank 0"):
-                refs = ckpt.state_refs(local, self._split.aliases, self._outbox.tensors)
-                parts = self._outbox.gather(refs, *self._ranks)
+            tree = ckpt.state_refs(local, self._split.aliases, self._outbox.tensors)
+            with self._waits("a checkpoint's gather of every stage's tensor names to rank 0") as waits:
+                parts = self._outbox.gather(tree, *self._ranks, waits)
             merged = {k: v for part in parts or [] for k, v in part.items()}
             return {} if parts is None else ckpt.ordered(merged, self._split.full_keys)
         return ckpt.assemble_state_dict(self._lightning(), self.pipeline, self._split.full_keys)
@@ -129,8 +131,8 @@ class CheckpointHooks(ProcessStrategy):
             entry = ckpt.optimizer_entry(optimizer, self.pipeline, self._names())
             part = ckpt.optimizer_part(entry, box.optimizers, self.global_rank, box.tensors)
             box.optimizers += 1
-            with guarded("a checkpoint's gather of every stage's optimizer state names to rank 0"):
-                parts = box.gather(part, *self._ranks)
+            with self._waits("a checkpoint's gather of every stage's optimizer state names to rank 0") as waits:
+                parts = box.gather(part, *self._ranks, waits)
             return {} if parts is None else ckpt.unsplit_optimizer_state(parts, self.layout, self._names())
         return ckpt.gather_optimizer_state(optimizer, self.pipeline, self.layout, self._names())
 
@@ -170,8 +172,9 @@ class CheckpointHooks(ProcessStrategy):
             loaded = self._load_sharded(found or Path(str(checkpoint_path)), not weights_only, found is not None)
         else:
             loaded = self._load_file(found or checkpoint_path, weights_only)
-            view = ckpt.rank_view(loaded, self._lightning(), self.pipeline, self.layout, self._names())
-            checksums.check_tensors(view, loaded.get(sharded.CHECKSUMS), checkpoint_path)
+            if sharded.CHECKSUMS in loaded:  # this rank's tensors only: the others' pages are never read
+                view = ckpt.rank_view(loaded, self._lightning(), self.pipeline, self.layout, self._names())
+                checksums.check_tensors(view, loaded[sharded.CHECKSUMS], checkpoint_path)
         loaded.pop(sharded.CHECKSUMS, None)
         module = self.lightning_module
         trainer = compat.attached_trainer(module) if module is not None else None
@@ -209,6 +212,25 @@ class CheckpointHooks(ProcessStrategy):
     def _ranks(self) -> tuple[int, int]:
         return self.global_rank, self.world_size
 
+    def _waits(self, what: str) -> SaveWaits:
+        """A save's waits, each bounded by ``p2p_timeout`` however long a live rank's I/O takes
+        (``runtime/save_waits.py``)."""
+        return SaveWaits(what, self.config.p2p_timeout, self.config.timeout)
+
+    @override
+    def close(self) -> None:
+        release_group()  # the checkpoint group, freed when the groups are destroyed at exit
+        super().close()
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        """Lightning's barrier after ``save_checkpoint`` ("Trainer.save_checkpoint") is a save's last wait: bounded
+        by ``p2p_timeout`` as the save's own are. Any other barrier is the process group's."""
+        if name != "Trainer.save_checkpoint" or self.world_size < 2 or not dist.is_initialized():
+            return super().barrier(name)
+        with self._waits("the barrier after a checkpoint's save") as waits:
+            waits.arrive("barrier")
+
     def _trainer_or_none(self) -> pl.Trainer | None:
         module = self.lightning_module
         return compat.attached_trainer(module) if module is not None else None
@@ -217,7 +239,6 @@ class CheckpointHooks(ProcessStrategy):
         """Rank 0 writes the file tensor by tensor, each other rank's tensor received as it is written
         (``plugin/streamed.py``)."""
         outbox, self._outbox = self._outbox, streamed.Outbox()
-        device = self.root_device if dist.is_initialized() and dist.get_backend() == "nccl" else torch.device("cpu")
         io = self.checkpoint_io
         streams = type(io) is TorchCheckpointIO and storage_options is None  # Lightning's refuses storage_options
 
@@ -234,39 +255,53 @@ class CheckpointHooks(ProcessStrategy):
                 whole = streamed.received(prepared, fetch, checkpoint)
                 ckpt.save_atomically(io, whole, filepath, storage_options)
 
-        with guarded("a checkpoint's transfer of every stage's tensors to rank 0"):
-            streamed.transfer(checkpoint if self.is_global_zero else None, outbox, *self._ranks, device, write)
+        with self._waits("a checkpoint's transfer of every stage's tensors to rank 0") as waits:
+            streamed.transfer(checkpoint if self.is_global_zero else None, outbox, *self._ranks, write, waits)
 
     def _save_sharded(self, checkpoint: dict[str, Any], filepath: Any) -> None:
+        """Every rank writes its part into a staging folder, rank 0 renames it into place; each wait of it bounded by
+        ``p2p_timeout`` (``runtime/save_waits.py``), a slow write never failed for its length."""
         assert self._split is not None
-        path = Path(self.broadcast(str(filepath)))
-        if self.is_global_zero:
-            with guarded("preparing a sharded checkpoint's folder"):
-                sharded.prepare(path)
-        self.barrier("avgpipe: sharded checkpoint prepared")
-        tensors: dict[str, Tensor] = {}
-        part = ckpt.sharded_part(checkpoint, self.global_rank, tensors, self._split.aliases)
-        staged = sharded.staging(path)
-        try:
-            with guarded("a sharded checkpoint's save"):
-                files = sharded.write_tensors(staged, tensors, None)
-                parts: list[Any] | None = [(part, files)]
-                if self.world_size > 1:  # the structure only (each tensor is a reference) and the files' checksums
+        with self._waits(f"a sharded checkpoint's save ({Path(str(filepath)).name})") as waits:
+            box = [str(filepath)]
+            if self.world_size > 1:
+                waits.collective("started", lambda g: dist.broadcast_object_list(box, 0, group=g))
+            path = Path(box[0])
+            if self.is_global_zero:
+                with guarded("preparing a sharded checkpoint's folder", record=False):  # rank 0's alone
+                    sharded.prepare(path)
+            waits.arrive("prepared")
+            tensors: dict[str, Tensor] = {}
+            part = ckpt.sharded_part(checkpoint, self.global_rank, tensors, self._split.aliases)
+            staged = sharded.staging(path)
+            try:
+                with guarded(f"{waits.what} (writing)"):
+                    try:
+                        files = sharded.write_tensors(staged, tensors, waits.group, waits.writer)
+                    except BaseException as err:  # DCP's CheckpointException is a BaseException
+                        waits.reraise(err)  # a wait inside torch.distributed.checkpoint that failed, if one did
+                        raise
+                    waits.finish()  # rank 0: DCP's .metadata
+                    if self.is_global_zero:
+                        files.update(sharded.file_entries(staged, [sharded.DCP_META], 0))
+                # the structure only (each tensor is a reference) and the files' checksums
+                parts: list[Any] | None = [(part, files)] if self.world_size == 1 else None
+                if self.world_size > 1:
                     parts = [None] * self.world_size if self.is_global_zero else None
-                    dist.gather_object((part, files), parts, dst=0)
+                    waits.collective("parts", lambda g: dist.gather_object((part, files), parts, dst=0, group=g))
                 if parts is not None:
                     meta = ckpt.merge_parts(
                         checkpoint, [p for p, _ in parts], self._split.full_keys, self.layout, self._names()
                     )
                     sharded.finish(path, meta, {name: entry for _, f in parts for name, entry in f.items()})
-        except BaseException as err:  # DCP's CheckpointException is a BaseException
-            full = sharded.no_space(err, staged / f"__{self.global_rank}_0.distcp")
-            if full is None:
-                raise
-            if self.is_global_zero:  # every rank's write has ended: DCP's save fails on all of them together
-                shutil.rmtree(staged, ignore_errors=True)
-            raise full from None
-        self.barrier("avgpipe: sharded checkpoint written")
+            except BaseException as err:
+                full = no_space(err, staged / f"__{self.global_rank}_0.distcp")
+                if full is None:
+                    raise
+                if self.is_global_zero:  # every rank's write has ended: DCP's save fails on all of them together
+                    shutil.rmtree(staged, ignore_errors=True)
+                raise full from None
+            waits.arrive("done")
 
     def _load_sharded(self, path: Path, trusted: bool = False, staged: bool = False) -> dict[str, Any]:
         """This rank's part of a sharded checkpoint: its stage's weights, its parameters' optimizer states, and in

@@ -7,6 +7,11 @@ Private state read or written (each a function or class below; Lightning 2.6):
 
 - ``resuming_from(trainer)``: the checkpoint this ``fit`` is about to restore, from ``Trainer._run``'s local
   ``ckpt_path`` (read through the calling frames). Used by: ``plugin/resume.py``, ``plugin/split.py``.
+- ``requested_checkpoint(trainer)``: the ``ckpt_path`` argument of the calling ``Trainer.fit`` (or ``validate``,
+  ...), read through the calling frames, before Lightning resolves ``"last"``. Used by: ``plugin/resume.py``.
+- ``interrupted_lasts(trainer)``: every ``last*.ckpt`` a kill left moved aside (``.last*.ckpt.replaced``), in the
+  folder ``ModelCheckpoint``'s private ``__resolve_ckpt_dir`` (name-mangled) gives, as Lightning's own
+  ``_find_last_checkpoints`` does. Used by: ``plugin/compat.py`` (the launcher below), ``plugin/resume.py``.
 - ``dumping_checkpoint(trainer)``: whether the call is inside ``trainer._checkpoint_connector.dump_checkpoint``
   (read through the calling frames), where the strategy's state dicts go to its own ``save_checkpoint``. Used by:
   ``plugin/checkpoint_hooks.py``.
@@ -29,9 +34,7 @@ Private state read or written (each a function or class below; Lightning 2.6):
   ``_ChildProcessObserver`` quieted (its ``_child_processes`` emptied) before the guard ends the ranks. Its
   ``launch`` also finishes a replace of ``last*.ckpt`` that a kill interrupted (``plugin/sharded.py``'s
   ``recover``) before Lightning resolves ``ckpt_path="last"``: the only hook before ``_fit_impl``, absent under
-  torchrun, where the load reads the complete copy where it lies instead. It finds them in the folder
-  ``ModelCheckpoint``'s private ``__resolve_ckpt_dir`` (name-mangled) gives, as Lightning's own
-  ``_find_last_checkpoints`` does.
+  torchrun, where ``plugin/resume.py`` puts it back at setup and stops the run with a message instead.
 - ``AfterClosureMixedPrecision``: ``MixedPrecision`` whose private ``_after_closure`` hook (after the closure,
   before the optimizer step) calls a public ``after_closure``. Used by: ``plugin/precision.py``.
 
@@ -105,6 +108,8 @@ __all__ = [
     "request_train_dataloader",
     "reset_train_dataloader",
     "resuming_from",
+    "requested_checkpoint",
+    "interrupted_lasts",
     "stop_before_training",
     "unwrap_optimizer",
     "writes_logs",
@@ -130,6 +135,18 @@ def resuming_from(trainer: pl.Trainer) -> Any:
             return frame.f_locals.get("ckpt_path")  # this fit's; trainer.ckpt_path may be a previous call's
         frame = frame.f_back  # type: ignore[assignment]
     return trainer.ckpt_path
+
+
+def requested_checkpoint(trainer: pl.Trainer) -> Any:
+    """The ``ckpt_path`` the user passed to this ``fit``/``validate``/``test``/``predict`` (``"last"``, a path or
+    ``None``), before Lightning resolved it: the calling ``Trainer.fit`` frame's argument (as :func:`resuming_from`
+    reads ``_run``'s); ``None`` outside such a call."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name in ("fit", "validate", "test", "predict") and frame.f_locals.get("self") is trainer:
+            return frame.f_locals.get("ckpt_path")
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
 
 
 def dumping_checkpoint(trainer: pl.Trainer | None) -> bool:
@@ -257,7 +274,7 @@ class _GuardedScriptLauncher(_SubprocessScriptLauncher):
             if env.node_rank() == 0:  # the rendezvous is on this node (the other nodes reach node 0's)
                 check_port_free(env.main_address, env.main_port)
                 if trainer is not None and _requested_checkpoint(function, args, kwargs) == "last":
-                    for path in _last_checkpoints(trainer):  # before Lightning looks for them, and any rank starts
+                    for path in interrupted_lasts(trainer):  # before Lightning looks for them, and any rank starts
                         _finish_replace(path)
             ChildGuard(lambda: self.procs, before_ending=quiet_child_observer)  # procs: filled when they start
         return super().launch(function, *args, trainer=trainer, **kwargs)
@@ -279,10 +296,10 @@ def _requested_checkpoint(function: Callable[..., Any], args: Any, kwargs: Any) 
         return None
 
 
-def _last_checkpoints(trainer: Any) -> list[Path]:
-    """Every ``last*.ckpt`` a kill left moved aside (``.last*.ckpt.replaced``) in a ``ModelCheckpoint``'s folder,
-    where Lightning's ``ckpt_path="last"`` looks; the folder as ``ModelCheckpoint`` resolves it (its private
-    ``__resolve_ckpt_dir``, as Lightning's own ``_find_last_checkpoints`` does)."""
+def interrupted_lasts(trainer: Any) -> list[Path]:
+    """Every ``last*.ckpt`` a kill left moved aside (``.last*.ckpt.replaced``, the checkpoint itself missing) in a
+    ``ModelCheckpoint``'s folder, where Lightning's ``ckpt_path="last"`` looks; the folder as ``ModelCheckpoint``
+    resolves it (its private ``__resolve_ckpt_dir``, as Lightning's own ``_find_last_checkpoints`` does)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     found = []
@@ -293,7 +310,7 @@ def _last_checkpoints(trainer: Any) -> list[Path]:
         folder = Path(str(callback.dirpath or resolve(trainer)))
         pattern = f".{callback.CHECKPOINT_NAME_LAST}*{callback.FILE_EXTENSION}.replaced"
         found += [p.with_name(p.name[1 : -len(".replaced")]) for p in sorted(folder.glob(pattern))]
-    return found
+    return [p for p in found if not p.exists()]
 
 
 def _finish_replace(path: Path) -> None:

@@ -92,7 +92,7 @@ def load_metadata(path: Path, trusted: bool = False) -> Any:
         raise UnsafeCheckpointError(
             f"Refusing to load the checkpoint folder {path}: its {DCP_META} names {err}, which is not part of "
             "torch.distributed.checkpoint's metadata, and unpickling it could run code from the file. If you "
-            "wrote this folder yourself, pass AvgPipeStrategy(trusted_checkpoints=True)."
+            "wrote this folder yourself, pass AvgPipeStrategy(trusted_checkpoints=True) (consolidate: --trusted)."
         ) from err
         raise _damaged(path, err) from err
     except Exception as err:  # noqa: BLE001 - a truncated or garbled pickle fails in many ways

@@ -13,9 +13,32 @@ from typing import Any
 
 import torch
 
-from lightning_avgpipe.plugin.compat import resuming_from  # the path is read from Lightning's private state
+from lightning_avgpipe.plugin import sharded
+from lightning_avgpipe.plugin.compat import (  # the paths are read from Lightning's private state
+    interrupted_lasts,
+    requested_checkpoint,
+    resuming_from,
+)
 
-__all__ = ["checkpoint_layout", "resuming_from"]
+__all__ = ["checkpoint_layout", "refuse_interrupted_last", "resuming_from"]
+
+
+def refuse_interrupted_last(trainer: Any, strategy: Any) -> None:
+    """Collective, at setup: ``ckpt_path="last"`` that Lightning resolved to nothing on some rank because a kill
+    interrupted the replace of ``last.ckpt`` (where no launcher of ours finished it before Lightning looked:
+    torchrun, or a later ``fit`` in the same process). Rank 0 puts the complete copy back in place, and every rank
+    stops with a message to run again, rather than train from step 0."""
+    missing = requested_checkpoint(trainer) == "last" and resuming_from(trainer) is None
+    if not strategy.reduce_boolean_decision(missing, all=False):
+        return
+    found = [str(p) for p in interrupted_lasts(trainer)] if strategy.is_global_zero else []
+    done = strategy.broadcast([d for d in (sharded.recover(Path(p)) for p in found) if d])
+    if not done:  # no interrupted replace: "last" found nothing, as Lightning warned
+        return
+    raise RuntimeError(
+        f'fit(ckpt_path="last") found no last checkpoint: a kill interrupted a save while it replaced it. '
+        f"{'; '.join(done)}. Run again to resume from it."
+    )
 
 
 def checkpoint_layout(path: Any) -> dict[str, Any] | None:

@@ -45,7 +45,6 @@ REPLACED = ".replaced"
 SHARDED = "avgpipe_sharded"  # avgpipe.pt's own entry: the world size and layout that wrote the folder
 FILES = "avgpipe_files"  # avgpipe.pt's own entry: each file's size, checksum and writer (runtime/checksums.py)
 CHECKSUMS = "avgpipe_checksums"  # a single file's own entry: each tensor's checksum (runtime/checksums.py)
-FULL_BELOW = 1 << 20  # bytes free under which a failed write is said to be a full disk
 
 
 def boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
@@ -190,20 +189,35 @@ def prepare(path: Path) -> Path:
     return tmp
 
 
-def write_tensors(tmp: Path, tensors: dict[str, Tensor], process_group: Any) -> dict[str, dict[str, Any]]:
+def write_tensors(
+    tmp: Path, tensors: dict[str, Tensor], process_group: Any, wrap: Any = None
+) -> dict[str, dict[str, Any]]:
     """Every rank at once (collective): its tensors into DCP's files in ``tmp``; a key several ranks hold is written
-    by one of them. Returns the checksum entry (``runtime/checksums.py``) of each file this rank wrote (DCP's
-    ``.metadata`` too, on the coordinator)."""
+    by one of them. ``wrap``: given the storage writer, what DCP gets instead. Returns the checksum entry
+    (``runtime/checksums.py``) of each file this rank wrote, computed as it was written (no second read)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    writer = dcp.FileSystemWriter(tmp, thread_count=1)
+    inner = dcp.FileSystemWriter(tmp, thread_count=1)
+    fs = inner.fs = checksums.checksummed_file_system()
+    writer = inner if wrap is None else wrap(inner)
     planner = _planner()
     distributed = dist.is_initialized()
     dcp.save(tensors, storage_writer=writer, planner=planner, process_group=process_group, no_dist=not distributed)
     rank = dist.get_rank(process_group) if distributed else 0
-    mine = sorted(tmp.glob(f"__{rank}_*.distcp")) + ([tmp / DCP_META] if rank == 0 else [])
-    return {f.name: checksums.file_entry(f, rank) for f in mine}
+    mine = [f.name for f in sorted(tmp.glob(f"__{rank}_*.distcp"))]
+    written = fs.written
+    return {
+        name: {checksums.ALGORITHM: written[name][0], "bytes": written[name][1], "rank": rank}
+        if name in written and written[name][1] == os.path.getsize(tmp / name)
+        else checksums.file_entry(tmp / name, rank)
+        for name in mine
+    }
+
+
+def file_entries(folder: Path, names: Iterable[str], rank: int) -> dict[str, dict[str, Any]]:
+    """The checksum entries (``runtime/checksums.py``) of the folder's files ``names``, written by ``rank``."""
+    return {name: checksums.file_entry(folder / name, rank) for name in names}
 
 
 def finish(path: Path, meta: dict[str, Any], files: Mapping[str, Any] | None = None) -> None:
@@ -314,44 +328,6 @@ def _complete(path: Path) -> bool:
         return False
 
 
-def no_space(err: BaseException, writing: Path) -> OSError | None:
-    """A write that failed for a full disk, said as such: ``err`` (or an error it carries: DCP's
-    ``CheckpointException`` holds every rank's) is ENOSPC, or the disk has (almost) nothing left. ``None`` for
-    any other failure."""
-    full = any(getattr(e, "errno", None) == errno.ENOSPC for e in _causes(err))
-    try:
-        free = shutil.disk_usage(writing.parent if not writing.exists() else writing).free
-    except OSError:
-        free = None
-    if not full and (free is None or free >= FULL_BELOW):
-        return None
-    text = f"{free / 2**20:.0f} MiB" if free is not None else "unknown"
-    return DiskFullError(
-        errno.ENOSPC,
-        f"No space left on device while writing {writing} (free: {text}). Free some space, or save elsewhere "
-        "(ModelCheckpoint(dirpath=...)); the previous checkpoint is untouched.",
-    )
-
-
-class DiskFullError(OSError, RuntimeError):
-    """A checkpoint's write ran out of disk space."""
-
-
-def _causes(err: BaseException) -> Iterable[BaseException]:
-    seen: set[int] = set()
-    todo = [err]
-    while todo:
-        e = todo.pop()
-        if id(e) in seen:
-            continue
-        seen.add(id(e))
-        yield e
-        todo += [x for x in (e.__cause__, e.__context__) if x is not None]
-        failures = getattr(e, "failures", None)  # DCP's CheckpointException: {rank: (exception, traceback)}
-        if isinstance(failures, Mapping):
-            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values() if f is not None]
-
-
 # -- reading ---------------------------------------------------------------------------------------------------
 def read_meta(path: Path, trusted: bool = False) -> dict[str, Any]:
     """``avgpipe.pt``, with ``weights_only=True`` unless ``trusted``: a refusal said as one, any other failure as
@@ -364,7 +340,7 @@ def read_meta(path: Path, trusted: bool = False) -> dict[str, Any]:
         raise dcp_reader.UnsafeCheckpointError(
             f"Refusing to load {path / META}: it holds objects other than tensors and plain values, and unpickling "
             "them could run code from the file. If you wrote this folder yourself, pass "
-            "AvgPipeStrategy(trusted_checkpoints=True)."
+            "AvgPipeStrategy(trusted_checkpoints=True) (consolidate: --trusted)."
         ) from err
     except Exception as err:  # noqa: BLE001 - zip, EOF and OS errors all mean a damaged file
         raise _damaged_meta(path, err) from err

@@ -38,6 +38,7 @@ from lightning_avgpipe.plugin.data import GroupedBatches, same_order_on_every_ra
 from lightning_avgpipe.plugin.gradients import install_clipping
 from lightning_avgpipe.plugin.placeholders import Guard
 from lightning_avgpipe.plugin.precision import for_pipeline
+from lightning_avgpipe.plugin.resume import refuse_interrupted_last
 from lightning_avgpipe.plugin.split import (
     SplitModule,
     check_supported,
@@ -304,8 +305,7 @@ class AvgPipeStrategy(CheckpointHooks, TunerSurface):
         self._guard.finished = False  # a new run of the same Trainer uses the split module again (Lightning too)
         super().setup_environment()
         self.init_processes()
-        default = dist.group.WORLD if self.world_size > 1 else None
-        # setup_environment runs on every fit/validate/test/predict: make the groups once per process group
+        default = dist.group.WORLD if self.world_size > 1 else None  # the groups: once per process group
         if self._topology is None or default is None or self._topology_of is not default:
             self._topology_of = default
             T = self.config.tensor_parallel_size
@@ -321,9 +321,9 @@ class AvgPipeStrategy(CheckpointHooks, TunerSurface):
     @override
     @contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        """A model built in ``configure_model`` (or under ``trainer.init_module()``) is built on the meta device, and
-        its build recorded; at setup each rank makes only its own stages real, with the values one process would
-        have given them (``runtime/materialize.py``). ``empty_init`` changes nothing: the values are replayed."""
+        """A model built in ``configure_model`` (or under ``trainer.init_module()``) is built on the meta device, its
+        build recorded; at setup each rank makes only its own stages real, with the values one process would have
+        given them (``runtime/materialize.py``); ``empty_init`` changes nothing: the values are replayed."""
         if self._split is not None:  # a later fit of a split module: nothing of it is built again
             self._init_records = []
         with recorded_build(self.precision_plugin.tensor_init_context(), self._init_records):
@@ -333,6 +333,7 @@ class AvgPipeStrategy(CheckpointHooks, TunerSurface):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
+        refuse_interrupted_last(trainer, self)  # ckpt_path="last" after a kill mid-replace, under torchrun
         module = self.lightning_module
         assert module is not None and self.model is not None
         self._guard.finished = False  # a new run of the same Trainer uses the split module again

@@ -7,6 +7,10 @@ rank's (a tensor several ranks hold, as the D groups' copies of a stage, comes f
 its owner as it writes it: rank 0's peak is its own state plus one tensor, and no dict of every stage's state is
 pickled. A checkpoint IO other than Lightning's default, or a remote path, gets the whole dict, received slot by
 slot.
+
+Every wait is bounded by ``p2p_timeout`` (``runtime/save_waits.py``): the ranks arrive at each collective through
+the store first, each other rank posts all its sends at once on the checkpoint group (gloo, on CPU) and then waits,
+as long as rank 0 is alive, for rank 0 to finish writing; rank 0 waits at most ``p2p_timeout`` for each tensor.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from torch import Tensor
 
 from lightning_avgpipe.plugin import sharded
 from lightning_avgpipe.runtime import torchfile
+from lightning_avgpipe.runtime.save_waits import SaveWaits
 
 
 class Outbox:
@@ -35,7 +40,7 @@ class Outbox:
     def __bool__(self) -> bool:
         return bool(self.tensors or self.owners)
 
-    def gather(self, tree: Any, rank: int, world_size: int) -> list[Any] | None:
+    def gather(self, tree: Any, rank: int, world_size: int, waits: SaveWaits) -> list[Any] | None:
         """Collective: ``tree`` (references to this outbox's tensors) of every rank, on rank 0, each reference
         replaced by rank 0's own tensor or a slot; ``None`` elsewhere."""
         keys = set(sharded.refs_in(tree))
@@ -43,7 +48,7 @@ class Outbox:
         parts: list[Any] | None = [(tree, specs)]
         if world_size > 1:
             parts = [None] * world_size if rank == 0 else None
-            dist.gather_object((tree, specs), parts, dst=0)  # the structure only
+            waits.collective("names", lambda g: dist.gather_object((tree, specs), parts, dst=0, group=g))
         if parts is None:
             return None
         for r, (_, rank_specs) in enumerate(parts):
@@ -62,31 +67,39 @@ def transfer(
     outbox: Outbox,
     rank: int,
     world_size: int,
-    device: torch.device,
     write: Callable[[torchfile.Prepared, Callable[[str], Tensor]], None],
+    waits: SaveWaits,
 ) -> None:
     """Collective: rank 0 calls ``write(prepared, fetch)`` with its checkpoint prepared for writing and a ``fetch``
-    that receives each slot from its owner; every other rank sends its owned slots in the order rank 0 writes them."""
+    that receives each slot from its owner; every other rank sends its owned slots in the order rank 0 writes them,
+    all at once, and waits for rank 0 to have written the file."""
     if rank == 0:
         assert checkpoint is not None
         prepared = torchfile.Prepared(checkpoint)
         order = [(key, outbox.owners[key]) for key in prepared.keys]
     box = [order if rank == 0 else None]
     if world_size > 1:
-        dist.broadcast_object_list(box, 0)
+        waits.collective("order", lambda g: dist.broadcast_object_list(box, 0, group=g))
     if rank != 0:
-        for key, owner in box[0] or []:
-            if owner == rank:
-                dist.send(outbox.tensors[key].detach().to(device).contiguous(), dst=0)
+        sends = [
+            dist.isend(outbox.tensors[key].detach().cpu().contiguous(), dst=0, group=waits.group)
+            for key, owner in box[0] or []
+            if owner == rank
+        ]
+        waits.arrive("written")  # rank 0 wrote the file: every send was received
+        for sent in sends:
+            if sent is not None:
+                sent.wait()
         return
 
     def fetch(key: str) -> Tensor:
         shape, dtype = outbox.specs[key]
-        buffer = torch.empty(shape, dtype=dtype, device=device)
-        dist.recv(buffer, src=outbox.owners[key])
-        return buffer.cpu()
+        buffer = torch.empty(shape, dtype=dtype)
+        waits.receive(buffer, outbox.owners[key], key)
+        return buffer
 
     write(prepared, fetch)
+    waits.arrive("written")
 
 
 def received(prepared: torchfile.Prepared, fetch: Callable[[str], Tensor], checkpoint: dict[str, Any]) -> Any:

@@ -9,6 +9,7 @@ full (``plugin/dcp_reader.py``, ``weights_only=True``). It runs at several GB/s,
 
 from __future__ import annotations
 
+import contextlib
 import os
 import zlib
 from collections.abc import Callable, Iterator, Mapping
@@ -67,6 +68,41 @@ def check_file(folder: Path, name: str, entry: Mapping[str, Any]) -> None:
             f"when it was saved ({ALGORITHM} {found}, saved {entry[ALGORITHM]}). Copy it again, or resume from "
             "another checkpoint."
         )
+
+
+def checksummed_file_system() -> Any:
+    """DCP's file system, keeping each written file's CRC-32 and size (``written``) as the bytes go out."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class Stream:
+        def __init__(self, f: Any) -> None:
+            self.file, self.crc, self.size = f, 0, 0
+
+        def write(self, data: Any) -> int:
+            self.crc = crc_bytes(data, self.crc)
+            n = self.file.write(data)
+            self.size += n
+            return n  # type: ignore[no-any-return]
+
+        def __getattr__(self, name: str) -> Any:  # tell, flush, fileno, ...
+            return getattr(self.file, name)
+
+    class Checksummed(FileSystem):
+        def __init__(self) -> None:
+            super().__init__()
+            self.written: dict[str, tuple[str, int]] = {}
+
+        @contextlib.contextmanager
+        def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+            with super().create_stream(path, mode) as f:
+                if "w" not in mode:
+                    yield f
+                    return
+                stream = Stream(f)
+                yield stream
+            self.written[Path(path).name] = (f"{stream.crc:08x}", stream.size)
+
+    return Checksummed()
 
 
 # -- a single file's tensors, by their place in the checkpoint ---------------------------------------------------

@@ -323,6 +323,19 @@ def _process_gone(pid: int) -> bool:
         return False
 
 
+def recorded_point(rank: int) -> dict[str, Any] | None:
+    """Rank ``rank``'s last :func:`record_progress` record (``what``, ``host``, ``pid``, ``time``), or None; read with
+    a deadline (:class:`StoreSilentError`, or the store's own error, when it cannot be read)."""
+    key = PROGRESS_KEY.format(rank)
+    raw = store_call(lambda s: s.get(key) if s.check([key]) else b"")
+    return json.loads(raw) if raw else None
+
+
+def has_exited(record: dict[str, Any]) -> bool:
+    """Whether the process of a :func:`recorded_point` record ran on this machine and has ended."""
+    return bool(record["host"] == _machine() and _process_gone(int(record["pid"])))
+
+
 def absent_ranks() -> str:
     """Which ranks a failed collective lacked, from :func:`record_progress`'s records: those whose process on this
     machine has ended, and those whose last recorded point is earlier than this rank's; "" if none can be named."""

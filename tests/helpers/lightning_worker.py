@@ -22,19 +22,97 @@ from lightning_avgpipe.shards import is_dtensor, local
 from tests.helpers.lit import AliasedNet, LateNet, PipeNet, dataset, loader
 from tests.helpers.tied import TiedLM, token_loader
 
+# a Fault's kinds in the save of the checkpoint at its step: SIGSTOP before this rank writes its part of a folder,
+# while it writes it, at the save's last wait, in the dump (before a single file's transfer), as it sends its first
+# tensor of a single file, or as rank 0 writes the file; or a write ("slow_write": this rank's part of a folder,
+# "slow_file": rank 0's file) that sleeps ``seconds`` first
+SAVE_FAULTS = {
+    *("stop_before_write", "stop_in_write", "stop_at_end", "stop_in_save", "stop_in_transfer", "stop_in_file"),
+    *("slow_write", "slow_file"),
+}
+
 
 class Fault(pl.Callback):
     """Make one rank fail inside the pipeline at a given step: raise in, or SIGKILL, its first layer's forward."""
 
-    def __init__(self, rank: int, step: int, kind: str, record: str | None = None) -> None:
+    def __init__(self, rank: int, step: int, kind: str, record: str | None = None, seconds: float = 0.0) -> None:
         self.rank, self.step, self.kind = rank, step, kind
         self.record = record  # kind "stop": a file that receives the moment it stopped (time.monotonic())
         self.handle: Any = None  # kind "inf_grad": the gradient hook of the step it is injected in
+        self.seconds = seconds  # kinds "slow_*": how long the write sleeps
+
+    def stop(self) -> None:
+        """Freeze this process (SIGSTOP, never continued), the moment recorded first."""
+        if self.record:
+            Path(self.record).write_text(repr(time.monotonic()))
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+    def in_save(self) -> None:
+        """Arm a fault of :data:`SAVE_FAULTS` for this save."""
+        import torch.distributed.checkpoint as dcp
+
+        from lightning_avgpipe.plugin import sharded
+        from lightning_avgpipe.runtime import save_waits, torchfile
+
+        fault, kind = self, self.kind
+        if kind == "stop_in_save":
+            self.stop()
+        elif kind == "stop_before_write":
+            write_tensors = sharded.write_tensors
+
+            def frozen_first(*args: Any, **kwargs: Any) -> None:
+                fault.stop()
+                write_tensors(*args, **kwargs)
+
+            sharded.write_tensors = frozen_first  # type: ignore[assignment]
+        elif kind in ("stop_in_write", "slow_write"):
+            write_data = dcp.FileSystemWriter.write_data
+
+            def write(writer: Any, *args: Any, **kwargs: Any) -> Any:
+                dcp.FileSystemWriter.write_data = write_data  # type: ignore[method-assign]
+                if kind == "slow_write":
+                    time.sleep(fault.seconds)
+                else:
+                    fault.stop()
+                return write_data(writer, *args, **kwargs)
+
+            dcp.FileSystemWriter.write_data = write  # type: ignore[method-assign]
+        elif kind == "stop_at_end":
+            arrive = save_waits.SaveWaits.arrive
+
+            def arrive_frozen(waits: Any, point: str, *args: Any) -> None:
+                if point == "done":
+                    fault.stop()
+                arrive(waits, point, *args)
+
+            save_waits.SaveWaits.arrive = arrive_frozen  # type: ignore[method-assign]
+        elif kind in ("slow_file", "stop_in_file"):
+            write_file = torchfile.write
+
+            def slow(*args: Any, **kwargs: Any) -> None:
+                torchfile.write = write_file
+                if kind == "slow_file":
+                    time.sleep(fault.seconds)
+                else:
+                    fault.stop()
+                write_file(*args, **kwargs)
+
+            torchfile.write = slow
+        elif kind == "stop_in_transfer":
+            isend = torch.distributed.isend
+
+            def frozen_send(*args: Any, **kwargs: Any) -> Any:
+                fault.stop()
+                return isend(*args, **kwargs)
+
+            torch.distributed.isend = frozen_send
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if trainer.global_rank != self.rank or trainer.global_step != self.step or self.kind == "kill_in_save":
+        if trainer.global_rank != self.rank or trainer.global_step != self.step:
+            return
+        if self.kind == "kill_in_save" or self.kind in SAVE_FAULTS:
             return
 
         def fail(*_: Any) -> None:
@@ -67,6 +145,8 @@ class Fault(pl.Callback):
             layer.register_forward_pre_hook(nan if self.kind == "nan" else fail)
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: Any) -> None:
+        if self.kind in SAVE_FAULTS and trainer.global_rank == self.rank and trainer.global_step == self.step:
+            self.in_save()
         if self.kind == "kill_in_save" and trainer.global_rank == self.rank:  # killed between a save's collectives
             os.kill(os.getpid(), signal.SIGKILL)
         if self.kind == "kill_in_write" and trainer.global_rank == self.rank and trainer.global_step == self.step:
