@@ -11,7 +11,7 @@ Private state read or written (each a function or class below; Lightning 2.6):
   ...), read through the calling frames, before Lightning resolves ``"last"``. Used by: ``plugin/resume.py``.
 - ``interrupted_lasts(trainer)``: every ``last*.ckpt`` a kill left moved aside (``.last*.ckpt.replaced``), in the
   folder ``ModelCheckpoint``'s private ``__resolve_ckpt_dir`` (name-mangled) gives, as Lightning's own
-  ``_find_last_checkpoints`` does. Used by: ``plugin/compat.py`` (the launcher below), ``plugin/resume.py``.
+  ``_find_last_checkpoints`` does (the launcher below uses it too). Used by: ``plugin/resume.py``.
 - ``dumping_checkpoint(trainer)``: whether the call is inside ``trainer._checkpoint_connector.dump_checkpoint``
   (read through the calling frames), where the strategy's state dicts go to its own ``save_checkpoint``. Used by:
   ``plugin/checkpoint_hooks.py``.
