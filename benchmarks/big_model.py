@@ -291,10 +291,12 @@ def checksum_cost(args: argparse.Namespace) -> None:
         loads = " ".join(f"{x:.2f}" for _, x in times[on])
         print(f"checksums {'on ' if on else 'off'}: save s {saves}; resume s {loads}")
     mean = {on: [sum(t[k] for t in times[on]) / len(times[on]) for k in (0, 1)] for on in times}
-    print(
-        f"with checksums / without: save {mean[True][0] / mean[False][0]:.3f}x, "
-        f"resume {mean[True][1] / mean[False][1]:.3f}x (means over {args.checksum_cost} runs each)"
-    )
+    median = {on: [sorted(t[k] for t in times[on])[len(times[on]) // 2] for k in (0, 1)] for on in times}
+    for name, avg in (("means", mean), ("medians", median)):
+        print(
+            f"with checksums / without: save {avg[True][0] / avg[False][0]:.3f}x, "
+            f"resume {avg[True][1] / avg[False][1]:.3f}x ({name} over {args.checksum_cost} runs each)"
+        )
 
 
 def capped(args: argparse.Namespace, weights: int) -> None:
