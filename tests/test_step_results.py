@@ -48,7 +48,7 @@ def _steps() -> list[tuple[torch.Tensor, list[Any]]]:
 
 
 def _worker(rank: int, world_size: int) -> dict[str, Any]:
-    from lightning_avgpipe.plugin.results import StepResults
+    from lightning_avgpipe.plugin.steps.results import StepResults
 
     pipe = _Pipe(rank)
     results = StepResults(pipe)

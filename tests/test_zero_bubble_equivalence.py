@@ -35,8 +35,8 @@ def _train(
     from torch import nn
 
     from lightning_avgpipe.config import PipelineConfig
+    from lightning_avgpipe.runtime.comms.topology import Topology
     from lightning_avgpipe.runtime.pipeline import StagePipeline
-    from lightning_avgpipe.runtime.topology import Topology
     from lightning_avgpipe.schedules.chunks import stages_of
     from tests.helpers.models import make_batch, make_layers
 

@@ -34,7 +34,7 @@ from lightning_avgpipe.advance_k import AdvanceSearch, added_bytes
 from lightning_avgpipe.config import PipelineConfig
 from lightning_avgpipe.cpu import host_memory_bytes
 from lightning_avgpipe.noise_scale import NoiseScale
-from lightning_avgpipe.runtime import collectives
+from lightning_avgpipe.runtime.comms import collectives
 from lightning_avgpipe.runtime.pipeline import StagePipeline, StepResult
 from lightning_avgpipe.runtime.request import StepRequest
 from lightning_avgpipe.runtime.trace import StepTrace, write_trace

@@ -3,10 +3,10 @@ all call (Lightning-free).
 
 It runs one executor (``runtime/executor.py``) over a plan (``schedules/``): it splits an iteration's N batches into
 micro-batches by the rules a user can rely on, builds the plan for them (cached) and sends every (replica,
-micro-batch) unit through it; the replicas it runs are :class:`~lightning_avgpipe.runtime.stage_replicas.StageReplicas`
-(averaging, optimizers, batched execution, ties). A caller gives it the N batches and a loss function (or a
-``StepRequest``, :meth:`StagePipeline.run_step`), then steps the optimizer that :meth:`StagePipeline.optimizer`
-returns::
+micro-batch) unit through it; the replicas it runs are
+:class:`~lightning_avgpipe.runtime.sync.stage_replicas.StageReplicas` (averaging, optimizers, batched execution, ties).
+A caller gives it the N batches and a loss function (or a ``StepRequest``, :meth:`StagePipeline.run_step`), then steps
+the optimizer that :meth:`StagePipeline.optimizer` returns::
 
     pipe = StagePipeline(layers, topology, PipelineConfig(num_microbatches=4, num_pipelines=2))
     opt = pipe.optimizer(torch.optim.AdamW(pipe.reference_params, lr=3e-4))
@@ -31,19 +31,20 @@ from lightning_avgpipe import microbatch
 from lightning_avgpipe.config import PipelineConfig, check_same_placement
 from lightning_avgpipe.elastic import average_gradients
 from lightning_avgpipe.errors import check_finite
-from lightning_avgpipe.runtime import collectives, units
+from lightning_avgpipe.runtime import units
+from lightning_avgpipe.runtime.comms import collectives
+from lightning_avgpipe.runtime.comms.p2p import Link
+from lightning_avgpipe.runtime.comms.topology import Topology
 from lightning_avgpipe.runtime.deferred import WeightGradQueue
 from lightning_avgpipe.runtime.executor import StageExecutor
-from lightning_avgpipe.runtime.gradient_probe import GradientProbe
-from lightning_avgpipe.runtime.p2p import Link
 from lightning_avgpipe.runtime.rank_stages import ChunkLayout
 from lightning_avgpipe.runtime.recompute import layer_mask, stage_function
 from lightning_avgpipe.runtime.request import StepRequest
-from lightning_avgpipe.runtime.stage_replicas import StageReplicas
+from lightning_avgpipe.runtime.sharding.tensor_parallel import whole_outputs
 from lightning_avgpipe.runtime.streams import RandomStreams
-from lightning_avgpipe.runtime.tensor_parallel import whole_outputs
-from lightning_avgpipe.runtime.ties import TiedWeights
-from lightning_avgpipe.runtime.topology import Topology
+from lightning_avgpipe.runtime.sync.gradient_probe import GradientProbe
+from lightning_avgpipe.runtime.sync.stage_replicas import StageReplicas
+from lightning_avgpipe.runtime.sync.ties import TiedWeights
 from lightning_avgpipe.runtime.trace import ActivationMeter, StepTrace
 from lightning_avgpipe.runtime.units import LossFn, StepResult, first_input
 from lightning_avgpipe.schedules import Plan, build_plan, validate_plan
@@ -59,7 +60,7 @@ class StagePipeline:
 
     Args:
         layers: this stage's layers, in order: the reference model's (what evaluation and checkpoints use).
-        topology: this rank's stage and groups (:class:`~lightning_avgpipe.runtime.topology.Topology`).
+        topology: this rank's stage and groups (:class:`~lightning_avgpipe.runtime.comms.topology.Topology`).
         config: M, N, the schedule, k, the averaging and timeouts (:class:`~lightning_avgpipe.PipelineConfig`).
         device: where this stage runs.
         backend: the process-group backend (``"nccl"`` makes ``p2p="auto"`` batch its transfers).
@@ -247,7 +248,8 @@ class StagePipeline:
     def _stage_function(self, stage: int, start: int, layers: Sequence[nn.Module]) -> Callable[[Any], Any]:
         """``layers`` (model stage ``stage``'s, from ``start`` in this rank's) applied in order (the checkpointed
         ones recomputed), each drawing from its own stream where :attr:`streams` is set; under tensor parallelism,
-        checked once per output signature to give every shard the same output (``runtime/tensor_parallel.py``)."""
+        checked once per output signature to give every shard the same output
+        (``runtime/sharding/tensor_parallel.py``)."""
 
         def seed_of(index: int) -> int | None:
             return self.streams.seed_of(stage, index) if self.streams is not None else None
@@ -260,8 +262,8 @@ class StagePipeline:
 
     def optimizer(self, user: Optimizer) -> Optimizer:
         """The optimizer to step (:meth:`StageReplicas.optimizer
-        <lightning_avgpipe.runtime.stage_replicas.StageReplicas.optimizer>`): ``user`` itself when N·D = 1, else one
-        clone of it per replica, stepped together and followed by the elastic update (``user`` must be built over
+        <lightning_avgpipe.runtime.sync.stage_replicas.StageReplicas.optimizer>`): ``user`` itself when N·D = 1, else
+        one clone of it per replica, stepped together and followed by the elastic update (``user`` must be built over
         :attr:`reference_params`)."""
         return self.replicas.optimizer(user)
 
@@ -467,7 +469,7 @@ class StagePipeline:
             forward_context=forward_context,
         )
 
-    # -- what crosses the pipeline (runtime/collectives.py) -------------------------------------------------------
+    # -- what crosses the pipeline (runtime/comms/collectives.py) -------------------------------------------------
     def share(self, payload: Any) -> Any:
         """``payload`` from this pipeline's last stage, on every stage (collective over the pipeline)."""
         return collectives.share(self.topology, payload, self.chunks.loss_rank)

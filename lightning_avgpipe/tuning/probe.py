@@ -21,9 +21,9 @@ from torch.optim import Optimizer
 
 from lightning_avgpipe.config import PipelineConfig
 from lightning_avgpipe.optim import clone_optimizer
+from lightning_avgpipe.runtime.comms.topology import Topology
 from lightning_avgpipe.runtime.controller import StepController
 from lightning_avgpipe.runtime.pipeline import StagePipeline
-from lightning_avgpipe.runtime.topology import Topology
 from lightning_avgpipe.runtime.units import StepResult
 from lightning_avgpipe.tuning.profiler import CopyOptimizer, Snapshot
 
