@@ -158,6 +158,11 @@ def test_the_rooms_are_the_folders() -> None:
         assert "import" in ((PACKAGE / room / "__init__.py").read_text()), f"{room}/__init__.py: say what it may import"
 
 
+def test_no_package_file_is_over_500_lines() -> None:
+    long = {str(p.relative_to(PACKAGE)): n for p in all_modules() if (n := len(p.read_text().splitlines())) > 500}
+    assert not long, f"split these by concept: {long}"
+
+
 def import_graph() -> dict[str, set[str]]:
     """module -> the package's modules it imports (names resolved to existing modules)."""
     modules = {module_name(p): p for p in all_modules()}

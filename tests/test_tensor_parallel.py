@@ -277,7 +277,8 @@ def _worker(rank: int, world: int, stages: int, tp: int, configs: list[tuple[Any
         pipe.replicas.elastic.wait()
         state = {f"{i}.{k}": full(v).detach().clone() for i, m in own.items() for k, v in m.state_dict().items()}
         peak = result.trace.peak_activation_bytes
-        link = pipe.link  # only shard 0 of a stage talks to the neighbouring stages: one copy crosses a boundary
+        # only shard 0 of a stage talks to the neighbouring stages: one copy crosses a boundary
+        link = pipe.executor.link
         talks = getattr(link, "inner", None) is not None
         out.append({"losses": losses, "state": state, "split": split, "shard": top.tensor_rank, "peak": peak})
         out[-1]["left"] = left

@@ -28,20 +28,11 @@ from lightning_avgpipe.config import PipelineConfig
 from lightning_avgpipe.plugin.checkpoint import streamed
 from lightning_avgpipe.plugin.checkpoint.hooks import CheckpointHooks
 from lightning_avgpipe.plugin.checkpoint.resume import refuse_interrupted_last
-from lightning_avgpipe.plugin.compat import (
-    _optimizers_to_device,
-    _StrategyRegistry,
-    _sync_ddp_if_available,
-)
+from lightning_avgpipe.plugin.compat import _optimizers_to_device, _StrategyRegistry, _sync_ddp_if_available
 from lightning_avgpipe.plugin.split import tensor, whole
 from lightning_avgpipe.plugin.split.cut import CutInputs, cut_module
 from lightning_avgpipe.plugin.split.placeholders import Guard
-from lightning_avgpipe.plugin.split.stages import (
-    SplitModule,
-    check_supported,
-    metrics_sync_over,
-    recorded_build,
-)
+from lightning_avgpipe.plugin.split.stages import SplitModule, check_supported, metrics_sync_over, recorded_build
 from lightning_avgpipe.plugin.steps.bridge import StepBridge
 from lightning_avgpipe.plugin.steps.data import GroupedBatches, same_order_on_every_rank
 from lightning_avgpipe.plugin.steps.gradients import install_clipping

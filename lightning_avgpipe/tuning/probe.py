@@ -79,7 +79,7 @@ class StageProbe:
     def step(self, setting: StagePipeline, batch: Any, measure: bool, noise: bool, split: bool = False) -> StepResult:
         """One step of ``setting`` on ``batch`` from zero gradients; ``split`` defers the weight gradients (the
         split backward's W). Collective over the pipeline, like training's."""
-        for p in self.pipeline.params:
+        for p in self.pipeline.replicas.params:
             p.grad = None
         if split:
             with self.pipeline.deferring_weight_grads():
@@ -106,7 +106,7 @@ class StageProbe:
         random states."""
         elastic = self.pipeline.replicas.elastic
         replicas = [m for layers in elastic.replicas for m in layers] if not elastic.trivial else []
-        snap = Snapshot(self.pipeline.params, [*self.pipeline.layers, *replicas], self.metrics, generators)
+        snap = Snapshot(self.pipeline.replicas.params, [*self.pipeline.layers, *replicas], self.metrics, generators)
         try:
             yield
         finally:

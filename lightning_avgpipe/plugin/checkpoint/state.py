@@ -247,7 +247,8 @@ def load_stage_state(module: nn.Module, checkpoint: Mapping[str, Any], pipeline:
     missing = [k for k in local_keys if k not in full]
     if strict and missing:
         raise KeyError(
-            f"The checkpoint lacks {missing[:5]} that stage {pipeline.stage} holds; it was saved from another model."
+            f"The checkpoint lacks {missing[:5]} that stage {pipeline.topology.stage} holds; it was saved from another "
+            "model."
         )
     load_whole(module, {k: full[k] for k in local_keys if k in full})
     pipeline.replicas.elastic.reset_replicas()

@@ -176,5 +176,5 @@ def release(topology: Topology | None, pipeline: StagePipeline | None) -> None:
     copy of it), so they are freed with the others (``shards.release_meshes``)."""
     meshes = [topology.tensor_mesh] if topology is not None else []
     if pipeline is not None:
-        meshes += [p.device_mesh for p in [*pipeline.params, *pipeline.reference_params] if is_dtensor(p)]  # type: ignore[attr-defined]
+        meshes += [p.device_mesh for p in [*pipeline.replicas.params, *pipeline.reference_params] if is_dtensor(p)]  # type: ignore[attr-defined]
     release_meshes(meshes)

@@ -73,7 +73,7 @@ def install_clipping(precision: Any, pipeline: Callable[[], Any], device: torch.
         )
 
     def clip_grad_by_value(optimizer: Any, clip_val: int | float) -> None:
-        params = [p for p in pipeline().params if p.grad is not None]
+        params = [p for p in pipeline().replicas.params if p.grad is not None]
         if params:
             torch.nn.utils.clip_grad_value_(params, float(clip_val))
 

@@ -81,7 +81,8 @@ class PipelineSteps:
             param_names=self.param_names,
             loss_scale=loss_scale_of(precision),
         )
-        with self.stash.apart(pipeline.params):  # Lightning zeroes gradients between training_step and backward
+        # Lightning zeroes gradients between training_step and backward
+        with self.stash.apart(pipeline.replicas.params):
             report = control.run(request)
         result = report.result
         if result.loss is not None:  # the last stage
@@ -110,7 +111,7 @@ class PipelineSteps:
             key=hook,
         )
         payload = output = None
-        if pipeline.is_last:
+        if pipeline.executor.is_last:
             output = microbatch.merge([results[u] for u in sorted(results)])
             payload = (microbatch.to_cpu(output) if share_output else None, bridge.take_logs())
         shared, logs = pipeline.share(payload)
@@ -119,7 +120,7 @@ class PipelineSteps:
 
     def land_gradients(self) -> None:
         """Put the step's gradients on the parameters (in ``backward``, after Lightning zeroed them)."""
-        self.stash.land(self.controller.pipeline.params)
+        self.stash.land(self.controller.pipeline.replicas.params)
 
 
 def log_report(module: pl.LightningModule, report: StepReport) -> None:

@@ -27,11 +27,11 @@ class StepResults:
     def exchange(self, loss: Tensor | None, logs: list[Any] | None) -> tuple[Tensor, list[Any]]:
         """Every stage calls it; the last stage passes its ``loss`` and ``logs`` (the others ``None``)."""
         pipe = self.pipeline
-        if pipe.num_stages == 1:
+        if pipe.topology.num_stages == 1:
             assert loss is not None and logs is not None
             return loss, logs
         buf = torch.zeros(self.CAPACITY, dtype=torch.float64, device=pipe.device)
-        if pipe.is_last:
+        if pipe.executor.is_last:
             assert loss is not None and logs is not None
             spec = _spec_of(logs)
             fast = spec is not None and _same(spec, self._spec) and len(spec) + 2 <= self.CAPACITY
@@ -42,7 +42,7 @@ class StepResults:
                     buf[2 : 2 + len(logs)] = torch.stack([record[2].double() for record in logs]).to(buf.device)
         pipe.share_tensor(buf)
         if bool(buf[0] == 1.0):
-            if pipe.is_last:
+            if pipe.executor.is_last:
                 assert loss is not None and logs is not None
                 return loss, logs
             assert self._spec is not None
@@ -51,7 +51,7 @@ class StepResults:
                 (name, "value", values[i].to(dtype), kwargs) for i, (name, kwargs, dtype) in enumerate(self._spec)
             ]
             return buf[1].float().cpu(), mirrored
-        shared_loss, shared_logs = pipe.share((loss, logs) if pipe.is_last else None)
+        shared_loss, shared_logs = pipe.share((loss, logs) if pipe.executor.is_last else None)
         self._spec = _spec_of(shared_logs)
         return shared_loss, shared_logs
 
