@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -66,23 +66,25 @@ def describe(config: PipelineConfig, num_stages: int, num_groups: int) -> str:
     )
 
 
-class TunerSurface(ProcessStrategy):
+class Steered(Protocol):
+    """What the tuner-facing methods read of their strategy besides ``ProcessStrategy``'s: ``AvgPipeStrategy`` defines
+    each. A class that subclasses a protocol must define its members, so mypy refuses a strategy that lacks one."""
+
+    @property
+    def topology(self) -> Topology: ...
+
+    @property
+    def controller(self) -> StepController: ...
+
+    @property
+    def bridge(self) -> StepBridge: ...
+
+
+class TunerSurface(ProcessStrategy, Steered):
     """The strategy's tuner-facing methods (``AvgPipeStrategy`` sets the state they read)."""
 
     config: PipelineConfig
     _controller: StepController | None
-
-    @property
-    def topology(self) -> Topology:
-        raise NotImplementedError
-
-    @property
-    def controller(self) -> StepController:
-        raise NotImplementedError
-
-    @property
-    def bridge(self) -> StepBridge:
-        raise NotImplementedError
 
     def memory_limit_bytes(self, limit: float | None = None) -> float | None:
         """``limit`` (default: the configured ``memory_limit``) in bytes: a fraction (<= 1) is of device memory

@@ -15,7 +15,7 @@ import shutil
 import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import lightning.pytorch as pl
 import torch
@@ -58,7 +58,21 @@ def _own_use(method: Callable[..., Any]) -> Callable[..., Any]:
     return wrapped
 
 
-class CheckpointHooks(ProcessStrategy):
+class Staged(Protocol):
+    """What the checkpoint hooks read of their strategy besides ``ProcessStrategy``'s: ``AvgPipeStrategy`` defines
+    each. A class that subclasses a protocol must define its members, so mypy refuses a strategy that lacks one."""
+
+    @property
+    def topology(self) -> Topology: ...
+
+    @property
+    def pipeline(self) -> StagePipeline: ...
+
+    @property
+    def partition(self) -> list[int]: ...
+
+
+class CheckpointHooks(ProcessStrategy, Staged):
     """Lightning's checkpoint hooks for a model split over stages (docs/strategy.md#checkpoints)."""
 
     # set by AvgPipeStrategy: its settings and the split module's state at setup
@@ -69,18 +83,6 @@ class CheckpointHooks(ProcessStrategy):
     _guard: Guard
     _outbox: streamed.Outbox  # a checkpoint being dumped: this rank's tensors, until save_checkpoint
     _param_names: dict[int, str]  # id(parameter) -> its name in the module
-
-    @property
-    def topology(self) -> Topology:
-        raise NotImplementedError
-
-    @property
-    def pipeline(self) -> StagePipeline:
-        raise NotImplementedError
-
-    @property
-    def partition(self) -> list[int]:
-        raise NotImplementedError
 
     def _lightning(self) -> pl.LightningModule:
         module = self.lightning_module
