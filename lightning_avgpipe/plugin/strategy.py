@@ -109,8 +109,8 @@ class AvgPipeStrategy(CheckpointHooks, TunerSurface):
         process_group_backend: ``"gloo"`` or ``"nccl"``; ``None`` picks by device.
         check_forward: at setup, run the whole model once in eval mode on two samples and fail when ``forward`` is
             not the ``configure_pipeline()`` layers applied in order; off only for a model too large for one device.
-        trusted_checkpoints: unpickle checkpoints in full (``torch.load(weights_only=False)``) when loading one; only
-            for a file you trust that holds more than tensors and plain values (the error that refuses it says so).
+        trusted_checkpoints: unpickle a checkpoint in full (``weights_only=False``, a folder's ``.metadata`` by plain
+            ``pickle``): only for one you wrote that holds more than tensors and plain values; the refusal says so.
         activation_checkpointing: ``True`` checkpoints every layer of every stage, a list of layer types (classes
             or class names) those layers only: they keep only their inputs and run their forward again in the
             backward (less activation memory, one more forward of them per step; docs/strategy.md). ``"auto"``:
