@@ -74,8 +74,8 @@ def _prepare(cfg: dict[str, Any]) -> None:
 
 def _without_checksums() -> None:
     """The save and resume as before issue 42: no file checksummed at the save or checked at the resume."""
-    from lightning_avgpipe.plugin import sharded
-    from lightning_avgpipe.runtime import checksums
+    from lightning_avgpipe.plugin.checkpoint import sharded
+    from lightning_avgpipe.runtime.files import checksums
 
     def plain_file_system() -> Any:  # DCP's own: no CRC as the bytes go out
         from torch.distributed.checkpoint.filesystem import FileSystem

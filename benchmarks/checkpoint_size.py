@@ -63,7 +63,7 @@ def stored_tensors(path: Path) -> int:
     """Tensors stored: the folder's DCP keys, or the file's distinct storages."""
     import zipfile
 
-    from lightning_avgpipe.plugin import dcp_reader
+    from lightning_avgpipe.plugin.checkpoint import dcp_reader
 
     if path.is_dir():
         return len(dcp_reader.load_metadata(path).state_dict_metadata)

@@ -22,8 +22,8 @@ def _pipe_rank(rank: int, study: Study, n: int, m: int, steps: int, warmup: int)
     import torch.distributed as dist
 
     from lightning_avgpipe.config import PipelineConfig
+    from lightning_avgpipe.runtime.comms.topology import Topology
     from lightning_avgpipe.runtime.pipeline import StagePipeline
-    from lightning_avgpipe.runtime.topology import Topology
 
     data = data_for(study)
     layers = list(data.model(0))

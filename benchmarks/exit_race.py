@@ -7,7 +7,7 @@ Each run is two processes that do three all-reduces on a default group and on a 
 
 - ``keep``: they exit as most scripts do, with their groups alive;
 - ``close``: an ``atexit`` handler releases the second group and calls
-  ``lightning_avgpipe.runtime.shutdown.destroy_process_groups`` (what ``AvgPipeStrategy`` registers).
+  ``lightning_avgpipe.runtime.failures.shutdown.destroy_process_groups`` (what ``AvgPipeStrategy`` registers).
 
 One rank's interpreter takes a moment to finalize (an object whose ``__del__`` sleeps 0.5 s), so the ends of the
 two processes overlap as they do on a loaded machine. In ``keep`` mode a rank exits -6 with "terminate called
@@ -48,7 +48,7 @@ for _ in range(3):
     dist.all_reduce(t)
     dist.all_reduce(t, group=holder["group"])
 if mode == "close":
-    from lightning_avgpipe.runtime.shutdown import destroy_process_groups
+    from lightning_avgpipe.runtime.failures.shutdown import destroy_process_groups
     atexit.register(lambda: (holder.clear(), destroy_process_groups()))
 
 class SlowToFinalize:

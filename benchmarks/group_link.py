@@ -106,8 +106,8 @@ def _rank(rank: int, world: int, study: Any, m: int, steps: int, warmup: int, li
     import torch.distributed as dist
 
     from lightning_avgpipe.config import PipelineConfig
+    from lightning_avgpipe.runtime.comms.topology import Topology
     from lightning_avgpipe.runtime.pipeline import StagePipeline
-    from lightning_avgpipe.runtime.topology import Topology
 
     data = Data(study)
     layers = list(data.model(0))

@@ -6,9 +6,9 @@
 Every layout trains the character GPT of ``examples/char_gpt.py`` (Embed, ``n_layer`` Blocks, Head) from the same
 weights on the same batches with ``StagePipeline`` and AdamW, on S x T gloo processes: S stages (the partition of
 ``--partition``, default Embed + half the blocks first) whose Blocks' MLPs are split over T ranks by the default
-plan (``runtime/tensor_parallel.py``). Per layout it prints the largest rank's weights + gradients + optimizer state
-(``runtime/controller.py static_bytes``) and activation stash (the meter's peak), samples/s, and the first step's loss
-(every layout's must equal the 1 x 1 one: the same training).
+plan (``runtime/sharding/tensor_parallel.py``). Per layout it prints the largest rank's weights + gradients + optimizer
+state (``runtime/controller.py static_bytes``) and activation stash (the meter's peak), samples/s, and the first step's
+loss (every layout's must equal the 1 x 1 one: the same training).
 
 **These are functional figures.** Up to 4 processes share 2 CPU cores, so samples/s says nothing about speed on
 real devices; the memory per rank is what each rank holds, whatever the machine. The end of the output projects
@@ -64,10 +64,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _rank(rank: int, world: int, S: int, T: int, cfg: dict[str, Any]) -> dict[str, Any]:
     from examples.char_gpt import GPTConfig, gpt_layers
     from lightning_avgpipe.config import PipelineConfig
+    from lightning_avgpipe.runtime.comms.topology import Topology
     from lightning_avgpipe.runtime.controller import static_bytes
     from lightning_avgpipe.runtime.pipeline import StagePipeline
-    from lightning_avgpipe.runtime.tensor_parallel import default_plan, parallelize_stage
-    from lightning_avgpipe.runtime.topology import Topology
+    from lightning_avgpipe.runtime.sharding.tensor_parallel import default_plan, parallelize_stage
 
     torch.manual_seed(0)
     layers = list(gpt_layers(GPTConfig(vocab_size=cfg["vocab"], **cfg["sizes"])))

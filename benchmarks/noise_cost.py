@@ -61,7 +61,7 @@ def _rank(rank: int, world: int, args: argparse.Namespace, data: torch.Tensor, v
             step = [batches[i * n + r] for r in range(n)]
             order = (True, False) if i % 2 == 0 else (False, True)
             for noise in order:
-                for p in pipe.params:
+                for p in pipe.replicas.params:
                     p.grad = None
                 dist.barrier()
                 t0 = time.perf_counter()

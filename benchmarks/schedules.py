@@ -208,9 +208,9 @@ class Row:
     ) -> None:
         from lightning_avgpipe.config import PipelineConfig
         from lightning_avgpipe.runtime import Link
+        from lightning_avgpipe.runtime.comms.topology import Topology
         from lightning_avgpipe.runtime.controller import StepController
         from lightning_avgpipe.runtime.pipeline import StagePipeline
-        from lightning_avgpipe.runtime.topology import Topology
 
         self.link_name, self.schedule, self.rank, self.world = link_name, schedule, rank, world
         self.batches = batches

@@ -31,9 +31,9 @@ from tests.helpers.harness import run_distributed  # noqa: E402
 def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     from examples.char_gpt import GPTConfig, gpt_layers
     from lightning_avgpipe.config import PipelineConfig
+    from lightning_avgpipe.runtime.comms.topology import Topology
     from lightning_avgpipe.runtime.pipeline import StagePipeline
     from lightning_avgpipe.runtime.streams import RandomStreams
-    from lightning_avgpipe.runtime.topology import Topology
 
     torch.manual_seed(0)
     layers = list(gpt_layers(GPTConfig(vocab_size=cfg["vocab"], dropout=0.1, **cfg["sizes"])))

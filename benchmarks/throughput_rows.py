@@ -98,8 +98,8 @@ def _pipeline(
 ) -> Any:
     """This rank's :class:`StagePipeline`, the step the strategy runs (D = 1, alpha = 1/N, synchronous reference)."""
     from lightning_avgpipe.config import PipelineConfig
+    from lightning_avgpipe.runtime.comms.topology import Topology
     from lightning_avgpipe.runtime.pipeline import StagePipeline
-    from lightning_avgpipe.runtime.topology import Topology
 
     cfg = PipelineConfig(
         num_stages=WORLD,

@@ -6,7 +6,7 @@
 
 Every run trains the character GPT of ``examples/char_gpt.py`` as one stage on D gloo processes (D pipeline groups,
 each reading its own batches) with ``StagePipeline`` and AdamW, from the same weights on the same batches, once with
-the state whole and once sharded (``runtime/zero.py``):
+the state whole and once sharded (``runtime/sharding/zero.py``):
 
 - ``elastic``: N = 2 replicas per group, DiLoCo's outer Nesterov (lr 0.7, momentum 0.9): the sharded run keeps a 1/D
   slice of the reference, of the summed update and of the outer momentum during the step;
@@ -88,7 +88,8 @@ def _bytes(tensors: Any) -> int:
 
 
 class AdamWByTensor(torch.optim.AdamW):
-    """AdamW under another name: not known to step elementwise, so sharded by whole tensors (``runtime/zero.py``)."""
+    """AdamW under another name: not known to step elementwise, so sharded by whole tensors
+    (``runtime/sharding/zero.py``)."""
 
 
 def _layers(cfg: dict[str, Any], stages: int, stage: int) -> list[torch.nn.Module]:
@@ -107,9 +108,9 @@ def _layers(cfg: dict[str, Any], stages: int, stage: int) -> list[torch.nn.Modul
 
 def _rank(rank: int, world: int, averaging: str, shard: bool | str, cfg: dict[str, Any]) -> dict[str, Any]:
     from lightning_avgpipe.config import PipelineConfig
+    from lightning_avgpipe.runtime.comms.topology import Topology
     from lightning_avgpipe.runtime.controller import static_bytes
     from lightning_avgpipe.runtime.pipeline import StagePipeline
-    from lightning_avgpipe.runtime.topology import Topology
 
     S = cfg["stages"]
     top = Topology.build(rank, world, S)

@@ -20,8 +20,8 @@ if TYPE_CHECKING:
     from lightning_avgpipe.config import PipelineConfig
     from lightning_avgpipe.cpu import share_cpu_threads
     from lightning_avgpipe.plugin import AvgPipeStrategy, AvgPipeTuner, PipelineContractError
-    from lightning_avgpipe.plugin.sharded import consolidate
-    from lightning_avgpipe.runtime.pretrained import load_pretrained
+    from lightning_avgpipe.plugin.checkpoint.sharded import consolidate
+    from lightning_avgpipe.runtime.build.pretrained import load_pretrained
 
 _register.register_avgpipe()
 
@@ -32,8 +32,8 @@ _LAZY = {
     "PipelineContractError": "lightning_avgpipe.plugin.contract",
     "PipelineConfig": "lightning_avgpipe.config",
     "share_cpu_threads": "lightning_avgpipe.cpu",
-    "load_pretrained": "lightning_avgpipe.runtime.pretrained",
-    "consolidate": "lightning_avgpipe.plugin.sharded",
+    "load_pretrained": "lightning_avgpipe.runtime.build.pretrained",
+    "consolidate": "lightning_avgpipe.plugin.checkpoint.sharded",
 }
 
 

@@ -135,7 +135,7 @@ def consolidate_command(argv: list[str]) -> int:
         help="unpickle the folder's metadata in full: only for a folder you wrote yourself (runs code from it)",
     )
     args = p.parse_args(argv)
-    from lightning_avgpipe.plugin.sharded import consolidate
+    from lightning_avgpipe.plugin.checkpoint.sharded import consolidate
 
     try:
         consolidate(args.folder, args.out, trusted=args.trusted)

@@ -221,7 +221,7 @@ class ElasticAveraging:
         """Whether this is the paper's rule: outer SGD with lr 1, no momentum, a pull every step."""
         return self.outer_lr == 1.0 and self.outer_momentum == 0.0 and self.period == 1
 
-    sharded = False  # the reference sharded over the D groups (runtime/sharded_reference.py)
+    sharded = False  # the reference sharded over the D groups (runtime/sharding/sharded_reference.py)
     released = False  # whether the reference's storage is released (a sharded reference inside a step)
 
     def require_whole(self, what: str) -> None:
@@ -229,10 +229,10 @@ class ElasticAveraging:
 
     def reclaim(self) -> None:
         """Give a released reference storage again before a checkpoint is loaded into it
-        (``runtime/sharded_reference.py``)."""
+        (``runtime/sharding/sharded_reference.py``)."""
 
     def enter_step(self) -> None:
-        """Before the step's forward (a sharded reference, ``runtime/sharded_reference.py``, is released here);
+        """Before the step's forward (a sharded reference, ``runtime/sharding/sharded_reference.py``, is released here);
         nothing here."""
 
     def leave_step(self) -> None:

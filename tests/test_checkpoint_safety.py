@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_avgpipe import AvgPipeStrategy
-from lightning_avgpipe.plugin.resume import checkpoint_layout
+from lightning_avgpipe.plugin.checkpoint.resume import checkpoint_layout
 from tests.helpers.lit import PipeNet, loader
 
 

@@ -23,9 +23,9 @@ import pytest
 import torch
 
 from lightning_avgpipe import AvgPipeStrategy
-from lightning_avgpipe.plugin import dcp_reader, sharded
-from lightning_avgpipe.runtime import checksums
-from lightning_avgpipe.runtime.disk_full import no_space
+from lightning_avgpipe.plugin.checkpoint import dcp_reader, sharded
+from lightning_avgpipe.runtime.files import checksums
+from lightning_avgpipe.runtime.files.disk_full import no_space
 from tests.helpers.lit import PipeNet, loader, quiet_trainer
 
 ADAM = {"optimizer": "adam", "lr": 0.01}

@@ -162,3 +162,38 @@ def test_the_docs_name_every_logged_figure_every_reconfigure_argument_and_the_ch
     assert named == arguments, f"documented reconfigure({sorted(named)}) != its signature {sorted(arguments)}"
     for key in ("avgpipe_layout", "avgpipe_ranks", "state_dict", "optimizer_states", "param_names"):
         assert f"`{key}`" in page, key
+
+
+def rooms_map(text: str) -> dict[str, tuple[str, ...] | None]:
+    """docs/how-it-works.md#rooms: folder -> what it may import of its package, as paths under the package (``None``:
+    every room)."""
+    section = text.split("## Rooms {#rooms}", 1)[1].split("\n## ", 1)[0]
+    found: dict[str, tuple[str, ...] | None] = {}
+    for row in re.findall(r"^\| `([\w/]+)/` \|[^|]*\| ([^|]*) \|$", section, re.MULTILINE):
+        folder, may = row
+        package = folder.split("/")[0]
+        entries = tuple(f"{package}/{e.rstrip('/')}" for e in re.findall(r"`([\w/.]+)`", may))
+        found[folder] = None if may.strip() == "every room" else entries
+    return found
+
+
+def test_the_map_of_rooms_is_the_tree() -> None:
+    """The map that opens docs/how-it-works.md names every folder of plugin/ and runtime/ (and no other), and for each
+    room exactly what ``tests/helpers/layers.py`` lets it import (the rule ``tests/test_import_layers.py`` checks)."""
+    from tests.helpers.layers import ROOMS
+
+    shown = rooms_map((DOCS / "how-it-works.md").read_text())
+    package = ROOT / "lightning_avgpipe"
+    tree = {
+        str(d.relative_to(package)) for top in ("plugin", "runtime") for d in (package / top).iterdir() if d.is_dir()
+    } - {"plugin/__pycache__", "runtime/__pycache__"}
+    assert set(shown) == tree | {"plugin", "runtime"}, sorted(set(shown) ^ (tree | {"plugin", "runtime"}))
+    assert shown["plugin"] is None and shown["runtime"] is None
+    wrong = {room: (shown[room], ROOMS[room]) for room in ROOMS if set(shown[room] or ()) != set(ROOMS[room])}
+    assert not wrong, f"the map's 'may import' (shown, the rule) differ: {wrong}"
+
+
+def test_the_rooms_check_sees_a_missing_row() -> None:
+    text = (DOCS / "how-it-works.md").read_text()
+    shown = rooms_map(text.replace("| `runtime/files/` |", "| `runtime/filez/` |"))
+    assert "runtime/filez" in shown and "runtime/files" not in shown

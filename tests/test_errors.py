@@ -191,7 +191,7 @@ def test_a_forward_that_is_not_the_layers_is_refused_naming_the_difference(examp
 def test_the_forward_check_keeps_the_data_order_and_can_be_turned_off() -> None:
     from torch.utils.data import DataLoader
 
-    from lightning_avgpipe.plugin.data import peek
+    from lightning_avgpipe.plugin.steps.data import peek
     from tests.helpers.lit import dataset
 
     shuffled = DataLoader(dataset(48), batch_size=12, shuffle=True)  # its order comes from the global RNG

@@ -1,7 +1,7 @@
 """A run under the strategy ends with no gloo worker thread left when the interpreter finalizes.
 
 Such a thread aborts the process (SIGABRT, "terminate called without an active exception") when it drops a
-finished collective's tensors after finalization began (lightning_avgpipe/runtime/shutdown.py says how).
+finished collective's tensors after finalization began (lightning_avgpipe/runtime/failures/shutdown.py says how).
 ``benchmarks/exit_race.py`` reproduces the abort with bare gloo and counts it. That the cause is gone is checked on
 every multi-process Lightning test, by ``run_lightning``; this file checks that the check is in place, and the parts.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_avgpipe.runtime import shutdown
-from lightning_avgpipe.runtime.shutdown import native_threads
+from lightning_avgpipe.runtime.failures import shutdown
+from lightning_avgpipe.runtime.failures.shutdown import native_threads
 from tests.helpers.equivalence import GLOO_THREADS
 
 

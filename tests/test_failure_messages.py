@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_avgpipe.runtime import failures
-from lightning_avgpipe.runtime.failures import PeerFailureError, handle_failure, shortened
+from lightning_avgpipe.runtime.failures import report as failures
+from lightning_avgpipe.runtime.failures.report import PeerFailureError, handle_failure, shortened
 
 
 def test_a_long_message_is_cut_at_a_word_end() -> None:
@@ -58,7 +58,7 @@ def test_a_placeholder_refuses_to_pass_for_the_whole_model_after_the_run() -> No
     import torch
     from torch import nn
 
-    from lightning_avgpipe.plugin.placeholders import Elsewhere, Guard, NotWholeError
+    from lightning_avgpipe.plugin.split.placeholders import Elsewhere, Guard, NotWholeError
 
     guard = Guard()
     model = nn.Sequential(nn.Linear(2, 2), Elsewhere("layers.1", 1, guard))
@@ -84,14 +84,14 @@ def test_a_placeholder_refuses_to_pass_for_the_whole_model_after_the_run() -> No
 def test_a_mistake_this_package_names_is_a_few_lines_and_its_traceback_goes_to_a_file(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """runtime/console.py: raised by the package's own check, the message and where it came from, the traceback in
-    the file the last line names (in the current directory when no trainer set a log directory); an error of the
+    """runtime/failures/console.py: raised by the package's own check, the message and where it came from, the traceback
+    in the file the last line names (in the current directory when no trainer set a log directory); an error of the
     user's own code (raised outside the package) is left alone."""
     import re
     import sys
 
     from lightning_avgpipe.config import check_partition
-    from lightning_avgpipe.runtime.console import print_short, set_folder
+    from lightning_avgpipe.runtime.failures.console import print_short, set_folder
 
     monkeypatch.chdir(tmp_path)
     set_folder(None)  # no log directory (an earlier Trainer of this process may have set one)

@@ -162,7 +162,7 @@ def test_killed_run_resumed_from_its_last_checkpoint_ends_bit_identical(tmp_path
 
 def test_watchdog_fires_after_the_grace_and_not_once_stopped() -> None:
     """In process, with a fake store: a recorded failure ends the process after ``grace``; a stopped one stays quiet."""
-    from lightning_avgpipe.runtime.watchdog import Watchdog
+    from lightning_avgpipe.runtime.failures.watchdog import Watchdog
 
     class Store:
         def __init__(self) -> None:
@@ -197,7 +197,7 @@ def _first_failure_worker(rank: int, world: int) -> float:
     """Rank 0: when (wall clock) ``handle_failure`` let it go. Rank 1: when it began to read the failure."""
     import time as clock
 
-    from lightning_avgpipe.runtime.failures import handle_failure, recorded_failure
+    from lightning_avgpipe.runtime.failures.report import handle_failure, recorded_failure
 
     if rank == 0:
         handle_failure(ValueError("boom"), "rank 0 (setup)", 0, world)  # records, reads it back, waits for rank 1

@@ -89,8 +89,8 @@ def test_activation_checkpointing_lowers_cuda_memory() -> None:
     """One stage of wide MLP blocks on CUDA: checkpointing every block lowers ``max_memory_allocated`` during the
     step, and the weights after it are bit-identical."""
     from lightning_avgpipe.config import PipelineConfig
+    from lightning_avgpipe.runtime.comms.topology import Topology
     from lightning_avgpipe.runtime.pipeline import StagePipeline
-    from lightning_avgpipe.runtime.topology import Topology
 
     device = torch.device("cuda")
     torch.manual_seed(0)
@@ -137,8 +137,8 @@ def _one_rank_schedules(device: torch.device, dtype: torch.dtype | None) -> dict
     """Two SGD steps of 8 MLP blocks on one rank under each schedule (S = 1; the chunked ones as 2 stages on it);
     ``dtype``: autocast's (the deferred weight gradients then use its casts)."""
     from lightning_avgpipe.config import PipelineConfig
+    from lightning_avgpipe.runtime.comms.topology import Topology
     from lightning_avgpipe.runtime.pipeline import StagePipeline
-    from lightning_avgpipe.runtime.topology import Topology
 
     torch.manual_seed(0)
     blocks = [nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256)) for _ in range(8)]

@@ -149,7 +149,7 @@ def test_a_port_in_use_is_refused_before_any_rank_starts() -> None:
 _ORPHAN = textwrap.dedent(
     """
     import os, sys, time
-    from lightning_avgpipe.plugin.launcher import LAUNCHER_ENV, watch_launcher
+    from lightning_avgpipe.plugin.process.launcher import LAUNCHER_ENV, watch_launcher
     assert os.environ[LAUNCHER_ENV] == str(os.getppid())
     watch_launcher(poll=0.1)
     print("watching", flush=True)
@@ -160,7 +160,7 @@ _ORPHAN = textwrap.dedent(
 _LAUNCHER = textwrap.dedent(
     """
     import os, subprocess, sys, time
-    from lightning_avgpipe.plugin.launcher import LAUNCHER_ENV
+    from lightning_avgpipe.plugin.process.launcher import LAUNCHER_ENV
     env = dict(os.environ, **{LAUNCHER_ENV: str(os.getpid()), "LOCAL_RANK": "1"})
     log = open(sys.argv[2], "w")
     child = subprocess.Popen([sys.executable, "-c", sys.argv[1]], env=env, stderr=log, stdout=subprocess.PIPE)
@@ -216,7 +216,7 @@ class _FrozenStore:
 
 
 def test_a_silent_store_is_given_up_after_the_deadline_and_used_again_once_it_answers() -> None:
-    from lightning_avgpipe.runtime.failures import StoreSilentError, read_failure, store_call, store_silence
+    from lightning_avgpipe.runtime.failures.report import StoreSilentError, read_failure, store_call, store_silence
 
     store = _FrozenStore()
     start = time.monotonic()
@@ -240,8 +240,8 @@ def test_a_silent_store_is_given_up_after_the_deadline_and_used_again_once_it_an
 def test_the_watchdog_ends_a_rank_2_x_grace_after_the_store_fell_silent_and_forgives_a_shorter_silence(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from lightning_avgpipe.runtime import failures
-    from lightning_avgpipe.runtime.watchdog import Watchdog
+    from lightning_avgpipe.runtime.failures import report as failures
+    from lightning_avgpipe.runtime.failures.watchdog import Watchdog
 
     monkeypatch.setattr(failures, "STORE_DEADLINE", 0.2)
     store, codes = _FrozenStore(), []
@@ -320,7 +320,7 @@ def test_a_rank_killed_during_a_save_is_named_by_the_survivor() -> None:
 def test_a_rank_killed_writing_a_folder_leaves_the_previous_checkpoint_whole() -> None:
     """save_distributed_checkpoint=True, rank 1 killed as it writes its part of the second checkpoint: rank 0 ends
     naming it, the first checkpoint is whole, the second only a folder marked incomplete."""
-    from lightning_avgpipe.plugin import sharded
+    from lightning_avgpipe.plugin.checkpoint import sharded
 
     out = Path(tempfile.mkdtemp())
     cfg = {
@@ -390,8 +390,8 @@ def _busy_main_thread_worker(rank: int, world: int) -> list[int]:
     import threading as th
     from datetime import timedelta
 
-    from lightning_avgpipe.runtime import failures
-    from lightning_avgpipe.runtime.watchdog import Watchdog
+    from lightning_avgpipe.runtime.failures import report as failures
+    from lightning_avgpipe.runtime.failures.watchdog import Watchdog
 
     codes: list[int] = []
     dog = Watchdog("rank 0 (stage 0)", grace=1.0, poll=0.1, exit=codes.append).start()
@@ -419,7 +419,7 @@ def test_the_port_check_runs_only_on_the_node_that_hosts_the_rendezvous(monkeypa
     from lightning.fabric.plugins.environments import LightningEnvironment
 
     from lightning_avgpipe.plugin.compat import _GuardedScriptLauncher
-    from lightning_avgpipe.plugin.launcher import PortInUseError
+    from lightning_avgpipe.plugin.process.launcher import PortInUseError
 
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))

@@ -6,6 +6,10 @@ averaging, optimizers and the config; the runtime; the tuning maths; partitionin
 lines and the package's face. Every import counts, at module level or inside a function, under ``TYPE_CHECKING`` or
 not: each is a dependency a reader must follow.
 
+Inside a layer, ``plugin/`` and ``runtime/`` are grouped into rooms by concept (``plugin/checkpoint/``,
+``runtime/failures/``, ...): a room imports of its own package only what ``tests/helpers/layers.py``'s ``ROOMS`` lists
+(``runtime/failures/`` nothing of the step), and no room holds more than 12 files.
+
 The tests stand alone as well: what several test modules share lives in ``tests/helpers/``, and no module of
 ``tests/`` or ``benchmarks/`` imports a test module (``tests/test_*.py``), by an import statement or by a dotted name
 a launch imports (``"tests.test_x:worker"``); a test module may name itself.
@@ -19,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.layers import layer_of
+from tests.helpers.layers import ROOMS, allowed_in_room, layer_of, room_of
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "lightning_avgpipe"
@@ -100,6 +104,63 @@ def test_the_check_fails_on_an_upward_import(source: str, line: str) -> None:
     assert upward_imports(path) == []
     wrong = upward_imports(path, path.read_text() + "\n" + line + "\n")
     assert len(wrong) == 1 and line.split()[1] in wrong[0], wrong
+
+
+def room_imports(path: Path, text: str | None = None) -> list[str]:
+    """Each import in ``path`` (or in ``text`` read as that file) that its room may not make (``ROOMS``)."""
+    mine = str(path.relative_to(PACKAGE))
+    room = room_of(mine)
+    if room is None:
+        return []
+    modules = {module_name(p): p for p in all_modules()}
+    wrong = []
+    for line, target in imports_of(path, text):
+        parts = target.split(".")
+        found = next((".".join(parts[:n]) for n in range(len(parts), 0, -1) if ".".join(parts[:n]) in modules), None)
+        if found is None:
+            continue
+        where = str(modules[found].relative_to(PACKAGE))
+        if not allowed_in_room(room, where):
+            wrong.append(f"{path.relative_to(ROOT)}:{line}: {room}/ imports {where}")
+    return wrong
+
+
+def test_each_room_imports_only_what_it_may() -> None:
+    wrong = [w for path in all_modules() for w in room_imports(path)]
+    assert not wrong, "imports a room may not make (tests/helpers/layers.py ROOMS):\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize(
+    "source, line",
+    [
+        ("runtime/failures/report.py", "from lightning_avgpipe.runtime.pipeline import StagePipeline"),
+        ("runtime/build/materialize.py", "from lightning_avgpipe.runtime.comms.topology import Topology"),
+        ("plugin/steps/results.py", "from lightning_avgpipe.plugin.checkpoint import sharded"),
+    ],
+)
+def test_the_room_check_refuses_an_import_across(source: str, line: str) -> None:
+    path = PACKAGE / source
+    assert room_imports(path) == []
+    wrong = room_imports(path, path.read_text() + "\n" + line + "\n")
+    assert len(wrong) == 1 and source.rsplit("/", 1)[0] in wrong[0], wrong
+
+
+def test_the_rooms_are_the_folders() -> None:
+    """Every subpackage of plugin/ and runtime/ is a room of ``ROOMS`` (tuner/ included), each names what it is and
+    may import in its ``__init__.py``, and none holds more than 12 files."""
+    folders = {
+        str(d.relative_to(PACKAGE)) for top in ("plugin", "runtime") for d in (PACKAGE / top).iterdir() if d.is_dir()
+    } - {"plugin/__pycache__", "runtime/__pycache__"}
+    assert folders == set(ROOMS), (sorted(folders), sorted(ROOMS))
+    for room in ROOMS:
+        files = sorted((PACKAGE / room).glob("*.py"))
+        assert len(files) <= 12, (room, len(files))
+        assert "import" in ((PACKAGE / room / "__init__.py").read_text()), f"{room}/__init__.py: say what it may import"
+
+
+def test_no_package_file_is_over_500_lines() -> None:
+    long = {str(p.relative_to(PACKAGE)): n for p in all_modules() if (n := len(p.read_text().splitlines())) > 500}
+    assert not long, f"split these by concept: {long}"
 
 
 def import_graph() -> dict[str, set[str]]:

@@ -47,7 +47,7 @@ def test_micro_batches_combine_with_reduce_fx_and_fit_twice_on_one_trainer() -> 
 
 def test_a_split_module_in_a_new_trainer_is_refused_with_the_cure() -> None:
     """After a fit on S > 1 stages a rank's module holds placeholders for the other stages' layers."""
-    from lightning_avgpipe.plugin.placeholders import Elsewhere, Guard
+    from lightning_avgpipe.plugin.split.placeholders import Elsewhere, Guard
 
     model = PipeNet()
     model.layers[3] = Elsewhere("layers.3", 1, Guard())  # as rank 0 of a [3, 3] split leaves it
@@ -138,7 +138,7 @@ def test_noise_scale_is_measured_and_logged_on_the_steps_lightning_writes_logs(
 
     from lightning.pytorch.loggers import CSVLogger
 
-    from lightning_avgpipe.runtime.gradient_probe import GradientProbe
+    from lightning_avgpipe.runtime.sync.gradient_probe import GradientProbe
 
     trainer = _trainer(
         strategy=AvgPipeStrategy(num_microbatches=m, num_pipelines=n, partition=[6]),
@@ -242,7 +242,7 @@ def test_resuming_a_balanced_partition_cuts_as_the_checkpoint(tmp_path: Path) ->
 
 
 def test_checkpoint_layout_reads_what_the_strategy_saved(tmp_path: Path) -> None:
-    from lightning_avgpipe.plugin.resume import checkpoint_layout
+    from lightning_avgpipe.plugin.checkpoint.resume import checkpoint_layout
 
     layout = {"stages": 2, "groups": 1, "pipelines": 2, "partition": [2, 4]}
     torch.save({"optimizer_states": [{"avgpipe_layout": layout}]}, tmp_path / "a.ckpt")
@@ -272,8 +272,8 @@ def test_a_metric_reset_and_updated_again_is_mirrored() -> None:
     import torchmetrics
     from torch import nn
 
-    from lightning_avgpipe.plugin.bridge import StepBridge
-    from lightning_avgpipe.plugin.placeholders import Guard
+    from lightning_avgpipe.plugin.split.placeholders import Guard
+    from lightning_avgpipe.plugin.steps.bridge import StepBridge
 
     class Net(nn.Module):
         def __init__(self) -> None:

@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_avgpipe.runtime.init_record import InitRecord
-from lightning_avgpipe.runtime.materialize import is_meta_module, materialize
+from lightning_avgpipe.runtime.build.init_record import InitRecord
+from lightning_avgpipe.runtime.build.materialize import is_meta_module, materialize
 
 
 class Block(nn.Module):
@@ -223,7 +223,7 @@ def test_the_forward_check_runs_on_the_meta_device_by_shapes() -> None:
     """A model never whole in any process: ``forward`` and the layers are compared on meta tensors (shapes and
     dtypes); a forward that adds a layer the pipeline lacks is still refused."""
     from lightning_avgpipe.errors import PipelineContractError
-    from lightning_avgpipe.plugin.split import check_forward_of
+    from lightning_avgpipe.plugin.split.stages import check_forward_of
 
     class Net(nn.Module):
         def __init__(self, extra: bool) -> None:

@@ -11,10 +11,10 @@ from torch import nn
 
 from lightning_avgpipe.config import PipelineConfig
 from lightning_avgpipe.noise_scale import GradientNorms, NoiseScale, efficiency
+from lightning_avgpipe.runtime.comms.topology import Topology
 from lightning_avgpipe.runtime.controller import StepController
-from lightning_avgpipe.runtime.gradient_probe import GradientProbe
 from lightning_avgpipe.runtime.pipeline import StagePipeline
-from lightning_avgpipe.runtime.topology import Topology
+from lightning_avgpipe.runtime.sync.gradient_probe import GradientProbe
 from tests.helpers.distributed import run_distributed
 from tests.helpers.models import make_batch, make_layers
 

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_avgpipe.runtime import p2p
+from lightning_avgpipe.runtime.comms import p2p
 
 
 class _Work:

@@ -1,12 +1,12 @@
-"""Pure units for the metadata half of ``lightning_avgpipe.runtime.p2p``: OutputMeta and flatten_output (no process
-group; the transfers themselves are covered by the multi-process equivalence tests)."""
+"""Pure units for the metadata half of ``lightning_avgpipe.runtime.comms.p2p``: OutputMeta and flatten_output (no
+process group; the transfers themselves are covered by the multi-process equivalence tests)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lightning_avgpipe.runtime.p2p import META_LEN, OutputMeta, StageOutputError, TensorMeta, flatten_output
+from lightning_avgpipe.runtime.comms.p2p import META_LEN, OutputMeta, StageOutputError, TensorMeta, flatten_output
 
 CPU = torch.device("cpu")
 
@@ -134,7 +134,7 @@ def test_posting_to_a_gone_neighbour_names_it(monkeypatch: pytest.MonkeyPatch) -
     """When the neighbour is already dead, gloo fails at posting (not at waiting): named all the same."""
     import torch.distributed as dist
 
-    from lightning_avgpipe.runtime.p2p import Link, PeerFailureError
+    from lightning_avgpipe.runtime.comms.p2p import Link, PeerFailureError
 
     def gone(*args: object, **kwargs: object) -> None:
         raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:33005.")

@@ -134,7 +134,7 @@ def test_grouped_batches_take_n_consecutive_batches_and_seed_the_loaders_workers
     from lightning.fabric.utilities.data import _auto_add_worker_init_fn
     from torch.utils.data import DataLoader
 
-    from lightning_avgpipe.plugin.data import GroupedBatches
+    from lightning_avgpipe.plugin.steps.data import GroupedBatches
 
     loader = DataLoader(list(range(10)), batch_size=2)  # 5 batches
     grouped = GroupedBatches(loader, 2)
@@ -166,8 +166,8 @@ def _exact_groups_worker(rank: int, world: int, steps: int) -> dict[str, torch.T
     import torch.nn.functional as F
 
     from lightning_avgpipe.config import PipelineConfig
+    from lightning_avgpipe.runtime.comms.topology import Topology
     from lightning_avgpipe.runtime.pipeline import StagePipeline
-    from lightning_avgpipe.runtime.topology import Topology
     from tests.helpers.models import make_batch, make_layers
 
     cfg = PipelineConfig(num_stages=1, num_microbatches=2, num_pipelines=2, averaging="exact")
@@ -272,9 +272,9 @@ def _sharded_worker(rank: int, world: int, steps: int) -> list[dict[str, Any]]:
     import torch.nn.functional as F
 
     from lightning_avgpipe.config import PipelineConfig
+    from lightning_avgpipe.runtime.comms.topology import Topology
     from lightning_avgpipe.runtime.controller import static_bytes
     from lightning_avgpipe.runtime.pipeline import StagePipeline
-    from lightning_avgpipe.runtime.topology import Topology
     from tests.helpers.models import make_batch, make_layers
 
     def mlp() -> list[torch.nn.Module]:

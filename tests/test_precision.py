@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_avgpipe.plugin.precision import agree_on_overflow
+from lightning_avgpipe.plugin.steps.precision import agree_on_overflow
 from tests.helpers.equivalence import final_state, run_lightning
 from tests.helpers.lit import fp16_reference
 

@@ -1,4 +1,4 @@
-"""Pretrained weights per stage (runtime/pretrained.py): a Hugging Face checkpoint saved in shards loads as
+"""Pretrained weights per stage (runtime/build/pretrained.py): a Hugging Face checkpoint saved in shards loads as
 ``from_pretrained`` loads it, and under a recorded meta build each rank reads only the tensors it keeps. Needs
 transformers (the ``hf`` extra: CI's Hugging Face phase); nothing is downloaded."""
 
@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from lightning_avgpipe import load_pretrained
-from lightning_avgpipe.runtime import pretrained
-from lightning_avgpipe.runtime.init_record import InitRecord
-from lightning_avgpipe.runtime.materialize import materialize
+from lightning_avgpipe.runtime.build import pretrained
+from lightning_avgpipe.runtime.build.init_record import InitRecord
+from lightning_avgpipe.runtime.build.materialize import materialize
 
 transformers = pytest.importorskip("transformers")
 
@@ -236,7 +236,7 @@ def test_a_strict_refusal_in_a_recorded_build_is_raised_at_the_call(tmp_path: Pa
     import contextlib
     import shutil
 
-    from lightning_avgpipe.plugin.split import recorded_build
+    from lightning_avgpipe.plugin.split.stages import recorded_build
 
     path, config = saved
     folder = tmp_path / "meta-llama"

@@ -17,8 +17,8 @@ PACKAGE = ROOT / "lightning_avgpipe"
 # reads of other libraries' private members that share a name with one of ours (file, name): torch's
 # ProcessGroup options keep their timeout in ``_timeout``; the standard library's ``os._exit``
 OTHER_LIBRARIES = {
-    ("lightning_avgpipe/runtime/topology.py", "_timeout"),
-    ("lightning_avgpipe/plugin/launcher.py", "_exit"),
+    ("lightning_avgpipe/runtime/comms/topology.py", "_timeout"),
+    ("lightning_avgpipe/plugin/process/launcher.py", "_exit"),
 }
 
 

@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_avgpipe.config import PipelineConfig
+from lightning_avgpipe.runtime.comms.topology import Topology
 from lightning_avgpipe.runtime.pipeline import StagePipeline
 from lightning_avgpipe.runtime.recompute import check_matches, layer_mask, stage_function
-from lightning_avgpipe.runtime.topology import Topology
 from tests.helpers.distributed import run_distributed
 from tests.helpers.equivalence import assert_matches, run_lightning
 from tests.helpers.executor import cases_worker, reference

@@ -102,7 +102,7 @@ def test_a_rank_frozen_in_a_save_is_named_within_p2p_timeout() -> None:
 
 @pytest.mark.slow
 def test_a_write_slower_than_p2p_timeout_saves_a_whole_checkpoint() -> None:
-    from lightning_avgpipe.plugin import sharded
+    from lightning_avgpipe.plugin.checkpoint import sharded
 
     folder, file = Path(tempfile.mkdtemp()), Path(tempfile.mkdtemp())
     cfgs = {

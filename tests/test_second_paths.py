@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_avgpipe.plugin.second_paths import second_paths
+from lightning_avgpipe.plugin.split.second_paths import second_paths
 from tests.helpers.equivalence import final_state, run_lightning
 from tests.helpers.lit import AliasedNet, loader, reference
 from tests.helpers.models import make_layers

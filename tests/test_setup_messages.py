@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_avgpipe.plugin import hints
-from lightning_avgpipe.runtime import console
+from lightning_avgpipe.plugin.split import hints
+from lightning_avgpipe.runtime.failures import console
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 import lightning_avgpipe
 from lightning_avgpipe import AvgPipeStrategy
-from lightning_avgpipe.plugin import hints
+from lightning_avgpipe.plugin.split import hints
 
 hints.HELD_MIN_BYTES = 0  # the test's model is small: any rank holding 1.5 times what it runs is warned
 
@@ -117,7 +117,8 @@ def test_an_error_inside_configure_model_is_said_in_short_with_its_traceback_in_
     errors = [i for i, line in enumerate(lines) if "Error: " in line]
     said = lines[errors[0]]
     assert said.endswith(message) or "FileNotFoundError: the same error as rank" in said, out  # message first
-    assert re.search(r"raised in configure_model\(\), at lightning_avgpipe/runtime/pretrained\.py:\d+, from ", out)
+    where = r"raised in configure_model\(\), at lightning_avgpipe/runtime/build/pretrained\.py:\d+, from "
+    assert re.search(where, out)
     assert f"{tmp_path / 'train.py'}:" in out, out  # the user's line that called load_pretrained
     folder = tmp_path / "logs" / "lightning_logs" / "version_0" if csv else tmp_path / "root"
     named = [Path(p) for p in re.findall(r"the full traceback: (\S+)\)", out)]
@@ -267,7 +268,7 @@ def test_a_labelled_error_of_the_users_is_said_in_short_with_its_traceback_in_th
 def test_an_error_of_the_build_gets_no_first_failure_note_each_rank_says_its_own() -> None:
     """Two ranks whose replayed builds fail differently (each reads its own shard): each prints its own message, and the
     second quotes nothing of the first (it printed it itself); an unlabelled error still gets the note."""
-    from lightning_avgpipe.runtime import failures
+    from lightning_avgpipe.runtime.failures import report as failures
 
     first = "rank 1 (setup): ValueError: load_pretrained: shard-4's 'w' is (64, 96); the model's is (64, 128)."
     labelled = ValueError("load_pretrained: shard-2's 'v' is (64, 96); the model's is (64, 128).")

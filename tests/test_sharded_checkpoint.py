@@ -1,5 +1,5 @@
-"""Sharded checkpoints (``save_distributed_checkpoint=True``, plugin/sharded.py): every rank writes its own part, a
-resume in the same layout is exact and another layout takes the state by name, ``consolidate`` writes the single
+"""Sharded checkpoints (``save_distributed_checkpoint=True``, plugin/checkpoint/sharded.py): every rank writes its own
+part, a resume in the same layout is exact and another layout takes the state by name, ``consolidate`` writes the single
 file bit for bit, and a folder that is incomplete, foreign or unsafe is refused by name."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from lightning_avgpipe import AvgPipeStrategy
-from lightning_avgpipe.plugin import dcp_reader, sharded
-from lightning_avgpipe.runtime import checksums, torchfile
+from lightning_avgpipe.plugin.checkpoint import dcp_reader, sharded
+from lightning_avgpipe.runtime.files import checksums, torchfile
 from tests.helpers.equivalence import run_lightning
 from tests.helpers.lit import PipeNet, loader, quiet_trainer
 

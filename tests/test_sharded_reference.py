@@ -1,5 +1,5 @@
 """The elastic reference sharded over D pipeline groups (``shard_optimizer_state=True`` with elastic averaging;
-``runtime/sharded_reference.py``): the same training as the whole reference, 1/D of the reference, the summed
+``runtime/sharding/sharded_reference.py``): the same training as the whole reference, 1/D of the reference, the summed
 update and the outer momentum held during the step, and the module whole between steps."""
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def _train(rank: int, top: Any, shard: bool, steps: int, options: dict[str, Any]
 
 def _worker(rank: int, world: int, steps: int, options: dict[str, Any]) -> list[dict[str, Any]]:
     """D = 2 groups (one rank each) of one stage: the whole and the sharded reference."""
-    from lightning_avgpipe.runtime.topology import Topology
+    from lightning_avgpipe.runtime.comms.topology import Topology
 
     top = Topology.build(rank, world, 1)
     return [_train(rank, top, shard, steps, options) for shard in (False, True)]
@@ -215,8 +215,8 @@ def _edge_worker(rank: int, world: int) -> dict[str, Any]:
     from torch import nn
 
     from lightning_avgpipe.config import PipelineConfig
+    from lightning_avgpipe.runtime.comms.topology import Topology
     from lightning_avgpipe.runtime.pipeline import StagePipeline
-    from lightning_avgpipe.runtime.topology import Topology
     from tests.helpers.models import make_batch, make_layers
 
     top = Topology.build(rank, world, 1)
@@ -284,8 +284,8 @@ def _scalar_worker(rank: int, world: int) -> list[list[torch.Tensor]]:
     import torch.nn.functional as F
 
     from lightning_avgpipe.config import PipelineConfig
+    from lightning_avgpipe.runtime.comms.topology import Topology
     from lightning_avgpipe.runtime.pipeline import StagePipeline
-    from lightning_avgpipe.runtime.topology import Topology
     from tests.helpers.models import make_batch
 
     top = Topology.build(rank, world, 1)

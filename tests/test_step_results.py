@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -13,11 +14,11 @@ from tests.helpers.distributed import run_distributed
 class _Pipe:
     """What StepResults uses of a StagePipeline: two stages on the default group, the last one rank 1."""
 
-    num_stages = 2
+    topology = SimpleNamespace(num_stages=2)
     device = torch.device("cpu")
 
     def __init__(self, rank: int) -> None:
-        self.is_last = rank == 1
+        self.executor = SimpleNamespace(is_last=rank == 1)
         self.object_broadcasts = 0
 
     def share_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -48,14 +49,14 @@ def _steps() -> list[tuple[torch.Tensor, list[Any]]]:
 
 
 def _worker(rank: int, world_size: int) -> dict[str, Any]:
-    from lightning_avgpipe.plugin.results import StepResults
+    from lightning_avgpipe.plugin.steps.results import StepResults
 
     pipe = _Pipe(rank)
     results = StepResults(pipe)
     received = []
     objects = []
     for loss, logs in _steps():
-        got = results.exchange(loss, logs) if pipe.is_last else results.exchange(None, None)
+        got = results.exchange(loss, logs) if pipe.executor.is_last else results.exchange(None, None)
         received.append(got)
         objects.append(pipe.object_broadcasts)
     return {"received": received, "objects": objects}

@@ -43,8 +43,8 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def train(rank: int, world: int, schedule: str, v: int, checkpointing: bool, streams: bool) -> dict[str, Any]:
     """One layout: this rank's stages of the model trained ``STEPS`` steps with SGD; its losses and weights."""
     from lightning_avgpipe.config import PipelineConfig
+    from lightning_avgpipe.runtime.comms.topology import Topology
     from lightning_avgpipe.runtime.pipeline import StagePipeline
-    from lightning_avgpipe.runtime.topology import Topology
     from lightning_avgpipe.schedules.chunks import stages_of
     from lightning_avgpipe.schedules.generate import schedule_layout
 

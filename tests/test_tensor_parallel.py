@@ -1,4 +1,5 @@
-"""Tensor parallelism inside a stage (runtime/tensor_parallel.py): a D x S x T mesh on gloo matches one process.
+"""Tensor parallelism inside a stage (runtime/sharding/tensor_parallel.py): a D x S x T mesh on gloo matches one
+process.
 
 Each launch runs several configurations in the same processes (the mesh is built once): N = 1 and N = 2 replicas,
 activation checkpointing on and off. The reference is one process training the unsplit layers: N x D replicas,
@@ -16,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_avgpipe import microbatch
-from lightning_avgpipe.runtime.tensor_parallel import check_plan, default_plan
-from lightning_avgpipe.runtime.topology import Topology
+from lightning_avgpipe.runtime.comms.topology import Topology
+from lightning_avgpipe.runtime.sharding.tensor_parallel import check_plan, default_plan
 from tests.helpers.distributed import run_distributed
 
 STEPS = 3
@@ -219,10 +220,10 @@ def _worker(rank: int, world: int, stages: int, tp: int, configs: list[tuple[Any
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     from lightning_avgpipe.config import PipelineConfig
-    from lightning_avgpipe.runtime.init_record import InitRecord
-    from lightning_avgpipe.runtime.materialize import materialize
+    from lightning_avgpipe.runtime.build.init_record import InitRecord
+    from lightning_avgpipe.runtime.build.materialize import materialize
     from lightning_avgpipe.runtime.pipeline import StagePipeline
-    from lightning_avgpipe.runtime.tensor_parallel import parallelize_stage, split_on_meta
+    from lightning_avgpipe.runtime.sharding.tensor_parallel import parallelize_stage, split_on_meta
     from lightning_avgpipe.shards import full, is_dtensor
 
     top = Topology.build(rank, world, stages, tensor_parallel_size=tp)
@@ -276,7 +277,8 @@ def _worker(rank: int, world: int, stages: int, tp: int, configs: list[tuple[Any
         pipe.replicas.elastic.wait()
         state = {f"{i}.{k}": full(v).detach().clone() for i, m in own.items() for k, v in m.state_dict().items()}
         peak = result.trace.peak_activation_bytes
-        link = pipe.link  # only shard 0 of a stage talks to the neighbouring stages: one copy crosses a boundary
+        # only shard 0 of a stage talks to the neighbouring stages: one copy crosses a boundary
+        link = pipe.executor.link
         talks = getattr(link, "inner", None) is not None
         out.append({"losses": losses, "state": state, "split": split, "shard": top.tensor_rank, "peak": peak})
         out[-1]["left"] = left
@@ -393,8 +395,8 @@ def test_default_plan_pairs_linears_and_a_wrong_name_is_refused() -> None:
 def _split_output_worker(rank: int, world: int) -> str:
     import torch.distributed as dist
 
-    from lightning_avgpipe.runtime.p2p import StageOutputError
-    from lightning_avgpipe.runtime.tensor_parallel import whole_outputs
+    from lightning_avgpipe.runtime.comms.p2p import StageOutputError
+    from lightning_avgpipe.runtime.sharding.tensor_parallel import whole_outputs
 
     same = whole_outputs(lambda x: x * 2, dist.group.WORLD, "stage 0")
     assert torch.equal(same(torch.ones(2, 3)), torch.full((2, 3), 2.0))
@@ -423,7 +425,7 @@ def test_strategy_arguments_for_tensor_parallelism_are_checked() -> None:
     from torch.distributed.tensor.parallel import ColwiseParallel
 
     from lightning_avgpipe import AvgPipeStrategy
-    from lightning_avgpipe.plugin.tensor import check_combinations, check_tensor_parallel_args
+    from lightning_avgpipe.plugin.split.tensor import check_combinations, check_tensor_parallel_args
 
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not divide the 3 devices of a node"):
         check_tensor_parallel_args(2, None, 3)
@@ -448,7 +450,7 @@ def _zero_worker(rank: int, world: int) -> list[Any]:
     rank's tensor shards)."""
     from lightning_avgpipe.config import PipelineConfig
     from lightning_avgpipe.runtime.pipeline import StagePipeline
-    from lightning_avgpipe.runtime.tensor_parallel import parallelize_stage
+    from lightning_avgpipe.runtime.sharding.tensor_parallel import parallelize_stage
     from lightning_avgpipe.shards import full
 
     top = Topology.build(rank, world, 1, tensor_parallel_size=2)
@@ -468,7 +470,7 @@ def _zero_worker(rank: int, world: int) -> list[Any]:
         states = [{k: full(v).clone() for k, v in state[p].items()} for p in pipe.reference_params]
         out.append((weights, states, repr(opt)))
     # a checkpoint's whole tensors load back into a fresh split model (fused qkv by _StridedShard included)
-    from lightning_avgpipe.plugin.checkpoint import load_whole
+    from lightning_avgpipe.plugin.checkpoint.state import load_whole
 
     fresh = {str(i): layer for i, layer in enumerate(make_model(seed=1, kind="attention"))}
     parallelize_stage(fresh, default_plan(fresh), top.tensor_mesh)

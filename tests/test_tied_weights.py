@@ -107,7 +107,7 @@ def test_replicas_keep_a_weight_two_layers_of_one_stage_share() -> None:
 
 
 def test_shared_weights_are_found_by_the_stages_that_hold_them() -> None:
-    from lightning_avgpipe.plugin.split import shared_across_stages
+    from lightning_avgpipe.plugin.split.stages import shared_across_stages
 
     model = TiedLM()
     layers = list(model.layers)
@@ -129,7 +129,7 @@ def test_partition_by_parameters_counts_a_copy_on_each_stage() -> None:
 
 
 def test_a_norm_counts_a_shared_weight_once() -> None:
-    from lightning_avgpipe.runtime.clipping import clip_grad_norm_across
+    from lightning_avgpipe.runtime.sync.clipping import clip_grad_norm_across
 
     a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(4))
     a.grad, b.grad = torch.full((3,), 2.0), torch.full((4,), 1.0)

@@ -35,8 +35,8 @@ def _train(
     from torch import nn
 
     from lightning_avgpipe.config import PipelineConfig
+    from lightning_avgpipe.runtime.comms.topology import Topology
     from lightning_avgpipe.runtime.pipeline import StagePipeline
-    from lightning_avgpipe.runtime.topology import Topology
     from lightning_avgpipe.schedules.chunks import stages_of
     from tests.helpers.models import make_batch, make_layers
 
@@ -58,7 +58,7 @@ def _train(
     )
     sizes = [partition[j] for j in mine] if v > 1 else None
     pipe = StagePipeline(own, Topology(rank, world, world), cfg, chunks=sizes)
-    opt = pipe.optimizer(torch.optim.SGD(pipe.reference_params, lr=0.1, momentum=0.9)) if pipe.params else None
+    opt = pipe.optimizer(torch.optim.SGD(pipe.reference_params, lr=0.1, momentum=0.9)) if pipe.replicas.params else None
     losses, queued, ran = [], [], [0]
     queue = pipe.executor.weight_grads
     if queue is not None:  # count the weight gradients W computes (none if I took them all)

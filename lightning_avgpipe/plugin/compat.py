@@ -6,60 +6,60 @@ use it (``tests/test_compat_boundary.py`` holds both to the code).
 Private state read or written (each a function or class below; Lightning 2.6):
 
 - ``resuming_from(trainer)``: the checkpoint this ``fit`` is about to restore, from ``Trainer._run``'s local
-  ``ckpt_path`` (read through the calling frames). Used by: ``plugin/resume.py``, ``plugin/split.py``.
+  ``ckpt_path`` (read through the calling frames). Used by: ``plugin/checkpoint/resume.py``, ``plugin/split/stages.py``.
 - ``requested_checkpoint(trainer)``: the ``ckpt_path`` argument of the calling ``Trainer.fit`` (or ``validate``,
-  ...), read through the calling frames, before Lightning resolves ``"last"``. Used by: ``plugin/resume.py``.
+  ...), read through the calling frames, before Lightning resolves ``"last"``. Used by: ``plugin/checkpoint/resume.py``.
 - ``interrupted_lasts(trainer)``: every ``last*.ckpt`` a kill left moved aside (``.last*.ckpt.replaced``), in the
   folder ``ModelCheckpoint``'s private ``__resolve_ckpt_dir`` (name-mangled) gives, as Lightning's own
-  ``_find_last_checkpoints`` does (the launcher below uses it too). Used by: ``plugin/resume.py``.
+  ``_find_last_checkpoints`` does (the launcher below uses it too). Used by: ``plugin/checkpoint/resume.py``.
 - ``dumping_checkpoint(trainer)``: whether the call is inside ``trainer._checkpoint_connector.dump_checkpoint``
   (read through the calling frames), where the strategy's state dicts go to its own ``save_checkpoint``. Used by:
-  ``plugin/checkpoint_hooks.py``.
-- ``writes_logs(trainer)``: ``trainer._logger_connector.should_update_logs``. Used by: ``plugin/steps.py``.
+  ``plugin/checkpoint/hooks.py``.
+- ``writes_logs(trainer)``: ``trainer._logger_connector.should_update_logs``. Used by: ``plugin/steps/hooks.py``.
 - ``reset_train_dataloader(trainer)``: ``trainer.fit_loop._combined_loader = None``. Used by:
   ``plugin/tuner_surface.py``.
 - ``rebuild_train_dataloader(trainer)``: the same, then ``fit_loop.setup_data()`` and the sampler's epoch
   (``_set_sampler_epoch``). Used by: ``plugin/tuner/retune.py``.
-- ``attached_trainer(module)``: ``LightningModule._trainer``. Used by: ``plugin/checkpoint_hooks.py``,
-  ``plugin/process.py``, ``plugin/split.py``, ``plugin/tuner_surface.py``.
+- ``attached_trainer(module)``: ``LightningModule._trainer``. Used by: ``plugin/checkpoint/hooks.py``,
+  ``plugin/process/base.py``, ``plugin/split/stages.py``, ``plugin/tuner_surface.py``.
 - ``request_train_dataloader(trainer)``: ``trainer.fit_loop._data_source.dataloader()``. Used by:
-  ``plugin/tuner/run.py``, ``plugin/split.py``.
+  ``plugin/tuner/run.py``, ``plugin/split/stages.py``.
 - ``stop_before_training(trainer)``: the epoch loop's ``max_steps = 0`` (``fit_loop.epoch_loop``, a loop's
   internals). Used by: ``cli.py``.
 - ``ScriptLaunchedStrategy``: a ``ParallelStrategy`` whose private ``_configure_launcher`` sets the private
   ``_launcher`` to Lightning's ``_SubprocessScriptLauncher`` (the script run again once per local device), unless the
-  cluster environment starts the processes itself. Used by: ``plugin/process.py``. It is a subclass adding
-  ``plugin/launcher.py``'s guards: ``launch`` and the private ``_call_children_scripts`` overridden (the second sets
-  the launcher's pid in the started ranks' environment only), ``self.procs`` read, and Lightning's private
+  cluster environment starts the processes itself. Used by: ``plugin/process/base.py``. It is a subclass adding
+  ``plugin/process/launcher.py``'s guards: ``launch`` and the private ``_call_children_scripts`` overridden (the second
+  sets the launcher's pid in the started ranks' environment only), ``self.procs`` read, and Lightning's private
   ``_ChildProcessObserver`` quieted (its ``_child_processes`` emptied) before the guard ends the ranks. Its
-  ``launch`` also finishes a replace of ``last*.ckpt`` that a kill interrupted (``plugin/sharded.py``'s
+  ``launch`` also finishes a replace of ``last*.ckpt`` that a kill interrupted (``plugin/checkpoint/sharded.py``'s
   ``recover``) before Lightning resolves ``ckpt_path="last"``: the only hook before ``_fit_impl``, absent under
-  torchrun, where ``plugin/resume.py`` puts it back at setup and stops the run with a message instead.
+  torchrun, where ``plugin/checkpoint/resume.py`` puts it back at setup and stops the run with a message instead.
 - ``AfterClosureMixedPrecision``: ``MixedPrecision`` whose private ``_after_closure`` hook (after the closure,
-  before the optimizer step) calls a public ``after_closure``. Used by: ``plugin/precision.py``.
+  before the optimizer step) calls a public ``after_closure``. Used by: ``plugin/steps/precision.py``.
 
 Public helpers kept here because they stand beside those:
 
-- ``unwrap_optimizer(optimizer)``: ``LightningOptimizer.optimizer``. Used by: ``plugin/checkpoint.py``,
+- ``unwrap_optimizer(optimizer)``: ``LightningOptimizer.optimizer``. Used by: ``plugin/checkpoint/state.py``,
   ``plugin/tuner/retune.py``.
-- ``every(step, period)``: whether a step is one of every ``period``. Used by: ``plugin/steps.py``.
+- ``every(step, period)``: whether a step is one of every ``period``. Used by: ``plugin/steps/hooks.py``.
 
 Private names imported from Lightning (internal, but the API every custom strategy uses), re-exported here so
 the plugin imports them from one place:
 
 - ``_StrategyRegistry`` (``lightning.fabric.strategies.registry``). Used by: ``plugin/strategy.py``.
-- ``_distributed_is_initialized`` (``lightning.fabric.utilities.distributed``). Used by: ``plugin/process.py``.
-- ``_get_default_process_group_backend_for_device`` (the same). Used by: ``plugin/process.py``.
-- ``_init_dist_connection`` (the same). Used by: ``plugin/process.py``.
-- ``_sync_ddp_if_available`` (the same). Used by: ``plugin/process.py``, ``plugin/strategy.py``.
-- ``_optimizers_to_device`` (``lightning.fabric.utilities.optimizer``). Used by: ``plugin/checkpoint_hooks.py``,
+- ``_distributed_is_initialized`` (``lightning.fabric.utilities.distributed``). Used by: ``plugin/process/base.py``.
+- ``_get_default_process_group_backend_for_device`` (the same). Used by: ``plugin/process/base.py``.
+- ``_init_dist_connection`` (the same). Used by: ``plugin/process/base.py``.
+- ``_sync_ddp_if_available`` (the same). Used by: ``plugin/process/base.py``, ``plugin/strategy.py``.
+- ``_optimizers_to_device`` (``lightning.fabric.utilities.optimizer``). Used by: ``plugin/checkpoint/hooks.py``,
   ``plugin/strategy.py``, ``plugin/tuner_surface.py``.
 
 Private state of other libraries, not kept here: torchmetrics ``Metric._defaults``, ``_update_count``,
-``_forward_cache``, ``_computed`` (``plugin/bridge.py``); torch ``GradScaler._per_optimizer_states`` and ``_scale``
-(``plugin/precision.py``), ``optimizer._opt_called`` (``optim.py``, what LR schedulers check),
-``torch.distributed._get_default_store`` (``runtime/failures.py``), a process group's
-``options._timeout`` (``runtime/topology.py``).
+``_forward_cache``, ``_computed`` (``plugin/steps/bridge.py``); torch ``GradScaler._per_optimizer_states`` and
+``_scale`` (``plugin/steps/precision.py``), ``optimizer._opt_called`` (``optim.py``, what LR schedulers check),
+``torch.distributed._get_default_store`` (``runtime/failures/report.py``), a process group's
+``options._timeout`` (``runtime/comms/topology.py``).
 """
 
 from __future__ import annotations
@@ -90,8 +90,8 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from torch.optim import Optimizer
 
-from lightning_avgpipe.plugin.launcher import LAUNCHER_ENV, ChildGuard, check_port_free
-from lightning_avgpipe.plugin.sharded import recover
+from lightning_avgpipe.plugin.checkpoint.sharded import recover
+from lightning_avgpipe.plugin.process.launcher import LAUNCHER_ENV, ChildGuard, check_port_free
 
 __all__ = [
     "AfterClosureMixedPrecision",
@@ -265,8 +265,8 @@ class ScriptLaunchedStrategy(ParallelStrategy):
 
 
 class _GuardedScriptLauncher(_SubprocessScriptLauncher):
-    """Lightning's launcher, with ``plugin/launcher.py``'s guards: a port in use is refused before any rank starts,
-    the started ranks watch this process, and this process ends them on a failure of its own (at exit)."""
+    """Lightning's launcher, with ``plugin/process/launcher.py``'s guards: a port in use is refused before any rank
+    starts, the started ranks watch this process, and this process ends them on a failure of its own (at exit)."""
 
     def launch(self, function: Callable[..., Any], *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         env = self.cluster_environment

@@ -25,36 +25,33 @@ from typing_extensions import override
 
 from lightning_avgpipe.checks import check_flag
 from lightning_avgpipe.config import PipelineConfig
-from lightning_avgpipe.plugin import streamed, tensor, whole
-from lightning_avgpipe.plugin.bridge import StepBridge
-from lightning_avgpipe.plugin.checkpoint_hooks import CheckpointHooks
-from lightning_avgpipe.plugin.compat import (
-    _optimizers_to_device,
-    _StrategyRegistry,
-    _sync_ddp_if_available,
+from lightning_avgpipe.plugin.checkpoint import streamed
+from lightning_avgpipe.plugin.checkpoint.hooks import CheckpointHooks
+from lightning_avgpipe.plugin.checkpoint.resume import refuse_interrupted_last
+from lightning_avgpipe.plugin.compat import _optimizers_to_device, _StrategyRegistry, _sync_ddp_if_available
+from lightning_avgpipe.plugin.split import tensor, whole
+from lightning_avgpipe.plugin.split.cut import CutInputs, cut_module
+from lightning_avgpipe.plugin.split.placeholders import Guard
+from lightning_avgpipe.plugin.split.stages import SplitModule, check_supported, metrics_sync_over, recorded_build
+from lightning_avgpipe.plugin.steps.bridge import StepBridge
+from lightning_avgpipe.plugin.steps.data import GroupedBatches, same_order_on_every_rank
+from lightning_avgpipe.plugin.steps.gradients import install_clipping
+from lightning_avgpipe.plugin.steps.hooks import (
+    PipelineSteps,
+    announce_averaging,
+    announce_checkpointing,
+    announce_sharding,
 )
-from lightning_avgpipe.plugin.cut import CutInputs, cut_module
-from lightning_avgpipe.plugin.data import GroupedBatches, same_order_on_every_rank
-from lightning_avgpipe.plugin.gradients import install_clipping
-from lightning_avgpipe.plugin.placeholders import Guard
-from lightning_avgpipe.plugin.precision import for_pipeline
-from lightning_avgpipe.plugin.resume import refuse_interrupted_last
-from lightning_avgpipe.plugin.split import (
-    SplitModule,
-    check_supported,
-    metrics_sync_over,
-    recorded_build,
-)
-from lightning_avgpipe.plugin.steps import PipelineSteps, announce_averaging, announce_checkpointing, announce_sharding
+from lightning_avgpipe.plugin.steps.precision import for_pipeline
 from lightning_avgpipe.plugin.tuner_surface import TunerSurface
+from lightning_avgpipe.runtime.build.init_record import InitRecord
+from lightning_avgpipe.runtime.comms.topology import Topology
 from lightning_avgpipe.runtime.controller import StepController
-from lightning_avgpipe.runtime.failures import guarded
-from lightning_avgpipe.runtime.init_record import InitRecord
+from lightning_avgpipe.runtime.failures.report import guarded
+from lightning_avgpipe.runtime.failures.shutdown import failed
 from lightning_avgpipe.runtime.pipeline import StagePipeline
-from lightning_avgpipe.runtime.shutdown import failed
 from lightning_avgpipe.runtime.streams import RandomStreams
-from lightning_avgpipe.runtime.ties import TiedWeights
-from lightning_avgpipe.runtime.topology import Topology
+from lightning_avgpipe.runtime.sync.ties import TiedWeights
 
 
 class AvgPipeStrategy(CheckpointHooks, TunerSurface):
@@ -323,7 +320,7 @@ class AvgPipeStrategy(CheckpointHooks, TunerSurface):
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         """A model built in ``configure_model`` (or under ``trainer.init_module()``) is built on the meta device, its
         build recorded; at setup each rank makes only its own stages real, with the values one process would have
-        given them (``runtime/materialize.py``); ``empty_init`` changes nothing: the values are replayed."""
+        given them (``runtime/build/materialize.py``); ``empty_init`` changes nothing: the values are replayed."""
         if self._split is not None:  # a later fit of a split module: nothing of it is built again
             self._init_records = []
         with recorded_build(self.precision_plugin.tensor_init_context(), self._init_records):

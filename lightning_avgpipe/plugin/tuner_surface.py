@@ -5,40 +5,86 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any, Protocol
+
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torchmetrics import Metric
 
-from lightning_avgpipe.config import PipelineConfig
+from lightning_avgpipe.config import PipelineConfig, check_same_placement
 from lightning_avgpipe.plugin import compat
-from lightning_avgpipe.plugin.bridge import StepBridge
 from lightning_avgpipe.plugin.compat import _optimizers_to_device
 from lightning_avgpipe.plugin.contract import pipeline_inputs
-from lightning_avgpipe.plugin.precision import PipelineMixedPrecision
-from lightning_avgpipe.plugin.process import ProcessStrategy
-from lightning_avgpipe.plugin.reconfigure import describe, next_config
+from lightning_avgpipe.plugin.process.base import ProcessStrategy
+from lightning_avgpipe.plugin.steps.bridge import StepBridge
+from lightning_avgpipe.plugin.steps.precision import PipelineMixedPrecision
+from lightning_avgpipe.runtime.comms.topology import Topology
 from lightning_avgpipe.runtime.controller import StepController, memory_limit_bytes
-from lightning_avgpipe.runtime.topology import Topology
+from lightning_avgpipe.schedules.generate import placed_by, reads_k
 from lightning_avgpipe.tuning.probe import StageProbe
 
 
-class TunerSurface(ProcessStrategy):
+def next_config(
+    old: PipelineConfig,
+    changes: dict[str, Any],
+    num_groups: int | None,
+    loss_scaling: bool = False,
+    keep_optimizers: bool = False,
+) -> PipelineConfig:
+    """``old`` with ``changes`` (``PipelineConfig`` fields), or a ``ValueError`` naming the fix when the running job
+    (``num_groups`` D once the pipeline exists, else ``None``) cannot take it: under loss scaling (16-mixed) only one
+    model per stage, and with ``keep_optimizers`` one model before and after (its optimizer carries on)."""
+    new = replace(old, **changes)
+    check_same_placement(old, new)
+    if num_groups is None:
+        return new
+    if loss_scaling and not new.one_model(num_groups):
+        raise ValueError(
+            f"reconfigure to num_pipelines={new.num_pipelines} with elastic averaging under precision='16-mixed': the "
+            "loss scaler unscales one model per stage; use averaging='exact'."
+        )
+    if keep_optimizers and not (old.one_model(num_groups) and new.one_model(num_groups)):
+        raise ValueError(
+            f"reconfigure(keep_optimizers=True) from num_pipelines={old.num_pipelines} ({old.averaging}) to "
+            f"num_pipelines={new.num_pipelines} ({new.averaging}) would make replicas with fresh optimizers: keep N, "
+            "or use averaging='exact', whose one model keeps its optimizer."
+        )
+    return new
+
+
+def describe(config: PipelineConfig, num_stages: int, num_groups: int) -> str:
+    """The log line of a reconfigure."""
+    return (
+        f"AvgPipe: reconfigured to num_microbatches={config.microbatches_for(num_stages)}, "
+        f"num_pipelines={config.num_pipelines}"
+        + (f", averaging='{config.averaging}'" if config.num_pipelines * num_groups > 1 else "")
+        + f", schedule={config.schedule!r}"
+        + (f", advance_forwards={config.advance_forwards}" if reads_k(config.schedule) else "")
+        + (f", {placed_by(config.schedule_costs)}" if config.schedule_costs is not None else "")
+        + "."
+    )
+
+
+class Steered(Protocol):
+    """What the tuner-facing methods read of their strategy besides ``ProcessStrategy``'s: ``AvgPipeStrategy`` defines
+    each. A class that subclasses a protocol must define its members, so mypy refuses a strategy that lacks one."""
+
+    @property
+    def topology(self) -> Topology: ...
+
+    @property
+    def controller(self) -> StepController: ...
+
+    @property
+    def bridge(self) -> StepBridge: ...
+
+
+class TunerSurface(ProcessStrategy, Steered):
     """The strategy's tuner-facing methods (``AvgPipeStrategy`` sets the state they read)."""
 
     config: PipelineConfig
     _controller: StepController | None
-
-    @property
-    def topology(self) -> Topology:
-        raise NotImplementedError
-
-    @property
-    def controller(self) -> StepController:
-        raise NotImplementedError
-
-    @property
-    def bridge(self) -> StepBridge:
-        raise NotImplementedError
 
     def memory_limit_bytes(self, limit: float | None = None) -> float | None:
         """``limit`` (default: the configured ``memory_limit``) in bytes: a fraction (<= 1) is of device memory

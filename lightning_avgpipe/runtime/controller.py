@@ -34,7 +34,7 @@ from lightning_avgpipe.advance_k import AdvanceSearch, added_bytes
 from lightning_avgpipe.config import PipelineConfig
 from lightning_avgpipe.cpu import host_memory_bytes
 from lightning_avgpipe.noise_scale import NoiseScale
-from lightning_avgpipe.runtime import collectives
+from lightning_avgpipe.runtime.comms import collectives
 from lightning_avgpipe.runtime.pipeline import StagePipeline, StepResult
 from lightning_avgpipe.runtime.request import StepRequest
 from lightning_avgpipe.runtime.trace import StepTrace, write_trace
@@ -72,7 +72,7 @@ def static_bytes(pipeline: StagePipeline, optimizers: Sequence[Optimizer] = ()) 
                 total += t.untyped_storage().nbytes()
         return total
 
-    params = pipeline.params
+    params = pipeline.replicas.params
     inner = [o for opt in optimizers for o in getattr(opt, "replicas", [opt])]
     states = [v for opt in inner for st in opt.state.values() for v in st.values()]
     grads = [p.grad for p in params]
@@ -187,7 +187,7 @@ class StepController:
         table = report.figures = self.figures(result.trace, static_bytes(pipe, optimizers))
         scalars["avgpipe/bubble_fraction"] = float(table[:, 3].mean())
         scalars["avgpipe/comm_wait_s"] = float(table[:, 2].max())
-        for s in range(pipe.num_stages):
+        for s in range(pipe.topology.num_stages):
             scalars[f"avgpipe/peak_memory_mb/stage{s}"] = float(table[s, 5]) / 2**20
         if self.traced(step):
             path = Path(self.config.trace_dir or ".") / f"step{step}.json"
@@ -235,15 +235,15 @@ class StepController:
         if not self.measuring_k:
             return None
         pipe = self.pipeline
-        units = pipe.num_microbatches * (1 if pipe.replicas.batched is not None else pipe.num_pipelines)
+        units = pipe.num_microbatches * (1 if pipe.replicas.batched is not None else pipe.config.num_pipelines)
         if self.k_search is None:
             self.k_search = AdvanceSearch(
-                max_k=max_advance_forwards(pipe.num_stages, units), memory_limit=self.memory_limit
+                max_k=max_advance_forwards(pipe.topology.num_stages, units), memory_limit=self.memory_limit
             )
         search = self.k_search
         peaks = [float(v) for v in table[:, 4]]  # what k + 1 would add follows the peak stash's closed form
         search.observe(
-            float(table[:, 0].max()), peaks, added_bytes(peaks, pipe.num_stages, units, pipe.advance_forwards)
+            float(table[:, 0].max()), peaks, added_bytes(peaks, pipe.topology.num_stages, units, pipe.advance_forwards)
         )
         decision = torch.tensor([search.k, int(search.settled)], dtype=torch.int64, device=pipe.device)
         if pipe.topology.world_size > 1:  # global rank 0 decides for the whole job
@@ -276,7 +276,7 @@ class StepController:
         *peak, limit = values.tolist()
         limit = -limit
         over = [s for s, p in enumerate(peak) if p > limit]
-        if pipe.stage in over:
+        if pipe.topology.stage in over:
             pipe.set_recompute([True] * len(pipe.layers))
         if not over:
             return f"off: every stage's peak is under memory_limit ({limit / 2**20:.1f} MiB)"

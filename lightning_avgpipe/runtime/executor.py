@@ -17,8 +17,8 @@ from torch import Tensor
 
 from lightning_avgpipe.errors import loss_of
 from lightning_avgpipe.runtime import streams
+from lightning_avgpipe.runtime.comms.p2p import Link, flatten_output
 from lightning_avgpipe.runtime.deferred import WeightGradQueue
-from lightning_avgpipe.runtime.p2p import Link, flatten_output
 from lightning_avgpipe.runtime.request import StepRequest
 from lightning_avgpipe.runtime.trace import ActivationMeter, StepTrace
 from lightning_avgpipe.schedules.actions import Action, Kind

@@ -3,10 +3,10 @@ all call (Lightning-free).
 
 It runs one executor (``runtime/executor.py``) over a plan (``schedules/``): it splits an iteration's N batches into
 micro-batches by the rules a user can rely on, builds the plan for them (cached) and sends every (replica,
-micro-batch) unit through it; the replicas it runs are :class:`~lightning_avgpipe.runtime.stage_replicas.StageReplicas`
-(averaging, optimizers, batched execution, ties). A caller gives it the N batches and a loss function (or a
-``StepRequest``, :meth:`StagePipeline.run_step`), then steps the optimizer that :meth:`StagePipeline.optimizer`
-returns::
+micro-batch) unit through it; the replicas it runs are
+:class:`~lightning_avgpipe.runtime.sync.stage_replicas.StageReplicas` (averaging, optimizers, batched execution, ties).
+A caller gives it the N batches and a loss function (or a ``StepRequest``, :meth:`StagePipeline.run_step`), then steps
+the optimizer that :meth:`StagePipeline.optimizer` returns::
 
     pipe = StagePipeline(layers, topology, PipelineConfig(num_microbatches=4, num_pipelines=2))
     opt = pipe.optimizer(torch.optim.AdamW(pipe.reference_params, lr=3e-4))
@@ -31,19 +31,20 @@ from lightning_avgpipe import microbatch
 from lightning_avgpipe.config import PipelineConfig, check_same_placement
 from lightning_avgpipe.elastic import average_gradients
 from lightning_avgpipe.errors import check_finite
-from lightning_avgpipe.runtime import collectives, units
+from lightning_avgpipe.runtime import units
+from lightning_avgpipe.runtime.comms import collectives
+from lightning_avgpipe.runtime.comms.p2p import Link
+from lightning_avgpipe.runtime.comms.topology import Topology
 from lightning_avgpipe.runtime.deferred import WeightGradQueue
 from lightning_avgpipe.runtime.executor import StageExecutor
-from lightning_avgpipe.runtime.gradient_probe import GradientProbe
-from lightning_avgpipe.runtime.p2p import Link
 from lightning_avgpipe.runtime.rank_stages import ChunkLayout
 from lightning_avgpipe.runtime.recompute import layer_mask, stage_function
 from lightning_avgpipe.runtime.request import StepRequest
-from lightning_avgpipe.runtime.stage_replicas import StageReplicas
+from lightning_avgpipe.runtime.sharding.tensor_parallel import whole_outputs
 from lightning_avgpipe.runtime.streams import RandomStreams
-from lightning_avgpipe.runtime.tensor_parallel import whole_outputs
-from lightning_avgpipe.runtime.ties import TiedWeights
-from lightning_avgpipe.runtime.topology import Topology
+from lightning_avgpipe.runtime.sync.gradient_probe import GradientProbe
+from lightning_avgpipe.runtime.sync.stage_replicas import StageReplicas
+from lightning_avgpipe.runtime.sync.ties import TiedWeights
 from lightning_avgpipe.runtime.trace import ActivationMeter, StepTrace
 from lightning_avgpipe.runtime.units import LossFn, StepResult, first_input
 from lightning_avgpipe.schedules import Plan, build_plan, validate_plan
@@ -54,12 +55,17 @@ EvalFn = Callable[[Any, Any, float], Any]
 Context = Callable[[], contextlib.AbstractContextManager[Any]]
 
 
+def batched_p2p(config: PipelineConfig, backend: str | None) -> bool:
+    """Whether a pipeline posts its transfers just in time as ``batch_isend_irecv`` groups (NCCL) or eagerly."""
+    return config.p2p == "batched" or (config.p2p == "auto" and backend == "nccl")
+
+
 class StagePipeline:
     """This rank's stage of the pipeline and of its N replicas, and the training and evaluation steps.
 
     Args:
         layers: this stage's layers, in order: the reference model's (what evaluation and checkpoints use).
-        topology: this rank's stage and groups (:class:`~lightning_avgpipe.runtime.topology.Topology`).
+        topology: this rank's stage and groups (:class:`~lightning_avgpipe.runtime.comms.topology.Topology`).
         config: M, N, the schedule, k, the averaging and timeouts (:class:`~lightning_avgpipe.PipelineConfig`).
         device: where this stage runs.
         backend: the process-group backend (``"nccl"`` makes ``p2p="auto"`` batch its transfers).
@@ -99,7 +105,7 @@ class StagePipeline:
         self.recompute = layer_mask(self.layers, config.activation_checkpointing)  # checkpointed layers
         layout = ChunkLayout.of(config, topology, len(self.layers), chunks)
         stage_fns = layout.functions(self.layers, self._stage_function)
-        coalesce = self._batched_p2p(config, backend)
+        coalesce = batched_p2p(config, backend)
         if layout.v == 1:
             link = link or collectives.stage_link(topology, device)
             fn = stage_fns[topology.stage]
@@ -117,7 +123,9 @@ class StagePipeline:
             recompute=self.recompute,
             executor=executor,
             ties=tuple(ties),
-            replicas=self._make_replicas(config, device, layout, ties),
+            replicas=StageReplicas.build(
+                self.layers, topology, config, device, ties, lambda copy: layout.functions(copy, self._stage_function)
+            ),
             streams=None,
             bounds_link_timeout=True,
         )
@@ -151,87 +159,25 @@ class StagePipeline:
         self.meter = ActivationMeter(replicas.params)
         self._start(config)
 
-    def _make_replicas(
-        self, config: PipelineConfig, device: torch.device, chunks: ChunkLayout, ties: Sequence[TiedWeights]
-    ) -> StageReplicas:
-        return StageReplicas.build(
-            self.layers, self.topology, config, device, ties, lambda copy: chunks.functions(copy, self._stage_function)
-        )
-
     def _start(self, config: PipelineConfig) -> None:
         """What the step derives from its config, afresh: k's start, the plan cache, the full batch size."""
         self.config = config
         k = config.advance_forwards
-        self._k = 0 if k == "auto" else int(k)  # "auto": the controller moves it (runtime/controller.py)
+        # the k in use: fixed, or where advance_forwards="auto" currently is (the controller moves it)
+        self.advance_forwards = 0 if k == "auto" else int(k)
+        self.num_microbatches = config.microbatches_for(self.topology.num_stages)
+        # transfers posted just in time as batch_isend_irecv groups (NCCL) rather than eagerly
+        self.batched_p2p = batched_p2p(config, self.backend)
+        # the schedule splits the backward into input and weight gradients (zbh1, zbadvance, zbv)
+        self.splits_backward = splits_backward(config.schedule)
         self._plans: dict[tuple[bool, int, int], Plan] = {}
-        self._full_batch: int | None = None
+        # the largest training batch seen since the last change of M: a shorter one is an epoch's last
+        self.full_batch: int | None = None
 
-    # -- what it holds -------------------------------------------------------------------------------------------
-    @property
-    def stage(self) -> int:
-        return self.topology.stage
-
-    @property
-    def num_stages(self) -> int:
-        return self.topology.num_stages
-
-    @property
-    def is_last(self) -> bool:
-        return self.executor.is_last
-
-    @property
-    def link(self) -> Link | None:
-        return self.executor.link
-
-    @property
-    def num_pipelines(self) -> int:
-        return self.config.num_pipelines
-
-    @property
-    def num_microbatches(self) -> int:
-        return self.config.microbatches_for(self.num_stages)
-
-    @property
-    def batched_p2p(self) -> bool:
-        """Whether transfers are posted just in time as ``batch_isend_irecv`` groups (NCCL) rather than eagerly."""
-        return self._batched_p2p(self.config, self.backend)
-
-    @staticmethod
-    def _batched_p2p(config: PipelineConfig, backend: str | None) -> bool:
-        return config.p2p == "batched" or (config.p2p == "auto" and backend == "nccl")
-
-    @property
-    def advance_forwards(self) -> int:
-        """The k in use: fixed, or where ``advance_forwards="auto"`` currently is (the controller sets it)."""
-        return self._k
-
-    @advance_forwards.setter
-    def advance_forwards(self, k: int) -> None:
-        self._k = int(k)
-
-    @property
-    def params(self) -> list[nn.Parameter]:
-        """Every replica's parameters on this stage (the reference's when N·D = 1): what a step's gradients reach."""
-        return list(self.replicas.params)
-
+    # -- what it holds: its config, topology, executor and replicas, read directly ----------------------------------
     @property
     def reference_params(self) -> list[nn.Parameter]:
         return self.replicas.elastic.reference_params
-
-    @property
-    def full_batch(self) -> int | None:
-        """The largest training batch seen since the last change of M: a shorter one is an epoch's last."""
-        return self._full_batch
-
-    @full_batch.setter
-    def full_batch(self, value: int | None) -> None:
-        self._full_batch = value
-
-    @property
-    def splits_backward(self) -> bool:
-        """Whether the schedule splits the backward into input and weight gradients (``zbh1``, ``zbadvance``,
-        ``zbv``)."""
-        return splits_backward(self.config.schedule)
 
     def _defer_weight_grads(self) -> None:
         """Under a schedule that splits the backward, every copy of the stage's layers queues its weight gradients
@@ -247,12 +193,13 @@ class StagePipeline:
     def _stage_function(self, stage: int, start: int, layers: Sequence[nn.Module]) -> Callable[[Any], Any]:
         """``layers`` (model stage ``stage``'s, from ``start`` in this rank's) applied in order (the checkpointed
         ones recomputed), each drawing from its own stream where :attr:`streams` is set; under tensor parallelism,
-        checked once per output signature to give every shard the same output (``runtime/tensor_parallel.py``)."""
-
-        def seed_of(index: int) -> int | None:
-            return self.streams.seed_of(stage, index) if self.streams is not None else None
-
-        fn = stage_function(layers, self.recompute[start : start + len(layers)], seed_of)
+        checked once per output signature to give every shard the same output
+        (``runtime/sharding/tensor_parallel.py``)."""
+        mask = self.recompute[start : start + len(layers)]
+        # each layer's stream, read when the layer runs (the caller may set streams after the functions are made)
+        fn = stage_function(
+            layers, mask, lambda i: self.streams.seed_of(stage, i) if self.streams is not None else None
+        )
         top = self.topology
         if top.tensor_parallel_size == 1:
             return fn
@@ -260,8 +207,8 @@ class StagePipeline:
 
     def optimizer(self, user: Optimizer) -> Optimizer:
         """The optimizer to step (:meth:`StageReplicas.optimizer
-        <lightning_avgpipe.runtime.stage_replicas.StageReplicas.optimizer>`): ``user`` itself when N·D = 1, else one
-        clone of it per replica, stepped together and followed by the elastic update (``user`` must be built over
+        <lightning_avgpipe.runtime.sync.stage_replicas.StageReplicas.optimizer>`): ``user`` itself when N·D = 1, else
+        one clone of it per replica, stepped together and followed by the elastic update (``user`` must be built over
         :attr:`reference_params`)."""
         return self.replicas.optimizer(user)
 
@@ -269,11 +216,11 @@ class StagePipeline:
         """Take a new M, N, k or averaging; returns whether the replicas were made anew (the caller then makes new
         optimizers with :meth:`optimizer`). Exact averaging under another N trains the same one model: nothing is
         made anew, and the optimizer and its state carry on."""
-        old, k = self.config, self._k
+        old, k = self.config, self.advance_forwards
         check_same_placement(old, config)
         self._start(config)
         if config.advance_forwards == old.advance_forwards:
-            self._k = k  # where an "auto" search stands carries on
+            self.advance_forwards = k  # where an "auto" search stands carries on
         if self.splits_backward and self.executor.weight_grads is None:  # now splitting: layers queue their W
             self._defer_weight_grads()
         elif not self.splits_backward and self.executor.weight_grads is not None:  # no longer: their own forward
@@ -285,7 +232,14 @@ class StagePipeline:
         if old.one_model(groups) and config.one_model(groups):  # exact under another N: the same model and optimizer
             return False
         self.replicas.elastic.wait()
-        self.replicas = self._make_replicas(config, self.device, self.chunks, self.ties)
+        self.replicas = StageReplicas.build(
+            self.layers,
+            self.topology,
+            config,
+            self.device,
+            self.ties,
+            lambda copy: self.chunks.functions(copy, self._stage_function),
+        )
         self.meter = ActivationMeter(self.replicas.params)
         self._defer_weight_grads()
         return True
@@ -329,21 +283,23 @@ class StagePipeline:
     # -- the step's parts ----------------------------------------------------------------------------------------
     def plan(self, training: bool, units: int) -> Plan:
         """The validated plan for ``units`` units (cached; evaluation runs forwards only, in 1F1B order)."""
-        k = self._k if training else 0
+        k = self.advance_forwards if training else 0
         key = (training, units, k)
         if key not in self._plans:
             batched = self.batched_p2p
             v = self.chunks.v
             costs = self.config.schedule_costs
-            plan = build_plan(self.config.schedule, self.num_stages, units, k, training, int(not batched), v, costs)
+            plan = build_plan(
+                self.config.schedule, self.topology.num_stages, units, k, training, int(not batched), v, costs
+            )
             self._plans[key] = validate_plan(plan, nccl=batched)
         return self._plans[key]
 
     def microbatches(self, batch: Any, training: bool) -> tuple[list[Any], list[float]]:
         """``batch`` as M micro-batches and their shares of it, by the rules of :func:`microbatch.split_step`."""
         if training:
-            self._full_batch = max(microbatch.batch_size(batch), self._full_batch or 0)
-        return microbatch.split_step(batch, self.num_microbatches, self._full_batch if training else None)
+            self.full_batch = max(microbatch.batch_size(batch), self.full_batch or 0)
+        return microbatch.split_step(batch, self.num_microbatches, self.full_batch if training else None)
 
     # -- training ------------------------------------------------------------------------------------------------
     def train_step(
@@ -368,7 +324,7 @@ class StagePipeline:
         batches, accumulate = request.batches, request.accumulate
         if self.streams is not None and request.step is not None:  # each layer's random stream follows the step
             self.streams.step = (request.step, request.batch_index)
-        replicas = self.num_pipelines
+        replicas = self.config.num_pipelines
         if len(batches) != replicas:
             raise ValueError(
                 f"train_step got {len(batches)} batches for num_pipelines={replicas}; give one per parallel pipeline."
@@ -386,7 +342,7 @@ class StagePipeline:
             owner += [0 if exact else n] * len(parts)
         if exact:
             replicas = 1  # one replica trains on every unit; what follows counts replicas, not batches
-        trace = StepTrace(self.stage)
+        trace = StepTrace(self.topology.stage)
         meter = self.meter if measure else None
         if meter is not None:
             meter.reset()
@@ -409,7 +365,7 @@ class StagePipeline:
         else:  # each replica's micro-batches: N x M units
             todo = units.sequential(*step, replica_fns=reps.fns)
         results = self.executor.run(
-            self.plan(True, len(todo.keys)).stages[self.stage],
+            self.plan(True, len(todo.keys)).stages[self.topology.stage],
             todo.keys,
             training=True,
             inputs=todo.inputs,
@@ -429,15 +385,15 @@ class StagePipeline:
         if probe is not None:
             norms = probe.finish(self.topology.job_group, self.topology.num_groups, self.device)
         if exact and self.topology.num_groups > 1:  # the D groups' gradients: one batch of D x N x B
-            average_gradients(self.params, self.topology.stage_group, self.topology.num_groups, self.device)
+            average_gradients(self.replicas.params, self.topology.stage_group, self.topology.num_groups, self.device)
         grads = reps.params if request.loss_scale is None else []  # under loss scaling an overflow skips the step
-        where = f"stage {self.stage} (rank {self.topology.rank})"
+        where = f"stage {self.topology.stage} (rank {self.topology.rank})"
         check_finite(where, results, grads, reps.elastic.reference_params, request.param_names or {})
         if self._bounds_link_timeout:
             for link in self.executor.all_links:
                 link.timeout = self.config.p2p_timeout  # the first step may be slow; later ones are bounded
         loss = None
-        if self.is_last and results:
+        if self.executor.is_last and results:
             loss = torch.stack([r.float() for r in results.values()]).sum() * accumulate / replicas
         return StepResult(results, loss, samples, trace, spread, norms)
 
@@ -459,7 +415,7 @@ class StagePipeline:
         self.replicas.elastic.require_whole("Evaluating the model")
         micro, shares = self.microbatches(batch, training=False)
         return self.executor.run(
-            self.plan(False, len(micro)).stages[self.stage],
+            self.plan(False, len(micro)).stages[self.topology.stage],
             [(key, microbatch.signature(mb)) for mb in micro],
             training=False,
             inputs=lambda u: inputs(micro[u]),
@@ -467,7 +423,7 @@ class StagePipeline:
             forward_context=forward_context,
         )
 
-    # -- what crosses the pipeline (runtime/collectives.py) -------------------------------------------------------
+    # -- what crosses the pipeline (runtime/comms/collectives.py) -------------------------------------------------
     def share(self, payload: Any) -> Any:
         """``payload`` from this pipeline's last stage, on every stage (collective over the pipeline)."""
         return collectives.share(self.topology, payload, self.chunks.loss_rank)
@@ -491,6 +447,6 @@ class StagePipeline:
         cfg = self.config
         return (
             f"{cfg.schedule}"
-            + (f" k={self._k}" if reads_k(cfg.schedule) else "")
-            + f", S={self.num_stages}, M={self.num_microbatches}, N={self.num_pipelines}"
+            + (f" k={self.advance_forwards}" if reads_k(cfg.schedule) else "")
+            + f", S={self.topology.num_stages}, M={self.num_microbatches}, N={self.config.num_pipelines}"
         )

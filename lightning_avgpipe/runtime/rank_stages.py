@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from lightning_avgpipe.config import PipelineConfig
+from lightning_avgpipe.runtime.comms.p2p import Link
+from lightning_avgpipe.runtime.comms.topology import Topology
 from lightning_avgpipe.runtime.executor import StageExecutor
-from lightning_avgpipe.runtime.p2p import Link
-from lightning_avgpipe.runtime.topology import Topology
 from lightning_avgpipe.schedules.chunks import Layout, stages_of
 from lightning_avgpipe.schedules.generate import schedule_layout
 

@@ -1,5 +1,5 @@
-"""One training step's request: built once by its caller (``plugin/steps.py`` for Lightning's ``training_step``) and
-passed unchanged to the controller (``runtime/controller.py``), the pipeline (``runtime/pipeline.py``) and the
+"""One training step's request: built once by its caller (``plugin/steps/hooks.py`` for Lightning's ``training_step``)
+and passed unchanged to the controller (``runtime/controller.py``), the pipeline (``runtime/pipeline.py``) and the
 executor (``runtime/executor.py``); each reads the fields it needs. Pure PyTorch: no Lightning import."""
 
 from __future__ import annotations

@@ -114,7 +114,8 @@ class StepResult:
         trace: this stage's timeline of the step (compute, waits, sends; activation peak when measured).
         divergence: ``(N,)`` relative distances ‖w_n − w_ref‖/‖w_ref‖ over the whole pipeline, when asked for.
         noise: the step's squared gradient norms at two batch sizes over the whole job, when asked for and the
-            step has two sizes (``runtime/gradient_probe.py``); the controller smooths them into its ``noise_scale``.
+            step has two sizes (``runtime/sync/gradient_probe.py``); the controller
+            smooths them into its ``noise_scale``.
     """
 
     losses: dict[int, Tensor]

@@ -153,7 +153,7 @@ def _collectives_cost(probe: StageProbe, cpu: bool) -> float:
     pipeline, extra = probe.pipeline, []
     for _ in range(3):
         t0 = time.thread_time() if cpu else time.perf_counter()
-        pipeline.share((torch.zeros(()), []) if pipeline.is_last else None)
+        pipeline.share((torch.zeros(()), []) if pipeline.executor.is_last else None)
         extra.append((time.thread_time() if cpu else time.perf_counter()) - t0)
     return statistics.median(extra)
 

@@ -89,8 +89,8 @@ class StageProfile:
         One model per stage (``exact``, or N·D = 1): weights, gradients, one optimizer state. Otherwise N replicas
         with their gradients, optimizer states and pre-step offsets, the reference, and one flat buffer for the mean
         update (``elastic.ElasticAveraging``). ``sharded`` (``shard_optimizer_state`` over D > 1 groups,
-        ``runtime/zero.py``): one model keeps 1/D of its optimizer state; elastic replicas keep a 1/D slice of the
-        reference in place of the reference and the flat buffer.
+        ``runtime/sharding/zero.py``): one model keeps 1/D of its optimizer state; elastic replicas keep a 1/D slice of
+        the reference in place of the reference and the flat buffer.
         """
         w, o, n, d = self.param_bytes, self.optimizer_state_bytes, num_pipelines, num_groups
         sharded = sharded and d > 1
@@ -102,7 +102,7 @@ class StageProfile:
         self, num_pipelines: int, num_groups: int = 1, sharded: bool = False, exact: bool = False
     ) -> float:
         """What the update holds for a moment after the backward, beyond :meth:`static_bytes`: a sharded elastic
-        reference sums and gathers one stage's worth of weights (``runtime/sharded_reference.py``); nothing
+        reference sums and gathers one stage's worth of weights (``runtime/sharding/sharded_reference.py``); nothing
         otherwise."""
         elastic_sharded = sharded and num_groups > 1 and not exact and num_pipelines * num_groups > 1
         return self.param_bytes if elastic_sharded else 0.0
@@ -131,7 +131,9 @@ class PipelineProfile:
     averaging_period: int = 1
     outer_lr: float = 1.0
     outer_momentum: float = 0.0
-    shard_optimizer_state: bool = False  # ZeRO-1 over the D groups (runtime/zero.py): what a stage holds per rank
+    shard_optimizer_state: bool = (
+        False  # ZeRO-1 over the D groups (runtime/sharding/zero.py): what a stage holds per rank
+    )
     cpu_share: float = 1.0  # the share of a core the profile's processes got (profiler.cpu_share): < 0.85 is busy
     clock: str = "wall"  # what timed the stages: "wall", or "cpu" (the stage threads' CPU time, on a busy CPU machine)
     timing_noise: float = 0.0  # relative standard error of a size's timed step compute (busy.timing_noise)

@@ -21,9 +21,9 @@ from torch.optim import Optimizer
 
 from lightning_avgpipe.config import PipelineConfig
 from lightning_avgpipe.optim import clone_optimizer
+from lightning_avgpipe.runtime.comms.topology import Topology
 from lightning_avgpipe.runtime.controller import StepController
 from lightning_avgpipe.runtime.pipeline import StagePipeline
-from lightning_avgpipe.runtime.topology import Topology
 from lightning_avgpipe.runtime.units import StepResult
 from lightning_avgpipe.tuning.profiler import CopyOptimizer, Snapshot
 
@@ -79,7 +79,7 @@ class StageProbe:
     def step(self, setting: StagePipeline, batch: Any, measure: bool, noise: bool, split: bool = False) -> StepResult:
         """One step of ``setting`` on ``batch`` from zero gradients; ``split`` defers the weight gradients (the
         split backward's W). Collective over the pipeline, like training's."""
-        for p in self.pipeline.params:
+        for p in self.pipeline.replicas.params:
             p.grad = None
         if split:
             with self.pipeline.deferring_weight_grads():
@@ -106,7 +106,7 @@ class StageProbe:
         random states."""
         elastic = self.pipeline.replicas.elastic
         replicas = [m for layers in elastic.replicas for m in layers] if not elastic.trivial else []
-        snap = Snapshot(self.pipeline.params, [*self.pipeline.layers, *replicas], self.metrics, generators)
+        snap = Snapshot(self.pipeline.replicas.params, [*self.pipeline.layers, *replicas], self.metrics, generators)
         try:
             yield
         finally:

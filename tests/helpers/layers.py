@@ -37,3 +37,35 @@ def layer_of(module: str) -> int | None:
         if layer is not None:
             return layer
     return None
+
+
+# the rooms inside a layer: a subpackage of plugin/ or runtime/ -> what it may import of its own package besides
+# itself (a room or a module, by its path under the package; docs/how-it-works.md#rooms shows the same map). The
+# modules at a package's root (the strategy, the step core) may import any of their package's rooms.
+ROOMS: dict[str, tuple[str, ...]] = {
+    "plugin/checkpoint": ("plugin/compat.py", "plugin/split", "plugin/process/base.py"),
+    "plugin/split": ("plugin/compat.py", "plugin/contract.py", "plugin/checkpoint/resume.py", "plugin/steps/data.py"),
+    "plugin/steps": ("plugin/compat.py", "plugin/contract.py", "plugin/split/placeholders.py"),
+    "plugin/process": ("plugin/compat.py", "plugin/split/hints.py"),
+    "plugin/tuner": ("plugin/compat.py", "plugin/strategy.py", "plugin/checkpoint/resume.py", "plugin/steps"),
+    "runtime/failures": (),
+    "runtime/build": ("runtime/failures",),
+    "runtime/files": ("runtime/failures",),
+    "runtime/comms": ("runtime/failures", "runtime/sharding/tensor_parallel.py"),
+    "runtime/sharding": ("runtime/comms/p2p.py", "runtime/build/materialize.py", "runtime/deferred.py"),
+    "runtime/sync": ("runtime/comms", "runtime/sharding"),
+}
+
+
+def room_of(path: str) -> str | None:
+    """The room of a file (a path under the package, ``runtime/failures/report.py``), if it is in one."""
+    return next((room for room in ROOMS if path.startswith(room + "/")), None)
+
+
+def allowed_in_room(room: str, target: str) -> bool:
+    """Whether a file of ``room`` may import ``target`` (a path under the package: a module's file, or a package's
+    folder): anything outside the room's package (the layers rule that), its own room, and what ``ROOMS`` lists."""
+    package = room.split("/")[0]
+    if not target.startswith(package + "/") or target.startswith(room + "/"):
+        return True
+    return any(target == a or target.startswith(a.removesuffix(".py") + "/") for a in ROOMS[room])

@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from lightning_avgpipe import AvgPipeStrategy, AvgPipeTuner
-from lightning_avgpipe.runtime.shutdown import native_threads
+from lightning_avgpipe.runtime.failures.shutdown import native_threads
 from lightning_avgpipe.shards import is_dtensor, local
 from tests.helpers.lit import AliasedNet, LateNet, PipeNet, dataset, loader
 from tests.helpers.tied import TiedLM, token_loader
@@ -51,8 +51,8 @@ class Fault(pl.Callback):
         """Arm a fault of :data:`SAVE_FAULTS` for this save."""
         import torch.distributed.checkpoint as dcp
 
-        from lightning_avgpipe.plugin import sharded
-        from lightning_avgpipe.runtime import save_waits, torchfile
+        from lightning_avgpipe.plugin.checkpoint import sharded
+        from lightning_avgpipe.runtime.files import save_waits, torchfile
 
         fault, kind = self, self.kind
         if kind == "stop_in_save":
@@ -150,7 +150,7 @@ class Fault(pl.Callback):
         if self.kind == "kill_in_save" and trainer.global_rank == self.rank:  # killed between a save's collectives
             os.kill(os.getpid(), signal.SIGKILL)
         if self.kind == "kill_in_write" and trainer.global_rank == self.rank and trainer.global_step == self.step:
-            from lightning_avgpipe.plugin import sharded
+            from lightning_avgpipe.plugin.checkpoint import sharded
 
             def killed(*args: Any) -> None:  # as it writes its part of a folder
                 os.kill(os.getpid(), signal.SIGKILL)

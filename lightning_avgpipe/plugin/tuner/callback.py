@@ -19,8 +19,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_avgpipe.checks import is_int, is_number
-from lightning_avgpipe.plugin.precision import PipelineMixedPrecision
-from lightning_avgpipe.plugin.resume import resuming_from
+from lightning_avgpipe.plugin.checkpoint.resume import resuming_from
+from lightning_avgpipe.plugin.steps.precision import PipelineMixedPrecision
 from lightning_avgpipe.plugin.tuner.retune import Retuner, check_retunable
 from lightning_avgpipe.plugin.tuner.run import tune
 from lightning_avgpipe.schedules.generate import reads_k

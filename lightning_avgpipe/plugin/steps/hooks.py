@@ -1,0 +1,219 @@
+"""The strategy's training and evaluation steps: Lightning's step hooks mapped onto the stage pipeline's steps, with
+the step's loss and logs shared by every stage (docs/how-it-works.md#a-training-step).
+
+:class:`PipelineSteps` holds what a step needs (the module, the controller, the bridge to the user's hooks) and knows
+nothing of the strategy: the strategy makes one in ``setup`` and calls it from its hooks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch.distributed as dist
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor
+
+from lightning_avgpipe import microbatch
+from lightning_avgpipe.plugin import compat
+from lightning_avgpipe.plugin.contract import pipeline_inputs
+from lightning_avgpipe.plugin.steps.bridge import StepBridge, replay_logs
+from lightning_avgpipe.plugin.steps.gradients import GradStash
+from lightning_avgpipe.plugin.steps.precision import loss_scale_of
+from lightning_avgpipe.plugin.steps.results import StepResults
+from lightning_avgpipe.runtime.controller import StepController, StepReport
+from lightning_avgpipe.runtime.pipeline import StagePipeline
+from lightning_avgpipe.runtime.request import StepRequest
+from lightning_avgpipe.runtime.sharding.zero import ShardedOptimizer
+
+# the precision plugin's context around each evaluation hook's forwards
+EVAL_CONTEXTS = {
+    "validation_step": "val_step_context",
+    "test_step": "test_step_context",
+    "predict_step": "predict_step_context",
+}
+
+
+class PipelineSteps:
+    """Lightning's step hooks on one rank, run through the stage's controller.
+
+    Args:
+        module: the user's LightningModule.
+        controller: the stage's step and what steers it.
+        bridge: runs the user's step hooks on the last stage.
+        param_names: ``id(parameter) -> name`` in the module, for errors about non-finite gradients.
+    """
+
+    def __init__(
+        self, module: pl.LightningModule, controller: StepController, bridge: StepBridge, param_names: Mapping[int, str]
+    ) -> None:
+        self.module = module
+        self.controller = controller
+        self.bridge = bridge
+        self.param_names = param_names
+        self.results = StepResults(controller.pipeline)  # the step's loss and logs to every stage
+        self.stash = GradStash()  # the step's gradients, between training_step and backward
+
+    def training_step(self, batch: Any, rest: tuple[Any, ...], precision: Precision, num_pipelines: int) -> Tensor:
+        """One training iteration: the pipeline's step over the N batches, the user's ``training_step`` as the loss
+        on the last stage; returns the loss every stage reports (the last stage's, shared). The noise scale is
+        measured on the logged steps and every ``controller.noise_every`` steps."""
+        module, control, bridge = self.module, self.controller, self.bridge
+        pipeline, trainer = control.pipeline, module.trainer
+        for n, one in enumerate(batch if num_pipelines > 1 else [batch]):
+            where = f" (pipeline {n}'s of {num_pipelines})" if num_pipelines > 1 else ""
+            check_not_empty(one, f"training batch {rest[0] if rest else '?'}{where} of epoch {trainer.current_epoch}")
+        writes_logs = compat.writes_logs(trainer)
+        request = StepRequest(  # the whole step's request, passed unchanged down to the executor
+            batch if num_pipelines > 1 else [batch],
+            lambda output, micro, share: bridge.call_step("training_step", output, micro, share, *rest),
+            step=trainer.global_step,
+            batch_index=int(rest[0]) if rest else 0,  # with the step: each layer's random stream (a resume too)
+            log=writes_logs,
+            optimizers=trainer.strategy.optimizers,
+            inputs=lambda micro: pipeline_inputs(module, micro),
+            accumulate=trainer.accumulate_grad_batches,
+            forward_context=precision.train_step_context,
+            divergence=not pipeline.replicas.elastic.trivial and writes_logs,
+            noise=writes_logs or compat.every(trainer.global_step, control.noise_every),
+            param_names=self.param_names,
+            loss_scale=loss_scale_of(precision),
+        )
+        # Lightning zeroes gradients between training_step and backward
+        with self.stash.apart(pipeline.replicas.params):
+            report = control.run(request)
+        result = report.result
+        if result.loss is not None:  # the last stage
+            loss, logs = self.results.exchange(result.loss.cpu(), bridge.take_logs())
+        else:
+            loss, logs = self.results.exchange(None, None)
+        device = pipeline.device
+        log_report(module, report)
+        replay_logs(module, logs, device)
+        loss = loss.to(device)
+        if not pipeline.replicas.elastic.trivial:  # the mean over replicas, whatever the user logs
+            module.log("avgpipe/loss", loss, on_step=True, on_epoch=False)
+        return loss
+
+    def eval_step(self, hook: str, args: tuple[Any, ...], precision: Precision, share_output: bool) -> Any:
+        """``validation_step``/``test_step``/``predict_step`` through the pipeline's forwards; the last stage's logs
+        reach every stage, and with ``share_output`` (predict) its output too."""
+        module, pipeline, bridge = self.module, self.controller.pipeline, self.bridge
+        check_not_empty(args[0], f"{hook.split('_')[0]} batch {args[1] if len(args) > 1 else '?'}")
+        self.controller.pause()
+        results = pipeline.eval_step(
+            args[0],
+            lambda output, micro, share: bridge.call_step(hook, output, micro, share, *args[1:]),
+            inputs=lambda micro: pipeline_inputs(module, micro),
+            forward_context=getattr(precision, EVAL_CONTEXTS[hook]),
+            key=hook,
+        )
+        payload = output = None
+        if pipeline.executor.is_last:
+            output = microbatch.merge([results[u] for u in sorted(results)])
+            payload = (microbatch.to_cpu(output) if share_output else None, bridge.take_logs())
+        shared, logs = pipeline.share(payload)
+        replay_logs(module, logs, pipeline.device)
+        return shared if share_output and output is None else output
+
+    def land_gradients(self) -> None:
+        """Put the step's gradients on the parameters (in ``backward``, after Lightning zeroed them)."""
+        self.stash.land(self.controller.pipeline.replicas.params)
+
+
+def log_report(module: pl.LightningModule, report: StepReport) -> None:
+    """Log what the controller measured at this step (every rank alike) and say what it decided (rank 0)."""
+    for name, value in report.scalars.items():
+        module.log(name, value, on_step=True, on_epoch=False)
+    for note in report.notes:
+        rank_zero_info(note)
+
+
+def announce_averaging(pipeline: StagePipeline) -> None:
+    """Say how the N batches of a step combine, when there is more than one (rank 0)."""
+    cfg, elastic, groups = pipeline.config, pipeline.replicas.elastic, pipeline.topology.num_groups
+    if cfg.exact and cfg.num_pipelines * groups > 1:
+        rank_zero_info(
+            f"AvgPipe: averaging='exact': each step trains {cfg.num_pipelines} batches x {groups} groups "
+            "as one batch (gradients averaged, one optimizer step)."
+        )
+    if not elastic.trivial:
+        outer = (
+            ""
+            if elastic.paper_rule
+            else f", outer lr {elastic.outer_lr:g} momentum {elastic.outer_momentum:g}, period {elastic.period}"
+        )
+        sharded = (
+            f"; the reference, its update and momentum sharded over the {groups} groups (1/{groups} each during "
+            "the step, whole between steps)"
+            if elastic.sharded
+            else ""
+        )
+        update = "synchronous" if cfg.synchronous_reference else "overlapped"
+        rank_zero_info(
+            f"AvgPipe: {cfg.num_pipelines} parallel pipelines x {groups} groups, elastic alpha "
+            f"{elastic.alpha:g}{outer}, reference update {update}{sharded}."
+        )
+
+
+def announce_sharding(pipeline: StagePipeline, optimizer: Any) -> None:
+    """Say how ``shard_optimizer_state`` splits each stage's optimizer state over the D groups: every group's share
+    of every stage (collective over the job: every rank calls it at setup; rank 0 prints)."""
+    if not isinstance(optimizer, ShardedOptimizer):
+        return
+    top = pipeline.topology
+    mine, whole, how = optimizer.share()
+    rows: list[Any] | None = [None] * top.world_size if top.rank == 0 else None
+    dist.gather_object((top.stage, top.group_index, top.tensor_rank, mine, whole, how), rows, dst=0)
+    if rows is None:
+        return
+    stages: dict[int, list[str]] = {}
+    for stage, group, shard, part, total, _ in sorted(rows):
+        if shard == 0:  # a stage's tensor shards split alike
+            stages.setdefault(stage, []).append(f"group {group} {part / max(total, 1):.1%}")
+    listed = "; ".join(f"stage {s}: {', '.join(shares)}" for s, shares in sorted(stages.items()))
+    rank_zero_info(
+        f"AvgPipe: shard_optimizer_state splits the optimizer state over {top.num_groups} groups by {rows[0][5]}; "
+        f"each group keeps, of a stage's: {listed}."
+    )
+
+
+def announce_checkpointing(pipeline: StagePipeline, names: Sequence[str]) -> None:
+    """Say which layers each stage recomputes under ``activation_checkpointing`` (``names``: this rank's layers' names
+    in the module, in the pipeline's order). Collective over the pipeline (every rank calls it); rank 0 prints."""
+    spec = pipeline.config.activation_checkpointing
+    if not spec:
+        return
+    if spec == "auto":
+        rank_zero_info(
+            "AvgPipe: activation_checkpointing='auto': a stage checkpoints its layers once its measured peak exceeds "
+            "memory_limit (decided after the first step, and logged then)."
+        )
+        return
+    every = pipeline.gather([n for n, on in zip(names, pipeline.recompute) if on])
+    if every is None:
+        return
+    where = "rank" if pipeline.chunks.v > 1 else "stage"  # several stages per rank: by the rank that holds them
+    parts = [f"{where} {s}: {_listed(chosen)}" for s, chosen in enumerate(every)]
+    rank_zero_info(f"AvgPipe: activation checkpointing recomputes, per {where}, " + "; ".join(parts) + ".")
+
+
+def _listed(names: Sequence[str]) -> str:
+    """``a, b, c``, or ``a ... z (12 layers)`` for a long list; ``no layer`` for none."""
+    if not names:
+        return "no layer"
+    if len(names) <= 4:
+        return ", ".join(names)
+    return f"{names[0]} ... {names[-1]} ({len(names)} layers)"
+
+
+def check_not_empty(batch: Any, what: str) -> None:
+    """A batch of 0 samples is refused on every stage alike (each reads the same batch), naming where it came from."""
+    if microbatch.batch_size(batch) == 0:
+        raise ValueError(
+            f"The {what} is empty: its tensors have 0 samples on dim 0, so it cannot be split into micro-batches. It "
+            "came from your DataLoader: a sampler, batch_sampler or collate_fn that yields an empty batch (filtered "
+            "samples, or a dataset shorter than expected). Drop empty batches in the sampler or the collate_fn."
+        )
