@@ -22,24 +22,17 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_avgpipe import AvgPipeStrategy
 from lightning_avgpipe.plugin.checkpoint import dcp_reader, sharded
 from lightning_avgpipe.runtime.files import checksums
 from lightning_avgpipe.runtime.files.disk_full import no_space
-from tests.helpers.lit import PipeNet, loader, quiet_trainer
+from tests.helpers.checkpoints import fit_pipenet
+from tests.helpers.lit import PipeNet
 
 ADAM = {"optimizer": "adam", "lr": 0.01}
 PLAIN_ORDER = {"use_distributed_sampler": False}
 
 
-def _fit(root: Path, steps: int, ckpt: Any = None, sdc: bool = True, **checkpointing: Any) -> tuple[pl.Trainer, Any]:
-    torch.manual_seed(0)
-    model = PipeNet(**ADAM)
-    every = pl.callbacks.ModelCheckpoint(dirpath=root / "every", **(checkpointing or {"every_n_train_steps": 4}))
-    strategy = AvgPipeStrategy(num_microbatches=2, save_distributed_checkpoint=sdc)
-    trainer = quiet_trainer(root, max_steps=steps, callbacks=[every], strategy=strategy, **PLAIN_ORDER)
-    trainer.fit(model, loader(), ckpt_path=ckpt)
-    return trainer, model
+_fit = fit_pipenet  # PipeNet, Adam, AvgPipeStrategy(num_microbatches=2), ModelCheckpoint under root/every
 
 
 def _cli_consolidate(folder: Path, out: Path) -> subprocess.CompletedProcess[str]:

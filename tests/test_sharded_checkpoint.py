@@ -13,13 +13,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import pytest
 import torch
 
 from lightning_avgpipe import AvgPipeStrategy
 from lightning_avgpipe.plugin.checkpoint import dcp_reader, sharded
 from lightning_avgpipe.runtime.files import checksums, torchfile
+from tests.helpers.checkpoints import fit_pipenet
 from tests.helpers.equivalence import run_lightning
 from tests.helpers.lit import PipeNet, loader, quiet_trainer
 
@@ -88,14 +88,7 @@ def test_a_streamed_file_is_read_by_torch_load_as_torch_saves_is(tmp_path: Path)
 
 
 # -- one process ------------------------------------------------------------------------------------------------
-def _fit(root: Path, steps: int, ckpt: Any = None, sdc: bool = True, **checkpointing: Any) -> tuple[pl.Trainer, Any]:
-    torch.manual_seed(0)
-    model = PipeNet(**ADAM)
-    every = pl.callbacks.ModelCheckpoint(dirpath=root / "every", **(checkpointing or {"every_n_train_steps": 4}))
-    strategy = AvgPipeStrategy(num_microbatches=2, save_distributed_checkpoint=sdc)
-    trainer = quiet_trainer(root, max_steps=steps, callbacks=[every], strategy=strategy, **PLAIN_ORDER)
-    trainer.fit(model, loader(), ckpt_path=ckpt)
-    return trainer, model
+_fit = fit_pipenet  # PipeNet, Adam, AvgPipeStrategy(num_microbatches=2), ModelCheckpoint under root/every
 
 
 @pytest.mark.timeout(120)

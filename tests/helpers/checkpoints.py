@@ -49,3 +49,20 @@ def replicas_from_checkpoint(path: Path) -> dict[tuple[int, int], list[dict[str,
     """(global rank) -> per replica, the stage's layer states, from the checkpoint's optimizer entry."""
     state = torch.load(path, weights_only=False)["optimizer_states"][0]
     return {rank: entry["replicas"] for rank, entry in enumerate(state["avgpipe_ranks"])}
+
+
+def fit_pipenet(
+    root: Path, steps: int, ckpt: Any = None, sdc: bool = True, **checkpointing: Any
+) -> tuple[pl.Trainer, PipeNet]:
+    """PipeNet with Adam (lr 0.01) under AvgPipeStrategy (one process, M = 2) for ``steps`` steps, from ``ckpt`` if
+    given, checkpointed by ``ModelCheckpoint(**checkpointing)`` (every 4 steps by default) under ``root / "every"``;
+    ``sdc``: ``save_distributed_checkpoint``."""
+    from lightning_avgpipe import AvgPipeStrategy
+
+    torch.manual_seed(0)
+    model = PipeNet(optimizer="adam", lr=0.01)
+    every = pl.callbacks.ModelCheckpoint(dirpath=root / "every", **(checkpointing or {"every_n_train_steps": 4}))
+    strategy = AvgPipeStrategy(num_microbatches=2, save_distributed_checkpoint=sdc)
+    trainer = quiet_trainer(root, max_steps=steps, callbacks=[every], strategy=strategy, **PLAIN_ORDER)
+    trainer.fit(model, loader(), ckpt_path=ckpt)
+    return trainer, model
