@@ -5,8 +5,8 @@ layer's ``reset_parameters()`` again would draw from the random generator in ano
 model did (a rank holding stage 1 skips stage 0's draws), and would miss a custom init (``apply(_init_weights)``,
 ``weight.data.normal_()``). So the build is recorded instead, and replayed:
 
-- **Record** (:class:`InitRecord`, ``runtime/build/init_record.py``, a ``TorchFunctionMode`` around the build): every torch
-  call that creates a tensor or gives one values, in order, with its arguments (meta tensors: no memory).
+- **Record** (:class:`InitRecord`, ``runtime/build/init_record.py``, a ``TorchFunctionMode`` around the build):
+  every torch call that creates a tensor or gives one values, in order, with its arguments (meta tensors: no memory).
 - **Replay** (:func:`materialize`): from the random generator's state at the start of the build, every recorded call
   runs again on real tensors of ``device``, in order. The tensors to keep (this rank's own parameters and buffers)
   are kept; every other tensor is created when the replay first needs it and freed after its last use, so the
@@ -34,8 +34,15 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten, tree_map
 
+from lightning_avgpipe.runtime.build.init_record import (
+    InitRecord,
+    Step,
+    rng_state,
+    same_rng,
+    set_rng_state,
+    storage_key,
+)
 from lightning_avgpipe.runtime.failures.console import mark
-from lightning_avgpipe.runtime.build.init_record import InitRecord, Step, rng_state, same_rng, set_rng_state, storage_key
 
 # factories that give no values
 # draws the CPU makes element by element, which a small buffer can make in chunks (_Replay._chunked_uniform)

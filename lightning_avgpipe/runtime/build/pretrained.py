@@ -14,9 +14,10 @@ match (``runtime/build/pretrained_check.py``); ``strict=False`` leaves such tens
 needs only the names: on the meta device in ``configure_model`` every rank builds the whole model and reads every
 file's header, so every rank takes the same decision, and raises the same error before any rank waits for another.
 
-Called on a model being built on the meta device under a recorded build (``runtime/build/init_record.py``; the strategy's
-``configure_model``), each copy is recorded as a step of the build: the replay runs it only for the tensors a rank
-keeps, after the layers' own initialization, each read memory-mapped from its file. On a real model it copies now.
+Called on a model being built on the meta device under a recorded build (``runtime/build/init_record.py``; the
+strategy's ``configure_model``), each copy is recorded as a step of the build: the replay runs it only for the tensors
+a rank keeps, after the layers' own initialization, each read memory-mapped from its file. On a real model it copies
+now.
 """
 
 from __future__ import annotations

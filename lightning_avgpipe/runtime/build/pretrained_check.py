@@ -1,4 +1,5 @@
-"""What :func:`~lightning_avgpipe.runtime.build.pretrained.load_pretrained` says when it cannot load what it was asked to.
+"""What :func:`~lightning_avgpipe.runtime.build.pretrained.load_pretrained` says when it cannot load what it was asked
+to.
 
 A file that is not a readable safetensors file (a ``torch.save`` file, random bytes, a truncated or damaged file) is
 named with what it holds instead. A strict load with tensors left unmatched names them; when fewer than half of the
