@@ -70,6 +70,27 @@ def check_checkpointing(spec: Any) -> Spec:
     return tuple(v if isinstance(v, str) else v.__name__ for v in values)
 
 
+LEVELS = ("NO_SHARD", "SHARD_OPTIM", "SHARD_GRAD_OP", "FULL_SHARD")  # ZeRO-0 .. ZeRO-3
+ALIASES = {"zero0": "NO_SHARD", "zero1": "SHARD_OPTIM", "zero2": "SHARD_GRAD_OP", "zero3": "FULL_SHARD"}
+REDUCE = ("per_microbatch", "per_step")
+
+
+def level_of(name: Any) -> str:
+    """The level ``name`` gives (an FSDP-style name or ``"zero1"``..``"zero3"``, case-insensitive)."""
+    if isinstance(name, str):
+        key = name.strip()
+        if key.upper() in LEVELS:
+            return key.upper()
+        alias = ALIASES.get(key.lower().replace("-", "").replace("_", ""))
+        if alias is not None:
+            return alias
+    raise ValueError(
+        f"sharding_strategy={name!r} is not one of {list(LEVELS)} (or 'zero1', 'zero2', 'zero3'): 'SHARD_OPTIM' "
+        "shards the optimizer state over the D pipeline groups (ZeRO-1), 'SHARD_GRAD_OP' the gradients too (ZeRO-2), "
+        "'FULL_SHARD' the weights too (ZeRO-3)."
+    )
+
+
 @dataclass(frozen=True)
 class PipelineConfig:
     """How a model is pipelined. Each field is the :class:`~lightning_avgpipe.AvgPipeStrategy` argument of the same
@@ -101,6 +122,8 @@ class PipelineConfig:
     activation_checkpointing: Any = False
     tensor_parallel_size: int = 1
     shard_optimizer_state: bool = False
+    sharding_strategy: str = "NO_SHARD"
+    reduce_gradients: str = "per_microbatch"
 
     @property
     def synchronous_reference(self) -> bool:
@@ -197,6 +220,30 @@ class PipelineConfig:
     def _check_sharding(self) -> None:
         if not isinstance(self.shard_optimizer_state, bool):
             raise ValueError(f"shard_optimizer_state={self.shard_optimizer_state!r} must be True or False.")
+        level = level_of(self.sharding_strategy)
+        if self.shard_optimizer_state and level not in ("NO_SHARD", "SHARD_OPTIM"):
+            raise ValueError(
+                f"shard_optimizer_state=True with sharding_strategy={self.sharding_strategy!r}: "
+                "shard_optimizer_state=True is sharding_strategy='SHARD_OPTIM' (ZeRO-1), and the two name one choice. "
+                f"Give sharding_strategy={level!r} alone (it shards the optimizer state too)."
+            )
+        if level == "SHARD_OPTIM" or self.shard_optimizer_state:
+            level = "SHARD_OPTIM"
+            object.__setattr__(self, "shard_optimizer_state", True)
+        object.__setattr__(self, "sharding_strategy", level)
+        if self.reduce_gradients not in REDUCE:
+            raise ValueError(
+                f"reduce_gradients={self.reduce_gradients!r} is not one of {list(REDUCE)}: 'per_microbatch' "
+                "reduce-scatters each micro-batch's gradients into a shard, 'per_step' accumulates them whole and "
+                "reduces once at the end of the step (less traffic, the memory of ZeRO-1)."
+            )
+        if self.fsdp and self.averaging != "exact":
+            raise ValueError(
+                f"sharding_strategy={level!r} shards one model over the D pipeline groups, which needs "
+                f"averaging='exact' (under averaging={self.averaging!r} each group trains a replica of its own). Use "
+                "averaging='exact', or sharding_strategy='SHARD_OPTIM' (ZeRO-1, which also shards the elastic "
+                "reference's optimizer state)."
+            )
         if self.sync_reference is not None and not isinstance(self.sync_reference, bool):
             raise ValueError(f"sync_reference={self.sync_reference!r} must be True, False or None.")
         if self.shard_optimizer_state and self.sync_reference is False:
@@ -219,6 +266,11 @@ class PipelineConfig:
         if isinstance(steps, (str, bytes)) or not all(is_int(s) for s in steps):
             raise ValueError(f"trace_steps={steps!r} must be a list of training step numbers, e.g. [2, 100].")
         object.__setattr__(self, "trace_steps", tuple(steps))
+
+    @property
+    def fsdp(self) -> bool:
+        """Whether each stage is sharded over its stage group with FSDP (ZeRO-2 or ZeRO-3)."""
+        return self.sharding_strategy in ("SHARD_GRAD_OP", "FULL_SHARD")
 
     @property
     def exact(self) -> bool:

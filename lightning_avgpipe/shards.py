@@ -42,12 +42,23 @@ def set_local(param: Tensor, data: Tensor) -> None:
         param.data = data
 
 
-def norm_weight(t: Tensor, tensor_parallel_size: int) -> float:
-    """The weight of ``t``'s local squared norm in a sum over the tensor-parallel group: 1 for a sharded tensor (each
-    rank holds a different part), ``1/T`` for a tensor every rank holds whole (a plain tensor or a replicated one)."""
-    if tensor_parallel_size > 1 and is_dtensor(t) and any(isinstance(p, Shard) for p in t.placements):  # type: ignore[attr-defined]
-        return 1.0
-    return 1.0 / tensor_parallel_size
+def _sharded_dims(t: Tensor) -> tuple[bool, bool]:
+    """Whether ``t`` is split over the tensor-parallel group (a ``Shard`` on the mesh dimension ``"tensor"``) and
+    over the stage group by FSDP (a ``Shard`` on any other dimension)."""
+    if not is_dtensor(t):
+        return False, False
+    names = t.device_mesh.mesh_dim_names or (None,) * len(t.placements)  # type: ignore[attr-defined]
+    split = [(name, isinstance(p, Shard)) for name, p in zip(names, t.placements)]  # type: ignore[attr-defined]
+    return any(s for n, s in split if n == "tensor"), any(s for n, s in split if n != "tensor")
+
+
+def norm_weight(t: Tensor, tensor_parallel_size: int, shards: int = 1) -> float:
+    """The weight of ``t``'s local squared norm in a sum over the tensor-parallel group (and, ``shards`` > 1, over
+    the stage group of an FSDP-sharded stage): 1 for a tensor split over the group (each rank holds a different
+    part), 1/size for a tensor every rank of it holds whole (a plain tensor or a replicated one)."""
+    by_tensor, by_fsdp = _sharded_dims(t)
+    weight = 1.0 if by_tensor or tensor_parallel_size == 1 else 1.0 / tensor_parallel_size
+    return weight if by_fsdp or shards == 1 else weight / shards
 
 
 def same_data(t: Any) -> tuple[Any, ...] | None:

@@ -40,6 +40,7 @@ from lightning_avgpipe.runtime.executor import StageExecutor
 from lightning_avgpipe.runtime.rank_stages import ChunkLayout
 from lightning_avgpipe.runtime.recompute import layer_mask, stage_function
 from lightning_avgpipe.runtime.request import StepRequest
+from lightning_avgpipe.runtime.sharding.fsdp import StageSharding, shard_stage
 from lightning_avgpipe.runtime.sharding.tensor_parallel import whole_outputs
 from lightning_avgpipe.runtime.streams import RandomStreams
 from lightning_avgpipe.runtime.sync.gradient_probe import GradientProbe
@@ -104,6 +105,10 @@ class StagePipeline:
         self.streams: RandomStreams | None = None
         self.recompute = layer_mask(self.layers, config.activation_checkpointing)  # checkpointed layers
         layout = ChunkLayout.of(config, topology, len(self.layers), chunks)
+        # ZeRO-2/3: each layer sharded over the stage group (runtime/sharding/fsdp.py), before anything holds a weight
+        chunk_layers = list(layout.functions(self.layers, lambda stage, start, ls: ls).values())
+        sharding, ties = shard_stage(chunk_layers, topology, config, splits_backward(config.schedule), device, ties)
+        self.sharding = sharding  # the stage functions made next run through its roots
         stage_fns = layout.functions(self.layers, self._stage_function)
         coalesce = batched_p2p(config, backend)
         if layout.v == 1:
@@ -128,6 +133,7 @@ class StagePipeline:
             ),
             streams=None,
             bounds_link_timeout=True,
+            sharding=sharding,
         )
         self._defer_weight_grads()
 
@@ -147,11 +153,12 @@ class StagePipeline:
         replicas: StageReplicas,
         streams: RandomStreams | None,
         bounds_link_timeout: bool,
+        sharding: StageSharding | None,
     ) -> None:
         """Every part a pipeline holds, set here alone: :meth:`__init__` and :meth:`alone` both pass them all."""
         self.layers, self.topology, self.device, self.backend = layers, topology, device, backend
         self.processes, self.chunks, self.recompute, self.executor = processes, chunks, recompute, executor
-        self.ties, self.replicas = ties, replicas
+        self.ties, self.replicas, self.sharding = ties, replicas, sharding
         self._bounds_link_timeout = bounds_link_timeout  # the first step may be slow; later ones are bounded
         # each layer's random draws from a stream of its own (runtime/streams.py): set by the caller; None: the
         # process's generator
@@ -201,9 +208,9 @@ class StagePipeline:
             layers, mask, lambda i: self.streams.seed_of(stage, i) if self.streams is not None else None
         )
         top = self.topology
-        if top.tensor_parallel_size == 1:
-            return fn
-        return whole_outputs(fn, top.tensor_group, f"stage {top.stage} (rank {top.rank})")
+        if top.tensor_parallel_size > 1:
+            fn = whole_outputs(fn, top.tensor_group, f"stage {top.stage} (rank {top.rank})")
+        return fn if self.sharding is None else self.sharding.wrap(layers, fn)
 
     def optimizer(self, user: Optimizer) -> Optimizer:
         """The optimizer to step (:meth:`StageReplicas.optimizer
@@ -277,6 +284,7 @@ class StagePipeline:
             replicas=self.replicas.first_alone(),
             streams=self.streams,
             bounds_link_timeout=False,
+            sharding=self.sharding,
         )
         return other
 
@@ -349,16 +357,11 @@ class StagePipeline:
         reps = self.replicas
         reps.elastic.follow_reference()  # frozen layers, eval-mode BatchNorm: as the user's module has them
         before = reps.tied.before(replicas) if self.ties else None
-        probe = None
-        # the probe reads each unit's gradients when they are whole; a split backward interleaves units' parts
-        whole_units = not self.splits_backward and self.chunks.v == 1
-        if request.noise and accumulate == 1 and whole_units and GradientProbe.usable(replicas, len(micro)):
-            params = [reps.elastic.replica_params(n) for n in range(replicas)] if replicas > 1 else [reps.params]
-            sizes = [microbatch.batch_size(mb) for mb in micro]
-            T = self.topology.tensor_parallel_size
-            probe = GradientProbe(params, sizes, owner, skip=reps.uncounted, tensor_parallel_size=T)
+        probe = self._probe(request, accumulate, replicas, micro, owner)
         step = (request.key, micro, weights, owner, replicas, accumulate, request.loss_fn, request.inputs)
         batched = reps.batched
+        if self.sharding is not None:
+            self.sharding.begin(self.splits_backward)
         if batched is not None:  # micro-batch m of every replica in one vmap call: M units
             todo = units.batched(*step, batched_replicas=batched)
             batched.begin()
@@ -378,14 +381,13 @@ class StagePipeline:
         )
         if batched is not None:
             batched.finish()
-        if self.ties:
-            reps.tied.sum(replicas, before, self.device)
+        self._reduce(replicas, before, probe is None)
         spread = reps.divergence() if request.divergence else None
         norms = None
         if probe is not None:
             norms = probe.finish(self.topology.job_group, self.topology.num_groups, self.device)
-        if exact and self.topology.num_groups > 1:  # the D groups' gradients: one batch of D x N x B
-            average_gradients(self.replicas.params, self.topology.stage_group, self.topology.num_groups, self.device)
+        if probe is not None:
+            self._average_groups()
         grads = reps.params if request.loss_scale is None else []  # under loss scaling an overflow skips the step
         where = f"stage {self.topology.stage} (rank {self.topology.rank})"
         check_finite(where, results, grads, reps.elastic.reference_params, request.param_names or {})
@@ -396,6 +398,37 @@ class StagePipeline:
         if self.executor.is_last and results:
             loss = torch.stack([r.float() for r in results.values()]).sum() * accumulate / replicas
         return StepResult(results, loss, samples, trace, spread, norms)
+
+    def _reduce(self, replicas: int, before: Any, average: bool) -> None:
+        """The step's gradients made the model's: FSDP's reduction (runtime/sharding/fsdp.py), the shared weights'
+        sum over their stages, and (``average``; the noise probe reads the groups' own first) the D groups' mean."""
+        if self.sharding is not None:
+            self.sharding.finish()
+        if self.ties:
+            self.replicas.tied.sum(replicas, before, self.device)
+        if average:
+            self._average_groups()
+
+    def _average_groups(self) -> None:
+        """``averaging="exact"`` over D groups without FSDP: every group's gradients become their mean, one batch of
+        D x N x B."""
+        top = self.topology
+        if self.config.exact and top.num_groups > 1 and self.sharding is None:
+            average_gradients(self.replicas.params, top.stage_group, top.num_groups, self.device)
+
+    def _probe(
+        self, request: StepRequest, accumulate: int, replicas: int, micro: list[Any], owner: list[int]
+    ) -> GradientProbe | None:
+        """The noise-scale probe of this step, where it can read each unit's whole gradients: not under a split
+        backward (which interleaves units' parts), several stages per rank or FSDP (which reduces them)."""
+        reps = self.replicas
+        whole_units = not self.splits_backward and self.chunks.v == 1 and self.sharding is None
+        if not (request.noise and accumulate == 1 and whole_units and GradientProbe.usable(replicas, len(micro))):
+            return None
+        params = [reps.elastic.replica_params(n) for n in range(replicas)] if replicas > 1 else [reps.params]
+        sizes = [microbatch.batch_size(mb) for mb in micro]
+        T = self.topology.tensor_parallel_size
+        return GradientProbe(params, sizes, owner, skip=reps.uncounted, tensor_parallel_size=T)
 
     # -- evaluation ----------------------------------------------------------------------------------------------
     def eval_step(
@@ -414,14 +447,18 @@ class StagePipeline:
         self.replicas.elastic.wait()  # evaluate the up-to-date reference
         self.replicas.elastic.require_whole("Evaluating the model")
         micro, shares = self.microbatches(batch, training=False)
-        return self.executor.run(
-            self.plan(False, len(micro)).stages[self.topology.stage],
-            [(key, microbatch.signature(mb)) for mb in micro],
-            training=False,
-            inputs=lambda u: inputs(micro[u]),
-            head=lambda u, output: head(output, micro[u], shares[u]),
-            forward_context=forward_context,
-        )
+        try:
+            return self.executor.run(
+                self.plan(False, len(micro)).stages[self.topology.stage],
+                [(key, microbatch.signature(mb)) for mb in micro],
+                training=False,
+                inputs=lambda u: inputs(micro[u]),
+                head=lambda u, output: head(output, micro[u], shares[u]),
+                forward_context=forward_context,
+            )
+        finally:
+            if self.sharding is not None:  # forwards without a backward leave the weights gathered
+                self.sharding.reshard()
 
     # -- what crosses the pipeline (runtime/comms/collectives.py) -------------------------------------------------
     def share(self, payload: Any) -> Any:

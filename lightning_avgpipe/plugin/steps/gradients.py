@@ -70,6 +70,7 @@ def install_clipping(precision: Any, pipeline: Callable[[], Any], device: torch.
             uncounted=pipe.replicas.uncounted,
             tensor_group=top.tensor_group,
             tensor_parallel_size=top.tensor_parallel_size,
+            shard_group=top.stage_group if pipe.sharding is not None else None,
         )
 
     def clip_grad_by_value(optimizer: Any, clip_val: int | float) -> None:

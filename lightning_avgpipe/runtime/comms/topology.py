@@ -54,6 +54,8 @@ class Topology:
     tensor_parallel_size: int = 1
     tensor_group: Any = field(default=None, compare=False)
     tensor_mesh: Any = field(default=None, compare=False)
+    # under tensor parallelism, the job mesh's data dimension (the stage group's ranks), for FSDP's 2D weights
+    data_mesh: Any = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         T = self.tensor_parallel_size
@@ -151,6 +153,7 @@ class Topology:
                 tensor_parallel_size=tensor_parallel_size,
                 tensor_group=mesh.get_group("tensor"),
                 tensor_mesh=mesh["tensor"],
+                data_mesh=mesh["data"],
             )
         pipeline_group = stage_group = None
         if world_size > 1:

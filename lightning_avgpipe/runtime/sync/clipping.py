@@ -20,6 +20,7 @@ def clip_grad_norm_across(
     uncounted: Set[int] = frozenset(),
     tensor_group: Any = None,
     tensor_parallel_size: int = 1,
+    shard_group: Any = None,
 ) -> Tensor:
     """Clip each set's gradients to a 2-norm of at most ``max_norm`` over all stages; returns the norms.
 
@@ -28,18 +29,22 @@ def clip_grad_norm_across(
     all sets at once) before each set's clip coefficient is applied. Parameters whose ``id`` is in ``uncounted``
     (a weight shared with another stage, counted there) are scaled but left out of the norm. Under tensor
     parallelism (``tensor_parallel_size`` > 1) each rank sums its shards' squares, a whole tensor's weighted 1/T,
-    over ``tensor_group`` first (``shards.py``).
+    over ``tensor_group`` first (``shards.py``). Under FSDP (``shard_group``: the stage group, whose ranks hold
+    disjoint shards of every gradient) the squares are summed over it too, a weight it keeps whole weighted 1/D.
     """
+    shards = dist.get_world_size(shard_group) if shard_group is not None else 1
     grads = [[local(p.grad) for p in params if p.grad is not None] for params in param_sets]
     device = next((g[0].device for g in grads if g), device or torch.device("cpu"))
     sums = torch.zeros(len(grads), dtype=torch.float32, device=device)
     for i, params in enumerate(param_sets):
         for p in params:
             if p.grad is not None and id(p) not in uncounted:
-                weight = norm_weight(p, tensor_parallel_size)
+                weight = norm_weight(p, tensor_parallel_size, shards)
                 sums[i] += local(p.grad).detach().float().pow(2).sum() * weight
     if tensor_parallel_size > 1:
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=tensor_group)
+    if shard_group is not None:
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=shard_group)
     if dist.is_available() and dist.is_initialized() and (group is None or dist.get_world_size(group) > 1):
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
     total = sums.sqrt()

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from lightning_avgpipe.elastic import ElasticAveraging
 from lightning_avgpipe.runtime.comms.topology import Topology
+from lightning_avgpipe.shards import like, local
 
 
 @dataclass(frozen=True)
@@ -93,17 +94,21 @@ class TiedGradients:
             copies = self.copies(t, replicas)
             priors = before[t] if before is not None else [None] * len(copies)
             parts = []
-            for p, prior in zip(copies, priors):
-                g = p.grad.detach() if p.grad is not None else torch.zeros_like(p)
-                parts.append((g - prior if prior is not None else g).reshape(-1))
+            for p, prior in zip(copies, priors):  # FSDP's or a tensor shard: the local part (the same on each stage)
+                g = local(p.grad).detach() if p.grad is not None else torch.zeros_like(local(p))
+                parts.append((g - local(prior) if prior is not None else g).reshape(-1))
             flat = torch.cat(parts) if parts else torch.zeros(0, device=device)
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=tie.group)
             offset = 0
             for p, prior in zip(copies, priors):
-                step = flat[offset : offset + p.numel()].view_as(p)
-                offset += p.numel()
-                summed = step if prior is None else prior + step
-                p.grad = summed.to(p.dtype) if p.grad is None else p.grad.copy_(summed)
+                part = local(p)
+                step = flat[offset : offset + part.numel()].view_as(part)
+                offset += part.numel()
+                summed = step if prior is None else local(prior) + step
+                if p.grad is None:
+                    p.grad = like(summed.to(p.dtype), p)
+                else:
+                    local(p.grad).copy_(summed)
 
     def uncounted(self) -> set[int]:
         """Ids of the copies a global gradient norm must not count here (counted on the tie's first stage)."""

@@ -1,0 +1,198 @@
+"""A stage sharded over its stage group with FSDP2: ZeRO-2 and ZeRO-3 (docs/parallelism.md#sharded-stages).
+
+With ``averaging="exact"`` the D pipeline groups train one model, so the D ranks that hold a stage (and tensor
+shard) need not each keep all of it. Each of the stage's layers goes through ``torch.distributed.fsdp.fully_shard``
+over those D ranks (a one-dimensional mesh; with tensor parallelism the ``data`` dimension of the job's mesh, so a
+weight is a two-dimensional ``DTensor``), and each of the rank's stages (a chunk under ``interleaved`` and ``zbv``)
+gets a root module of its own, with no weights, through which its stage function runs. Between steps every weight,
+gradient and optimizer state is a 1/D shard.
+
+What the three knobs FSDP2 gives do through one step, by ``sharding_strategy`` and ``reduce_gradients``:
+
+==================  ===========================  ==============================  =================================
+level               weights in the step          each micro-batch's gradients    peak within the step
+==================  ===========================  ==============================  =================================
+SHARD_GRAD_OP       gathered once, kept          reduce-scattered into a shard   W + W/D grads + 2W/D state + 1 grad
+FULL_SHARD          gathered for each use, freed reduce-scattered into a shard   W/D + one layer + grads as above
+either, per_step    gathered once, kept          accumulated whole, reduced once like ZeRO-1 (W + W + 2W/D)
+==================  ===========================  ==============================  =================================
+
+At the end of every step :meth:`StageSharding.finish` runs FSDP's post-backward for every layer with the gradients'
+reduction on: under ``per_step`` (and under a schedule that defers the weight gradients, ``zbh1``, ``zbv``, whose W
+comes after the micro-batch's backward) that is the one reduce-scatter; otherwise it only frees the gathered weights.
+torch's own pipeline schedules do the same (``PipelineStage.perform_reduce_grad``).
+
+A weight two layers of one rank use (a tied embedding and head on the same rank) stays out of FSDP, whole on every
+rank of the group; its gradient is averaged over the group after the step, as ``averaging="exact"`` averages every
+gradient without sharding. Pure PyTorch: no Lightning import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def data_mesh(topology: Any, device: torch.device) -> Any:
+    """The one-dimensional mesh of this rank's stage group: the job mesh's ``data`` dimension under tensor
+    parallelism (FSDP needs both dimensions of a two-dimensional weight from one mesh), else one over the group."""
+    if topology.data_mesh is not None:
+        return topology.data_mesh
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(topology.stage_group, device.type, mesh=list(topology.stage_ranks))
+
+
+class _ChunkRoot(nn.Module):
+    """The FSDP root of one of a rank's stages: holds its layers and runs its stage function, so that FSDP's root
+    (which never frees its weights after the forward) owns no weight and every layer is freed as its level says."""
+
+    def __init__(self, layers: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.fn: Callable[..., Any] | None = None
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        assert self.fn is not None
+        return self.fn(*args, **kwargs)
+
+
+def shared_within(chunks: Sequence[Sequence[nn.Module]]) -> list[nn.Parameter]:
+    """Parameters that more than one of the rank's layers reach (a tie held by one rank), in first-seen order."""
+    seen: dict[int, int] = {}
+    out: dict[int, nn.Parameter] = {}
+    for i, layer in enumerate(m for chunk in chunks for m in chunk):
+        for p in layer.parameters():
+            if seen.setdefault(id(p), i) != i:
+                out[id(p)] = p
+    return list(out.values())
+
+
+class StageSharding:
+    """This rank's stages (``chunks``: each one's layers) sharded over its stage group (collective at build).
+
+    Args:
+        chunks: the layers of each of this rank's stages, in order (one list with one stage per rank).
+        topology: this rank's place (``stage_group``, ``stage_ranks``; ``data_mesh`` under tensor parallelism).
+        level: ``"SHARD_GRAD_OP"`` or ``"FULL_SHARD"``.
+        reduce: ``"per_microbatch"`` or ``"per_step"``.
+        splits_backward: the schedule defers weight gradients (the reduction then waits for the step's end; a
+            reconfigured schedule passes it again to :meth:`begin`).
+        device: where the stage runs.
+    """
+
+    def __init__(
+        self,
+        chunks: Sequence[Sequence[nn.Module]],
+        topology: Any,
+        level: str,
+        reduce: str,
+        splits_backward: bool,
+        device: torch.device,
+    ) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        self.level, self.reduce, self.topology = level, reduce, topology
+        self.per_step = reduce == "per_step"
+        self.splits_backward = splits_backward
+        self.mesh = data_mesh(topology, device)
+        self.replicated = shared_within(chunks)  # whole on every rank of the group, averaged after the step
+        ignored = set(self.replicated)
+        # FULL_SHARD per micro-batch frees a layer's weights after its forward and gathers them again for its backward
+        free = level == "FULL_SHARD" and not self.per_step
+        self.layers: list[nn.Module] = []
+        self.roots: dict[tuple[int, ...], _ChunkRoot] = {}  # by the ids of the chunk's layers
+        for chunk in chunks:
+            for layer in chunk:
+                if any(True for _ in layer.parameters()):
+                    fully_shard(layer, mesh=self.mesh, reshard_after_forward=free, ignored_params=ignored)
+                    self.layers.append(layer)
+            root = _ChunkRoot(chunk)
+            fully_shard(root, mesh=self.mesh, reshard_after_forward=False, ignored_params=ignored)
+            self.roots[tuple(id(m) for m in chunk)] = root
+
+    # -- the step ----------------------------------------------------------------------------------------------------
+    def wrap(self, layers: Sequence[nn.Module], fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` (the function of the stage made of ``layers``) run through that stage's FSDP root."""
+        root = self.roots[tuple(id(m) for m in layers)]
+        root.fn = fn
+        return root
+
+    @property
+    def sync_each_microbatch(self) -> bool:
+        """Whether every micro-batch's backward reduce-scatters its gradients (not under ``per_step``, nor where the
+        schedule defers the weight gradients past the micro-batch's backward)."""
+        return not (self.per_step or self.splits_backward)
+
+    def begin(self, splits_backward: bool) -> None:
+        """Before a training step: each backward reduces (or accumulates whole) and frees (or keeps) as set."""
+        self.splits_backward = splits_backward
+        sync = self.sync_each_microbatch
+        free_after_backward = self.level == "FULL_SHARD" and not self.per_step
+        for root in self.roots.values():
+            root.set_is_last_backward(False)
+            root.set_requires_gradient_sync(sync, recurse=True)
+            root.set_reshard_after_backward(free_after_backward, recurse=True)
+
+    def finish(self) -> None:
+        """After the step's last backward: every layer's post-backward with the reduction on (the step's one
+        reduce-scatter under ``per_step``; elsewhere nothing left to reduce), its weights freed; then the ignored
+        (replicated) weights' gradients averaged over the group."""
+        from torch.distributed.fsdp import fully_shard
+
+        for root in self.roots.values():
+            root.set_is_last_backward(True)
+            root.set_requires_gradient_sync(True, recurse=True)
+            root.set_reshard_after_backward(True, recurse=True)
+            state = fully_shard.state(root)  # type: ignore[attr-defined]
+            for each in state._state_ctx.all_states:
+                for group in each._fsdp_param_groups:
+                    group.post_backward()
+            state._root_post_backward_final_callback()
+        grads = [p.grad for p in self.replicated if p.grad is not None]
+        if grads and self.mesh.size() > 1:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.mesh.get_group())
+            flat /= self.mesh.size()
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+    def reshard(self) -> None:
+        """Free every gathered weight (after an evaluation's forwards, which gather without a backward to free)."""
+        for m in [*self.layers, *self.roots.values()]:
+            m.reshard()  # type: ignore[operator]
+
+
+def owners(layers: Sequence[nn.Module]) -> dict[int, tuple[nn.Module, str]]:
+    """Each parameter of ``layers`` by id: a module that holds it and its name there (FSDP replaces the parameter
+    objects: :func:`renamed` finds the new ones)."""
+    out: dict[int, tuple[nn.Module, str]] = {}
+    for layer in layers:
+        for m in layer.modules():
+            for name, p in m.named_parameters(recurse=False):
+                out.setdefault(id(p), (m, name))
+    return out
+
+
+def renamed(params: Sequence[nn.Parameter], where: dict[int, tuple[nn.Module, str]]) -> tuple[nn.Parameter, ...]:
+    """``params`` as the modules in ``where`` hold them now (after ``fully_shard``; a parameter not in it stays)."""
+    return tuple(getattr(*where[id(p)]) if id(p) in where else p for p in params)
+
+
+def shard_stage(
+    chunks: Sequence[Sequence[nn.Module]], topology: Any, config: Any, splits: bool, device: torch.device, ties: Any
+) -> tuple[StageSharding | None, tuple[Any, ...]]:
+    """This rank's stages sharded as ``config.sharding_strategy`` says (None where it is not FSDP, or D = 1), and
+    ``ties`` (``TiedWeights``) over the new parameter objects."""
+    if not config.fsdp or topology.num_groups < 2:
+        return None, tuple(ties)
+    where = owners([m for chunk in chunks for m in chunk])
+    sharding = StageSharding(chunks, topology, config.sharding_strategy, config.reduce_gradients, splits, device)
+    return sharding, tuple(replace(t, params=renamed(t.params, where)) for t in ties)
