@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Union
 
 from lightning_avgpipe.checks import is_int, is_number
@@ -289,6 +289,9 @@ class PipelineConfig:
 
     def microbatches_for(self, num_stages: int) -> int:
         return self.num_microbatches if self.num_microbatches is not None else 2 * num_stages
+
+
+CONFIG_FIELDS = frozenset(f.name for f in fields(PipelineConfig))  # the strategy's arguments that make the config
 
 
 def check_same_placement(old: PipelineConfig, new: PipelineConfig) -> None:

@@ -85,6 +85,8 @@ def test_the_strategy_passes_each_argument_into_its_config(name: str) -> None:
         "activation_checkpointing": True,
         "tensor_parallel_size": 2,
         "shard_optimizer_state": True,
+        "sharding_strategy": "SHARD_OPTIM",
+        "reduce_gradients": "per_step",
     }
     assert set(values) == set(arguments.config_defaults())
     needs = {"schedule_costs": {"schedule": "zbv"}}  # an argument only some schedules take

@@ -24,7 +24,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_avgpipe.checks import check_flag
-from lightning_avgpipe.config import PipelineConfig
+from lightning_avgpipe.config import CONFIG_FIELDS, PipelineConfig
 from lightning_avgpipe.plugin.checkpoint import streamed
 from lightning_avgpipe.plugin.checkpoint.hooks import CheckpointHooks
 from lightning_avgpipe.plugin.checkpoint.resume import refuse_interrupted_last
@@ -127,6 +127,15 @@ class AvgPipeStrategy(CheckpointHooks, TunerSurface):
             ``averaging="exact"`` each group keeps and steps the optimizer state of a 1/D part of every stage; with
             elastic averaging each keeps a 1/D slice of the reference, the summed update and the outer momentum,
             and the reference is whole only between steps (docs/parallelism.md#sharded-reference).
+        sharding_strategy: how the D groups share each stage (docs/parallelism.md#sharded-stages), by FSDP's names:
+            ``"NO_SHARD"``; ``"SHARD_OPTIM"`` (ZeRO-1, ``shard_optimizer_state=True``); ``"SHARD_GRAD_OP"`` (ZeRO-2:
+            gradients and optimizer state sharded, FSDP2 ``fully_shard`` over the stage group, weights gathered once
+            a step); ``"FULL_SHARD"`` (ZeRO-3: weights too, gathered for each use). ``"zero1"``..``"zero3"`` also
+            work. ZeRO-2 and ZeRO-3 need ``averaging="exact"``.
+        reduce_gradients: under ZeRO-2/3, ``"per_microbatch"`` (default) reduce-scatters each micro-batch's
+            gradients into a shard; ``"per_step"`` keeps weights and gradients whole through the step and reduces
+            once at its end, as torchtitan does: less traffic, the memory of ZeRO-1 within the step. ``zbh1`` and
+            ``zbv``, whose weight gradients come late, reduce once per step.
         save_distributed_checkpoint: Lightning's name and meaning (as ``ModelParallelStrategy``'s): ``True`` saves a
             folder that every rank writes its own part of in parallel (torch.distributed.checkpoint), nothing
             gathered; resume from it in any layout, ``python -m lightning_avgpipe consolidate FOLDER OUT.ckpt`` for
@@ -174,6 +183,8 @@ class AvgPipeStrategy(CheckpointHooks, TunerSurface):
         tensor_parallel_size: int = 1,
         tensor_parallel_plan: dict[str, Any] | None = None,
         shard_optimizer_state: bool = False,
+        sharding_strategy: str = "NO_SHARD",
+        reduce_gradients: str = "per_microbatch",
         save_distributed_checkpoint: bool = False,
         seed_layers: bool = True,
         accelerator: pl.accelerators.Accelerator | None = None,
@@ -191,32 +202,8 @@ class AvgPipeStrategy(CheckpointHooks, TunerSurface):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        self.config = PipelineConfig(  # the pipeline's arguments, checked there; the rest are the strategy's own
-            num_stages=num_stages,
-            num_microbatches=num_microbatches,
-            schedule=schedule,
-            advance_forwards=advance_forwards,
-            stages_per_rank=stages_per_rank,
-            schedule_costs=schedule_costs,
-            memory_limit=memory_limit,
-            partition=partition,
-            num_pipelines=num_pipelines,
-            averaging=averaging,
-            outer_lr=outer_lr,
-            outer_momentum=outer_momentum,
-            averaging_period=averaging_period,
-            elastic_alpha=elastic_alpha,
-            sync_reference=sync_reference,
-            replica_execution=replica_execution,
-            p2p=p2p,
-            trace_dir=trace_dir,
-            trace_steps=trace_steps,
-            p2p_timeout=p2p_timeout,
-            timeout=timeout,
-            activation_checkpointing=activation_checkpointing,
-            tensor_parallel_size=tensor_parallel_size,
-            shard_optimizer_state=shard_optimizer_state,
-        )
+        # the pipeline's arguments (PipelineConfig's fields, by the same names), checked there; the rest are ours
+        self.config = PipelineConfig(**{k: v for k, v in locals().items() if k in CONFIG_FIELDS})
         self.tensor_parallel_plan = tensor.check_tensor_parallel_args(tensor_parallel_size, tensor_parallel_plan, None)
         # The k the user asked for, kept across fits (a tuner's reconfigure replaces "auto" with a number).
         self.user_advance_forwards: int | str = advance_forwards
@@ -471,7 +458,7 @@ class AvgPipeStrategy(CheckpointHooks, TunerSurface):
             self._split.release()
             if self._whole_after_run and self._controller is not None and not failed():
                 with guarded("bringing the trained model back to rank 0 (teardown)"), self._guard.allowing():
-                    mine = self._lightning().state_dict(keep_vars=True) if self.topology.group_index == 0 else {}
+                    mine = whole.own_state(self._lightning(), keep=self.topology.group_index == 0)
                     whole.bring_back(self._split, mine, self.global_rank, self.world_size)
         super().teardown()
         if self._split is not None and self.topology.num_stages > 1:

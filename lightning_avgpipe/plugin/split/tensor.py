@@ -22,6 +22,7 @@ from lightning_avgpipe.runtime.sharding.tensor_parallel import (
     parallelize_stage,
     split_on_meta,
 )
+from lightning_avgpipe.runtime.sharding import fsdp
 from lightning_avgpipe.shards import is_dtensor, release_meshes
 
 __all__ = [
@@ -172,9 +173,12 @@ def choose_plan(owned: Mapping[str, nn.Module], root: nn.Module | None) -> dict[
 
 
 def release(topology: Topology | None, pipeline: StagePipeline | None) -> None:
-    """At exit: the process groups that the tensor-parallel device meshes hold (the topology's, and every replica's
+    """At exit: the process groups that the tensor-parallel (and FSDP) device meshes hold (the topology's, and every replica's
     copy of it), so they are freed with the others (``shards.release_meshes``)."""
     meshes = [topology.tensor_mesh] if topology is not None else []
     if pipeline is not None:
         meshes += [p.device_mesh for p in [*pipeline.replicas.params, *pipeline.reference_params] if is_dtensor(p)]  # type: ignore[attr-defined]
+        if pipeline.sharding is not None:  # FSDP's mesh over the stage group, and the groups its states keep
+            meshes.append(pipeline.sharding.mesh)
+            fsdp.release(pipeline.sharding)
     release_meshes(meshes)

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_avgpipe.plugin.split.stages import SplitModule
+from lightning_avgpipe.shards import full, is_dtensor
 
 
 def released(rank: int) -> str:
@@ -23,6 +24,17 @@ def released(rank: int) -> str:
         f"AvgPipe: rank {rank} stopped inside a training step with the reference sharded (shard_optimizer_state=True): "
         "this rank's part of the module holds NaN placeholders. Resume from the last checkpoint."
     )
+
+
+def own_state(module: torch.nn.Module, keep: bool) -> dict[str, Tensor]:
+    """``module``'s state-dict tensors by name, a tensor or FSDP shard made whole (collective over its mesh: every
+    rank calls this, in the same order, ``keep`` or not); empty where not ``keep``."""
+    out: dict[str, Tensor] = {}
+    for name, value in module.state_dict(keep_vars=True).items():
+        whole = full(value.detach()) if is_dtensor(value) else value
+        if keep:
+            out[name] = whole
+    return out
 
 
 def bring_back(split: SplitModule, mine: dict[str, Tensor], rank: int, world_size: int) -> None:

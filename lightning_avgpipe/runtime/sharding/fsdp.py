@@ -196,3 +196,22 @@ def shard_stage(
     where = owners([m for chunk in chunks for m in chunk])
     sharding = StageSharding(chunks, topology, config.sharding_strategy, config.reduce_gradients, splits, device)
     return sharding, tuple(replace(t, params=renamed(t.params, where)) for t in ties)
+
+
+def release(sharding: StageSharding) -> None:
+    """At exit: drop the process groups FSDP's state keeps on the layers (its mesh infos hold the group itself, not
+    only the mesh), and the step the roots' functions hold, so the groups are freed while the interpreter is alive
+    (``runtime/failures/shutdown.py``)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for root in sharding.roots.values():  # the layers' FSDP states reach their root: its function holds the step
+        root.fn = None
+    for m in [*sharding.layers, *sharding.roots.values()]:
+        state = fully_shard.state(m)  # type: ignore[attr-defined]
+        for group in state._fsdp_param_groups:
+            infos = [group.mesh_info, group.post_forward_mesh_info]
+            infos += [i for p in group.fsdp_params for i in (p.mesh_info, p.post_forward_mesh_info)]
+            for info in infos:
+                for name, value in list(vars(info).items()) if info is not None else []:
+                    if isinstance(value, dist.ProcessGroup):
+                        setattr(info, name, None)
