@@ -27,3 +27,133 @@ def test_zero3_with_a_tie_and_clipping_on_two_groups_of_two_stages_trains_as_uns
     assert sorted(got) == sorted(want)
     for key, value in want.items():
         torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")
+
+
+def _mlp() -> list[torch.nn.Module]:
+    from torch import nn
+
+    torch.manual_seed(0)
+    return [nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)]
+
+
+# (sharding_strategy, reduce_gradients, schedule, layers per model stage, clip)
+CASES = [
+    ("SHARD_GRAD_OP", "per_microbatch", "1f1b", [4, 3], None),
+    ("FULL_SHARD", "per_microbatch", "1f1b", [4, 3], 0.05),
+    ("FULL_SHARD", "per_step", "1f1b", [4, 3], None),
+    ("SHARD_GRAD_OP", "per_microbatch", "zbh1", [4, 3], None),
+    ("FULL_SHARD", "per_microbatch", "zbh1", [3, 4], 0.05),
+    ("SHARD_GRAD_OP", "per_microbatch", "interleaved", [2, 2, 2, 1], None),
+    ("FULL_SHARD", "per_microbatch", "interleaved", [2, 2, 2, 1], 0.05),
+]
+STEPS = 3
+
+
+def _cases_worker(rank: int, world: int, cases: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
+    """D = 2 groups x S = 2 stages (4 ranks, group-major), averaging="exact", Adam: each case's whole weights, and
+    this rank's local bytes of weights, gradients and optimizer state."""
+    import torch.nn.functional as F
+
+    from lightning_avgpipe.config import PipelineConfig
+    from lightning_avgpipe.runtime.comms.topology import Topology
+    from lightning_avgpipe.runtime.pipeline import StagePipeline
+    from lightning_avgpipe.runtime.sync.clipping import clip_grad_norm_across
+    from lightning_avgpipe.schedules.chunks import stages_of
+    from lightning_avgpipe.shards import full, local
+    from tests.helpers.models import make_batch
+
+    top = Topology.build(rank, world, 2)
+    out = []
+    for level, reduce, schedule, partition, clip in cases:
+        v = len(partition) // 2
+        mine = stages_of(top.stage, 2, v, "loop") if v > 1 else [top.stage]
+        bounds = [sum(partition[:j]) for j in range(len(partition) + 1)]
+        layers = _mlp()
+        own = [layer for j in mine for layer in layers[bounds[j] : bounds[j + 1]]]
+        cfg = PipelineConfig(
+            num_stages=2,
+            num_microbatches=4,
+            schedule=schedule,
+            averaging="exact",
+            sharding_strategy=level,
+            reduce_gradients=reduce,
+        )
+        pipe = StagePipeline(own, top, cfg, chunks=[partition[j] for j in mine] if v > 1 else None)
+        opt = pipe.optimizer(torch.optim.Adam(pipe.reference_params, lr=0.01))
+        for step in range(STEPS):
+            opt.zero_grad()
+            pipe.train_step([make_batch(2 * step + top.group_index)], lambda o, b, s: F.cross_entropy(o, b[1]))
+            if clip is not None:
+                clip_grad_norm_across(
+                    [pipe.reference_params], clip, top.pipeline_group, shard_group=top.stage_group
+                )
+            opt.step()
+        params = pipe.reference_params
+        states = [t for p in params for t in opt.state[p].values() if t.dim()]
+        out.append(
+            {
+                "weights": {i: [full(p).detach().clone() for p in m.parameters()] for i, m in _indexed(own, layers)},
+                "param_numel": sum(local(p).numel() for p in params),
+                "grad_numel": sum(local(p.grad).numel() for p in params if p.grad is not None),
+                "state_numel": sum(local(t).numel() for t in states),
+                "dtensors": sum(type(p).__name__ == "DTensor" for p in params),
+            }
+        )
+    return out
+
+
+def _indexed(own: list[torch.nn.Module], layers: list[torch.nn.Module]) -> list[tuple[int, torch.nn.Module]]:
+    return [(i, m) for i, m in enumerate(layers) if any(m is o for o in own) and any(True for _ in m.parameters())]
+
+
+def _one_device(clip: float | None) -> list[list[torch.Tensor]]:
+    """The MLP on one process, each step's batch the two groups' batches together, Adam (and clipping)."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    from tests.helpers.models import make_batch
+
+    layers = _mlp()
+    model = nn.Sequential(*layers)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    for step in range(STEPS):
+        parts = [make_batch(2 * step + d) for d in range(2)]
+        x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+    return [[p.detach() for p in m.parameters()] for m in layers]
+
+
+def test_zero2_and_zero3_on_two_groups_of_two_stages_equal_one_device_under_each_schedule() -> None:
+    """1f1b, zbh1 (the deferred W) and interleaved (two stages per rank), per micro-batch and once per step, with
+    and without clipping: the weights of one device; each rank holds 1/D of its stage's weights, gradients and Adam
+    state (counted here from the unsharded layers: FSDP cuts dim 0 as ``torch.chunk`` does)."""
+    from tests.helpers.distributed import run_distributed
+
+    got = run_distributed(_cases_worker, 4, CASES, timeout=500)
+    for c, (level, reduce, schedule, partition, clip) in enumerate(CASES):
+        want = _one_device(clip)
+        v = len(partition) // 2
+        for rank, results in enumerate(got):
+            r, stage, group = results[c], rank % 2, rank // 2
+            what = f"{level} {reduce} {schedule} clip={clip} rank {rank}"
+            assert r["weights"], what
+            for i, weights in r["weights"].items():
+                for a, b in zip(weights, want[i]):
+                    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, w=what, i=i: f"{w} {i}: {m}")
+            from lightning_avgpipe.schedules.chunks import stages_of
+
+            mine = stages_of(stage, 2, v, "loop") if v > 1 else [stage]
+            bounds = [sum(partition[:j]) for j in range(len(partition) + 1)]
+            share = sum(
+                torch.chunk(p, 2, dim=0)[group].numel()
+                for j in mine
+                for m in _mlp()[bounds[j] : bounds[j + 1]]
+                for p in m.parameters()
+            )
+            assert r["param_numel"] == share and r["grad_numel"] == share, (what, r, share)
+            assert r["state_numel"] == 2 * share, (what, r, share)  # Adam's two moments
+            assert r["dtensors"] > 0, what
