@@ -157,3 +157,49 @@ def test_zero2_and_zero3_on_two_groups_of_two_stages_equal_one_device_under_each
             assert r["param_numel"] == share and r["grad_numel"] == share, (what, r, share)
             assert r["state_numel"] == 2 * share, (what, r, share)  # Adam's two moments
             assert r["dtensors"] > 0, what
+
+
+@pytest.mark.slow
+def test_zero3_checkpoints_resume_in_any_layout(tmp_path: Path) -> None:
+    """D = 2 x S = 1 under FULL_SHARD (both groups reading the same batches: plain Lightning's training): the single
+    file holds whole weights and Adam state; it resumes on plain Lightning, and plain Lightning's resumes under
+    FULL_SHARD. The folder holds each weight as two shards, one per rank's file, and resumes at D = 2 under
+    FULL_SHARD and on one process."""
+    from lightning_avgpipe.plugin.checkpoint import dcp_reader
+    from tests.helpers.checkpoints import PLAIN_ORDER, STEPS, assert_states_close, fit_pipenet, fit_with_checkpoints
+    from tests.helpers.equivalence import run_lightning
+
+    _, plain = fit_with_checkpoints(tmp_path / "plain", 2 * STEPS, named=True)  # its state names the parameters
+    want = plain.state_dict()
+    strategy = {"num_stages": 1, "num_microbatches": 2, "averaging": "exact", "sharding_strategy": "FULL_SHARD"}
+    run = {"steps": 2 * STEPS, "model": {"optimizer": "adam", "lr": 0.01}, "trainer": PLAIN_ORDER}
+
+    def layers(path: Path) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in torch.load(path, weights_only=True)["state_dict"].items() if k.startswith("layers.")}
+
+    run_lightning(tmp_path / "file", 2, strategy, every_n_train_steps=STEPS, **run)
+    final = torch.load(tmp_path / "file" / "final.ckpt", weights_only=True)
+    assert_states_close(layers(tmp_path / "file" / "final.ckpt"), want)
+    state = final["optimizer_states"][0]["state"]
+    shapes = [tuple(v.shape) for v in want.values()]
+    assert sorted(tuple(s["exp_avg"].shape) for s in state.values()) == sorted(shapes)  # whole, not a shard
+    assert all(int(s["step"]) == 2 * STEPS for s in state.values())
+    mid = tmp_path / "file" / "every" / f"epoch=0-step={STEPS}.ckpt"
+    _, resumed = fit_with_checkpoints(tmp_path / "plain-from-file", 2 * STEPS, str(mid))
+    assert_states_close(resumed.state_dict(), want)
+    plain_mid = tmp_path / "plain" / "every" / f"epoch=0-step={STEPS}.ckpt"
+    run_lightning(tmp_path / "from-plain", 2, strategy, ckpt_path=str(plain_mid), **run)
+    assert_states_close(layers(tmp_path / "from-plain" / "final.ckpt"), want)
+
+    folder = {**strategy, "save_distributed_checkpoint": True}
+    run_lightning(tmp_path / "folder", 2, folder, every_n_train_steps=STEPS, **run)
+    mid = tmp_path / "folder" / "every" / f"epoch=0-step={STEPS}.ckpt"
+    chunks: dict[str, set[str]] = {}
+    for index, info in dcp_reader.load_metadata(mid).storage_data.items():
+        if index.fqn.startswith("state_dict.layers.") and index.fqn.endswith("weight"):
+            chunks.setdefault(index.fqn, set()).add(info.relative_path)
+    assert chunks and all(files == {"__0_0.distcp", "__1_0.distcp"} for files in chunks.values()), chunks
+    run_lightning(tmp_path / "folder-resumed", 2, strategy, ckpt_path=str(mid), **run)
+    assert_states_close(layers(tmp_path / "folder-resumed" / "final.ckpt"), want)
+    _, one = fit_pipenet(tmp_path / "one", 2 * STEPS, str(mid), sdc=False, every_n_train_steps=100)
+    assert_states_close({k: v for k, v in one.state_dict().items() if k in want}, want)
