@@ -45,6 +45,8 @@ CASES = [
     ("FULL_SHARD", "per_microbatch", "zbh1", [3, 4], 0.05),
     ("SHARD_GRAD_OP", "per_microbatch", "interleaved", [2, 2, 2, 1], None),
     ("FULL_SHARD", "per_microbatch", "interleaved", [2, 2, 2, 1], 0.05),
+    ("FULL_SHARD", "per_microbatch", "1f1b+checkpointing", [4, 3], None),  # activation checkpointing, every layer
+    ("SHARD_GRAD_OP", "per_step", "advance", [4, 3], 0.05),
 ]
 STEPS = 3
 
@@ -73,7 +75,8 @@ def _cases_worker(rank: int, world: int, cases: list[tuple[Any, ...]]) -> list[d
         cfg = PipelineConfig(
             num_stages=2,
             num_microbatches=4,
-            schedule=schedule,
+            schedule=schedule.split("+")[0],
+            activation_checkpointing=schedule.endswith("+checkpointing"),
             averaging="exact",
             sharding_strategy=level,
             reduce_gradients=reduce,
@@ -203,3 +206,36 @@ def test_zero3_checkpoints_resume_in_any_layout(tmp_path: Path) -> None:
     assert_states_close(layers(tmp_path / "folder-resumed" / "final.ckpt"), want)
     _, one = fit_pipenet(tmp_path / "one", 2 * STEPS, str(mid), sdc=False, every_n_train_steps=100)
     assert_states_close({k: v for k, v in one.state_dict().items() if k in want}, want)
+
+
+@pytest.mark.slow
+def test_zero3_under_float16_loss_scaling_trains_as_unsharded(tmp_path: Path) -> None:
+    """16-mixed (float16 autocast and the pipeline-wide loss scaler) at D = 2 x S = 1: FULL_SHARD per micro-batch
+    and reduced once per step both give the unsharded run's losses and weights."""
+    from tests.helpers.equivalence import final_state, run_lightning
+
+    strategy: dict[str, Any] = {"num_stages": 1, "num_microbatches": 2, "averaging": "exact"}
+    run = {"steps": 3, "model": {"optimizer": "adam", "lr": 0.01}, "fp16": True}
+    plain = run_lightning(tmp_path / "plain", 2, strategy, **run)
+    for reduce in ("per_microbatch", "per_step"):
+        sharded = {**strategy, "sharding_strategy": "FULL_SHARD", "reduce_gradients": reduce}
+        z3 = run_lightning(tmp_path / reduce, 2, sharded, **run)
+        torch.testing.assert_close(torch.tensor(z3[0]["losses"]), torch.tensor(plain[0]["losses"]))
+        want, got = final_state(tmp_path / "plain"), final_state(tmp_path / reduce)
+        for key, value in want.items():
+            torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{reduce} {k}: {m}")
+
+
+def test_a_combination_that_cannot_shard_is_refused_with_the_fix() -> None:
+    from lightning_avgpipe import AvgPipeStrategy
+
+    with pytest.raises(ValueError, match=r"sharding_strategy='FULL_SHARD' shards one model .* needs averaging='exact'"):
+        AvgPipeStrategy(sharding_strategy="FULL_SHARD")  # elastic averaging: each group trains its own replica
+    with pytest.raises(ValueError, match=r"shard_optimizer_state=True with sharding_strategy='zero2'.*Give"):
+        AvgPipeStrategy(averaging="exact", shard_optimizer_state=True, sharding_strategy="zero2")
+    with pytest.raises(ValueError, match=r"sharding_strategy='ZERO4' is not one of"):
+        AvgPipeStrategy(averaging="exact", sharding_strategy="ZERO4")
+    with pytest.raises(ValueError, match=r"reduce_gradients='sometimes' is not one of"):
+        AvgPipeStrategy(averaging="exact", reduce_gradients="sometimes")
+    assert AvgPipeStrategy(averaging="exact", sharding_strategy="zero3").config.sharding_strategy == "FULL_SHARD"
+    assert AvgPipeStrategy(shard_optimizer_state=True).config.sharding_strategy == "SHARD_OPTIM"
