@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -87,9 +88,7 @@ def _cases_worker(rank: int, world: int, cases: list[tuple[Any, ...]]) -> list[d
             opt.zero_grad()
             pipe.train_step([make_batch(2 * step + top.group_index)], lambda o, b, s: F.cross_entropy(o, b[1]))
             if clip is not None:
-                clip_grad_norm_across(
-                    [pipe.reference_params], clip, top.pipeline_group, shard_group=top.stage_group
-                )
+                clip_grad_norm_across([pipe.reference_params], clip, top.pipeline_group, shard_group=top.stage_group)
             opt.step()
         params = pipe.reference_params
         states = [t for p in params for t in opt.state[p].values() if t.dim()]
@@ -180,7 +179,11 @@ def test_zero3_checkpoints_resume_in_any_layout(tmp_path: Path) -> None:
     def layers(path: Path) -> dict[str, torch.Tensor]:
         return {k: v for k, v in torch.load(path, weights_only=True)["state_dict"].items() if k.startswith("layers.")}
 
-    run_lightning(tmp_path / "file", 2, strategy, every_n_train_steps=STEPS, **run)
+    out = run_lightning(tmp_path / "file", 2, strategy, every_n_train_steps=STEPS, **run)[0]["output"]
+    said = re.search(
+        r"sharding_strategy='FULL_SHARD' over 2 groups \(FSDP2\): rank 0 keeps ([0-9.]+)% of its stage", out
+    )
+    assert said is not None and 45 < float(said.group(1)) <= 55, out[-2000:]
     final = torch.load(tmp_path / "file" / "final.ckpt", weights_only=True)
     assert_states_close(layers(tmp_path / "file" / "final.ckpt"), want)
     state = final["optimizer_states"][0]["state"]
@@ -223,7 +226,9 @@ def test_zero3_under_float16_loss_scaling_trains_as_unsharded(tmp_path: Path) ->
         torch.testing.assert_close(torch.tensor(z3[0]["losses"]), torch.tensor(plain[0]["losses"]))
         want, got = final_state(tmp_path / "plain"), final_state(tmp_path / reduce)
         for key, value in want.items():
-            torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{reduce} {k}: {m}")
+            torch.testing.assert_close(
+                got[key], value, rtol=1e-5, atol=1e-6, msg=lambda m, k=key, r=reduce: f"{r} {k}: {m}"
+            )
 
 
 def test_a_combination_that_cannot_shard_is_refused_with_the_fix() -> None:

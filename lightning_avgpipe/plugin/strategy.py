@@ -123,19 +123,14 @@ class AvgPipeStrategy(CheckpointHooks, TunerSurface):
             ``config.base_model_tp_plan`` where the module holds one, else attention by whole heads (tried on the
             shards first, left whole with a warning where that changes its output) and MLP pairs (a widening
             Linear or Conv1D, then the one reading it back) column- then row-wise; the rest stays whole.
-        shard_optimizer_state: ZeRO-1 over the D groups (docs/parallelism.md#sharded-optimizer-state). With
-            ``averaging="exact"`` each group keeps and steps the optimizer state of a 1/D part of every stage; with
-            elastic averaging each keeps a 1/D slice of the reference, the summed update and the outer momentum,
-            and the reference is whole only between steps (docs/parallelism.md#sharded-reference).
-        sharding_strategy: how the D groups share each stage (docs/parallelism.md#sharded-stages), by FSDP's names:
-            ``"NO_SHARD"``; ``"SHARD_OPTIM"`` (ZeRO-1, ``shard_optimizer_state=True``); ``"SHARD_GRAD_OP"`` (ZeRO-2:
-            gradients and optimizer state sharded, FSDP2 ``fully_shard`` over the stage group, weights gathered once
-            a step); ``"FULL_SHARD"`` (ZeRO-3: weights too, gathered for each use). ``"zero1"``..``"zero3"`` also
-            work. ZeRO-2 and ZeRO-3 need ``averaging="exact"``.
-        reduce_gradients: under ZeRO-2/3, ``"per_microbatch"`` (default) reduce-scatters each micro-batch's
-            gradients into a shard; ``"per_step"`` keeps weights and gradients whole through the step and reduces
-            once at its end, as torchtitan does: less traffic, the memory of ZeRO-1 within the step. ``zbh1`` and
-            ``zbv``, whose weight gradients come late, reduce once per step.
+        shard_optimizer_state: ``True`` is ``sharding_strategy="SHARD_OPTIM"`` (ZeRO-1, docs/parallelism.md).
+        sharding_strategy: how the D groups share each stage, by FSDP's names: ``"NO_SHARD"``; ``"SHARD_OPTIM"``
+            (ZeRO-1: optimizer state; under elastic averaging the reference, docs/parallelism.md#sharded-reference);
+            ``"SHARD_GRAD_OP"`` (ZeRO-2: gradients too, FSDP2 over the stage group); ``"FULL_SHARD"`` (ZeRO-3:
+            weights too). ``"zero1"``..``"zero3"`` work too. ZeRO-2 and 3 need ``averaging="exact"``.
+        reduce_gradients: under ZeRO-2/3, ``"per_microbatch"`` reduce-scatters each micro-batch's gradients;
+            ``"per_step"`` keeps weights and gradients whole through the step and reduces once (less traffic,
+            ZeRO-1's peak). ``zbh1``/``zbv`` reduce once per step.
         save_distributed_checkpoint: Lightning's name and meaning (as ``ModelParallelStrategy``'s): ``True`` saves a
             folder that every rank writes its own part of in parallel (torch.distributed.checkpoint), nothing
             gathered; resume from it in any layout, ``python -m lightning_avgpipe consolidate FOLDER OUT.ckpt`` for

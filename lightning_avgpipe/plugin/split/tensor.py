@@ -15,6 +15,7 @@ from lightning_avgpipe.runtime.build.materialize import Shard
 from lightning_avgpipe.runtime.comms import collectives
 from lightning_avgpipe.runtime.comms.topology import Topology
 from lightning_avgpipe.runtime.pipeline import StagePipeline
+from lightning_avgpipe.runtime.sharding import fsdp
 from lightning_avgpipe.runtime.sharding.tensor_parallel import (
     check_plan,
     default_plan,
@@ -22,7 +23,6 @@ from lightning_avgpipe.runtime.sharding.tensor_parallel import (
     parallelize_stage,
     split_on_meta,
 )
-from lightning_avgpipe.runtime.sharding import fsdp
 from lightning_avgpipe.shards import is_dtensor, release_meshes
 
 __all__ = [
@@ -173,8 +173,8 @@ def choose_plan(owned: Mapping[str, nn.Module], root: nn.Module | None) -> dict[
 
 
 def release(topology: Topology | None, pipeline: StagePipeline | None) -> None:
-    """At exit: the process groups that the tensor-parallel (and FSDP) device meshes hold (the topology's, and every replica's
-    copy of it), so they are freed with the others (``shards.release_meshes``)."""
+    """At exit: the process groups that the tensor-parallel (and FSDP) device meshes hold (the topology's, and every
+    replica's copy of it), so they are freed with the others (``shards.release_meshes``)."""
     meshes = [topology.tensor_mesh] if topology is not None else []
     if pipeline is not None:
         meshes += [p.device_mesh for p in [*pipeline.replicas.params, *pipeline.reference_params] if is_dtensor(p)]  # type: ignore[attr-defined]

@@ -27,6 +27,7 @@ from lightning_avgpipe.runtime.controller import StepController, StepReport
 from lightning_avgpipe.runtime.pipeline import StagePipeline
 from lightning_avgpipe.runtime.request import StepRequest
 from lightning_avgpipe.runtime.sharding.zero import ShardedOptimizer
+from lightning_avgpipe.shards import local
 
 # the precision plugin's context around each evaluation hook's forwards
 EVAL_CONTEXTS = {
@@ -160,10 +161,23 @@ def announce_averaging(pipeline: StagePipeline) -> None:
 
 def announce_sharding(pipeline: StagePipeline, optimizer: Any) -> None:
     """Say how ``shard_optimizer_state`` splits each stage's optimizer state over the D groups: every group's share
-    of every stage (collective over the job: every rank calls it at setup; rank 0 prints)."""
+    of every stage (collective over the job: every rank calls it at setup; rank 0 prints); or, under FSDP
+    (``sharding_strategy`` ZeRO-2/3), rank 0's share and when weights are gathered and gradients reduced."""
+    top = pipeline.topology
+    sharding = pipeline.sharding
+    if sharding is not None:
+        mine = sum(local(p).numel() for p in pipeline.reference_params)
+        whole = sum(p.numel() for p in pipeline.reference_params)
+        how = "gathered for each use" if sharding.level == "FULL_SHARD" and not sharding.per_step else "gathered once"
+        reduced = "each micro-batch" if sharding.sync_each_microbatch else "once at the end of the step"
+        rank_zero_info(
+            f"AvgPipe: sharding_strategy={sharding.level!r} over {top.num_groups} groups (FSDP2): rank 0 keeps "
+            f"{mine / max(whole, 1):.1%} of its stage's weights, gradients and optimizer state; weights {how} in "
+            f"a step, gradients reduce-scattered {reduced}."
+        )
+        return
     if not isinstance(optimizer, ShardedOptimizer):
         return
-    top = pipeline.topology
     mine, whole, how = optimizer.share()
     rows: list[Any] | None = [None] * top.world_size if top.rank == 0 else None
     dist.gather_object((top.stage, top.group_index, top.tensor_rank, mine, whole, how), rows, dst=0)

@@ -106,7 +106,7 @@ class StageSharding:
         # FULL_SHARD per micro-batch frees a layer's weights after its forward and gathers them again for its backward
         free = level == "FULL_SHARD" and not self.per_step
         self.layers: list[nn.Module] = []
-        self.roots: dict[tuple[int, ...], _ChunkRoot] = {}  # by the ids of the chunk's layers
+        self.roots: dict[tuple[int, ...], Any] = {}  # FSDP roots (_ChunkRoot), by the ids of the chunk's layers
         for chunk in chunks:
             for layer in chunk:
                 if any(True for _ in layer.parameters()):

@@ -1,4 +1,4 @@
-"""Optimizer state sharded over the D pipeline groups (ZeRO stage 1; docs/parallelism.md#sharded-optimizer-state).
+"""Optimizer state sharded over the D pipeline groups (ZeRO stage 1; docs/parallelism.md#sharded-stages).
 
 With ``averaging="exact"`` the D groups train one model: after the gradient average every group holds the same
 gradients, and every group would run the same optimizer step on the same weights, each keeping the whole optimizer
