@@ -11,6 +11,7 @@ times. Printed as ratios to one device's figure of the same phase.
     python benchmarks/big_model.py                      # width 2048, 8 layers (128 MiB of weights), S = 2 and 4,
                                                         # and S = 2 x T = 2 (each stage split over 2 ranks)
     python benchmarks/big_model.py --cap-gib 2.5 --width 4096 --layers 16   # one device killed by the cap, S = 4 not
+    python benchmarks/big_model.py --groups 2 --steps 4  # D = 2 x S = 2 under ZeRO-0..3 and ZeRO-3 once per step
 
 ``--cap-gib`` puts each process in a cgroup (v1 memory controller, root on Linux) of its own with that limit, and
 runs one device and S = 4 under it; without the controller it says so and skips. Linux only (``/proc``).
@@ -90,6 +91,26 @@ def _without_checksums() -> None:
     sharded.check_files = lambda *a, **k: None
 
 
+def _strategy(cfg: dict[str, Any]) -> Any:
+    """The strategy of a run of ``cfg["devices"]`` ranks: D x S x T."""
+    from lightning_avgpipe import AvgPipeStrategy
+
+    sdc, T, D = cfg["sharded"], cfg.get("tensor", 1), cfg.get("groups", 1)
+    # D > 1: one model over the D groups, each stage shared as cfg["sharding"] says (ZeRO-0..3)
+    shared = {"averaging": "exact", "sharding_strategy": cfg["sharding"], "reduce_gradients": cfg["reduce"]}
+    # T > 1: each stage's Linears in column-wise then row-wise pairs (Megatron's MLP split)
+    plan = {f"layers.{2 * i}": "rowwise" if i % 2 else "colwise" for i in range(cfg["layers"])} if T > 1 else None
+    return AvgPipeStrategy(
+        num_stages=cfg["devices"] // (T * D),
+        num_microbatches=2,
+        partition="parameters",
+        save_distributed_checkpoint=sdc,
+        tensor_parallel_size=T,
+        tensor_parallel_plan=plan,
+        **(shared if D > 1 else {}),
+    )
+
+
 def worker(cfg: dict[str, Any]) -> None:
     _prepare(cfg)
     import ctypes
@@ -100,8 +121,6 @@ def worker(cfg: dict[str, Any]) -> None:
     import torch.nn.functional as F
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
-
-    from lightning_avgpipe import AvgPipeStrategy
 
     torch.set_num_threads(1)
     width, layers, late = cfg["width"], cfg["layers"], cfg["late"]
@@ -140,27 +159,23 @@ def worker(cfg: dict[str, Any]) -> None:
             phases["build + setup"] = _status("VmHWM") - baseline
             _reset_peak()
 
+        def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+            steps.append(-time.perf_counter())
+
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            steps[-1] += time.perf_counter()
+
         def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
             phases["training"] = _status("VmHWM") - baseline
             _reset_peak()
+
+    steps: list[float] = []  # each training step's wall time
 
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(32, width, generator=g), torch.randn(32, width, generator=g))
 
     def trainer_for(callbacks: list[Any]) -> pl.Trainer:
-        strategy: Any = "auto"
-        if cfg["devices"] > 1:
-            sdc, T = cfg["sharded"], cfg.get("tensor", 1)
-            # T > 1: each stage's Linears in column-wise then row-wise pairs (Megatron's MLP split)
-            plan = {f"layers.{2 * i}": "rowwise" if i % 2 else "colwise" for i in range(layers)} if T > 1 else None
-            strategy = AvgPipeStrategy(
-                num_stages=cfg["devices"] // T,
-                num_microbatches=2,
-                partition="parameters",
-                save_distributed_checkpoint=sdc,
-                tensor_parallel_size=T,
-                tensor_parallel_plan=plan,
-            )
+        strategy: Any = _strategy(cfg) if cfg["devices"] > 1 else "auto"
         return pl.Trainer(
             accelerator="cpu",
             devices=cfg["devices"],
@@ -192,6 +207,8 @@ def worker(cfg: dict[str, Any]) -> None:
     load_s = time.perf_counter() - start
     phases["resume"] = _status("VmHWM") - baseline
     result = {"rank": rank, "phases": phases, "save_s": save_s, "load_s": load_s, "baseline": baseline}
+    timed = sorted(steps[1:] or steps)  # the first step builds plans and buffers
+    result["step_s"] = timed[len(timed) // 2]
     Path(cfg["out"], f"rank{rank}.json").write_text(json.dumps(result))
 
 
@@ -203,6 +220,9 @@ def run(
     cap: int = 0,
     tensor: int = 1,
     checksums: bool = True,
+    groups: int = 1,
+    sharding: str = "NO_SHARD",
+    reduce: str = "per_microbatch",
 ) -> list[dict[str, Any]]:
     """Every rank's result (``devices`` = S x ``tensor`` ranks); with a ``cap``, a rank killed by it raises
     ``MemoryError`` naming it."""
@@ -212,7 +232,7 @@ def run(
 
     out = tempfile.mkdtemp(prefix="big-model-")
     cfg = {"out": out, "devices": devices, "late": late, "sharded": sharded, "cap": cap, "tensor": tensor}
-    cfg["checksums"] = checksums
+    cfg.update(checksums=checksums, groups=groups, sharding=sharding, reduce=reduce)
     cfg.update({k: getattr(args, k) for k in ("width", "layers", "steps")})
     try:
         results = launch_ranks([str(Path(__file__)), "--worker", json.dumps(cfg)], devices, timeout=1800)
@@ -242,6 +262,7 @@ def main() -> None:
     parser.add_argument("--cap-gib", type=float, help="run one device and S = 4 under this per-process memory cap")
     parser.add_argument("--quick", action="store_true", help="a smoke run: configure_model only (no __init__ row)")
     parser.add_argument("--checksum-cost", type=int, metavar="N", help="S = 2 folder saves with and without checksums")
+    parser.add_argument("--groups", type=int, help="only D = this x S = 2 rows, each sharding (exact averaging)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -267,6 +288,9 @@ def main() -> None:
         print(f"{name:40} {r['rank']:>4} " + " ".join(f"{c:>19}" for c in cells) + " " + " ".join(times))
 
     row("one device (configure_model)", one)
+    if args.groups:
+        sharded_rows(args, row)
+        return
     for stages in args.stages:
         variants = ((True, False), (True, True), (False, False))
         for late, sharded in variants[: 3 if stages == 2 and not args.quick else 2]:
@@ -276,6 +300,24 @@ def main() -> None:
     if args.tensor > 1:  # each stage split over T ranks on the meta device, each rank making only its shards real
         for r in run(2 * args.tensor, True, args, True, tensor=args.tensor):
             row(f"S=2 x T={args.tensor}, configure_model, folder", r)
+
+
+def sharded_rows(args: argparse.Namespace, row: Any) -> None:
+    """D = ``--groups`` x S = 2 under each ``sharding_strategy`` (and ZeRO-3 reduced once per step): each rank's
+    peaks against one device's, and the median step time against ZeRO-1's in the same run."""
+    levels = [("NO_SHARD", "per_microbatch"), ("SHARD_OPTIM", "per_microbatch"), ("SHARD_GRAD_OP", "per_microbatch")]
+    levels += [("FULL_SHARD", "per_microbatch"), ("FULL_SHARD", "per_step")]
+    D, times = args.groups, {}
+    for level, reduce in levels:
+        name = f"D={D} x S=2, {level}" + (", per_step" if reduce == "per_step" else "")
+        results = run(2 * D, True, args, groups=D, sharding=level, reduce=reduce)
+        for r in results:
+            row(name, r)
+        times[name] = max(r["step_s"] for r in results)  # the slowest rank's median step
+    zero1 = times[f"D={D} x S=2, SHARD_OPTIM"]
+    print("\nstep time (the slowest rank's median step), ratio to ZeRO-1's in this run")
+    for name, t in times.items():
+        print(f"{name:40} {t:6.2f} s ({t / zero1:.2f}x)")
 
 
 def checksum_cost(args: argparse.Namespace) -> None:
