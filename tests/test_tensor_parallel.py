@@ -216,6 +216,27 @@ def reference(replicas: int, kind: str = "mlp") -> tuple[list[float], dict[str, 
     return losses, state
 
 
+def reference_exact(replicas: int, kind: str = "mlp") -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process: the unsplit model trained on the ``replicas`` batches of every step at once (their mean loss),
+    each batch in M micro-batches in the pipeline's order."""
+    layers = make_model(kind=kind)
+    net = nn.Sequential(*layers)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        total = 0.0
+        for r in range(replicas):
+            x, y = batch(step, r, replicas)
+            for mx, my in zip(microbatch.split(x, M), microbatch.split(y, M)):
+                loss = F.cross_entropy(net(mx), my) * (len(my) / len(y) / replicas)
+                loss.backward()
+                total += loss.item()
+        opt.step()
+        losses.append(total)
+    return losses, {f"{i}.{k}": v for i, layer in enumerate(layers) for k, v in layer.state_dict().items()}
+
+
 def _worker(rank: int, world: int, stages: int, tp: int, configs: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -258,12 +279,15 @@ def _worker(rank: int, world: int, stages: int, tp: int, configs: list[tuple[Any
             made = [made.kept_bytes, sum(t.numel() * t.element_size() for t in held), made.peak_other_bytes, largest]
         else:
             split = parallelize_stage(own, plan, top.tensor_mesh, left)
+        sharding = schedule[1] if len(schedule) > 1 else None  # ZeRO-2/3 over the data dimension: exact
         cfg = PipelineConfig(
             num_stages=stages,
             num_microbatches=M,
             num_pipelines=n,
             activation_checkpointing=ac,
             schedule=schedule[0] if schedule else "1f1b",
+            sharding_strategy=sharding or "NO_SHARD",
+            averaging="exact" if sharding else "elastic",
         )
         pipe = StagePipeline(list(own.values()), top, cfg)
         opt = pipe.optimizer(torch.optim.SGD(pipe.reference_params, lr=0.1, momentum=0.9))
@@ -284,6 +308,8 @@ def _worker(rank: int, world: int, stages: int, tp: int, configs: list[tuple[Any
         out[-1]["left"] = left
         out[-1]["talks"] = talks
         out[-1]["made"] = made
+        meshes = {tuple(p.device_mesh.mesh_dim_names or ()) for p in pipe.reference_params if is_dtensor(p)}
+        out[-1]["fsdp"] = sorted(meshes)
     return out
 
 
@@ -291,11 +317,16 @@ def _check(results: list[list[dict[str, Any]]], configs: list[tuple[Any, ...]], 
     for c, config in enumerate(configs):
         kind, n = config[:2] if isinstance(config[0], str) else ("mlp", config[0])
         kind = kind.removesuffix("-meta")  # built on the meta device: the same values, the same training
-        want_losses, want = reference(n * groups, kind.removesuffix("-torch"))
+        exact = len(config) + isinstance(config[0], int) > 4  # a sharding_strategy: one model over the D groups
+        want_losses, want = (reference_exact if exact else reference)(n * groups, kind.removesuffix("-torch"))
+        if exact and config[-1] != "NO_SHARD":  # each weight a 2D DTensor over (data, tensor)
+            assert all(("data", "tensor") in r[c]["fsdp"] for r in results), [r[c]["fsdp"] for r in results]
         for rank_results in results:
             got = rank_results[c]
             for key, value in got["state"].items():
-                torch.testing.assert_close(value, want[key], rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
+                torch.testing.assert_close(
+                    value, want[key], rtol=1e-5, atol=1e-6, msg=lambda m, k=key, c=config: f"{c} {k}: {m}"
+                )
             if got["losses"][0] is not None and groups == 1:  # the last stage's loss: its group's N replicas
                 torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want_losses))
         assert {name for r in results for name in r[c]["split"]} == SPLIT[kind.removesuffix("-torch")]
@@ -326,8 +357,9 @@ def test_two_stages_of_two_shards_match_one_process() -> None:
 
 @pytest.mark.slow
 def test_two_groups_of_two_stages_of_two_shards_match_one_process() -> None:
-    """D = 2, S = 2, T = 2 (8 ranks, a tiny model): the data dimension averages each (stage, shard) over D."""
-    configs = [(1, True), (2, False)]
+    """D = 2, S = 2, T = 2 (8 ranks, a tiny model): the data dimension averages each (stage, shard) over D; under
+    FULL_SHARD and SHARD_GRAD_OP FSDP shards each tensor shard over it (2D weights), as one device trains."""
+    configs = [(1, True), (2, False), (1, False, "1f1b", "FULL_SHARD"), (1, True, "zbh1", "SHARD_GRAD_OP")]
     results = run_distributed(_worker, 8, 2, 2, configs, timeout=300, what="D=2 S=2 T=2")
     _check(results, configs, groups=2)
 
