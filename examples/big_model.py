@@ -3,11 +3,13 @@ read per stage from a sharded safetensors checkpoint, saved as a folder every ra
 
     python examples/big_model.py            # 20 steps over 2 stages, a sharded checkpoint, then one file of it
     python examples/big_model.py --check    # 3 steps, then compare with from_pretrained on one process
+    python examples/big_model.py --groups 2 --check   # D = 2 x S = 2 (4 ranks), each stage sharded (ZeRO-3)
 
 Needs ``pip install transformers``. Nothing is downloaded: the script first saves a small random Llama with
 ``save_pretrained(max_shard_size=...)`` into ``runs/big_model/pretrained`` (several shards and an index, as a
 downloaded checkpoint has), or takes ``--pretrained FOLDER`` of your own. Each rank reports the parameter bytes it
-made real: its own stage's, never the whole model's.
+holds: its own stage's, never the whole model's; with ``--groups D`` (``sharding_strategy="FULL_SHARD"``, FSDP2 over
+the D ranks of a stage) a 1/D shard of it.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import lightning.pytorch as L
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
 import lightning_avgpipe  # registers strategy="avgpipe"
 
@@ -90,8 +92,8 @@ class PretrainedLlama(L.LightningModule):
 
     def on_train_start(self) -> None:
         real = {id(p): p for p in self.parameters() if not p.is_meta}
-        mine = sum(p.nbytes for p in real.values())
-        print(f"rank {self.global_rank}: {mine / 1024:.0f} KiB of parameters made real (its own stage's)", flush=True)
+        mine = sum(getattr(p, "to_local", lambda p=p: p)().nbytes for p in real.values())  # a shard: its local part
+        print(f"rank {self.global_rank}: {mine / 1024:.0f} KiB of parameters held (its own stage's)", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,21 +103,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pretrained", help="a Hugging Face Llama folder (default: a random one saved here)")
     p.add_argument("--root", default="runs/big_model")
     p.add_argument("--check", action="store_true", help="train 3 steps and compare with from_pretrained")
+    p.add_argument("--groups", type=int, default=1, help="D pipeline groups of 2 stages, each stage sharded over D")
+    p.add_argument("--sharding", default="FULL_SHARD", help="sharding_strategy with --groups > 1 (ZeRO-1, 2 or 3)")
     args = p.parse_args(argv)
     steps = 3 if args.check else args.steps
     lightning_avgpipe.share_cpu_threads(2)
-    data, vocab = text_batches(32, 16 * steps)
+    D = args.groups
+    data, vocab = text_batches(32, 16 * D * steps)
     root = Path(args.root)
     root.mkdir(parents=True, exist_ok=True)
     pretrained = Path(args.pretrained) if args.pretrained else root / "pretrained"
     if not args.pretrained:
         save_random_llama(pretrained, vocab, 32)
+    # D > 1: one model over the D groups (exact averaging), each stage's weights, gradients and AdamW state sharded
+    sharded = {"averaging": "exact", "sharding_strategy": args.sharding} if D > 1 else {}
     strategy = lightning_avgpipe.AvgPipeStrategy(
-        num_microbatches=args.microbatches, partition="parameters", save_distributed_checkpoint=True
+        num_stages=2,
+        num_microbatches=args.microbatches,
+        partition="parameters",
+        save_distributed_checkpoint=True,
+        **sharded,
     )
     trainer = L.Trainer(
         accelerator="cpu",
-        devices=2,
+        devices=2 * D,
         strategy=strategy,
         max_steps=steps,
         logger=False,
@@ -123,8 +134,11 @@ def main(argv: list[str] | None = None) -> int:
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=str(root),
+        use_distributed_sampler=D == 1,  # D > 1: the sampler below, in order (Lightning's would shuffle)
     )
-    loader = DataLoader(data, batch_size=16)  # one pipeline group reads it in order, as one device does
+    # group d reads samples d, d + D, ... 16 a step: together one device's batch of 16 x D, in order
+    group = DistributedSampler(data, num_replicas=D, rank=trainer.global_rank // 2, shuffle=False) if D > 1 else None
+    loader = DataLoader(data, batch_size=16, sampler=group)
     trainer.fit(PretrainedLlama(str(pretrained)), loader)
     folder = root / "final.ckpt"
     trainer.save_checkpoint(folder)  # every rank writes its own stage's part
@@ -140,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     llm = LlamaForCausalLM.from_pretrained(pretrained)  # one process, accumulation over the same micro-batches
     ref = pipeline_of(llm)
     opt = torch.optim.AdamW(llm.parameters(), lr=3e-3)
-    for ids, targets in loader:
+    for ids, targets in DataLoader(data, batch_size=16 * D):
         opt.zero_grad()
         for mi, mt in zip(ids.tensor_split(args.microbatches), targets.tensor_split(args.microbatches)):
             loss = F.cross_entropy(ref(mi).flatten(0, 1), mt.flatten()) * (len(mi) / len(ids))

@@ -106,6 +106,20 @@ def test_a_hugging_face_llama_built_per_stage_and_loaded_from_its_shards(tmp_pat
     )
     assert "check: OK" in out, out[-3000:]
     total = float(re.search(r"rank 0: [0-9.]+ KiB of ([0-9.]+) KiB", out).group(1))  # type: ignore[union-attr]
-    made = {int(r): int(kib) for r, kib in re.findall(r"rank (\d): (\d+) KiB of parameters made real", out)}
+    made = {int(r): int(kib) for r, kib in re.findall(r"rank (\d): (\d+) KiB of parameters held", out)}
     assert made.keys() == {0, 1} and all(kib < 0.6 * total for kib in made.values()), (made, total)
     assert (tmp_path / "final.ckpt" / "avgpipe.pt").exists() and (tmp_path / "final-one-file.ckpt").is_file()
+
+
+@pytest.mark.timeout(400)
+def test_a_hugging_face_llama_sharded_over_two_groups_of_two_stages(tmp_path: Path) -> None:
+    """``examples/big_model.py --groups 2 --check``: the same Llama at D = 2 x S = 2 (4 ranks) under FULL_SHARD,
+    each rank holding about a quarter of the model (half of its stage), equals from_pretrained on one process
+    training on both groups' batches at once."""
+    pytest.importorskip("transformers")
+    command = [sys.executable, str(ROOT / "examples" / "big_model.py"), "--groups", "2", "--check"]
+    out = run_command([*command, "--root", str(tmp_path)], tmp_path)
+    assert "check: OK" in out, out[-3000:]
+    total = float(re.search(r"rank 0: [0-9.]+ KiB of ([0-9.]+) KiB", out).group(1))  # type: ignore[union-attr]
+    held = {int(r): int(kib) for r, kib in re.findall(r"rank (\d): (\d+) KiB of parameters held", out)}
+    assert held.keys() == {0, 1, 2, 3} and all(kib < 0.3 * total for kib in held.values()), (held, total)
