@@ -20,7 +20,7 @@ from lightning_avgpipe import microbatch
 from lightning_avgpipe.plugin import compat
 from lightning_avgpipe.plugin.contract import pipeline_inputs
 from lightning_avgpipe.plugin.steps.bridge import StepBridge, replay_logs
-from lightning_avgpipe.plugin.steps.gradients import GradStash
+from lightning_avgpipe.plugin.steps.gradients import GradStash, discarded_by_zero_grad
 from lightning_avgpipe.plugin.steps.precision import loss_scale_of
 from lightning_avgpipe.plugin.steps.results import StepResults
 from lightning_avgpipe.runtime.controller import StepController, StepReport
@@ -82,7 +82,8 @@ class PipelineSteps:
             loss_scale=loss_scale_of(precision),
         )
         # Lightning zeroes gradients between training_step and backward
-        with self.stash.apart(pipeline.replicas.params):
+        discarded = discarded_by_zero_grad(trainer, int(rest[0]) if rest else None)
+        with self.stash.apart(pipeline.replicas.params, discarded):
             report = control.run(request)
         result = report.result
         if result.loss is not None:  # the last stage
