@@ -22,7 +22,6 @@ from torch.optim import Optimizer
 
 from lightning_avgpipe.optim import ElasticOptimizer
 from lightning_avgpipe.plugin import compat
-
 from lightning_avgpipe.runtime.sharding.zero import ShardedOptimizer
 from lightning_avgpipe.runtime.sync.clipping import clip_grad_norm_across
 
@@ -71,7 +70,7 @@ def discarded_by_zero_grad(trainer: pl.Trainer, batch_idx: int | None) -> set[in
     first = accumulate == 1 or (batch_idx is not None and batch_idx % accumulate == 0)
     if not first or not compat.zeroes_gradients(trainer):
         return set()
-    hooks = [module, *trainer.callbacks]
+    hooks = [module, *trainer.callbacks]  # type: ignore[attr-defined]
     if is_overridden("optimizer_zero_grad", module) or any(is_overridden("on_before_zero_grad", h) for h in hooks):
         return set()
     found: set[int] = set()

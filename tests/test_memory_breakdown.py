@@ -1,0 +1,72 @@
+"""The memory breakdown of each stage at the first training step (issue 44, part 2): printed by rank 0 for every rank,
+logged as ``memory/<part>_mib``, and its weights, gradients and optimizer state equal what this test counts from the
+stage's layers; the counting itself (``runtime/memory.py``) on tensors sharing storage."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_avgpipe.runtime.memory import MIB, MemoryBreakdown, release_free_heap, stage_breakdown
+from tests.helpers.equivalence import run_lightning
+from tests.helpers.models import make_layers
+
+PARTITION = [3, 3]  # PipeNet's six layers: Linear(8, 16), Fork, Join on stage 0; Linear, ReLU, Linear on stage 1
+
+
+def _stage_bytes(stage: int) -> tuple[int, int]:
+    """Bytes of stage ``stage``'s parameters and their number, counted here from the layers the worker builds."""
+    start = sum(PARTITION[:stage])
+    params = [p for layer in make_layers()[start : start + PARTITION[stage]] for p in layer.parameters()]
+    return sum(p.numel() * p.element_size() for p in params), len(params)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_first_step_breakdown_counts_each_stage_s_own_tensors(tmp_path: Path) -> None:
+    strategy = {"num_microbatches": 2, "partition": PARTITION}
+    results = run_lightning(tmp_path, 2, strategy, steps=2, model={"optimizer": "adam", "lr": 0.01})
+    for stage, result in enumerate(results):
+        weights, count = _stage_bytes(stage)
+        assert weights > 0 and result["parameters"] * 4 == weights  # what the rank holds, as the worker saw it
+        got = {k: round(v * MIB) for k, v in result["metrics"].items() if k.startswith("memory/")}
+        assert got["memory/weights_mib"] == weights, (stage, got)
+        assert got["memory/gradients_mib"] == weights, (stage, got)
+        # Adam: two moments of each parameter's size, and its float32 step count per parameter
+        assert got["memory/optimizer_state_mib"] == 2 * weights + 4 * count, (stage, got)
+        # activations saved, buffers received (activations on stage 1, their gradients on stage 0), the process
+        assert got["memory/activations_mib"] > 0 and got["memory/communication_mib"] > 0
+        counted = sum(got[f"memory/{k}_mib"] for k in ("weights", "gradients", "optimizer_state", "activations"))
+        rest = got["memory/peak_mib"] - counted - got["memory/communication_mib"]
+        assert got["memory/rest_mib"] == pytest.approx(rest, abs=256)  # logged as float32 MiB
+    # rank 0 prints one line per rank, once
+    out = results[0]["output"]
+    for rank in range(2):
+        lines = re.findall(rf"AvgPipe: rank {rank} \(stage {rank}\) at the first training step: weights .*", out)
+        assert len(lines) == 1, out[-3000:]
+        assert f"optimizer state {(2 * _stage_bytes(rank)[0] + 4 * _stage_bytes(rank)[1]) / MIB:.1f} MiB" in lines[0]
+    assert "at the first training step" not in results[1]["output"]
+
+
+def test_storage_is_counted_once_and_a_breakdown_reads_back() -> None:
+    layer = nn.Linear(32, 64)
+    params = list(layer.parameters())
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt = torch.optim.Adam(params)
+    opt.step()
+    view = layer.weight.detach()[:4]  # shares the weight's storage: not counted again
+    parts = stage_breakdown([*params, view], [opt], [torch.zeros(10)], activations=100, in_flight=60, peak=1 << 30)
+    weights = (32 * 64 + 64) * 4
+    assert (parts.weights, parts.gradients, parts.optimizer_state) == (weights, weights, 2 * weights + 2 * 4)
+    assert (parts.activations, parts.communication) == (100, 60 + 40)
+    assert parts.rest == (1 << 30) - 4 * weights - 8 - 100 - 100
+    scalars = parts.scalars()
+    assert scalars["memory/weights_mib"] == weights / MIB and scalars["memory/peak_mib"] == 1024.0
+    assert set(scalars) == {f"memory/{k}_mib" for k in [*MemoryBreakdown.__dataclass_fields__, "rest"]}
+    assert parts.describe().startswith(f"weights {weights / MIB:.1f} MiB, gradients")
+    assert isinstance(release_free_heap(), bool)
