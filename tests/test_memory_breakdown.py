@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_avgpipe.runtime.memory import MIB, MemoryBreakdown, release_free_heap, stage_breakdown
+from lightning_avgpipe.runtime.memory import MIB, MemoryBreakdown, stage_breakdown
 from tests.helpers.equivalence import run_lightning
 from tests.helpers.models import make_layers
 
@@ -69,4 +69,36 @@ def test_storage_is_counted_once_and_a_breakdown_reads_back() -> None:
     assert scalars["memory/weights_mib"] == weights / MIB and scalars["memory/peak_mib"] == 1024.0
     assert set(scalars) == {f"memory/{k}_mib" for k in [*MemoryBreakdown.__dataclass_fields__, "rest"]}
     assert parts.describe().startswith(f"weights {weights / MIB:.1f} MiB, gradients")
-    assert isinstance(release_free_heap(), bool)
+
+
+def _average_worker(rank: int, world: int) -> list[list[torch.Tensor]]:
+    """Rank d's gradients averaged over the 2 ranks, in one flat buffer and in buckets of 64 bytes."""
+    import torch.distributed as dist
+
+    from lightning_avgpipe.elastic import average_gradients
+
+    out = []
+    for bucket_bytes in (1 << 30, 64):
+        torch.manual_seed(rank)
+        params = [nn.Parameter(torch.zeros(n)) for n in (5, 40, 3, 20)]
+        for p in params:
+            p.grad = torch.randn(p.shape) * (rank + 1)
+        average_gradients(params, dist.group.WORLD, world, bucket_bytes=bucket_bytes)
+        out.append([p.grad for p in params])
+    return out
+
+
+def test_exact_averaging_in_buckets_equals_one_flat_buffer() -> None:
+    """``average_gradients`` all-reduces buckets of gradients, not one flat copy of all of them: the same means."""
+    from tests.helpers.distributed import run_distributed
+
+    results = run_distributed(_average_worker, 2, timeout=120)
+    grads = []
+    for rank in range(2):  # what each rank's gradients were
+        torch.manual_seed(rank)
+        grads.append([torch.randn(n) * (rank + 1) for n in (5, 40, 3, 20)])
+    mean = [(a + b) / 2 for a, b in zip(*grads)]
+    for whole, buckets in results:
+        for a, b, m in zip(whole, buckets, mean):
+            assert torch.equal(a, b)
+            torch.testing.assert_close(a, m)

@@ -1,5 +1,4 @@
-"""What fills a stage's memory (Lightning-free): the breakdown of the first training step, and the C heap's free pages
-given back between the step's phases.
+"""What fills a stage's memory (Lightning-free): the breakdown of the first training step.
 
 :func:`stage_breakdown` counts a stage's tensors by storage (each counted once, a tensor-parallel shard by its local
 part): the weights (every replica's and the reference's), their gradients, the optimizer states, the averaging's
@@ -7,16 +6,15 @@ buffers; the caller adds what the step measured (the activations autograd saved 
 in flight at theirs) and the process's peak (:func:`process_peak_bytes`). What is left of the peak is the rest: the
 interpreter, the libraries, the allocators' free memory and any temporaries (an optimizer's, for one).
 
-On CPU, glibc keeps a large tensor that was freed in its heap once a free has raised its mmap threshold (to 32 MiB at
-most): a stage's gradients of the previous step, the second micro-batch's weight gradients and the optimizer's
-temporaries then stay resident and pile up into the peak. :func:`release_free_heap` (``malloc_trim(0)``) gives
-those pages back; the pipeline calls it at the start and end of a step on CPU.
+On CPU the rest also holds what glibc keeps of freed tensors: once a free has raised its mmap threshold (to 32 MiB
+at most), a freed gradient or optimizer temporary stays in the heap, and the heap grows over the first steps as small
+allocations split its holes (plain training does the same). ``MALLOC_MMAP_THRESHOLD_=1048576`` in the environment
+fixes the threshold: every large tensor is then mapped and unmapped, the peak stays at what the tensors hold, and
+each step pays the page faults of its fresh tensors.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import resource
 import sys
 from collections.abc import Iterable, Sequence
@@ -29,25 +27,6 @@ from torch import Tensor
 from lightning_avgpipe.shards import local
 
 MIB = float(1 << 20)
-
-_libc: Any = None  # glibc, once looked up (False: none here)
-
-
-def release_free_heap() -> bool:
-    """Give the C heap's free pages back to the system (glibc's ``malloc_trim(0)``); ``False`` where there is no
-    glibc (macOS, musl): nothing is done there."""
-    global _libc
-    if _libc is None:
-        name = ctypes.util.find_library("c") if sys.platform.startswith("linux") else None
-        try:
-            lib = ctypes.CDLL(name) if name else None
-        except OSError:
-            lib = None
-        _libc = lib if lib is not None and hasattr(lib, "malloc_trim") else False
-    if _libc is False:
-        return False
-    _libc.malloc_trim(0)
-    return True
 
 
 def process_peak_bytes(device: torch.device) -> int:

@@ -37,7 +37,6 @@ from lightning_avgpipe.runtime.comms.p2p import Link
 from lightning_avgpipe.runtime.comms.topology import Topology
 from lightning_avgpipe.runtime.deferred import WeightGradQueue
 from lightning_avgpipe.runtime.executor import StageExecutor
-from lightning_avgpipe.runtime.memory import release_free_heap
 from lightning_avgpipe.runtime.rank_stages import ChunkLayout
 from lightning_avgpipe.runtime.recompute import layer_mask, stage_function
 from lightning_avgpipe.runtime.request import StepRequest
@@ -343,7 +342,7 @@ class StagePipeline:
             owner += [0 if exact else n] * len(parts)
         if exact:
             replicas = 1  # one replica trains on every unit; what follows counts replicas, not batches
-        self._release_free_heap(start=True)  # the previous step's gradients and optimizer temporaries, freed
+        self._start_peaks()
         trace = StepTrace(self.topology.stage)
         meter = self.meter if measure else None
         if meter is not None:
@@ -397,15 +396,11 @@ class StagePipeline:
         loss = None
         if self.executor.is_last and results:
             loss = torch.stack([r.float() for r in results.values()]).sum() * accumulate / replicas
-        self._release_free_heap()  # the step's temporaries (a second micro-batch's weight gradients)
         return StepResult(results, loss, samples, trace, spread, norms)
 
-    def _release_free_heap(self, start: bool = False) -> None:
-        """On CPU, give the C heap's free pages back (``runtime/memory.py``: glibc keeps freed tensors resident); at
-        a step's ``start``, also start the links' peaks of receive buffers in flight anew."""
-        if self.device.type == "cpu":
-            release_free_heap()
-        for link in self.executor.all_links if start else ():
+    def _start_peaks(self) -> None:
+        """Start the links' peaks of receive buffers in flight anew (the first step's memory breakdown reads them)."""
+        for link in self.executor.all_links:
             link.peak_in_flight = link.in_flight
 
     # -- evaluation ----------------------------------------------------------------------------------------------
