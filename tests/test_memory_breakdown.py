@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -102,3 +103,59 @@ def test_exact_averaging_in_buckets_equals_one_flat_buffer() -> None:
         for a, b, m in zip(whole, buckets, mean):
             assert torch.equal(a, b)
             torch.testing.assert_close(a, m)
+
+
+def test_only_gradients_zero_grad_drops_unread_are_freed_before_the_step() -> None:
+    """The stash frees a stage's earlier gradients before the pipeline's step (not a second copy at its peak) only
+    where Lightning's ``zero_grad`` would drop them with nothing reading them first; elsewhere they are kept."""
+    from types import SimpleNamespace as Ns
+
+    import lightning.pytorch as pl
+
+    from lightning_avgpipe.plugin.steps.gradients import discarded_by_zero_grad
+
+    class Plain(pl.LightningModule):
+        pass
+
+    class Reads(pl.LightningModule):
+        def on_before_zero_grad(self, optimizer: Any) -> None:
+            pass
+
+    class Keeps(pl.LightningModule):
+        def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+            pass
+
+    class Hook(pl.Callback):
+        def on_before_zero_grad(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+            pass
+
+    class OwnZeroGrad(torch.optim.SGD):
+        def zero_grad(self, set_to_none: bool = True) -> None:
+            pass
+
+    w = nn.Parameter(torch.zeros(2))
+
+    def trainer(module: Any, accumulate: int = 1, skip: bool = False, callbacks: Any = (), opt: Any = None) -> Any:
+        loop = Ns(epoch_loop=Ns(automatic_optimization=Ns(**{"_skip_backward": skip})))
+        optimizers = [opt if opt is not None else torch.optim.SGD([w], lr=0.1)]
+        return Ns(
+            lightning_module=module,
+            accumulate_grad_batches=accumulate,
+            fit_loop=loop,
+            callbacks=list(callbacks),
+            strategy=Ns(optimizers=optimizers),
+        )
+
+    assert discarded_by_zero_grad(trainer(Plain()), 0) == {id(w)}
+    assert discarded_by_zero_grad(trainer(Plain()), None) == {id(w)}
+    assert discarded_by_zero_grad(trainer(Plain(), accumulate=2), 2) == {id(w)}  # a window starts
+    assert discarded_by_zero_grad(trainer(Plain(), accumulate=2), 1) == set()  # inside one: they add up
+    assert discarded_by_zero_grad(trainer(Plain(), accumulate=2), None) == set()  # unknown batch index
+    assert discarded_by_zero_grad(trainer(Plain(), skip=True), 0) == set()  # StochasticWeightAveraging's steps
+    assert discarded_by_zero_grad(trainer(Reads()), 0) == set()
+    assert discarded_by_zero_grad(trainer(Keeps()), 0) == set()
+    assert discarded_by_zero_grad(trainer(Plain(), callbacks=[Hook()]), 0) == set()
+    assert discarded_by_zero_grad(trainer(Plain(), opt=OwnZeroGrad([w], lr=0.1)), 0) == set()
+    manual = Plain()
+    manual.automatic_optimization = False
+    assert discarded_by_zero_grad(trainer(manual), 0) == set()
