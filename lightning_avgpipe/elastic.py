@@ -420,14 +420,31 @@ def check_group(group: Any, num_groups: int) -> Any:
 
 
 def average_gradients(
-    params: Sequence[nn.Parameter], group: Any, num_groups: int, device: torch.device | None = None
+    params: Sequence[nn.Parameter],
+    group: Any,
+    num_groups: int,
+    device: torch.device | None = None,
+    bucket_bytes: int = 32 << 20,
 ) -> None:
-    """``averaging="exact"`` with D groups: every group's gradient becomes the mean over the D groups (one
-    all-reduce of one flat buffer over ``group``, the D ranks that hold this stage), as data parallelism does."""
+    """``averaging="exact"`` with D groups: every group's gradient becomes the mean over the D groups (all-reduces
+    over ``group``, the D ranks that hold this stage), as data parallelism does: one flat buffer per bucket of at most
+    ``bucket_bytes`` of gradients (a larger gradient alone), not a flat copy of all of them at the step's peak."""
     grads = [local(p.grad) for p in params if p.grad is not None]  # a tensor-parallel shard: its local part
     check_group(group, num_groups)
     if num_groups <= 1 or not grads:
         return
+    bucket: list[Tensor] = []
+    size = 0
+    for g in grads:
+        if bucket and (size + g.numel() * g.element_size() > bucket_bytes or g.dtype != bucket[0].dtype):
+            _average_bucket(bucket, group, num_groups, device)
+            bucket, size = [], 0
+        bucket.append(g)
+        size += g.numel() * g.element_size()
+    _average_bucket(bucket, group, num_groups, device)
+
+
+def _average_bucket(grads: Sequence[Tensor], group: Any, num_groups: int, device: torch.device | None) -> None:
     flat = torch.cat([g.reshape(-1) for g in grads])
     if device is not None:
         flat = flat.to(device)

@@ -108,6 +108,24 @@ def test_writes_logs(tmp_path: Path) -> None:
     assert compat.writes_logs(object()) is True  # type: ignore[arg-type]  # not a Trainer: log
 
 
+def test_zeroes_gradients(tmp_path: Path) -> None:
+    """Inside ``training_step`` of automatic optimization: True, and False once the fit loop skips the backward (what
+    ``StochasticWeightAveraging`` sets: no ``zero_grad`` runs then)."""
+    use = "trainer.fit_loop._skip_backward (compat.zeroes_gradients)"
+    seen: list[bool] = []
+
+    class Model(BoringModel):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            seen.append(compat.zeroes_gradients(self.trainer))
+            return super().training_step(batch, batch_idx)
+
+    fitted = trainer(tmp_path, max_steps=2)
+    fitted.fit(Model())
+    assert seen == [True, True], broke(use)
+    fitted.fit_loop._skip_backward = True
+    assert compat.zeroes_gradients(fitted) is False, broke(use)
+
+
 @pytest.mark.parametrize("reset", [False, True])
 def test_reset_train_dataloader(tmp_path: Path, reset: bool) -> None:
     """A loader set up early (``estimated_stepping_batches`` in ``configure_optimizers``) is requested again."""

@@ -181,7 +181,8 @@ def test_step_figures_are_measured_only_on_the_steps_lightning_writes_logs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The figures' all-gather and the activation meter's saved-tensor hooks cost every step they run on: they run
-    on log steps only (and the figures are then written), never on the steps between."""
+    on log steps only (and the figures are then written), never on the steps between; the meter also on the first
+    step, for the memory breakdown (logged then, with no figures; written with the first logs)."""
     import csv
 
     from lightning.pytorch.loggers import CSVLogger
@@ -211,11 +212,15 @@ def test_step_figures_are_measured_only_on_the_steps_lightning_writes_logs(
     monkeypatch.setattr(ActivationMeter, "unit", spy_unit)
     trainer.fit(PipeNet(), loader())
     assert gathered == [2, 5]
-    assert sorted(set(metered)) == [2, 5]  # every unit of those steps, no unit of the others
+    assert sorted(set(metered)) == [0, 2, 5]  # every unit of those steps, no unit of the others
     with open(tmp_path / "metrics.csv") as f:
         rows = [r for r in csv.DictReader(f) if r.get("avgpipe/bubble_fraction")]
     assert [int(r["step"]) for r in rows] == [2, 5]
     assert all(float(r["avgpipe/peak_memory_mb/stage0"]) > 0 for r in rows)
+    with open(tmp_path / "metrics.csv") as f:
+        memory = [r for r in csv.DictReader(f) if r.get("memory/weights_mib")]
+    # logged at step 0, written once, where Lightning writes logs first
+    assert [int(r["step"]) for r in memory] == [2] and float(memory[0]["memory/activations_mib"]) > 0
 
 
 @pytest.mark.slow

@@ -16,6 +16,8 @@ Private state read or written (each a function or class below; Lightning 2.6):
   (read through the calling frames), where the strategy's state dicts go to its own ``save_checkpoint``. Used by:
   ``plugin/checkpoint/hooks.py``.
 - ``writes_logs(trainer)``: ``trainer._logger_connector.should_update_logs``. Used by: ``plugin/steps/hooks.py``.
+- ``zeroes_gradients(trainer)``: automatic optimization whose backward is not skipped (``fit_loop._skip_backward``,
+  which ``StochasticWeightAveraging`` sets), so ``zero_grad`` may run. Used by: ``plugin/steps/gradients.py``.
 - ``reset_train_dataloader(trainer)``: ``trainer.fit_loop._combined_loader = None``. Used by:
   ``plugin/tuner_surface.py``.
 - ``rebuild_train_dataloader(trainer)``: the same, then ``fit_loop.setup_data()`` and the sampler's epoch
@@ -41,7 +43,7 @@ Private state read or written (each a function or class below; Lightning 2.6):
 Public helpers kept here because they stand beside those:
 
 - ``unwrap_optimizer(optimizer)``: ``LightningOptimizer.optimizer``. Used by: ``plugin/checkpoint/state.py``,
-  ``plugin/tuner/retune.py``.
+  ``plugin/steps/gradients.py``, ``plugin/tuner/retune.py``.
 - ``every(step, period)``: whether a step is one of every ``period``. Used by: ``plugin/steps/hooks.py``.
 
 Private names imported from Lightning (internal, but the API every custom strategy uses), re-exported here so
@@ -113,6 +115,7 @@ __all__ = [
     "stop_before_training",
     "unwrap_optimizer",
     "writes_logs",
+    "zeroes_gradients",
     "dumping_checkpoint",
 ]
 
@@ -173,6 +176,14 @@ def writes_logs(trainer: pl.Trainer) -> bool:
     """
     connector = getattr(trainer, "_logger_connector", None)
     return bool(getattr(connector, "should_update_logs", True))
+
+
+def zeroes_gradients(trainer: pl.Trainer) -> bool:
+    """Whether this training step's closure may run ``zero_grad``: automatic optimization, and the fit loop's
+    private ``_skip_backward`` (set by ``StochasticWeightAveraging``: no ``zero_grad`` and no ``backward``) unset."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    skip = getattr(getattr(loop, "automatic_optimization", None), "_skip_backward", True)
+    return bool(trainer.lightning_module.automatic_optimization) and not skip
 
 
 def reset_train_dataloader(trainer: pl.Trainer) -> None:

@@ -35,13 +35,13 @@ from lightning_avgpipe.config import PipelineConfig
 from lightning_avgpipe.cpu import host_memory_bytes
 from lightning_avgpipe.noise_scale import NoiseScale
 from lightning_avgpipe.runtime.comms import collectives
+from lightning_avgpipe.runtime.memory import MemoryBreakdown, process_peak_bytes, stage_breakdown
 from lightning_avgpipe.runtime.pipeline import StagePipeline, StepResult
 from lightning_avgpipe.runtime.request import StepRequest
 from lightning_avgpipe.runtime.trace import StepTrace, write_trace
 from lightning_avgpipe.runtime.units import LossFn
 from lightning_avgpipe.schedules import max_advance_forwards
 from lightning_avgpipe.schedules.generate import reads_k
-from lightning_avgpipe.shards import local
 
 # the columns of StepController.figures' (S, 6) table
 FIGURES = ("step_s", "compute_s", "wait_s", "bubble", "activation_peak_bytes", "device_peak_bytes")
@@ -61,23 +61,22 @@ def memory_limit_bytes(limit: float | None, device: torch.device, processes: int
 
 def static_bytes(pipeline: StagePipeline, optimizers: Sequence[Optimizer] = ()) -> float:
     """Bytes of a stage's weights (replicas and reference), gradients, optimizer states and averaging buffers."""
+    parts = breakdown_of(pipeline, optimizers)
+    return float(parts.weights + parts.gradients + parts.optimizer_state + parts.communication)
+
+
+def breakdown_of(
+    pipeline: StagePipeline,
+    optimizers: Sequence[Optimizer] = (),
+    activations: int = 0,
+    in_flight: int = 0,
+    peak: int = 0,
+) -> MemoryBreakdown:
+    """:func:`~lightning_avgpipe.runtime.memory.stage_breakdown` of a stage's tensors (replicas and reference)."""
     elastic = pipeline.replicas.elastic
-    seen: set[int] = set()
-
-    def count(tensors: Any) -> int:
-        total = 0
-        for t in map(local, tensors):  # a tensor-parallel shard: the part this rank holds
-            if isinstance(t, Tensor) and t.numel() and t.untyped_storage().data_ptr() not in seen:
-                seen.add(t.untyped_storage().data_ptr())
-                total += t.untyped_storage().nbytes()
-        return total
-
-    params = pipeline.replicas.params
-    inner = [o for opt in optimizers for o in getattr(opt, "replicas", [opt])]
-    states = [v for opt in inner for st in opt.state.values() for v in st.values()]
-    grads = [p.grad for p in params]
-    return float(
-        count(params) + count(elastic.reference_params) + count(grads) + count(states) + count(elastic.buffers())
+    params = [*pipeline.replicas.params, *elastic.reference_params]
+    return stage_breakdown(
+        params, optimizers, elastic.buffers(), activations=activations, in_flight=in_flight, peak=peak
     )
 
 
@@ -112,6 +111,8 @@ class StepController:
         self.k_search: AdvanceSearch | None = None  # advance_forwards="auto", once it has started
         self._recompute_seen = 0  # activation_checkpointing="auto": measured steps seen; -1 once decided
         self._last_start: float | None = None  # when the previous training step started (samples/s)
+        # the first training step's activation peak and receive buffers' peak (metered for the memory breakdown)
+        self.first_step: tuple[int, int] | None = None
 
     @property
     def config(self) -> PipelineConfig:
@@ -165,8 +166,12 @@ class StepController:
         and decide on checkpointing (collectives over the pipeline and the job, taken alike on every rank)."""
         now = time.perf_counter()
         measure = self.wants_figures(request.step, request.log)
-        report = StepReport(self.pipeline.run_step(request, measure))
+        first = self.first_step is None
+        report = StepReport(self.pipeline.run_step(request, measure or first))
         result = report.result
+        if first:
+            links = self.pipeline.executor.all_links
+            self.first_step = (result.trace.peak_activation_bytes, sum(ln.peak_in_flight for ln in links))
         if result.noise is not None:
             self.noise_scale.update(result.noise)
         if measure:
@@ -227,6 +232,13 @@ class StepController:
             return None
         names = [f"stage {s} (rank {r})" for s, r in enumerate(top.pipeline_ranks)]
         return write_trace(path, gathered, title, names)
+
+    def memory_breakdown(self, optimizers: Sequence[Optimizer]) -> MemoryBreakdown:
+        """What fills this stage now, with the first training step's activations and receive buffers at their peaks
+        and the process's peak so far (after the first optimizer step: its state exists)."""
+        activations, in_flight = self.first_step or (0, 0)
+        peak = process_peak_bytes(self.pipeline.device)
+        return breakdown_of(self.pipeline, optimizers, activations, in_flight, peak)
 
     # -- advance forward: k --------------------------------------------------------------------------------------
     def observe_k(self, table: Tensor) -> str | None:

@@ -350,6 +350,7 @@ class StagePipeline:
             owner += [0 if exact else n] * len(parts)
         if exact:
             replicas = 1  # one replica trains on every unit; what follows counts replicas, not batches
+        self._start_peaks()
         trace = StepTrace(self.topology.stage)
         meter = self.meter if measure else None
         if meter is not None:
@@ -429,6 +430,11 @@ class StagePipeline:
         sizes = [microbatch.batch_size(mb) for mb in micro]
         T = self.topology.tensor_parallel_size
         return GradientProbe(params, sizes, owner, skip=reps.uncounted, tensor_parallel_size=T)
+
+    def _start_peaks(self) -> None:
+        """Start the links' peaks of receive buffers in flight anew (the first step's memory breakdown reads them)."""
+        for link in self.executor.all_links:
+            link.peak_in_flight = link.in_flight
 
     # -- evaluation ----------------------------------------------------------------------------------------------
     def eval_step(

@@ -3,18 +3,26 @@
 Lightning's automatic optimization runs ``training_step``, then ``zero_grad`` (at the start of an accumulation
 window), then ``backward``. Under the pipeline every backward already ran inside ``training_step``, so its gradients
 are kept apart from the ones already accumulated, and added in ``backward``, where Lightning expects them
-(docs/how-it-works.md#gradients-and-lightnings-zero_grad).
+(docs/how-it-works.md#gradients-and-lightnings-zero_grad). Earlier gradients that ``zero_grad`` will set to ``None``
+with nothing reading them first are freed before the step instead (:func:`discarded_by_zero_grad`): kept, they would
+be a second copy of the stage's gradients at the step's peak.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
+from torch.optim import Optimizer
 
+from lightning_avgpipe.optim import ElasticOptimizer
+from lightning_avgpipe.plugin import compat
+from lightning_avgpipe.runtime.sharding.zero import ShardedOptimizer
 from lightning_avgpipe.runtime.sync.clipping import clip_grad_norm_across
 
 
@@ -25,9 +33,10 @@ class GradStash:
         self._grads: list[Tensor | None] | None = None
 
     @contextlib.contextmanager
-    def apart(self, params: Sequence[nn.Parameter]) -> Iterator[None]:
-        """Run a step with no gradients on ``params``; afterwards keep what it produced and put the old ones back."""
-        saved = [p.grad for p in params]
+    def apart(self, params: Sequence[nn.Parameter], discarded: Collection[int] = ()) -> Iterator[None]:
+        """Run a step with no gradients on ``params``; afterwards keep what it produced and put the old ones back,
+        except those of the parameters in ``discarded`` (ids), which are freed now (``zero_grad`` would drop them)."""
+        saved = [None if id(p) in discarded else p.grad for p in params]
         for p in params:
             p.grad = None
         try:
@@ -49,6 +58,40 @@ class GradStash:
                 p.grad = g
             else:
                 p.grad.add_(g)
+
+
+def discarded_by_zero_grad(trainer: pl.Trainer, batch_idx: int | None) -> set[int]:
+    """The ids of the parameters whose gradients Lightning sets to ``None`` between this ``training_step`` and
+    ``backward``, read by no hook first: its default ``optimizer_zero_grad`` at the start of an accumulation window
+    (``batch_idx``; ``None``: unknown), ``on_before_zero_grad`` overridden nowhere, and optimizers whose
+    ``zero_grad`` is torch's. Empty where any of that does not hold: those gradients are then kept."""
+    module = trainer.lightning_module
+    accumulate = trainer.accumulate_grad_batches
+    first = accumulate == 1 or (batch_idx is not None and batch_idx % accumulate == 0)
+    if not first or not compat.zeroes_gradients(trainer):
+        return set()
+    hooks = [module, *trainer.callbacks]  # type: ignore[attr-defined]
+    if is_overridden("optimizer_zero_grad", module) or any(is_overridden("on_before_zero_grad", h) for h in hooks):
+        return set()
+    found: set[int] = set()
+    for optimizer in trainer.strategy.optimizers:
+        params = _set_to_none(compat.unwrap_optimizer(optimizer))
+        if params is None:
+            return set()
+        found |= params
+    return found
+
+
+def _set_to_none(optimizer: Optimizer) -> set[int] | None:
+    """The ids of the parameters ``optimizer.zero_grad()`` sets to ``None``; ``None`` if it is not known."""
+    if isinstance(optimizer, ElasticOptimizer):  # every replica's clone
+        inner = [_set_to_none(opt) for opt in optimizer.replicas]
+        return None if any(i is None for i in inner) else set().union(*inner)  # type: ignore[arg-type]
+    if isinstance(optimizer, ShardedOptimizer):
+        return _set_to_none(optimizer.user)
+    if type(optimizer).zero_grad is not Optimizer.zero_grad:  # the user's own: who knows
+        return None
+    return {id(p) for group in optimizer.param_groups for p in group["params"]}
 
 
 def install_clipping(precision: Any, pipeline: Callable[[], Any], device: torch.device) -> None:

@@ -20,7 +20,8 @@ from lightning_avgpipe import microbatch
 from lightning_avgpipe.plugin import compat
 from lightning_avgpipe.plugin.contract import pipeline_inputs
 from lightning_avgpipe.plugin.steps.bridge import StepBridge, replay_logs
-from lightning_avgpipe.plugin.steps.gradients import GradStash
+from lightning_avgpipe.plugin.steps.gradients import GradStash, discarded_by_zero_grad
+from lightning_avgpipe.plugin.steps.memory import report_after_first_step
 from lightning_avgpipe.plugin.steps.precision import loss_scale_of
 from lightning_avgpipe.plugin.steps.results import StepResults
 from lightning_avgpipe.runtime.controller import StepController, StepReport
@@ -56,6 +57,7 @@ class PipelineSteps:
         self.param_names = param_names
         self.results = StepResults(controller.pipeline)  # the step's loss and logs to every stage
         self.stash = GradStash()  # the step's gradients, between training_step and backward
+        self.memory_reported = False  # the first step's memory breakdown (plugin/steps/memory.py)
 
     def training_step(self, batch: Any, rest: tuple[Any, ...], precision: Precision, num_pipelines: int) -> Tensor:
         """One training iteration: the pipeline's step over the N batches, the user's ``training_step`` as the loss
@@ -67,6 +69,9 @@ class PipelineSteps:
             where = f" (pipeline {n}'s of {num_pipelines})" if num_pipelines > 1 else ""
             check_not_empty(one, f"training batch {rest[0] if rest else '?'}{where} of epoch {trainer.current_epoch}")
         writes_logs = compat.writes_logs(trainer)
+        if not self.memory_reported:  # printed and logged once the first optimizer step has run
+            self.memory_reported = True
+            report_after_first_step(precision, module, control)
         request = StepRequest(  # the whole step's request, passed unchanged down to the executor
             batch if num_pipelines > 1 else [batch],
             lambda output, micro, share: bridge.call_step("training_step", output, micro, share, *rest),
@@ -83,7 +88,8 @@ class PipelineSteps:
             loss_scale=loss_scale_of(precision),
         )
         # Lightning zeroes gradients between training_step and backward
-        with self.stash.apart(pipeline.replicas.params):
+        discarded = discarded_by_zero_grad(trainer, int(rest[0]) if rest else None)
+        with self.stash.apart(pipeline.replicas.params, discarded):
             report = control.run(request)
         result = report.result
         if result.loss is not None:  # the last stage

@@ -174,6 +174,8 @@ class Link:
         # NCCL runs batched point-to-point operations on the whole group's communicator and single ones on a
         # two-rank one: a batched send never matches a single receive. In batched mode every operation is batched.
         self.always_batch = False
+        # bytes of the receive buffers posted and not yet handed over, and their peak (the memory breakdown's)
+        self.in_flight = self.peak_in_flight = 0
 
     # -- batching (NCCL) -------------------------------------------------------------------------------------------
     def begin_batch(self) -> None:
@@ -260,6 +262,7 @@ class Link:
         assert inc.works is not None and inc.bufs is not None and inc.meta is not None
         for w in inc.works:
             self._wait(w, f"the activations of unit {unit}", self.prev_rank, -1)
+        self._count(-sum(b.nbytes for b in inc.bufs))
         tensors = []
         for buf, tm in zip(inc.bufs, inc.meta.tensors):
             if training and tm.requires_grad:
@@ -282,6 +285,7 @@ class Link:
     def _post_data(self, inc: _Incoming, meta: OutputMeta) -> None:
         inc.meta = meta
         inc.bufs = [torch.empty(tm.shape, dtype=tm.dtype, device=self.device) for tm in meta.tensors]
+        self._count(sum(b.nbytes for b in inc.bufs))
         assert self.prev_rank is not None
         inc.works = [self._p2p(False, b, self.prev_rank, self._tags[0]) for b in inc.bufs]
 
@@ -290,10 +294,12 @@ class Link:
         """Post the receive of the gradients of ``unit``'s outputs (``like``) from the next stage."""
         assert self.next_rank is not None
         bufs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in like]
+        self._count(sum(b.nbytes for b in bufs))
         self._grads_in[unit] = (bufs, [self._p2p(False, b, self.next_rank, self._tags[2]) for b in bufs])
 
     def wait_grads(self, unit: int) -> list[Tensor]:
         bufs, works = self._grads_in.pop(unit)
+        self._count(-sum(b.nbytes for b in bufs))
         for w in works:
             self._wait(w, f"the gradients of unit {unit}", self.next_rank, +1)
         return bufs
@@ -302,6 +308,10 @@ class Link:
         assert self.prev_rank is not None
         for g in grads:
             self._isend(g.contiguous(), dst=self.prev_rank, tag=self._tags[3])
+
+    def _count(self, nbytes: int) -> None:
+        self.in_flight += nbytes
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
 
     # -- sends -----------------------------------------------------------------------------------------------------
     def _isend(self, tensor: Tensor, dst: int | None = None, tag: int = 0) -> None:
