@@ -4,6 +4,7 @@ by rank 0 one line per rank and logged as ``memory/<part>_mib`` (counted by ``ru
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import lightning.pytorch as pl
@@ -15,9 +16,12 @@ from lightning_avgpipe.runtime.controller import StepController
 
 def report_after_first_step(precision: Any, module: pl.LightningModule, controller: StepController) -> None:
     """Wrap ``precision.optimizer_step`` (every optimizer step goes through it) until the first step has run: then
-    report the breakdown (:func:`report_memory`) and take the wrapper off."""
+    report the breakdown (:func:`report_memory`) and take the wrapper off. The controller is held weakly: a fit
+    that ends before its first step (a resume at ``max_steps``) leaves the wrapper on, and it must not keep the
+    step's process groups alive past the strategy's ``close`` (``runtime/failures/shutdown.py``)."""
     own = "optimizer_step" in vars(precision)
     original = precision.optimizer_step
+    step = weakref.ref(controller)
 
     def optimizer_step(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -27,7 +31,9 @@ def report_after_first_step(precision: Any, module: pl.LightningModule, controll
                 precision.optimizer_step = original
             else:
                 del precision.optimizer_step
-        report_memory(module, controller)
+        held = step()
+        if held is not None:
+            report_memory(module, held)
         return out
 
     precision.optimizer_step = optimizer_step
