@@ -12,6 +12,7 @@ times. Printed as ratios to one device's figure of the same phase.
                                                         # and S = 2 x T = 2 (each stage split over 2 ranks)
     python benchmarks/big_model.py --cap-gib 2.5 --width 4096 --layers 16   # one device killed by the cap, S = 4 not
     python benchmarks/big_model.py --groups 2 --steps 4  # D = 2 x S = 2 under ZeRO-0..3 and ZeRO-3 once per step
+    python benchmarks/big_model.py --groups 2 --steps 4 --mmap-threshold 1048576   # glibc returning freed tensors
 
 ``--cap-gib`` puts each process in a cgroup (v1 memory controller, root on Linux) of its own with that limit, and
 runs one device and S = 4 under it; without the controller it says so and skips. Linux only (``/proc``).
@@ -263,8 +264,16 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a smoke run: configure_model only (no __init__ row)")
     parser.add_argument("--checksum-cost", type=int, metavar="N", help="S = 2 folder saves with and without checksums")
     parser.add_argument("--groups", type=int, help="only D = this x S = 2 rows, each sharding (exact averaging)")
+    parser.add_argument(
+        "--mmap-threshold",
+        type=int,
+        metavar="BYTES",
+        help="glibc's M_MMAP_THRESHOLD for every process, one device included (freed big tensors leave RSS at once)",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.mmap_threshold:  # the ranks inherit it; glibc reads it at start, so this process's own does not change
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
     if args.worker:
         worker(json.loads(args.worker))
         return
