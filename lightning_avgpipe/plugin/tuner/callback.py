@@ -208,6 +208,8 @@ class AvgPipeTuner(Callback):
         """The ways to combine N batches the search weighs."""
         if self.retuner is not None or isinstance(strategy.precision_plugin, PipelineMixedPrecision):
             return ["exact"]  # one model per stage: its optimizer survives a new N, its scaler unscales it
+        if strategy.config.fsdp:
+            return ["exact"]  # ZeRO-2/3 shard one model over the D groups
         if self.averaging is not None:
             return check_averaging(self.averaging)
         return ["exact", "elastic"] if self.objective == "goodput" else [strategy.config.averaging]
