@@ -343,11 +343,11 @@ def predict(
         N * (st.optimizer_step_s + st.elastic_s) if replicated else st.optimizer_step_s for st in profile.stages
     )
     if profile.num_groups > 1:  # the reference update's all-reduce; overlapped, it hides behind the next pipeline
-        reduce = profile.reference_allreduce_s  # exact: the gradients' all-reduce (the same bytes) and what the
+        allreduce = profile.reference_allreduce_s  # exact: the gradients' all-reduce (the same bytes) and what the
         if exact:  # level adds (tuning/sharding.py), always waited for
-            update += held.per_step(D, exact) * reduce / 2
+            update += held.per_step(D, exact) * allreduce / 2
         else:
-            update += reduce if profile.sync_reference else max(0.0, reduce - sim.step_time)
+            update += allreduce if profile.sync_reference else max(0.0, allreduce - sim.step_time)
     update /= max(1, profile.accumulate)  # per iteration: one update every K iterations
     step = (
         sim.step_time

@@ -23,50 +23,76 @@ def _need(profile: PipelineProfile, args: dict[str, Any], level: str, reduce: st
     return min(max(r.peak_bytes) for r in table.rows)
 
 
+def _row(profile: PipelineProfile, args: dict[str, Any], level: str, reduce: str) -> dict[str, Any]:
+    """The search under ``level`` and ``reduce``: its choice's figures, or the least it needs where nothing fits."""
+    row: dict[str, Any] = {"sharding": level, "reduce_gradients": reduce, "fits": False}
+    try:
+        table = search(profile, sharding=level, reduce_gradients=reduce, **args)
+    except NoFeasibleSettingError:
+        row["peak_bytes"] = _need(profile, args, level, reduce)
+        return row
+    c = table.choice
+    assert c is not None
+    row.update(
+        fits=True,
+        peak_bytes=max(c.peak_bytes),
+        rest_bytes=max(c.rest_bytes),
+        value=table.value(c),
+        num_microbatches=c.num_microbatches,
+        num_pipelines=c.num_pipelines,
+        averaging=c.averaging,
+        samples_per_sec=c.samples_per_sec,
+        step_time=c.step_time,
+        traffic_bytes=c.traffic_bytes,
+    )
+    return row
+
+
 def recommend(profile: PipelineProfile, args: dict[str, Any]) -> dict[str, Any] | None:
     """The lightest level that fits ``args["memory_limit"]`` and its figures; ``None`` with no limit or D = 1.
 
     ``args``: :func:`search`'s keyword arguments (``averaging`` among them: the levels that shard one model are
-    weighed where it holds ``"exact"``; under elastic averaging only ``SHARD_OPTIM``).
+    weighed where it holds ``"exact"``; under elastic averaging only ``SHARD_OPTIM``). Within a level the reduce mode
+    whose best setting predicts more wins. ``per_step`` holds more within a step than ZeRO-1, so it is the lightest
+    only where the profiled level is ZeRO-2/3 already: there the other reduce mode is named where it fits and
+    predicts more (``"reduce"``).
     """
     limit = args.get("memory_limit")
     averaging = list(args.get("averaging") or ["elastic"])
     if limit is None or profile.num_groups <= 1:
         return None
     base = {k: v for k, v in args.items() if k not in ("sharding", "reduce_gradients")}
+
+    def kw(level: str) -> dict[str, Any]:
+        return {**base, "averaging": ["exact"] if level in FSDP else averaging}
+
     rows: list[dict[str, Any]] = []
     chosen: dict[str, Any] | None = None
     for level in levels_for(profile.num_groups, "exact" in averaging):
-        sharded = level in FSDP
-        for reduce in REDUCE if sharded else REDUCE[:1]:
-            kw = {**base, "averaging": ["exact"] if sharded else averaging}
-            row: dict[str, Any] = {"sharding": level, "reduce_gradients": reduce, "fits": False}
-            try:
-                table = search(profile, sharding=level, reduce_gradients=reduce, **kw)
-            except NoFeasibleSettingError:
-                row["peak_bytes"] = _need(profile, kw, level, reduce)
-            else:
-                c = table.choice
-                assert c is not None
-                row.update(
-                    fits=True,
-                    peak_bytes=max(c.peak_bytes),
-                    rest_bytes=max(c.rest_bytes),
-                    value=table.value(c),
-                    num_microbatches=c.num_microbatches,
-                    num_pipelines=c.num_pipelines,
-                    averaging=c.averaging,
-                    samples_per_sec=c.samples_per_sec,
-                    step_time=c.step_time,
-                    traffic_bytes=c.traffic_bytes,
-                )
-                if chosen is None or chosen["sharding"] == level and row["value"] > chosen["value"]:
-                    chosen = row
+        for reduce in REDUCE if level in FSDP else REDUCE[:1]:
+            row = _row(profile, kw(level), level, reduce)
+            if row["fits"] and (chosen is None or row["value"] > chosen["value"]):
+                chosen = row
             rows.append(row)
         if chosen is not None:
             break
     current = (profile.sharding, profile.reduce_gradients if profile.sharding in FSDP else REDUCE[0])
-    return {"choice": chosen, "rows": rows, "line": _line(chosen, rows, limit, current)}
+    line = _line(chosen, rows, limit, current)
+    other = None
+    if current[0] in FSDP:  # the strategy's own ZeRO-2/3: would the other reduce mode fit and run faster?
+        mine = {(r["sharding"], r["reduce_gradients"]): r for r in rows}
+        own = mine.get(current) or _row(profile, kw(current[0]), *current)
+        flip = (current[0], REDUCE[1 - REDUCE.index(current[1])])
+        other = mine.get(flip) or _row(profile, kw(current[0]), *flip)
+        if other["fits"] and (not own["fits"] or other["value"] > own["value"] * 1.005):
+            line += (
+                f" At the strategy's {current[0]}, reduce_gradients='{flip[1]}' fits and predicts "
+                + (f"{other['value'] / own['value']:.2f}x" if own["fits"] else "where yours does not")
+                + " (a strategy argument: the next fit)."
+            )
+        else:
+            other = None
+    return {"choice": chosen, "rows": rows, "line": line, "reduce": other}
 
 
 def _line(chosen: dict[str, Any] | None, rows: list[dict[str, Any]], limit: float, current: tuple[str, str]) -> str:
