@@ -12,6 +12,7 @@ import pytest
 
 from lightning_avgpipe.__main__ import main
 from lightning_avgpipe.tuning import PipelineProfile, predict, search
+from lightning_avgpipe.tuning.model import Prediction
 from lightning_avgpipe.tuning.recommend import recommend
 from tests.helpers.tuning import profile
 
@@ -90,7 +91,7 @@ def test_traffic_orders_the_levels_and_reduce_modes() -> None:
     half = prof.reference_allreduce_s / 2  # an all-gather (or reduce-scatter) of a stage's weights
     wire = (D - 1) / D * W
 
-    def run(level: str, reduce: str = "per_microbatch", m: int = M) -> object:
+    def run(level: str, reduce: str = "per_microbatch", m: int = M) -> Prediction:
         return predict(prof, m, 1, averaging="exact", sharding=level, reduce_gradients=reduce)
 
     gathers = {  # per step, in all-gathers of the stage's weights
@@ -103,15 +104,15 @@ def test_traffic_orders_the_levels_and_reduce_modes() -> None:
     }
     for (level, reduce), n in gathers.items():
         p = run(level, reduce)
-        assert p.traffic_bytes == pytest.approx(n * wire), (level, reduce)  # type: ignore[attr-defined]
-        assert p.traffic_s == pytest.approx(n * half), (level, reduce)  # type: ignore[attr-defined]
+        assert p.traffic_bytes == pytest.approx(n * wire), (level, reduce)
+        assert p.traffic_s == pytest.approx(n * half), (level, reduce)
     for level in ("SHARD_GRAD_OP", "FULL_SHARD"):
         per_step, per_mb = run(level, "per_step"), run(level, "per_microbatch")
-        assert per_step.traffic_bytes < per_mb.traffic_bytes  # type: ignore[attr-defined]
-        assert per_step.step_time < per_mb.step_time  # type: ignore[attr-defined]
+        assert per_step.traffic_bytes < per_mb.traffic_bytes
+        assert per_step.step_time < per_mb.step_time
     # one micro-batch: ZeRO-2 runs the same collectives either way (ZeRO-3 per micro-batch gathers twice)
-    assert run("SHARD_GRAD_OP", "per_step", 1).traffic_bytes == run("SHARD_GRAD_OP", "per_microbatch", 1).traffic_bytes  # type: ignore[attr-defined]
-    times = [run(level).step_time for level in ("NO_SHARD", "SHARD_OPTIM", "SHARD_GRAD_OP", "FULL_SHARD")]  # type: ignore[attr-defined]
+    assert run("SHARD_GRAD_OP", "per_step", 1).traffic_bytes == run("SHARD_GRAD_OP", "per_microbatch", 1).traffic_bytes
+    times = [run(level).step_time for level in ("NO_SHARD", "SHARD_OPTIM", "SHARD_GRAD_OP", "FULL_SHARD")]
     assert times == sorted(times)
     # ZeRO-2/3 shard one model: refused under elastic averaging of several replicas
     with pytest.raises(ValueError, match="averaging='exact'"):
@@ -214,3 +215,12 @@ def test_whatif_prints_every_level(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "sharding_strategy='FULL_SHARD', reduce_gradients='per_microbatch' is the lightest that fits" in out
     assert main([*base, "--sharding", "FULL_SHARD", "--reduce-gradients", "per_step"]) == 0
     assert capsys.readouterr().out.splitlines()[-1].endswith("sharding=FULL_SHARD")
+
+
+def test_the_levels_are_the_configs() -> None:
+    from lightning_avgpipe import config
+    from lightning_avgpipe.tuning import sharding
+
+    assert (sharding.LEVELS, sharding.REDUCE) == (config.LEVELS, config.REDUCE)
+    for name in ("zero0", "zero1", "Zero-2", "ZERO3", "full_shard"):
+        assert sharding.check(name, "per_step")[0] == config.level_of(name)

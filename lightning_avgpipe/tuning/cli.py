@@ -15,13 +15,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lightning_avgpipe.config import LEVELS, REDUCE
 from lightning_avgpipe.schedules import SCHEDULES
 from lightning_avgpipe.schedules.generate import reads_k, splits_backward
 from lightning_avgpipe.tuning.model import PipelineProfile
 from lightning_avgpipe.tuning.recommend import format_levels, recommend
 from lightning_avgpipe.tuning.search import NoFeasibleSettingError, search
-from lightning_avgpipe.tuning.sharding import FSDP
+from lightning_avgpipe.tuning.sharding import FSDP, LEVELS, REDUCE
 from lightning_avgpipe.tuning.whatif import TensorParallel, project
 
 

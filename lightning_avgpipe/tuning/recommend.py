@@ -10,10 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_avgpipe.config import REDUCE
 from lightning_avgpipe.tuning.model import PipelineProfile, Prediction, predict
 from lightning_avgpipe.tuning.search import NoFeasibleSettingError, search
-from lightning_avgpipe.tuning.sharding import FSDP, levels_for
+from lightning_avgpipe.tuning.sharding import FSDP, REDUCE, levels_for
 
 
 def _need(profile: PipelineProfile, args: dict[str, Any], level: str, reduce: str) -> float:
@@ -114,7 +113,7 @@ def _line(chosen: dict[str, Any] | None, rows: list[dict[str, Any]], limit: floa
         f"sharding: {name} is the lightest that fits memory_limit={limit / mib:.1f} MiB: peak "
         f"{c['peak_bytes'] / mib:.1f} MiB per rank ({c['rest_bytes'] / mib:.1f} between steps), M = "
         f"{c['num_microbatches']}, N = {c['num_pipelines']}, {c['averaging']}, {c['samples_per_sec']:.1f} samples/s"
-        + (f"; lighter levels need (MiB) {needs}" if needs else "")
+        + (f"; those that do not fit need (MiB) {needs}" if needs else "")
     )
     if (c["sharding"], c["reduce_gradients"]) == current:
         return said + " (the profiled level)."

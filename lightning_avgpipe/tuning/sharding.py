@@ -26,8 +26,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_avgpipe.config import LEVELS, REDUCE, level_of
-
+# config.LEVELS and config.REDUCE (tests/test_tuning_sharding.py holds them together): config imports torch, which
+# the schedule and whatif commands do not load
+LEVELS = ("NO_SHARD", "SHARD_OPTIM", "SHARD_GRAD_OP", "FULL_SHARD")  # ZeRO-0 .. ZeRO-3
+REDUCE = ("per_microbatch", "per_step")
 FSDP = ("SHARD_GRAD_OP", "FULL_SHARD")
 
 
@@ -35,7 +37,13 @@ def check(level: str, reduce: str) -> tuple[str, str]:
     """``(level, reduce)`` validated: a level by FSDP's names or ``zero0``..``zero3``, a reduce of ``REDUCE``."""
     if reduce not in REDUCE:
         raise ValueError(f"reduce_gradients={reduce!r} is not one of {list(REDUCE)}.")
-    return level_of(level), reduce
+    key = str(level).strip()
+    zero = key.lower().replace("-", "").replace("_", "")
+    if key.upper() in LEVELS:
+        return key.upper(), reduce
+    if zero in ("zero0", "zero1", "zero2", "zero3"):
+        return LEVELS[int(zero[-1])], reduce
+    raise ValueError(f"sharding={level!r} is not one of {list(LEVELS)} (or 'zero0'..'zero3').")
 
 
 @dataclass(frozen=True)
