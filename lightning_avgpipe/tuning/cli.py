@@ -13,11 +13,14 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from lightning_avgpipe.schedules import SCHEDULES
 from lightning_avgpipe.schedules.generate import reads_k, splits_backward
 from lightning_avgpipe.tuning.model import PipelineProfile
+from lightning_avgpipe.tuning.recommend import format_levels, recommend
 from lightning_avgpipe.tuning.search import NoFeasibleSettingError, search
+from lightning_avgpipe.tuning.sharding import FSDP, LEVELS, REDUCE
 from lightning_avgpipe.tuning.whatif import TensorParallel, project
 
 
@@ -126,6 +129,21 @@ def _parser() -> argparse.ArgumentParser:
         help="early forwards k for --schedule advance: an int >= 0 or 'auto' (default)",
     )
     p.add_argument(
+        "--sharding",
+        default=None,
+        choices=[*LEVELS, "all"],
+        help="how the D groups share each stage (ZeRO-0..3; SHARD_GRAD_OP and FULL_SHARD under averaging='exact'), or "
+        "'all': also print each level's per-rank memory (between steps and peak), traffic and time at the choice, "
+        "and with --memory-limit-mb the lightest level that fits (default: the profiled one)",
+    )
+    p.add_argument(
+        "--reduce-gradients",
+        default=None,
+        choices=list(REDUCE),
+        help="SHARD_GRAD_OP, FULL_SHARD: reduce-scatter every micro-batch's gradients, or accumulate them whole and "
+        "reduce once per step (less traffic, ZeRO-1's peak) (default: the profiled one)",
+    )
+    p.add_argument(
         "--report", metavar="DIR", default=None, help="also write whatif.json and whatif.png (the heat map) into DIR"
     )
     return p
@@ -168,10 +186,8 @@ def _schedules(p: argparse.ArgumentParser, names: list[str] | None, profile: Pip
     return names
 
 
-def whatif_command(argv: list[str]) -> int:
-    """Run the ``whatif`` command; 0 on success, 1 when no setting fits (argparse exits 2 on bad input)."""
-    p = _parser()
-    args = p.parse_args(argv)
+def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The numbers of the command line, each checked."""
     if args.stages < 1:
         p.error(f"--stages {args.stages}: must be at least 1; give the number of pipeline stages to predict.")
     if args.groups < 1:
@@ -185,6 +201,20 @@ def whatif_command(argv: list[str]) -> int:
             f"--memory-limit-mb {args.memory_limit_mb}: must be > 0; give the memory per stage in MiB "
             "or leave it out for no limit."
         )
+
+
+def _advice(args: argparse.Namespace, projected: PipelineProfile, keywords: dict[str, Any]) -> None:
+    """``--sharding all`` with a memory limit: the lightest level under which a setting fits."""
+    advice = recommend(projected, {**keywords, "averaging": ["exact", "elastic"]}) if args.sharding == "all" else None
+    if advice is not None:
+        print(advice["line"])
+
+
+def whatif_command(argv: list[str]) -> int:
+    """Run the ``whatif`` command; 0 on success, 1 when no setting fits (argparse exits 2 on bad input)."""
+    p = _parser()
+    args = p.parse_args(argv)
+    _check(p, args)
     k: int | str = args.advance_forwards
     if k != "auto":
         try:
@@ -223,19 +253,22 @@ def whatif_command(argv: list[str]) -> int:
         pipelines = pipelines[0]
     limit = None if args.memory_limit_mb is None else args.memory_limit_mb * 2**20
     schedules = _schedules(p, args.schedules, projected)
+    level = None if args.sharding in (None, "all") else args.sharding
+    keywords = {
+        "num_microbatches": args.num_microbatches,
+        "num_pipelines": pipelines,
+        "memory_limit": limit,
+        "schedule": args.schedule,
+        "advance_forwards": k,
+        "schedules": schedules,
+        "objective": args.objective,
+        "averaging": ["exact"] if (level or projected.sharding) in FSDP else ["elastic"],
+    }
     try:
-        table = search(
-            projected,
-            args.num_microbatches,
-            pipelines,
-            memory_limit=limit,
-            schedule=args.schedule,
-            advance_forwards=k,
-            schedules=schedules,
-            objective=args.objective,
-        )
+        table = search(projected, sharding=level, reduce_gradients=args.reduce_gradients, **keywords)
     except NoFeasibleSettingError as e:
         print(f"whatif: {e}", file=sys.stderr)
+        _advice(args, projected, keywords)
         return 1
     except ValueError as e:  # candidate validation: names the value and the fix
         option = "--num-microbatches" if "num_microbatches" in str(e) else "--num-pipelines"
@@ -261,8 +294,11 @@ def whatif_command(argv: list[str]) -> int:
         + (f" schedule={c.schedule}" if schedules else "")
         + (f" advance_forwards={c.advance_forwards}" if reads_k(c.schedule) else "")
         + f": {c.samples_per_sec:.1f} samples/s, {c.step_time * 1e3:.2f} ms/iteration, "
-        f"peak {max(c.peak_bytes) / 2**20:.1f} MiB"
+        f"peak {max(c.peak_bytes) / 2**20:.1f} MiB" + (f", sharding={c.sharding}" if projected.num_groups > 1 else "")
     )
+    if args.sharding == "all":
+        print(format_levels(projected, c, limit))
+        _advice(args, projected, keywords)
     if args.report:
         from lightning_avgpipe.tuning.report import write_report
 

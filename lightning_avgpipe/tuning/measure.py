@@ -177,18 +177,25 @@ def _stage_profile(
         act[b] = v * statistics.median(run.peaks) / max(1, stash)
         sent[b] = float(run.sent or 0)
     reference = probe.pipeline.replicas.elastic.reference_params
+    whole = _whole(probe)  # under ZeRO-2/3 a rank holds 1/D of each: the profile keeps a stage's whole bytes
     return StageProfile(
         forward_s=f_s,
         backward_s=b_s,
         activation_bytes=act,
         send_bytes=sent,
-        param_bytes=float(tensor_bytes(list(reference))),
-        optimizer_state_bytes=float(optimizer.state_bytes()),
+        param_bytes=whole * tensor_bytes(list(reference)),
+        optimizer_state_bytes=whole * optimizer.state_bytes(),
         optimizer_step_s=optimizer.median(cpu),
         elastic_s=time_elastic_update(probe.pipeline.layers, probe.device),
         input_grad_s=i_s,
         weight_grad_s=w_s,
+        layer_bytes=whole * max((tensor_bytes(list(m.parameters())) for m in probe.pipeline.layers), default=0),
     )
+
+
+def _whole(probe: StageProbe) -> float:
+    """What a rank's bytes of its stage's weights are multiplied by to give the stage's: D under ZeRO-2/3."""
+    return float(probe.topology.num_groups) if probe.config.fsdp else 1.0
 
 
 def _pipeline_profile(
@@ -206,7 +213,9 @@ def _pipeline_profile(
     reduce_s = 0.0
     if top.num_groups > 1:  # the reference update's all-reduce over the D groups (every rank takes part)
         reference = probe.pipeline.replicas.elastic.reference_params
-        nbytes = float(sum(local(t).numel() * 4 for t in reference))  # the flat float32 buffer ElasticAveraging reduces
+        nbytes = _whole(probe) * sum(
+            local(t).numel() * 4 for t in reference
+        )  # the flat float32 buffer ElasticAveraging reduces
         reduce_s = probe.max_over([time_allreduce(nbytes, device, top.stage_group)])[0]
     return PipelineProfile(
         stages=stages,
@@ -222,6 +231,8 @@ def _pipeline_profile(
         outer_lr=float(config.outer_lr),
         outer_momentum=float(config.outer_momentum),
         shard_optimizer_state=bool(config.shard_optimizer_state),
+        sharding_strategy=config.sharding_strategy,
+        reduce_gradients=config.reduce_gradients,
     )
 
 

@@ -22,6 +22,7 @@ from typing import Any
 from lightning_avgpipe.noise_scale import effective_batch, efficiency, elastic_factor
 from lightning_avgpipe.schedules import build_plan, simulate
 from lightning_avgpipe.schedules.generate import CHUNKED, check_stages_per_rank, reads_k, splits_backward
+from lightning_avgpipe.tuning.sharding import Sharded, check, wire_bytes
 
 
 def interpolate(points: Mapping[float, float], x: float) -> float:
@@ -59,6 +60,7 @@ class StageProfile:
     # not profiled
     input_grad_s: dict[float, float] = field(default_factory=dict)
     weight_grad_s: dict[float, float] = field(default_factory=dict)
+    layer_bytes: float = 0.0  # the largest layer's weights (what FULL_SHARD gathers at once); 0: not measured
 
     def forward(self, b: float) -> float:
         return interpolate(self.forward_s, b)
@@ -138,6 +140,16 @@ class PipelineProfile:
     clock: str = "wall"  # what timed the stages: "wall", or "cpu" (the stage threads' CPU time, on a busy CPU machine)
     timing_noise: float = 0.0  # relative standard error of a size's timed step compute (busy.timing_noise)
     rounds: int = 0  # the profile's timed rounds (every micro-batch size once each): busy.BUSY_ROUNDS x more when busy
+    # how the D ranks of a stage shared it when profiled (tuning/sharding.py); a profile without it: NO_SHARD, or
+    # SHARD_OPTIM with shard_optimizer_state
+    sharding_strategy: str = "NO_SHARD"
+    reduce_gradients: str = "per_microbatch"
+
+    @property
+    def sharding(self) -> str:
+        """The profiled level: ``sharding_strategy``, or ``"SHARD_OPTIM"`` where only ``shard_optimizer_state`` says."""
+        level = check(self.sharding_strategy, self.reduce_gradients)[0]
+        return "SHARD_OPTIM" if level == "NO_SHARD" and self.shard_optimizer_state else level
 
     @property
     def num_stages(self) -> int:
@@ -188,6 +200,11 @@ class Prediction:
     schedule: str = "1f1b"
     stages_per_rank: int = 1  # v: model chunks per rank (interleaved, zbv)
     schedule_costs: tuple[float, float, float] | None = None  # a chunked plan's (F, I, W): what it was placed by
+    sharding: str = "NO_SHARD"  # how the D ranks of a stage share it (tuning/sharding.py)
+    reduce_gradients: str = "per_microbatch"
+    rest_bytes: tuple[float, ...] = ()  # per stage: weights, gradients and optimizer state between steps
+    traffic_bytes: float = 0.0  # per rank and iteration, the collectives over D (slowest stage)
+    traffic_s: float = 0.0  # their time at the profiled all-reduce's rate, hidden or not
 
     def __post_init__(self) -> None:
         if math.isnan(self.goodput):
@@ -206,7 +223,7 @@ class Prediction:
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
-        out["peak_bytes"] = list(self.peak_bytes)
+        out["peak_bytes"], out["rest_bytes"] = list(self.peak_bytes), list(self.rest_bytes)
         for key in ("samples_per_sec", "goodput"):
             if not math.isfinite(out[key]):
                 out[key] = None
@@ -239,6 +256,8 @@ def predict(
     bandwidth: float | None = None,
     averaging: str = "elastic",
     stages_per_rank: int | None = None,
+    sharding: str | None = None,
+    reduce_gradients: str | None = None,
 ) -> Prediction:
     """Iteration time and per-stage peak memory of (M, N) from ``profile``.
 
@@ -251,6 +270,10 @@ def predict(
     setting infeasible when a stage's predicted peak exceeds it. ``averaging="exact"`` runs the same N·M units
     through one model: one optimizer step, no replicas, and with D > 1 an all-reduce of the gradients that the
     step waits for. The efficiency is that of :func:`noise.efficiency` at the profile's noise scale.
+
+    ``sharding``/``reduce_gradients`` (``None``: the profile's) hold each stage as ``tuning/sharding.py`` counts it:
+    its bytes per rank, and its collectives over D in the units (placed by the simulator) and at the step's end.
+    ZeRO-2/3 need one model (``averaging="exact"``, or N x D = 1).
     """
     M, N = int(num_microbatches), int(num_pipelines)
     if M < 1 or N < 1:
@@ -268,6 +291,12 @@ def predict(
     if stages_per_rank is None and schedule == profile.schedule and profile.stages_per_rank > 1:
         stages_per_rank = profile.stages_per_rank
     v = check_stages_per_rank(schedule, stages_per_rank)
+    exact = averaging == "exact"
+    D = profile.num_groups
+    level, reduce = check(sharding or profile.sharding, reduce_gradients or profile.reduce_gradients)
+    held = Sharded(level, reduce, splits_backward(schedule))
+    if held.fsdp and D > 1 and not exact and N * D > 1:
+        raise ValueError(f"sharding={level!r} shards one model over the D groups: it needs averaging='exact'.")
     fwd = [st.forward(b) / v for st in profile.stages]
     bwd = [st.backward(b) / v for st in profile.stages]
     wgt = None
@@ -283,6 +312,16 @@ def predict(
         raise ValueError(f"bandwidth={bw!r} must be a positive number of bytes per second (math.inf: free transfers).")
     if latency < 0:
         raise ValueError(f"latency_s={latency!r} must be >= 0 seconds.")
+    # a unit's collectives over D, beyond those the profiled units ran: an all-gather of stage s's weights costs
+    # half the measured all-reduce, scaled from the largest stage's
+    profiled = Sharded(
+        profile.sharding, profile.reduce_gradients, profile.stages_per_rank > 1 and splits_backward(profile.schedule)
+    )
+    biggest = max((st.param_bytes for st in profile.stages), default=0.0) or 1.0
+    half = [profile.reference_allreduce_s / 2 * st.param_bytes / biggest for st in profile.stages]
+    (f_new, b_new), (f_old, b_old) = held.per_unit(D), profiled.per_unit(D)
+    fwd = [max(0.0, f + (f_new - f_old) * h / v) for f, h in zip(fwd, half)]
+    bwd = [max(0.0, x + (b_new - b_old) * h / v) for x, h in zip(bwd, half)]
     free = S == 1 or not math.isfinite(bw)
     # stage s sends its activations downstream and, upstream, the gradients of its input (stage s-1's output)
     xfer = [0.0 if free or s == S - 1 else profile.stages[s].sent(b) / bw for s in range(S)]
@@ -299,14 +338,16 @@ def predict(
         backward_transfer_cost=xfer_b,
         weight_grad_cost=wgt,
     )
-    exact = averaging == "exact"
     replicated = N * profile.num_groups > 1 and not exact
     update = max(
         N * (st.optimizer_step_s + st.elastic_s) if replicated else st.optimizer_step_s for st in profile.stages
     )
     if profile.num_groups > 1:  # the reference update's all-reduce; overlapped, it hides behind the next pipeline
-        reduce = profile.reference_allreduce_s  # exact: the gradients' all-reduce, the same bytes, always waited for
-        update += reduce if profile.sync_reference or exact else max(0.0, reduce - sim.step_time)
+        allreduce = profile.reference_allreduce_s  # exact: the gradients' all-reduce (the same bytes) and what the
+        if exact:  # level adds (tuning/sharding.py), always waited for
+            update += held.per_step(D, exact) * allreduce / 2
+        else:
+            update += allreduce if profile.sync_reference else max(0.0, allreduce - sim.step_time)
     update /= max(1, profile.accumulate)  # per iteration: one update every K iterations
     step = (
         sim.step_time
@@ -315,14 +356,23 @@ def predict(
         + profile.unit_overhead_s * N * M
         + profile.batch_fetch_s * N
     )
+    one = exact or N * D == 1
+    zero1 = level == "SHARD_OPTIM"
+    rests = tuple(
+        held.rest_bytes(st.param_bytes, st.optimizer_state_bytes, D) if one else st.static_bytes(N, D, zero1, exact)
+        for st in profile.stages
+    )
     peaks = tuple(
-        st.static_bytes(N, profile.num_groups, profile.shard_optimizer_state, exact)
+        (held.step_bytes(st.param_bytes, st.optimizer_state_bytes, st.layer_bytes, D) if one else rests[s])
         + max(  # the activations peak in the step; a sharded reference's update comes after them
             sim.peak_stash[s] * st.activations(b) / v,
-            st.update_bytes(N, profile.num_groups, profile.shard_optimizer_state, exact),
+            st.update_bytes(N, D, zero1, exact),
         )
         for s, st in enumerate(profile.stages)
     )
+    units = N * M
+    collectives = held.collectives(units, D, exact) if exact else (2.0 if D > 1 else 0.0)
+    traffic = max((wire_bytes(st.param_bytes, D) for st in profile.stages), default=0.0) * collectives
     feasible, why = True, ""
     if memory_limit is not None:
         worst = max(range(S), key=lambda s: peaks[s])
@@ -351,6 +401,11 @@ def predict(
         schedule=schedule,
         stages_per_rank=v,
         schedule_costs=costs,
+        sharding=level if D > 1 else "NO_SHARD",
+        reduce_gradients=reduce,
+        rest_bytes=rests,
+        traffic_bytes=traffic,
+        traffic_s=collectives * profile.reference_allreduce_s / 2,
     )
 
 

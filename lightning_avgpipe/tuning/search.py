@@ -203,6 +203,7 @@ class TuningTable:
             )
             + ("" if applied else " (not applied: apply=False)")
             + (f"; written to {where}" if where else "")
+            + (f"\n{self.notes['sharding_advice']['line']}" if self.notes.get("sharding_advice") else "")
         )
 
     def metrics(self) -> dict[str, float]:
@@ -263,6 +264,8 @@ def search(
     stages_per_rank: int | None = None,
     keep_pipelines: int = 1,
     keep_microbatches: int | None = None,
+    sharding: str | None = None,
+    reduce_gradients: str | None = None,
 ) -> TuningTable:
     """Predict every candidate (schedule, M, N, averaging) and choose the best that fits ``memory_limit`` (bytes).
 
@@ -277,6 +280,7 @@ def search(
     ``objective="goodput"`` maximises samples/s x statistical efficiency (the noise scale, ``noise_scale.py``);
     ``"throughput"`` maximises samples/s. ``averaging`` lists the ways to combine N batches to consider
     (``"elastic"``, ``"exact"``); with N x D = 1 they are the same training and one row stands for both.
+    ``sharding``/``reduce_gradients``: how each stage is shared over D (``None``: as profiled; ``model.predict``).
 
     ``max_pipelines`` drops the candidate N above it (the tuner passes the batches an epoch has per group: an
     iteration takes N of them).
@@ -309,7 +313,9 @@ def search(
                 v = stages_per_rank if name in CHUNKED else None
                 ks = [int(advance_forwards)] if advance_forwards != "auto" else _k_candidates(profile.num_stages, m * n)
                 options = [
-                    predict(profile, m, n, name, k, memory_limit, latency_s, bandwidth, avg, v)
+                    predict(
+                        profile, m, n, name, k, memory_limit, latency_s, bandwidth, avg, v, sharding, reduce_gradients
+                    )
                     for k in (ks if reads_k(name) else [0])
                 ]
                 fits = [p for p in options if p.feasible] or options[:1]
@@ -345,6 +351,8 @@ def search(
         "averaging": averagings,
         "keep_pipelines": keep_pipelines,
         "keep_microbatches": keep_microbatches,
+        "sharding": sharding,
+        "reduce_gradients": reduce_gradients,
     }
     table.choose()
     return table

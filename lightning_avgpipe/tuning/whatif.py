@@ -107,6 +107,8 @@ def project(
       layers save, and the backward runs the forward again (backward + forward time).
     * The split backward's input and weight gradients (where profiled) pool and shrink as the backward does; the
       recomputed forward of checkpointing runs in I, and T's all-reduces there.
+    * Sharding: the profiled level and reduce mode are kept (``predict`` takes another); a layer is not cut, so
+      the largest layer's weights (``layer_bytes``) stay, at most a stage's, shrunk by T.
     * Everything else (batch size B per pipeline, schedule, the per-iteration and per-unit overheads, the data
       fetch, ``sync_reference`` and the accumulation) is kept as measured.
 
@@ -138,6 +140,7 @@ def project(
         optimizer_state_bytes=sum(st.optimizer_state_bytes for st in old) * share,
         optimizer_step_s=sum(st.optimizer_step_s for st in old) * share,
         elastic_s=sum(st.elastic_s for st in old) * share,
+        layer_bytes=min(max(st.layer_bytes for st in old), total_params * share),  # a layer is not cut
     )
     if all(st.split_profiled for st in old):  # the split backward's I and W, pooled as the backward is
         stage.input_grad_s = _pooled([st.input_grad_s for st in old], share)
@@ -159,6 +162,7 @@ def project(
         stage.weight_grad_s = {b: tp.shrink(v) for b, v in stage.weight_grad_s.items()}
         stage.activation_bytes = {b: tp.shrink(v) for b, v in stage.activation_bytes.items()}
         stage.param_bytes = tp.shrink(stage.param_bytes)
+        stage.layer_bytes = tp.shrink(stage.layer_bytes)
         stage.optimizer_state_bytes = tp.shrink(stage.optimizer_state_bytes)
         stage.optimizer_step_s = tp.shrink(stage.optimizer_step_s)
         stage.elastic_s = tp.shrink(stage.elastic_s)
@@ -183,6 +187,7 @@ def project(
                 elastic_s=stage.elastic_s,
                 input_grad_s=dict(stage.input_grad_s),
                 weight_grad_s=dict(stage.weight_grad_s),
+                layer_bytes=stage.layer_bytes,
             )
             for _ in range(S_new)
         ],
@@ -197,4 +202,7 @@ def project(
         reference_allreduce_s=reduce,
         sync_reference=profile.sync_reference,
         accumulate=profile.accumulate,
+        shard_optimizer_state=profile.shard_optimizer_state,
+        sharding_strategy=profile.sharding_strategy,
+        reduce_gradients=profile.reduce_gradients,
     )

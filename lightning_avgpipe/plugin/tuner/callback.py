@@ -43,7 +43,8 @@ class AvgPipeTuner(Callback):
     Args:
         memory_limit: bytes a stage may hold at its peak (weights, gradients, optimizer states, the averaging's
             buffers and the activation stash), or a fraction (<= 1) of the device's memory; ``None``: the
-            strategy's ``memory_limit`` (and no limit if that is ``None`` too).
+            strategy's ``memory_limit`` (and no limit if that is ``None`` too). With D > 1 the log names the lightest
+            ``sharding_strategy`` that fits (docs/tuning.md#sharding).
         num_pipelines: the largest N to consider (an int), the N values to consider (a list), or ``None`` for
             1..8 (stopping once no M fits).
         num_microbatches: the M values to consider (an int or a list of divisors of the batch size); ``None``:
@@ -208,6 +209,8 @@ class AvgPipeTuner(Callback):
         """The ways to combine N batches the search weighs."""
         if self.retuner is not None or isinstance(strategy.precision_plugin, PipelineMixedPrecision):
             return ["exact"]  # one model per stage: its optimizer survives a new N, its scaler unscales it
+        if strategy.config.fsdp:
+            return ["exact"]  # ZeRO-2/3 shard one model over the D groups
         if self.averaging is not None:
             return check_averaging(self.averaging)
         return ["exact", "elastic"] if self.objective == "goodput" else [strategy.config.averaging]

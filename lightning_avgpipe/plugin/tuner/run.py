@@ -24,6 +24,7 @@ from lightning_avgpipe.tuning.busy import busy_machine
 from lightning_avgpipe.tuning.measure import profile_pipeline
 from lightning_avgpipe.tuning.model import PipelineProfile, checkpointed, microbatch_sizes, predict
 from lightning_avgpipe.tuning.profiler import Snapshot
+from lightning_avgpipe.tuning.recommend import recommend
 from lightning_avgpipe.tuning.search import (
     NoFeasibleSettingError,
     TuningTable,
@@ -97,17 +98,26 @@ def tune(
         "keep_pipelines": strategy.config.num_pipelines,
         "keep_microbatches": _users_microbatches(strategy),
     }
+    keywords = dict(zip(("num_microbatches", "num_pipelines", "memory_limit", "schedule", "advance_forwards"), args))
     try:
-        table = search(profile, *args, **options)
-    except NoFeasibleSettingError as err:
-        if strategy.config.activation_checkpointing != "auto" or any(probe.pipeline.recompute):
-            raise
-        # recomputation trades time for memory: what fits with every layer checkpointed (tuning.model.checkpointed)
         try:
-            table = search(checkpointed(profile, strategy.partition), *args, **options)
-        except NoFeasibleSettingError as again:
-            raise NoFeasibleSettingError(f"{err} Even with every layer checkpointed: {again}") from again
-        table.notes["activation_checkpointing"] = True  # its profile is the checkpointed one: what training will run
+            table = search(profile, *args, **options)
+        except NoFeasibleSettingError as err:
+            if strategy.config.activation_checkpointing != "auto" or any(probe.pipeline.recompute):
+                raise
+            # recomputation trades time for memory: what fits with every layer checkpointed (tuning.model.checkpointed)
+            try:
+                table = search(checkpointed(profile, strategy.partition), *args, **options)
+            except NoFeasibleSettingError as again:
+                raise NoFeasibleSettingError(f"{err} Even with every layer checkpointed: {again}") from again
+            table.notes["activation_checkpointing"] = True  # its profile is the checkpointed one: what training runs
+    except NoFeasibleSettingError as err:
+        advice = recommend(profile, {**keywords, **options})  # a lighter level of sharding may fit (a new fit)
+        if advice is None:
+            raise
+        raise NoFeasibleSettingError(f"{err} {advice['line']}") from err
+    assert table.profile is not None
+    table.notes["sharding_advice"] = recommend(table.profile, {**keywords, **options})
     table.notes["other_placements"] = other_placements(table)
     table.notes["busy_machine"] = busy
     return table
