@@ -29,14 +29,17 @@ from lightning_avgpipe.runtime.failures.report import guarded
 from lightning_avgpipe.runtime.files import checksums
 from lightning_avgpipe.runtime.files.disk_full import no_space
 from lightning_avgpipe.runtime.pipeline import StagePipeline
+from lightning_avgpipe.runtime.sharding.zero import ShardedOptimizer
 from lightning_avgpipe.shards import full, is_dtensor, like, same_data, to_local_tree
 
 
 def assemble_state_dict(module: nn.Module, pipeline: StagePipeline, full_keys: Sequence[str]) -> dict[str, Any]:
-    """The unsplit model's state dict, under its own names and order, on the pipeline's first stage (collective;
-    ``{}`` elsewhere)."""
-    parts = pipeline.gather(whole_state_dict(module, pipeline))
-    if parts is None:
+    """The unsplit model's state dict, under its own names and order, on the first pipeline group's first stage
+    (collective; ``{}`` elsewhere). The D groups hold the same weights: only the first group's are pickled."""
+    state = whole_state_dict(module, pipeline)  # collective over a tensor or stage group: every rank takes part
+    first = pipeline.topology.group_index == 0
+    parts = pipeline.gather(state if first else {})
+    if parts is None or not first:
         return {}
     merged: dict[str, Any] = {}
     for part in parts:
@@ -106,6 +109,9 @@ def gather_optimizer_state(
     """
     entry = optimizer_entry(optimizer, pipeline, names)
     top = pipeline.topology
+    if top.group_index > 0 and not isinstance(compat.unwrap_optimizer(optimizer), ShardedOptimizer):
+        # the D groups' states are copies (replica 0's is the first group's): rank 0 unpickles one of them
+        entry["named"] = [{**g, "params": [(n, {}) for n, _ in g["params"]]} for g in entry["named"]]
     if top.world_size == 1:
         parts: list[Any] | None = [entry]
     else:
