@@ -153,3 +153,35 @@ def test_a_file_is_assembled_one_whole_tensor_at_a_time_from_the_ranks_parts(tmp
     assert cols_part in zero["sizes"] and w["cols"].numel() * 4 + cols_part <= biggest, zero
     slot_bytes = sorted(w[k].numel() * 4 for k in results[0]["slots"])
     assert sorted(n for n in zero["sizes"] if n not in (0, cols_part)) == slot_bytes, zero  # each whole once
+
+
+@pytest.mark.slow
+def test_a_full_shard_file_save_gathers_no_whole_tensor_and_equals_the_uninterrupted_run(tmp_path: Path) -> None:
+    """Lightning, D = 2 x S = 1 under FULL_SHARD (``averaging="exact"``, Adam): no ``DTensor.full_tensor`` runs in
+    any save (ModelCheckpoint's or the final one), and the file holds the uninterrupted plain run's whole weights
+    and Adam state under the unsplit names."""
+    from tests.helpers.checkpoints import PLAIN_ORDER, STEPS, assert_states_close, fit_with_checkpoints
+    from tests.helpers.equivalence import run_lightning
+
+    plain_trainer, plain = fit_with_checkpoints(tmp_path / "plain", STEPS, named=True)
+    strategy = {"num_stages": 1, "num_microbatches": 2, "averaging": "exact", "sharding_strategy": "FULL_SHARD"}
+    run = {"steps": STEPS, "model": {"optimizer": "adam", "lr": 0.01}, "trainer": PLAIN_ORDER}
+    results = run_lightning(tmp_path / "z3", 2, strategy, every_n_train_steps=2, count_full_tensor=True, **run)
+    for r in results:  # two ModelCheckpoint saves and the final one, none gathering a whole tensor on any rank
+        assert r["full_tensor_in_saves"] == {"saves": 3, "calls": 0, "inside": 0}, r["full_tensor_in_saves"]
+    saved = torch.load(tmp_path / "z3" / "final.ckpt", weights_only=True)
+    want = plain.state_dict()
+    assert_states_close({k: v for k, v in saved["state_dict"].items() if k in want}, want)
+    assert not any(k.startswith("layers.") and k not in want for k in saved["state_dict"])
+    mine = saved["optimizer_states"][0]
+    theirs = plain_trainer.optimizers[0].state_dict()
+
+    def by_name(state: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
+        names = {i: n for g in state["param_groups"] for i, n in zip(g["params"], g["param_names"])}
+        return {names[i]: st for i, st in state["state"].items()}
+
+    got, expected = by_name(mine), by_name(theirs)
+    assert sorted(got) == sorted(expected) == sorted(want)
+    for name, st in expected.items():
+        for key, value in st.items():
+            torch.testing.assert_close(got[name][key], value, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}.{key}: {m}")
