@@ -141,7 +141,7 @@ def test_a_file_is_assembled_one_whole_tensor_at_a_time_from_the_ranks_parts(tmp
     assert [r["calls"]["full_tensor"] for r in results] == [0, 0]
     # rank 0 holds "copies", "replicated" and "step" whole: written as they are; the rest assembled
     assert results[0]["slots"] == sorted(k for k in w if k not in ("copies", "replicated", "step"))
-    zero, one = results[0]["live"], results[1]["live"]
+    zero = results[0]["live"]
     biggest = w["big"].numel() * 4
     # rank 1 sends its parts of "rows", "cols", "uneven", "big", "elsewhere" and "flat" (two boxes: the rest of
     # row 1, rows 2 to 5) from their own storage
@@ -184,4 +184,6 @@ def test_a_full_shard_file_save_gathers_no_whole_tensor_and_equals_the_uninterru
     assert sorted(got) == sorted(expected) == sorted(want)
     for name, st in expected.items():
         for key, value in st.items():
-            torch.testing.assert_close(got[name][key], value, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}.{key}: {m}")
+            torch.testing.assert_close(
+                got[name][key], value, rtol=1e-4, atol=1e-6, msg=lambda m, w=f"{name}.{key}": f"{w}: {m}"
+            )
