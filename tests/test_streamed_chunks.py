@@ -187,3 +187,55 @@ def test_a_full_shard_file_save_gathers_no_whole_tensor_and_equals_the_uninterru
             torch.testing.assert_close(
                 got[name][key], value, rtol=1e-4, atol=1e-6, msg=lambda m, w=f"{name}.{key}": f"{w}: {m}"
             )
+
+
+def _two_dim_worker(rank: int, world: int, out: str) -> dict[str, Any]:
+    """A (data = 2, tensor = 2) mesh: a colwise and a rowwise Linear, then FSDP2 over the data dimension (the
+    weights 2D DTensors, as a stage's under T > 1 with a sharding_strategy); the file's whole tensors against
+    ``full_tensor`` (taken after the save)."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from lightning_avgpipe.plugin.checkpoint import sharded, streamed
+    from lightning_avgpipe.runtime.files import torchfile
+    from lightning_avgpipe.runtime.files.save_waits import SaveWaits
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data", "tensor"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 10), nn.Linear(10, 5))
+    parallelize_module(model, mesh["tensor"], {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    for layer in model:
+        fully_shard(layer, mesh=mesh["data"])
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    outbox = streamed.Outbox()
+    tree = {"state_dict": {k: sharded.to_refs(v, f"state_dict.{k}", outbox.tensors) for k, v in state.items()}}
+    path = Path(out) / "two_dim.ckpt"
+    with SaveWaits("a test's save", 30.0, 60.0) as waits:
+        parts = outbox.gather(tree, rank, world, waits)
+        checkpoint = None
+        if parts is not None:
+            checkpoint = {"state_dict": {k: v for part in parts for k, v in part["state_dict"].items()}}
+
+        def write(prepared: Any, fetch: Any) -> None:
+            torchfile.write(path, prepared, fetch)
+
+        streamed.transfer(checkpoint, outbox, rank, world, write, waits)
+    placements = {k: [type(p).__name__ for p in v.placements] for k, v in state.items()}
+    return {"whole": {k: v.full_tensor() for k, v in state.items()}, "placements": placements}
+
+
+@pytest.mark.slow
+def test_a_file_of_two_dimensional_dtensors_holds_their_whole_tensors(tmp_path: Path) -> None:
+    """FSDP2 over (data) of a tensor-parallel model over (tensor), 4 ranks: each weight's parts (a strided shard
+    over data of a Shard over tensor) make its whole tensor in the file."""
+    from tests.helpers.distributed import run_distributed
+
+    results = run_distributed(_two_dim_worker, 4, str(tmp_path), timeout=180)
+    loaded = torch.load(tmp_path / "two_dim.ckpt", weights_only=True)["state_dict"]
+    whole = results[0]["whole"]
+    assert sorted(loaded) == sorted(whole)
+    assert all(len(p) == 2 for p in results[0]["placements"].values()), results[0]["placements"]
+    for key, value in whole.items():
+        torch.testing.assert_close(loaded[key], value, rtol=0, atol=0, msg=key)

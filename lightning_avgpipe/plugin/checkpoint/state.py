@@ -75,7 +75,9 @@ def ordered(merged: dict[str, Any], full_keys: Sequence[str]) -> dict[str, Any]:
 def optimizer_entry(optimizer: Optimizer, pipeline: StagePipeline, names: Names, whole: bool = True) -> dict[str, Any]:
     """This rank's part of the optimizer's checkpoint: ``"named"`` (:func:`named_groups`) and, with N·D > 1
     replicas, its own optimizers' states, the replicas' weights and the averaging's state (``"optim"``,
-    ``"replicas"``, ``"elastic"``). ``whole=False`` keeps tensor-parallel state as it is (``DTensor``)."""
+    ``"replicas"``, ``"elastic"``). ``whole=False`` keeps each rank's part as it holds it (a ``DTensor``, ZeRO-1's
+    ``FlatPieces``), with no collective but ZeRO-1's under tensor parallelism: a folder writes it, a single file
+    assembles each tensor from the ranks' parts (``plugin/checkpoint/streamed.py``)."""
     inner = compat.unwrap_optimizer(optimizer)
     elastic = pipeline.replicas.elastic
     named = named_groups(inner, pipeline, names, whole)  # collective over a tensor group when whole
