@@ -260,6 +260,31 @@ def training_loader(cfg: dict[str, Any], bs: int, rec: Any, trainer_kwargs: dict
     return train_loader
 
 
+def count_full_tensor_in_saves(trainer: pl.Trainer) -> dict[str, int]:
+    """Count the ``DTensor.full_tensor`` calls made inside ``trainer.save_checkpoint`` (every save: ModelCheckpoint's
+    and the final one), and the saves."""
+    from torch.distributed.tensor import DTensor
+
+    counts = {"saves": 0, "calls": 0, "inside": 0}
+    full_tensor, save = DTensor.full_tensor, trainer.save_checkpoint
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        counts["calls"] += counts["inside"]
+        return full_tensor(self, *args, **kwargs)
+
+    def saving(*args: Any, **kwargs: Any) -> Any:
+        counts["saves"] += 1
+        counts["inside"] = 1
+        try:
+            return save(*args, **kwargs)
+        finally:
+            counts["inside"] = 0
+
+    DTensor.full_tensor = counted  # type: ignore[method-assign]
+    trainer.save_checkpoint = saving  # type: ignore[method-assign]
+    return counts
+
+
 def main(cfg: dict[str, Any]) -> None:
     torch.set_num_threads(1)
     out = Path(cfg["out"])
@@ -317,6 +342,7 @@ def main(cfg: dict[str, Any]) -> None:
         trainer_kwargs["use_distributed_sampler"] = False
     train_loader = training_loader(cfg, bs, rec, trainer_kwargs)
     trainer = pl.Trainer(**trainer_kwargs)
+    in_saves = count_full_tensor_in_saves(trainer) if cfg.get("count_full_tensor") else None
     trainer.fit(
         model, train_loader, loader(bs) if cfg.get("limit_val_batches") else None, ckpt_path=cfg.get("ckpt_path")
     )
@@ -343,6 +369,8 @@ def main(cfg: dict[str, Any]) -> None:
         "rank": trainer.global_rank,
         "preds": torch.cat(preds).tolist() if preds else None,
     }
+    if in_saves is not None:
+        result["full_tensor_in_saves"] = in_saves
     scales = [c for c in trainer.callbacks if isinstance(c, ScaleRecorder)]  # type: ignore[attr-defined]
     if scales:
         result["scales"] = scales[0].scales

@@ -107,15 +107,16 @@ class CheckpointHooks(ProcessStrategy, Staged):
     @_own_use
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The unsplit model's state dict, under its own names, assembled on rank 0 (empty elsewhere). In Lightning's
-        checkpoint dump: this rank's stage as it is (a folder), or on rank 0 its own tensors and a placeholder for
-        each other rank's, which ``save_checkpoint`` receives as it writes (one file)."""
+        checkpoint dump: this rank's stage as it is (a folder), or on rank 0 the tensors it holds whole and a
+        placeholder for each other one, which ``save_checkpoint`` assembles from the ranks' parts as it writes it (one
+        file: ``plugin/checkpoint/streamed.py``)."""
         assert self._split is not None
         if compat.dumping_checkpoint(self._trainer_or_none()):  # save_checkpoint writes what this returns
             if self.save_distributed_checkpoint:
                 return ckpt.local_state_dict(self._lightning(), self.pipeline)
-            # a dump starts here: the other ranks' tensors are streamed at the save
+            # a dump starts here: each rank's parts of the tensors, as it holds them, are streamed at the save
             self._outbox = streamed.Outbox()
-            local = ckpt.whole_state_dict(self._lightning(), self.pipeline)
+            local = ckpt.local_state_dict(self._lightning(), self.pipeline)
             tree = ckpt.state_refs(local, self._split.aliases, self._outbox.tensors)
             with self._waits("a checkpoint's gather of every stage's tensor names to rank 0") as waits:
                 parts = self._outbox.gather(tree, *self._ranks, waits)
@@ -132,7 +133,7 @@ class CheckpointHooks(ProcessStrategy, Staged):
             if self.save_distributed_checkpoint:
                 return {ckpt.LOCAL: ckpt.optimizer_entry(optimizer, self.pipeline, self._names(), whole=False)}
             box = self._outbox
-            entry = ckpt.optimizer_entry(optimizer, self.pipeline, self._names())
+            entry = ckpt.optimizer_entry(optimizer, self.pipeline, self._names(), whole=False)
             part = ckpt.optimizer_part(entry, box.optimizers, self.global_rank, box.tensors)
             box.optimizers += 1
             with self._waits("a checkpoint's gather of every stage's optimizer state names to rank 0") as waits:

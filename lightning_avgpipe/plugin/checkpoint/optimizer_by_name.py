@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_avgpipe.microbatch import to_cpu
@@ -57,9 +58,18 @@ def named_groups(
         # ZeRO-1 by flat slices: the slices gathered into whole tensors on group 0's rank (collective over the stage
         # group); the other groups send their parameters' names without a state
         pieces = optimizer.local_pieces() if isinstance(optimizer, ShardedOptimizer) and not whole else None
-        if pieces is not None:  # a folder: each rank writes its slices' pieces, nothing gathered
+        if pieces is not None:  # each rank writes (a folder) or sends (a file) its slices' pieces, nothing gathered
+            # a scalar (Adam's step) is one tensor for a slice's parameters: each gets its own, or a file would store
+            # it once and a loader step one tensor for every parameter
             states: Any = {
-                p: {k: sharded.FlatPieces(tuple(p.shape), v) if isinstance(v, list) else v for k, v in st.items()}
+                p: {
+                    k: sharded.FlatPieces(tuple(p.shape), v)
+                    if isinstance(v, list)
+                    else v.clone()
+                    if isinstance(v, Tensor)
+                    else v
+                    for k, v in st.items()
+                }
                 for p, st in pieces.items()
             }
         else:

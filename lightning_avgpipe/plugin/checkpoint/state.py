@@ -29,14 +29,17 @@ from lightning_avgpipe.runtime.failures.report import guarded
 from lightning_avgpipe.runtime.files import checksums
 from lightning_avgpipe.runtime.files.disk_full import no_space
 from lightning_avgpipe.runtime.pipeline import StagePipeline
+from lightning_avgpipe.runtime.sharding.zero import ShardedOptimizer
 from lightning_avgpipe.shards import full, is_dtensor, like, same_data, to_local_tree
 
 
 def assemble_state_dict(module: nn.Module, pipeline: StagePipeline, full_keys: Sequence[str]) -> dict[str, Any]:
-    """The unsplit model's state dict, under its own names and order, on the pipeline's first stage (collective;
-    ``{}`` elsewhere)."""
-    parts = pipeline.gather(whole_state_dict(module, pipeline))
-    if parts is None:
+    """The unsplit model's state dict, under its own names and order, on the first pipeline group's first stage
+    (collective; ``{}`` elsewhere). The D groups hold the same weights: only the first group's are pickled."""
+    state = whole_state_dict(module, pipeline)  # collective over a tensor or stage group: every rank takes part
+    first = pipeline.topology.group_index == 0
+    parts = pipeline.gather(state if first else {})
+    if parts is None or not first:
         return {}
     merged: dict[str, Any] = {}
     for part in parts:
@@ -72,7 +75,9 @@ def ordered(merged: dict[str, Any], full_keys: Sequence[str]) -> dict[str, Any]:
 def optimizer_entry(optimizer: Optimizer, pipeline: StagePipeline, names: Names, whole: bool = True) -> dict[str, Any]:
     """This rank's part of the optimizer's checkpoint: ``"named"`` (:func:`named_groups`) and, with N·D > 1
     replicas, its own optimizers' states, the replicas' weights and the averaging's state (``"optim"``,
-    ``"replicas"``, ``"elastic"``). ``whole=False`` keeps tensor-parallel state as it is (``DTensor``)."""
+    ``"replicas"``, ``"elastic"``). ``whole=False`` keeps each rank's part as it holds it (a ``DTensor``, ZeRO-1's
+    ``FlatPieces``), with no collective but ZeRO-1's under tensor parallelism: a folder writes it, a single file
+    assembles each tensor from the ranks' parts (``plugin/checkpoint/streamed.py``)."""
     inner = compat.unwrap_optimizer(optimizer)
     elastic = pipeline.replicas.elastic
     named = named_groups(inner, pipeline, names, whole)  # collective over a tensor group when whole
@@ -106,6 +111,9 @@ def gather_optimizer_state(
     """
     entry = optimizer_entry(optimizer, pipeline, names)
     top = pipeline.topology
+    if top.group_index > 0 and not isinstance(compat.unwrap_optimizer(optimizer), ShardedOptimizer):
+        # the D groups' states are copies (replica 0's is the first group's): rank 0 unpickles one of them
+        entry["named"] = [{**g, "params": [(n, {}) for n, _ in g["params"]]} for g in entry["named"]]
     if top.world_size == 1:
         parts: list[Any] | None = [entry]
     else:

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_avgpipe.shards import is_dtensor
+
 ALGORITHM = "crc32"
 CHUNK = 8 << 20
 
@@ -32,7 +34,13 @@ def crc_bytes(data: Any, crc: int = 0) -> int:
 
 
 def tensor_crc(tensor: Tensor) -> str:
-    """The CRC-32 of a tensor's bytes, as they are laid out row-major (its storage's layout in a file)."""
+    """The CRC-32 of a tensor's bytes, as they are laid out row-major (its storage's layout in a file); a
+    ``DTensor`` is refused (its bytes are its ranks' parts: one rank reading it alone would fail or hang)."""
+    if is_dtensor(tensor):
+        raise TypeError(
+            f"A DTensor of shape {tuple(tensor.shape)} reached a checkpoint's checksum on one rank; checksum its whole "
+            "tensor instead. This is a bug in AvgPipeStrategy's checkpoint."
+        )
     raw = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
     return f"{crc_bytes(raw.data):08x}"
 

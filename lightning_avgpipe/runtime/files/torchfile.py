@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from lightning_avgpipe.runtime.files import checksums as _checksums
-from lightning_avgpipe.shards import same_data
+from lightning_avgpipe.shards import is_dtensor, same_data
 
 ALIGNMENT = 64
 # dtype -> the storage class torch's pickles name (torch.save's persistent ids)
@@ -156,6 +156,7 @@ class Prepared:
         seen: dict[Any, Slot] = {}  # a tensor under two names (over the same bytes) is one slot, one record
 
         def slot(tensor: Tensor) -> Slot:
+            refuse_split(tensor, "a checkpoint file")
             same = same_data(tensor)
             if same is not None and same in seen:
                 return seen[same]
@@ -192,6 +193,7 @@ def write(
                 f.write(data)
         for slot, record in prepared.slots:
             tensor = real.pop(slot.key) if slot.key in real else fetch(slot.key)
+            refuse_split(tensor, f"the checkpoint file {path}")
             if tuple(tensor.shape) != slot.shape or tensor.dtype != slot.dtype:
                 raise ValueError(
                     f"The tensor fetched for {slot.key!r} is {tuple(tensor.shape)} {tensor.dtype}; its slot said "
@@ -209,6 +211,16 @@ def write(
                 f.write(data)
         with _record(zf, "archive/version", 2) as f:
             f.write(b"3\n")
+
+
+def refuse_split(tensor: Tensor, where: str) -> None:
+    """Raise for a ``DTensor``: one rank writing it alone would fail, or start a collective no other rank joins
+    (its whole comes from its ranks' parts: ``plugin/checkpoint/streamed.py``)."""
+    if is_dtensor(tensor):
+        raise TypeError(
+            f"A DTensor of shape {tuple(tensor.shape)} reached {where}, which one rank writes alone; pass its whole "
+            "tensor (assembled from its ranks' local parts) instead. This is a bug in AvgPipeStrategy's checkpoint."
+        )
 
 
 def mapped(obj: Any, leaf: Callable[[Any], bool], value: Callable[[Any], Any]) -> Any:
