@@ -13,6 +13,7 @@ times. Printed as ratios to one device's figure of the same phase.
     python benchmarks/big_model.py --cap-gib 2.5 --width 4096 --layers 16   # one device killed by the cap, S = 4 not
     python benchmarks/big_model.py --groups 2 --steps 4  # D = 2 x S = 2 under ZeRO-0..3 and ZeRO-3 once per step
     python benchmarks/big_model.py --groups 2 --steps 4 --mmap-threshold 1048576   # glibc returning freed tensors
+    python benchmarks/big_model.py --groups 2 --cap-gib 2 --width 4096 --layers 16 --mmap-threshold 1048576
 
 ``--cap-gib`` puts each process in a cgroup (v1 memory controller, root on Linux) of its own with that limit, and
 runs one device and S = 4 under it; without the controller it says so and skips. Linux only (``/proc``).
@@ -260,7 +261,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--tensor", type=int, default=2, help="also S = 2 x T = this (tensor parallelism); 1: not")
-    parser.add_argument("--cap-gib", type=float, help="run one device and S = 4 under this per-process memory cap")
+    parser.add_argument("--cap-gib", type=float, help="one device and S = 4 (or --groups) under this per-process cap")
     parser.add_argument("--quick", action="store_true", help="a smoke run: configure_model only (no __init__ row)")
     parser.add_argument("--checksum-cost", type=int, metavar="N", help="S = 2 folder saves with and without checksums")
     parser.add_argument("--groups", type=int, help="only D = this x S = 2 rows, each sharding (exact averaging)")
@@ -351,7 +352,8 @@ def checksum_cost(args: argparse.Namespace) -> None:
 
 
 def capped(args: argparse.Namespace, weights: int) -> None:
-    """One device and S = 4 (a sharded save), each process under ``--cap-gib``."""
+    """Each process under ``--cap-gib``: one device and S = 4 (a sharded save); with ``--groups D``, D x S = 2
+    unsharded and under FULL_SHARD (ZeRO-3) instead, each saving a folder and resuming from it."""
     why = can_cap()
     if why is not None:
         print(f"skipped: {why}; no per-process memory cap can be set")
@@ -359,17 +361,21 @@ def capped(args: argparse.Namespace, weights: int) -> None:
     cap = int(args.cap_gib * (1 << 30))
     state = 4 * weights  # weights, gradients and Adam's two moments
     print(f"training state {state / (1 << 30):.2f} GiB = {state / cap:.2f}x the per-process cap of {args.cap_gib} GiB")
-    for devices in (1, 4):
+    D = args.groups or 1
+    runs = [(1, "one device", {}), (4, "S=4", {})]
+    if D > 1:
+        runs = [
+            (2 * D, f"D={D} x S=2, {level}", {"groups": D, "sharding": level}) for level in ("NO_SHARD", "FULL_SHARD")
+        ]
+    for devices, name, kw in runs:
         try:
-            results = run(devices, True, args, sharded=devices > 1, cap=cap)
+            results = run(devices, True, args, sharded=devices > 1, cap=cap, **kw)
         except MemoryError as err:
-            print(f"{'one device' if devices == 1 else f'S={devices}'}: {err}")
+            print(f"{name}: {err}")
             continue
         peaks = ", ".join(f"rank {r['rank']} {max(r['phases'].values()) / (1 << 20):.0f} MiB" for r in results)
         saves = max(r["save_s"] for r in results)
-        print(
-            f"S={devices}: trained {args.steps} steps, saved ({saves:.1f} s) and resumed; peaks above baseline {peaks}"
-        )
+        print(f"{name}: trained {args.steps} steps, saved ({saves:.1f} s) and resumed; peaks above baseline {peaks}")
 
 
 if __name__ == "__main__":
