@@ -30,11 +30,15 @@ def test_zero3_with_a_tie_and_clipping_on_two_groups_of_two_stages_trains_as_uns
         torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")
 
 
-def _mlp() -> list[torch.nn.Module]:
+def _mlp(tied: bool = False) -> list[torch.nn.Module]:
+    """``tied``: the two middle Linears share one weight (both on stage 0: a tie one rank holds)."""
     from torch import nn
 
     torch.manual_seed(0)
-    return [nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)]
+    layers = [nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)]
+    if tied:
+        layers[4].weight = layers[2].weight
+    return layers
 
 
 # (sharding_strategy, reduce_gradients, schedule, layers per model stage, clip)
@@ -48,6 +52,7 @@ CASES = [
     ("FULL_SHARD", "per_microbatch", "interleaved", [2, 2, 2, 1], 0.05),
     ("FULL_SHARD", "per_microbatch", "1f1b+checkpointing", [4, 3], None),  # activation checkpointing, every layer
     ("SHARD_GRAD_OP", "per_step", "advance", [4, 3], 0.05),
+    ("FULL_SHARD", "per_microbatch", "1f1b+tied", [6, 1], 0.05),  # a weight two layers of stage 0 share
 ]
 STEPS = 3
 
@@ -71,12 +76,12 @@ def _cases_worker(rank: int, world: int, cases: list[tuple[Any, ...]]) -> list[d
         v = len(partition) // 2
         mine = stages_of(top.stage, 2, v, "loop") if v > 1 else [top.stage]
         bounds = [sum(partition[:j]) for j in range(len(partition) + 1)]
-        layers = _mlp()
+        layers = _mlp(tied=schedule.endswith("+tied"))
         own = [layer for j in mine for layer in layers[bounds[j] : bounds[j + 1]]]
         cfg = PipelineConfig(
             num_stages=2,
             num_microbatches=4,
-            schedule=schedule.split("+")[0],
+            schedule=schedule.split("+")[0],  # "+checkpointing": every layer recomputed; "+tied": _mlp(tied=True)
             activation_checkpointing=schedule.endswith("+checkpointing"),
             averaging="exact",
             sharding_strategy=level,
@@ -108,14 +113,14 @@ def _indexed(own: list[torch.nn.Module], layers: list[torch.nn.Module]) -> list[
     return [(i, m) for i, m in enumerate(layers) if any(m is o for o in own) and any(True for _ in m.parameters())]
 
 
-def _one_device(clip: float | None) -> list[list[torch.Tensor]]:
+def _one_device(clip: float | None, tied: bool = False) -> list[list[torch.Tensor]]:
     """The MLP on one process, each step's batch the two groups' batches together, Adam (and clipping)."""
     import torch.nn.functional as F
     from torch import nn
 
     from tests.helpers.models import make_batch
 
-    layers = _mlp()
+    layers = _mlp(tied)
     model = nn.Sequential(*layers)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     for step in range(STEPS):
@@ -137,7 +142,8 @@ def test_zero2_and_zero3_on_two_groups_of_two_stages_equal_one_device_under_each
 
     got = run_distributed(_cases_worker, 4, CASES, timeout=500)
     for c, (level, reduce, schedule, partition, clip) in enumerate(CASES):
-        want = _one_device(clip)
+        tied = schedule.endswith("+tied")
+        want = _one_device(clip, tied)
         v = len(partition) // 2
         for rank, results in enumerate(got):
             r, stage, group = results[c], rank % 2, rank // 2
@@ -150,12 +156,11 @@ def test_zero2_and_zero3_on_two_groups_of_two_stages_equal_one_device_under_each
 
             mine = stages_of(stage, 2, v, "loop") if v > 1 else [stage]
             bounds = [sum(partition[:j]) for j in range(len(partition) + 1)]
-            share = sum(
-                torch.chunk(p, 2, dim=0)[group].numel()
-                for j in mine
-                for m in _mlp()[bounds[j] : bounds[j + 1]]
-                for p in m.parameters()
-            )
+            model = _mlp(tied)
+            held = {id(p): p for j in mine for m in model[bounds[j] : bounds[j + 1]] for p in m.parameters()}
+            whole = {id(p) for p in model[2].parameters()} & {id(p) for p in model[4].parameters()}
+            # FSDP's share of each parameter; a weight two layers of the rank share stays whole
+            share = sum(p.numel() if i in whole else torch.chunk(p, 2, dim=0)[group].numel() for i, p in held.items())
             assert r["param_numel"] == share and r["grad_numel"] == share, (what, r, share)
             assert r["state_numel"] == 2 * share, (what, r, share)  # Adam's two moments
             assert r["dtensors"] > 0, what
