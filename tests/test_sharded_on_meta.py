@@ -22,19 +22,19 @@ def _made(out: str) -> tuple[float, float]:
     return float(said.group(1)) * scale[said.group(2)], float(said.group(3)) * scale[said.group(4)]
 
 
-@pytest.mark.parametrize("stages", [1, 2])
-def test_zero3_of_a_model_built_in_configure_model_makes_real_its_shard_and_trains_as_built_whole(
-    tmp_path: Path, stages: int
+@pytest.mark.parametrize(("stages", "level"), [(1, "FULL_SHARD"), (2, "FULL_SHARD"), (2, "SHARD_GRAD_OP")])
+def test_a_sharded_model_built_in_configure_model_makes_real_its_shard_and_trains_as_built_whole(
+    tmp_path: Path, stages: int, level: str
 ) -> None:
-    """D = 2 x S under FULL_SHARD: the model built in ``configure_model`` gives the losses and weights of the same
-    model built in ``__init__``, and rank 0 made real about half of its stage (its shard), not all of it."""
+    """D = 2 x S under ZeRO-3 and ZeRO-2: the model built in ``configure_model`` gives the losses and weights of the
+    same model built in ``__init__``, and rank 0 made real about half of its stage (its shard), not all of it."""
     from tests.helpers.equivalence import final_state, run_lightning
 
     strategy: dict[str, Any] = {
         "num_stages": stages,
         "num_microbatches": 2,
         "averaging": "exact",
-        "sharding_strategy": "FULL_SHARD",
+        "sharding_strategy": level,
     }
     run: dict[str, Any] = {"steps": 3, "model": {"optimizer": "adam", "lr": 0.01}}
     whole = run_lightning(tmp_path / "whole", 2 * stages, strategy, **run)
