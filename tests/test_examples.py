@@ -120,6 +120,10 @@ def test_a_hugging_face_llama_sharded_over_two_groups_of_two_stages(tmp_path: Pa
     command = [sys.executable, str(ROOT / "examples" / "big_model.py"), "--groups", "2", "--check"]
     out = run_command([*command, "--root", str(tmp_path)], tmp_path)
     assert "check: OK" in out, out[-3000:]
-    total = float(re.search(r"rank 0: [0-9.]+ KiB of ([0-9.]+) KiB", out).group(1))  # type: ignore[union-attr]
+    setup = re.search(r"rank 0: ([0-9.]+) KiB of ([0-9.]+) KiB, .*at most ([0-9.]+) KiB of other", out)
+    assert setup is not None, out[-3000:]
+    made, total, other = (float(setup.group(i)) for i in (1, 2, 3))
+    # setup made real only rank 0's shard of its stage (sharded on the meta device), one whole tensor at a time
+    assert made < 0.3 * total and other < 0.1 * total, (made, other, total)
     held = {int(r): int(kib) for r, kib in re.findall(r"rank (\d): (\d+) KiB of parameters held", out)}
     assert held.keys() == {0, 1, 2, 3} and all(kib < 0.3 * total for kib in held.values()), (held, total)

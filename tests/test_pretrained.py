@@ -361,3 +361,31 @@ def test_a_two_rank_fit_with_names_that_do_not_match_ends_on_every_rank(tmp_path
     assert "  module: net.0.weight  file: 0.weight" in text, text
     assert "The module's names have 'net.' in front: pass module.net instead of the module (4 of its 4" in text, text
     assert took < 100, took  # a rank left waiting for another would wait p2p_timeout (300 s) before its watchdog
+
+
+def test_a_pretrained_tensor_to_be_split_is_made_real_whole_only_when_read_in(saved: tuple[Path, Any]) -> None:
+    """A loaded tensor to be split (a shard) is made real whole at its read, not at its init (the read fills it whole):
+    the replay holds at most one such whole tensor at once, and the shards kept are from_pretrained's."""
+    path, config = saved
+    reference = transformers.LlamaForCausalLM.from_pretrained(path).state_dict()
+    record = InitRecord()
+    with torch.device("meta"), record:
+        model = transformers.LlamaForCausalLM(config)
+        load_pretrained(model, path)
+    layer = model.model.layers[1]
+    kept: dict[str, torch.Tensor] = {}
+
+    def keep_half(name: str) -> Any:
+        def place(whole: torch.Tensor) -> torch.Tensor:
+            kept[name] = whole[: (whole.shape[0] + 1) // 2].clone()
+            return kept[name]
+
+        return place
+
+    shards = [(f"model.layers.1.{n}", p, keep_half(f"model.layers.1.{n}")) for n, p in layer.named_parameters()]
+    report = materialize(model, lambda t: False, record, torch.device("cpu"), shards)
+    assert kept.keys() == {name for name, _, _ in shards}
+    for name, value in kept.items():
+        assert torch.equal(value, reference[name][: value.shape[0]]), name
+    largest = max(p.numel() * p.element_size() for p in layer.parameters())
+    assert report.peak_other_bytes <= largest, (report.peak_other_bytes, largest)

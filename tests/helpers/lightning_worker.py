@@ -20,7 +20,7 @@ from lightning_avgpipe import AvgPipeStrategy, AvgPipeTuner
 from lightning_avgpipe.runtime.failures.shutdown import native_threads
 from lightning_avgpipe.shards import is_dtensor, local
 from tests.helpers.lit import AliasedNet, LateNet, PipeNet, dataset, loader
-from tests.helpers.tied import TiedLM, token_loader
+from tests.helpers.tied import LateTiedLM, TiedLM, token_loader
 
 # a Fault's kinds in the save of the checkpoint at its step: SIGSTOP before this rank writes its part of a folder,
 # while it writes it, at the save's last wait, in the dump (before a single file's transfer), as it sends its first
@@ -292,7 +292,9 @@ def main(cfg: dict[str, Any]) -> None:
     atexit.register(exit_probe, out, who)
     if cfg.get("seed") is not None:  # the run's seed (seed_everything): what the layers' random streams derive from
         pl.seed_everything(cfg["seed"], verbose=False)
-    kind = TiedLM if cfg.get("tied") else AliasedNet if cfg.get("aliased") else LateNet if cfg.get("late") else PipeNet
+    late = cfg.get("late")
+    tied = LateTiedLM if late else TiedLM
+    kind = tied if cfg.get("tied") else AliasedNet if cfg.get("aliased") else LateNet if late else PipeNet
     model = kind(**cfg.get("model", {}))
     if cfg.get("example_input"):  # lets partition="balanced" profile the layers
         model.example_input_array = torch.zeros(2, 8)

@@ -91,6 +91,18 @@ class TiedLM(L.LightningModule):
         return _optimizer(self.parameters(), self.hparams.lr, self.hparams.optimizer)
 
 
+class LateTiedLM(TiedLM):
+    """TiedLM whose layers are built in ``configure_model`` (under AvgPipe: on the meta device), same values."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        del self.layers
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "layers"):
+            self.layers = nn.Sequential(*tied_layers())
+
+
 def _optimizer(params: Any, lr: float, name: str) -> torch.optim.Optimizer:
     params = list(params)
     return torch.optim.Adam(params, lr=lr) if name == "adam" else torch.optim.SGD(params, lr=lr, momentum=0.9)

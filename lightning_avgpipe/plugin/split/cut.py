@@ -37,6 +37,7 @@ from lightning_avgpipe.runtime.build.materialize import Shard, is_meta_module
 from lightning_avgpipe.runtime.comms.topology import Topology
 from lightning_avgpipe.runtime.failures.report import guarded
 from lightning_avgpipe.runtime.recompute import check_matches
+from lightning_avgpipe.runtime.sharding import fsdp
 from lightning_avgpipe.runtime.sync.ties import TiedWeights, tie_groups
 from lightning_avgpipe.schedules.chunks import stages_of
 from lightning_avgpipe.schedules.generate import placed_by, schedule_layout
@@ -100,6 +101,9 @@ def cut_module(
     if deferred:  # this rank's stages (and what lies outside every layer) made real, with one process's values
         owned = own_layers(module, layers, sizes, mine)  # split over the tensor group first: shards only
         shards = tensor.apply(owned, plan, topology, module, on_meta=True)
+        if config.fsdp and topology.num_groups > 1 and config.tensor_parallel_size == 1:
+            # ZeRO-2/3: sharded on the meta device, only this rank's shard made real (T > 1: sharded after, whole)
+            shards, ties = fsdp.shard_on_meta(owned, topology, config, inputs.device, ties)
         materialize_own(module, layers, sizes, mine, inputs.records, inputs.device, forward_note, shards)
     # a model built whole comes back whole into rank 0's module after a run (plugin/split/whole.py)
     whole_after_run = not deferred and config.tensor_parallel_size == 1 and topology.num_stages > 1

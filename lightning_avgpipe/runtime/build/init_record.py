@@ -77,6 +77,7 @@ class Step:
     out: Any
     always: bool = False  # a call on the generator itself (a seeding, a state set): replayed whatever it touches
     site: str | None = None  # the user's line that asked for it (record_step), named if its replay fails
+    overwrites: bool = False  # fills its first argument whole without reading it (a pretrained tensor read in)
 
     @property
     def name(self) -> str:
@@ -159,10 +160,11 @@ class InitRecord(TorchFunctionMode):
 _ACTIVE: list[InitRecord] = []  # the builds being recorded, innermost last
 
 
-def record_step(func: Callable[..., Any], args: tuple[Any, ...]) -> None:
+def record_step(func: Callable[..., Any], args: tuple[Any, ...], overwrites: bool = False) -> None:
     """Record ``func(*args)``, a call that fills its first argument (a meta tensor of the build) in place, as a step
     of the build being recorded: the replay runs it on the real tensor where a rank keeps it (its name must end in
-    ``_``). Outside a recorded build, a meta tensor has no replay to wait for: refused."""
+    ``_``); with ``overwrites``, the call sets every element without reading any, so the replay need not make the
+    tensor real before it. Outside a recorded build, a meta tensor has no replay to wait for: refused."""
     if not _ACTIVE:
         raise RuntimeError(
             f"{getattr(func, '__name__', func)}: the model is on the meta device outside AvgPipeStrategy's recorded "
@@ -170,7 +172,7 @@ def record_step(func: Callable[..., Any], args: tuple[Any, ...]) -> None:
             "model has real tensors."
         )
     before = _snapshot(args)
-    _ACTIVE[-1].steps.append(Step(func, before, {}, before[0], site=user_site()))
+    _ACTIVE[-1].steps.append(Step(func, before, {}, before[0], site=user_site(), overwrites=overwrites))
 
 
 @contextlib.contextmanager

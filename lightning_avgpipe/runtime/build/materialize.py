@@ -283,7 +283,8 @@ def _is_meta_device(value: Any) -> bool:
 
 def _needed(steps: list[Step], kept: set[int]) -> list[bool]:
     """Which steps must run on real tensors: those that write a storage still needed later (kept, or read by a later
-    needed step), and every call on the generator itself; found walking back from the end."""
+    needed step), and every call on the generator itself; found walking back from the end. A step that fills a whole
+    storage without reading it (a pretrained tensor read in) ends its need: what wrote it before need not run."""
     live = set(kept)
     needed = [False] * len(steps)
     for i in range(len(steps) - 1, -1, -1):
@@ -291,13 +292,20 @@ def _needed(steps: list[Step], kept: set[int]) -> list[bool]:
         reads = {storage_key(t) for t in step.inputs() if t.is_meta}
         outs = {storage_key(t) for t in step.outputs() if t.is_meta}
         first = next(iter(step.inputs()), None)
+        filled = {storage_key(first)} if step.overwrites and first is not None and _fills(first) else set()
+        reads -= filled
         writes = outs - reads  # a new tensor; a view or the same tensor writes nothing
         if step.in_place() and first is not None and first.is_meta:
             writes.add(storage_key(first))
         if step.always or writes & live or (outs & live and not writes):
             needed[i] = True
-            live |= reads
+            live = (live - filled) | reads
     return needed
+
+
+def _fills(t: Tensor) -> bool:
+    """Whether ``t``, a meta tensor, covers its whole storage (filling it leaves nothing of what was there)."""
+    return t.is_meta and t.is_contiguous() and t.numel() * t.element_size() == t.untyped_storage().nbytes()
 
 
 def _install(module: nn.Module, named: list[tuple[str, Tensor]], replay: _Replay) -> None:

@@ -201,7 +201,7 @@ def load_pretrained(
         done.add(id(tensor))
         if tensor.is_meta:
             loaded.deferred = True
-            record_step(read_into_, (tensor, str(where[key]), key))
+            record_step(read_into_, (tensor, str(where[key]), key), overwrites=True)
         else:
             read_into_(tensor, str(where[key]), key)
     return loaded

@@ -22,6 +22,11 @@ reduction on: under ``per_step`` (and under a schedule that defers the weight gr
 comes after the micro-batch's backward) that is the one reduce-scatter; otherwise it only frees the gathered weights.
 torch's own pipeline schedules do the same (``PipelineStage.perform_reduce_grad``).
 
+A model built in ``configure_model`` (on the meta device) is sharded there, at the cut, before any of it is real
+(:func:`shard_on_meta`): the replay of its build (``runtime/build/materialize.py``) hands each weight's whole value to
+a function that keeps this rank's shard, so setup holds the rank's shard and one whole tensor, not its whole stage.
+Under tensor parallelism (T > 1) the stage is still sharded here, once its tensor shards are real.
+
 A weight two layers of one rank use (a tied embedding and head on the same rank) stays out of FSDP, whole on every
 rank of the group; its gradient is averaged over the group after the step, as ``averaging="exact"`` averages every
 gradient without sharding. Pure PyTorch: no Lightning import.
@@ -29,13 +34,15 @@ gradient without sharding. Pure PyTorch: no Lightning import.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
+
+from lightning_avgpipe.runtime.build.materialize import Shard
 
 
 def data_mesh(topology: Any, device: torch.device) -> Any:
@@ -73,6 +80,11 @@ def shared_within(chunks: Sequence[Sequence[nn.Module]]) -> list[nn.Parameter]:
     return list(out.values())
 
 
+def frees_after_forward(level: str, reduce: str) -> bool:
+    """FULL_SHARD per micro-batch frees a layer's weights after its forward and gathers them again for its backward."""
+    return level == "FULL_SHARD" and reduce != "per_step"
+
+
 class StageSharding:
     """This rank's stages (``chunks``: each one's layers) sharded over its stage group (collective at build).
 
@@ -95,7 +107,7 @@ class StageSharding:
         splits_backward: bool,
         device: torch.device,
     ) -> None:
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import FSDPModule, fully_shard
 
         self.level, self.reduce, self.topology = level, reduce, topology
         self.per_step = reduce == "per_step"
@@ -103,13 +115,14 @@ class StageSharding:
         self.mesh = data_mesh(topology, device)
         self.replicated = shared_within(chunks)  # whole on every rank of the group, averaged after the step
         ignored = set(self.replicated)
-        # FULL_SHARD per micro-batch frees a layer's weights after its forward and gathers them again for its backward
-        free = level == "FULL_SHARD" and not self.per_step
+        free = frees_after_forward(level, reduce)
         self.layers: list[nn.Module] = []
         self.roots: dict[tuple[int, ...], Any] = {}  # FSDP roots (_ChunkRoot), by the ids of the chunk's layers
         for chunk in chunks:
             for layer in chunk:
-                if any(True for _ in layer.parameters()):
+                if isinstance(layer, FSDPModule):  # sharded on the meta device at the cut (shard_on_meta)
+                    self.layers.append(layer)
+                elif any(True for _ in layer.parameters()):
                     fully_shard(layer, mesh=self.mesh, reshard_after_forward=free, ignored_params=ignored)
                     self.layers.append(layer)
             root = _ChunkRoot(chunk)
@@ -196,6 +209,67 @@ def shard_stage(
     where = owners([m for chunk in chunks for m in chunk])
     sharding = StageSharding(chunks, topology, config.sharding_strategy, config.reduce_gradients, splits, device)
     return sharding, tuple(replace(t, params=renamed(t.params, where)) for t in ties)
+
+
+def shard_on_meta(
+    named_layers: Mapping[str, nn.Module], topology: Any, config: Any, device: torch.device, ties: Any
+) -> tuple[list[Shard], list[Any]]:
+    """On this rank's layers (by their names in the model) still on the meta device (a model built without memory),
+    the ``fully_shard`` that :class:`StageSharding` would apply (same mesh, ``reshard_after_forward`` and ignored
+    weights; it then only adds the roots), before anything is made real. Returns, for each parameter sharded, its
+    name, its meta tensor of the build and the function that, given its whole value, puts this rank's dim-0 chunk
+    into the FSDP parameter (``runtime/build/materialize.py`` frees the whole after: no rank makes its whole stage
+    real); and ``ties`` (``TiedWeights``, collected before) over the FSDP parameters. Tensor parallelism (T > 1) is
+    not handled here: there the stage is sharded as before, after its tensor shards are made real whole."""
+    from torch.distributed.fsdp import fully_shard
+
+    layers = list(named_layers.values())
+    mesh = data_mesh(topology, device)
+    ignored = set(shared_within([layers]))
+    free = frees_after_forward(config.sharding_strategy, config.reduce_gradients)
+    where = owners(layers)
+    before: dict[tuple[int, str], tuple[str, nn.Parameter]] = {}  # (module, name) -> (name in the model, the build's)
+    for prefix, layer in named_layers.items():
+        for mn, m in layer.named_modules():
+            for n, p in m.named_parameters(recurse=False):
+                before.setdefault((id(m), n), (".".join(filter(None, (prefix, mn, n))), p))
+    shards: list[Shard] = []
+    for layer in layers:
+        if not any(True for _ in layer.parameters()):
+            continue
+        fully_shard(layer, mesh=mesh, reshard_after_forward=free, ignored_params=ignored)
+        state = fully_shard.state(layer)  # type: ignore[attr-defined]
+        for group in state._fsdp_param_groups:
+            for param in group.fsdp_params:
+                info = param._module_info
+                name, original = before[(id(info.module), info.param_name)]
+                shards.append((name, original, _place_chunk(param, mesh)))
+    return shards, [replace(t, params=renamed(t.params, where)) for t in ties]
+
+
+def _place_chunk(fsdp_param: Any, mesh: Any) -> Callable[[Tensor], Tensor]:
+    """For one FSDP parameter sharded on the meta device: the function that, given the parameter's whole value,
+    makes the parameter (the same object) a real DTensor of this rank's dim-0 chunk of it, as ``fully_shard`` cuts
+    it (padded by FSDP as it pads its own), and returns the local storage it keeps."""
+    from torch.distributed.tensor import DTensor
+
+    def place(whole: Tensor) -> Tensor:
+        param = fsdp_param.sharded_param
+        rank, size = mesh.get_local_rank(), mesh.size()
+        chunks = torch.chunk(whole.detach(), size, dim=0)
+        local = (
+            chunks[rank].clone(memory_format=torch.contiguous_format)
+            if rank < len(chunks)
+            else whole.new_empty((0, *whole.shape[1:]))
+        )
+        value = DTensor.from_local(
+            local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+        )
+        torch.utils.swap_tensors(param, nn.Parameter(value, requires_grad=param.requires_grad))
+        fsdp_param.reset_sharded_param()  # FSDP's padded storage, as after ``to_empty``
+        return fsdp_param._sharded_param_data
+
+    return place
 
 
 def release(sharding: StageSharding) -> None:
