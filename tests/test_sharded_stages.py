@@ -217,15 +217,17 @@ def test_zero3_checkpoints_resume_in_any_layout(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_zero3_under_float16_loss_scaling_trains_as_unsharded(tmp_path: Path) -> None:
-    """16-mixed (float16 autocast and the pipeline-wide loss scaler) at D = 2 x S = 1: FULL_SHARD per micro-batch
-    and reduced once per step both give the unsharded run's losses and weights."""
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
+def test_zero3_under_mixed_precision_trains_as_unsharded(tmp_path: Path, precision: str) -> None:
+    """16-mixed (float16 autocast and the pipeline-wide loss scaler; per micro-batch and reduced once per step) and
+    bf16-mixed at D = 2 x S = 1: FULL_SHARD gives the unsharded run's losses and weights."""
     from tests.helpers.equivalence import final_state, run_lightning
 
     strategy: dict[str, Any] = {"num_stages": 1, "num_microbatches": 2, "averaging": "exact"}
-    run = {"steps": 3, "model": {"optimizer": "adam", "lr": 0.01}, "fp16": True}
+    mixed = {"fp16": True} if precision == "16-mixed" else {"trainer": {"precision": precision}}
+    run = {"steps": 3, "model": {"optimizer": "adam", "lr": 0.01}, **mixed}
     plain = run_lightning(tmp_path / "plain", 2, strategy, **run)
-    for reduce in ("per_microbatch", "per_step"):
+    for reduce in ("per_microbatch", "per_step") if precision == "16-mixed" else ("per_microbatch",):
         sharded = {**strategy, "sharding_strategy": "FULL_SHARD", "reduce_gradients": reduce}
         z3 = run_lightning(tmp_path / reduce, 2, sharded, **run)
         torch.testing.assert_close(torch.tensor(z3[0]["losses"]), torch.tensor(plain[0]["losses"]))
