@@ -294,3 +294,14 @@ def test_the_check_finds_a_test_module_imported() -> None:
         "tests/test_planted.py:7 imports tests.test_checkpoint_layouts",
         "tests/test_planted.py:8 imports tests.test_recompute",
     ]
+
+
+def test_the_step_keeps_its_surface_small() -> None:
+    """``StagePipeline`` keeps the step's own operations, at most 20 ``def``s (issue 43); callers read its config,
+    topology and executor directly, and helpers of one step are functions beside it."""
+    import ast
+
+    tree = ast.parse((PACKAGE / "runtime" / "pipeline.py").read_text())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "StagePipeline"]
+    defs = [n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    assert len(defs) <= 20, f"StagePipeline has {len(defs)} defs: {defs}"

@@ -31,6 +31,7 @@ from lightning_avgpipe import microbatch
 from lightning_avgpipe.config import PipelineConfig, check_same_placement
 from lightning_avgpipe.elastic import average_gradients
 from lightning_avgpipe.errors import check_finite
+from lightning_avgpipe.noise_scale import GradientNorms
 from lightning_avgpipe.runtime import units
 from lightning_avgpipe.runtime.comms import collectives
 from lightning_avgpipe.runtime.comms.p2p import Link
@@ -350,7 +351,7 @@ class StagePipeline:
             owner += [0 if exact else n] * len(parts)
         if exact:
             replicas = 1  # one replica trains on every unit; what follows counts replicas, not batches
-        self._start_peaks()
+        _start_peaks(self.executor)
         trace = StepTrace(self.topology.stage)
         meter = self.meter if measure else None
         if meter is not None:
@@ -358,7 +359,7 @@ class StagePipeline:
         reps = self.replicas
         reps.elastic.follow_reference()  # frozen layers, eval-mode BatchNorm: as the user's module has them
         before = reps.tied.before(replicas) if self.ties else None
-        probe = self._probe(request, accumulate, replicas, micro, owner)
+        probe = _noise_probe(self, request, accumulate, replicas, micro, owner)
         step = (request.key, micro, weights, owner, replicas, accumulate, request.loss_fn, request.inputs)
         batched = reps.batched
         if self.sharding is not None:
@@ -382,13 +383,8 @@ class StagePipeline:
         )
         if batched is not None:
             batched.finish()
-        self._reduce(replicas, before, probe is None)
+        norms = _reduce(self, replicas, before, probe)
         spread = reps.divergence() if request.divergence else None
-        norms = None
-        if probe is not None:
-            norms = probe.finish(self.topology.job_group, self.topology.num_groups, self.device)
-        if probe is not None:
-            self._average_groups()
         grads = reps.params if request.loss_scale is None else []  # under loss scaling an overflow skips the step
         where = f"stage {self.topology.stage} (rank {self.topology.rank})"
         check_finite(where, results, grads, reps.elastic.reference_params, request.param_names or {})
@@ -399,42 +395,6 @@ class StagePipeline:
         if self.executor.is_last and results:
             loss = torch.stack([r.float() for r in results.values()]).sum() * accumulate / replicas
         return StepResult(results, loss, samples, trace, spread, norms)
-
-    def _reduce(self, replicas: int, before: Any, average: bool) -> None:
-        """The step's gradients made the model's: FSDP's reduction (runtime/sharding/fsdp.py), the shared weights'
-        sum over their stages, and (``average``; the noise probe reads the groups' own first) the D groups' mean."""
-        if self.sharding is not None:
-            self.sharding.finish()
-        if self.ties:
-            self.replicas.tied.sum(replicas, before, self.device)
-        if average:
-            self._average_groups()
-
-    def _average_groups(self) -> None:
-        """``averaging="exact"`` over D groups without FSDP: every group's gradients become their mean, one batch of
-        D x N x B."""
-        top = self.topology
-        if self.config.exact and top.num_groups > 1 and self.sharding is None:
-            average_gradients(self.replicas.params, top.stage_group, top.num_groups, self.device)
-
-    def _probe(
-        self, request: StepRequest, accumulate: int, replicas: int, micro: list[Any], owner: list[int]
-    ) -> GradientProbe | None:
-        """The noise-scale probe of this step, where it can read each unit's whole gradients: not under a split
-        backward (which interleaves units' parts), several stages per rank or FSDP (which reduces them)."""
-        reps = self.replicas
-        whole_units = not self.splits_backward and self.chunks.v == 1 and self.sharding is None
-        if not (request.noise and accumulate == 1 and whole_units and GradientProbe.usable(replicas, len(micro))):
-            return None
-        params = [reps.elastic.replica_params(n) for n in range(replicas)] if replicas > 1 else [reps.params]
-        sizes = [microbatch.batch_size(mb) for mb in micro]
-        T = self.topology.tensor_parallel_size
-        return GradientProbe(params, sizes, owner, skip=reps.uncounted, tensor_parallel_size=T)
-
-    def _start_peaks(self) -> None:
-        """Start the links' peaks of receive buffers in flight anew (the first step's memory breakdown reads them)."""
-        for link in self.executor.all_links:
-            link.peak_in_flight = link.in_flight
 
     # -- evaluation ----------------------------------------------------------------------------------------------
     def eval_step(
@@ -493,3 +453,40 @@ class StagePipeline:
             + (f" k={self.advance_forwards}" if reads_k(cfg.schedule) else "")
             + f", S={self.topology.num_stages}, M={self.num_microbatches}, N={self.config.num_pipelines}"
         )
+
+
+def _reduce(pipe: StagePipeline, replicas: int, before: Any, probe: GradientProbe | None) -> GradientNorms | None:
+    """The step's gradients made the model's: FSDP's reduction (runtime/sharding/fsdp.py), the shared weights' sum
+    over their stages, the noise probe's norms (of the groups' own gradients), then under ``averaging="exact"`` over
+    D groups without FSDP the groups' mean, one batch of D x N x B. Returns the probe's norms."""
+    if pipe.sharding is not None:
+        pipe.sharding.finish()
+    if pipe.ties:
+        pipe.replicas.tied.sum(replicas, before, pipe.device)
+    top = pipe.topology
+    norms = probe.finish(top.job_group, top.num_groups, pipe.device) if probe is not None else None
+    if pipe.config.exact and top.num_groups > 1 and pipe.sharding is None:
+        average_gradients(pipe.replicas.params, top.stage_group, top.num_groups, pipe.device)
+    return norms
+
+
+def _noise_probe(
+    pipe: StagePipeline, request: StepRequest, accumulate: int, replicas: int, micro: list[Any], owner: list[int]
+) -> GradientProbe | None:
+    """The noise-scale probe of a step, where it can read each unit's whole gradients: not under a split backward
+    (which interleaves units' parts), several stages per rank or FSDP (which reduces them)."""
+    reps = pipe.replicas
+    whole_units = not pipe.splits_backward and pipe.chunks.v == 1 and pipe.sharding is None
+    if not (request.noise and accumulate == 1 and whole_units and GradientProbe.usable(replicas, len(micro))):
+        return None
+    params = [reps.elastic.replica_params(n) for n in range(replicas)] if replicas > 1 else [reps.params]
+    sizes = [microbatch.batch_size(mb) for mb in micro]
+    return GradientProbe(
+        params, sizes, owner, skip=reps.uncounted, tensor_parallel_size=pipe.topology.tensor_parallel_size
+    )
+
+
+def _start_peaks(executor: StageExecutor) -> None:
+    """Start the links' peaks of receive buffers in flight anew (the first step's memory breakdown reads them)."""
+    for link in executor.all_links:
+        link.peak_in_flight = link.in_flight
