@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_avgpipe.elastic import average_gradients
 from lightning_avgpipe.runtime.build.materialize import Shard
 
 
@@ -167,15 +168,8 @@ class StageSharding:
                 for group in each._fsdp_param_groups:
                     group.post_backward()
             state._root_post_backward_final_callback()
-        grads = [p.grad for p in self.replicated if p.grad is not None]
-        if grads and self.mesh.size() > 1:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.mesh.get_group())
-            flat /= self.mesh.size()
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
+        if self.replicated:  # whole on every rank of the group: averaged as exact averaging averages any gradient
+            average_gradients(self.replicated, self.mesh.get_group(), self.mesh.size())
 
     def reshard(self) -> None:
         """Free every gathered weight (after an evaluation's forwards, which gather without a backward to free)."""
