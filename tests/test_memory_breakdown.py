@@ -159,3 +159,16 @@ def test_only_gradients_zero_grad_drops_unread_are_freed_before_the_step() -> No
     manual = Plain()
     manual.automatic_optimization = False
     assert discarded_by_zero_grad(trainer(manual), 0) == set()
+
+    # ZeRO-1 frees the gradients at its step, once its slice is taken, where the next batch's zero_grad drops them
+    from lightning_avgpipe.plugin.steps.gradients import free_after_slicing
+    from lightning_avgpipe.runtime.sharding.zero import ShardedOptimizer
+
+    v = nn.Parameter(torch.zeros(4))
+    sharded = ShardedOptimizer(torch.optim.Adam([v]), [v], None, [0, 1], 0)
+    free_after_slicing(trainer(Plain(), accumulate=2, opt=sharded), 1)  # the step ends a window: the next starts one
+    assert sharded.unread_after_step == {id(v)}
+    free_after_slicing(trainer(Plain(), accumulate=3, opt=sharded), 0)  # no step here, nor a window's start next
+    assert sharded.unread_after_step == set()
+    free_after_slicing(trainer(Reads(), opt=sharded), 0)
+    assert sharded.unread_after_step == set()

@@ -109,8 +109,10 @@ class ActivationMeter:
     """
 
     def __init__(self, parameters: Sequence[Tensor] = ()) -> None:
-        # parameters are excluded by storage: autograd often saves a view of a weight (``weight.t()``)
-        self._params = {local(p).untyped_storage().data_ptr() for p in parameters if p.numel()}
+        # parameters are excluded by storage: autograd often saves a view of a weight (``weight.t()``); read again
+        # at each reset, as a parameter may move into another storage (ZeRO-1 makes them views of one flat buffer)
+        self._parameters = list(parameters)
+        self._params = self._storages()
         self._units: dict[Hashable, int] = {}
         self._seen: set[tuple[int, Hashable]] = set()
         self.current = 0
@@ -144,7 +146,11 @@ class ActivationMeter:
         """Unit ``u``'s backward ran: its saved tensors are freed."""
         self.current -= self._units.pop(u, 0)
 
+    def _storages(self) -> set[int]:
+        return {local(p).untyped_storage().data_ptr() for p in self._parameters if p.numel()}
+
     def reset(self) -> None:
+        self._params = self._storages()
         self._units.clear()
         self._seen.clear()
         self.current = self.peak = 0

@@ -82,6 +82,17 @@ def discarded_by_zero_grad(trainer: pl.Trainer, batch_idx: int | None) -> set[in
     return found
 
 
+def free_after_slicing(trainer: pl.Trainer, batch_idx: int | None) -> None:
+    """Tell each ZeRO-1 optimizer (:class:`ShardedOptimizer`) the gradients it may free as soon as its step has
+    taken its slice of them: those the ``zero_grad`` after this step (that of batch ``batch_idx + 1``) drops unread.
+    Kept, the stage's whole gradients would sit beside the optimizer's temporaries at the step's peak."""
+    after = discarded_by_zero_grad(trainer, None if batch_idx is None else batch_idx + 1)
+    for optimizer in trainer.strategy.optimizers:
+        inner = compat.unwrap_optimizer(optimizer)
+        if isinstance(inner, ShardedOptimizer):
+            inner.unread_after_step = after
+
+
 def _set_to_none(optimizer: Optimizer) -> set[int] | None:
     """The ids of the parameters ``optimizer.zero_grad()`` sets to ``None``; ``None`` if it is not known."""
     if isinstance(optimizer, ElasticOptimizer):  # every replica's clone

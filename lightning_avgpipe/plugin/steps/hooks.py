@@ -20,7 +20,7 @@ from lightning_avgpipe import microbatch
 from lightning_avgpipe.plugin import compat
 from lightning_avgpipe.plugin.contract import pipeline_inputs
 from lightning_avgpipe.plugin.steps.bridge import StepBridge, replay_logs
-from lightning_avgpipe.plugin.steps.gradients import GradStash, discarded_by_zero_grad
+from lightning_avgpipe.plugin.steps.gradients import GradStash, discarded_by_zero_grad, free_after_slicing
 from lightning_avgpipe.plugin.steps.memory import report_after_first_step
 from lightning_avgpipe.plugin.steps.precision import loss_scale_of
 from lightning_avgpipe.plugin.steps.results import StepResults
@@ -89,6 +89,7 @@ class PipelineSteps:
         )
         # Lightning zeroes gradients between training_step and backward
         discarded = discarded_by_zero_grad(trainer, int(rest[0]) if rest else None)
+        free_after_slicing(trainer, int(rest[0]) if rest else None)
         with self.stash.apart(pipeline.replicas.params, discarded):
             report = control.run(request)
         result = report.result

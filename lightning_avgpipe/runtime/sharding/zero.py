@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -27,6 +27,7 @@ from lightning_avgpipe.shards import is_dtensor, like, local
 # torch >= 2.13 names them *_single and deprecates the older names
 REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+IN_PLACE_ALL_GATHER = {"nccl"}  # backends whose all-gather into a tensor from a slice of it stages nothing
 
 
 def assign(params: Sequence[nn.Parameter], parts: int) -> list[int]:
@@ -52,7 +53,12 @@ def elementwise(optimizer: Optimizer) -> bool:
 
 class _Bucket:
     """The parameters of one group of the user's optimizer (one dtype) as one flat tensor, cut in D equal slices;
-    ``param`` is this rank's slice, the parameter its optimizer steps."""
+    ``param`` is this rank's slice, the parameter its optimizer steps.
+
+    Plain tensors are made views of one flat buffer (``flat``, padded to D whole slices), so ``param`` is a view of
+    this rank's slice and the step writes the weights in place: no copy of the slice, and the slices are shared in
+    place (:meth:`share`). Tensor-parallel shards stay as they are: ``param`` is then a copy, and the slices are
+    gathered into a whole buffer and copied back."""
 
     def __init__(self, source: int, params: list[nn.Parameter], parts: int, index: int) -> None:
         self.source, self.params = source, params
@@ -69,7 +75,36 @@ class _Bucket:
                 self.pieces.append((i, a - offset, a - lo, b - a))
             offset += n
         first = local(params[0])
-        self.param = nn.Parameter(torch.zeros(self.length, dtype=first.dtype, device=first.device))
+        self.flat: Tensor | None = None
+        if not any(is_dtensor(p) for p in params) and len({p.device for p in params}) == 1:
+            self.flat = torch.empty(self.slice * parts, dtype=first.dtype, device=first.device)
+            self.bind()
+            self.param = nn.Parameter(self.flat[lo : lo + self.length])
+        else:
+            self.param = nn.Parameter(torch.zeros(self.length, dtype=first.dtype, device=first.device))
+
+    def _views(self) -> list[Tensor]:
+        assert self.flat is not None
+        out, offset = [], 0
+        for p in self.params:
+            out.append(self.flat[offset : offset + p.numel()].view(p.shape))
+            offset += p.numel()
+        return out
+
+    @torch.no_grad()
+    def bind(self) -> None:
+        """Make the parameters views of ``flat`` again, their values copied in (once at the start, and where
+        something gave a parameter new storage since: a ``.data`` assignment), one at a time."""
+        for p, view in zip(self.params, self._views()):
+            if p.data_ptr() != view.data_ptr() or p.shape != view.shape:
+                view.copy_(p.detach())
+                p.data = view
+
+    def bound(self) -> bool:
+        """Whether every parameter is still its view of ``flat``."""
+        return self.flat is not None and all(
+            p.data_ptr() == v.data_ptr() and p.shape == v.shape for p, v in zip(self.params, self._views())
+        )
 
     def take(self, of: Callable[[nn.Parameter], Tensor | None], into: Tensor) -> None:
         """Copy this rank's slice of ``of(parameter)`` (a local tensor) into ``into``; zeros where it is None."""
@@ -79,6 +114,22 @@ class _Bucket:
                 into[at : at + length].zero_()
             else:
                 into[at : at + length].copy_(t.reshape(-1)[start : start + length])
+
+    @torch.no_grad()
+    def share(self, group: Any, ranks: Sequence[int]) -> None:
+        """Every rank's stepped slice of the weights to the whole group. Views: in place, as one all-gather where
+        the backend does it in place (NCCL), else one broadcast per slice (gloo's all-gather would stage the whole
+        buffer). Copies: gathered and copied back."""
+        if self.flat is None:
+            for p, whole in zip(self.params, self.gather(self.param.detach(), group, len(ranks))):
+                local(p.detach()).copy_(whole)
+            return
+        slices = self.flat.chunk(len(ranks))
+        if dist.get_backend(group) in IN_PLACE_ALL_GATHER:
+            ALL_GATHER(self.flat, slices[ranks.index(dist.get_rank())], group=group)
+            return
+        for part, src in zip(slices, ranks):
+            dist.broadcast(part, src=src, group=group)
 
     def gather(self, part: Tensor, group: Any, parts: int, dst: int | None = None) -> list[Tensor]:
         """Every rank's slice of a flat tensor like ``part``, put together and cut into the parameters' shapes: on
@@ -137,6 +188,9 @@ class ShardedOptimizer(WrappedOptimizer):
         self.flat = bool(self.buckets)
         self.inner: Optimizer | None = None
         self._warned = False
+        # ids of the parameters whose gradients nothing reads between this step and the zero_grad that drops them
+        # (the caller knows; Lightning's hooks): freed as soon as the step has taken its slice of them
+        self.unread_after_step: Collection[int] = ()
         if self.flat:
             groups = [
                 {**{k: v for k, v in user.param_groups[b.source].items() if k != "params"}, "params": [b.param]}
@@ -208,7 +262,10 @@ class ShardedOptimizer(WrappedOptimizer):
         kept: list[tuple[_Bucket, int, int]] = []  # slice ranges of parameters without a gradient: torch.optim skips
         for b, group in zip(self.buckets, self.inner.param_groups):
             group.update({k: v for k, v in self.user.param_groups[b.source].items() if k != "params"})
-            b.take(lambda p: local(p.detach()), b.param.data)  # the weights as they are (a checkpoint may load them)
+            if b.flat is not None:  # views: only a parameter given new storage since (a load may do it) is copied
+                b.bind()
+            else:
+                b.take(lambda p: local(p.detach()), b.param.data)  # the weights as they are (a checkpoint may load)
             if not any(p.grad is not None for p in b.params):  # no gradient in the group: torch.optim skips it
                 b.param.grad = None
                 continue
@@ -216,6 +273,9 @@ class ShardedOptimizer(WrappedOptimizer):
             b.take(lambda p: None if p.grad is None else local(p.grad), grad)
             b.param.grad = grad
             kept += [(b, at, length) for i, _, at, length in b.pieces if b.params[i].grad is None]
+            for p in b.params:  # taken: a gradient Lightning's zero_grad will drop unread is freed now
+                if id(p) in self.unread_after_step:
+                    p.grad = None
         if kept and not self._warned:
             self._warned = True
             warnings.warn(
@@ -232,9 +292,7 @@ class ShardedOptimizer(WrappedOptimizer):
                 self.inner.state[b.param][k][at : at + n].copy_(v)
         for b in self.buckets:
             b.param.grad = None
-            gathered = b.gather(b.param.detach(), self.group, len(self.ranks))
-            for p, whole in zip(b.params, gathered):
-                local(p.detach()).copy_(whole)
+            b.share(self.group, self.ranks)
 
     def _slice_state(self, b: _Bucket, at: int, n: int) -> dict[str, Tensor]:
         """Copies of the elements ``at : at + n`` of the slice's tensor states (none before its first step)."""
