@@ -113,7 +113,35 @@ def _strategy(cfg: dict[str, Any]) -> Any:
     )
 
 
+def _time_collectives() -> list[float]:
+    """Count the seconds this process blocks in the stage group's collectives (FSDP's gathers and reduce-scatters,
+    the all-reduces and broadcasts of the gradients and ZeRO-1's slices), looked up on ``torch.distributed`` at each
+    call; patched before the package is imported. Point-to-point sends between stages are not counted."""
+    import torch.distributed as dist
+
+    spent = [0.0]
+
+    def timed(fn: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("async_op"):  # its wait is not counted
+                return fn(*args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[0] += time.perf_counter() - start
+
+        return call
+
+    names = ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor", "reduce_scatter_tensor")
+    for name in (*names, "all_reduce", "broadcast", "all_gather", "reduce_scatter"):
+        if hasattr(dist, name):
+            setattr(dist, name, timed(getattr(dist, name)))
+    return spent
+
+
 def worker(cfg: dict[str, Any]) -> None:
+    collectives = _time_collectives()
     _prepare(cfg)
     import ctypes
     import gc
@@ -163,15 +191,18 @@ def worker(cfg: dict[str, Any]) -> None:
 
         def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
             steps.append(-time.perf_counter())
+            blocked.append(-collectives[0])
 
         def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
             steps[-1] += time.perf_counter()
+            blocked[-1] += collectives[0]
 
         def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
             phases["training"] = _status("VmHWM") - baseline
             _reset_peak()
 
     steps: list[float] = []  # each training step's wall time
+    blocked: list[float] = []  # and the seconds of it spent blocked in the stage group's collectives
 
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(32, width, generator=g), torch.randn(32, width, generator=g))
@@ -211,6 +242,8 @@ def worker(cfg: dict[str, Any]) -> None:
     result = {"rank": rank, "phases": phases, "save_s": save_s, "load_s": load_s, "baseline": baseline}
     timed = sorted(steps[1:] or steps)  # the first step builds plans and buffers
     result["step_s"] = timed[len(timed) // 2]
+    waits = sorted(blocked[1:] or blocked)
+    result["collectives_s"] = waits[len(waits) // 2]
     Path(cfg["out"], f"rank{rank}.json").write_text(json.dumps(result))
 
 
@@ -323,11 +356,13 @@ def sharded_rows(args: argparse.Namespace, row: Any) -> None:
         results = run(2 * D, True, args, groups=D, sharding=level, reduce=reduce)
         for r in results:
             row(name, r)
-        times[name] = max(r["step_s"] for r in results)  # the slowest rank's median step
-    zero1 = times[f"D={D} x S=2, SHARD_OPTIM"]
-    print("\nstep time (the slowest rank's median step), ratio to ZeRO-1's in this run")
-    for name, t in times.items():
-        print(f"{name:40} {t:6.2f} s ({t / zero1:.2f}x)")
+        slowest = max(results, key=lambda r: r["step_s"])  # the slowest rank's median step
+        times[name] = slowest["step_s"], slowest["collectives_s"]
+    zero1 = times[f"D={D} x S=2, SHARD_OPTIM"][0]
+    print("\nstep time (the slowest rank's median step), ratio to ZeRO-1's in this run; of it, the seconds blocked in")
+    print("the stage group's collectives (on CPU they block: nothing computes meanwhile)")
+    for name, (t, c) in times.items():
+        print(f"{name:40} {t:6.2f} s ({t / zero1:.2f}x), collectives {c:5.2f} s ({c / t:4.0%})")
 
 
 def checksum_cost(args: argparse.Namespace) -> None:

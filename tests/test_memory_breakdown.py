@@ -172,3 +172,26 @@ def test_only_gradients_zero_grad_drops_unread_are_freed_before_the_step() -> No
     assert sharded.unread_after_step == set()
     free_after_slicing(trainer(Reads(), opt=sharded), 0)
     assert sharded.unread_after_step == set()
+
+
+def test_the_activation_meter_counts_no_weight_however_it_is_held() -> None:
+    """What autograd saves of the weights is not an activation: a weight moved into one flat buffer after the meter
+    was made (ZeRO-1's views) nor a gathered weight the meter was never given (FSDP's unsharded parameters)."""
+    from lightning_avgpipe.runtime.trace import ActivationMeter
+
+    torch.manual_seed(0)
+    layer = nn.Linear(16, 16, bias=False)
+    meter = ActivationMeter(list(layer.parameters()))
+    flat = torch.zeros(16 * 16 + 8)
+    flat[:256].copy_(layer.weight.detach().reshape(-1))
+    layer.weight.data = flat[:256].view(16, 16)
+    gathered = nn.Parameter(torch.randn(16, 16))
+    x = torch.randn(4, 16, requires_grad=True)
+    meter.reset()
+    with meter.unit(0):
+        hidden = layer(x).tanh()
+        out = torch.nn.functional.linear(hidden, gathered)
+    # saved: the input x and tanh's output (which the second linear saves too); 4 x 16 float32 each
+    assert meter.peak == 2 * 4 * 16 * 4
+    out.sum().backward()
+    assert layer.weight.grad is not None and gathered.grad is not None

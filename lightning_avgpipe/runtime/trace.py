@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_avgpipe.shards import local
 
@@ -111,7 +111,7 @@ class ActivationMeter:
     def __init__(self, parameters: Sequence[Tensor] = ()) -> None:
         # parameters are excluded by storage: autograd often saves a view of a weight (``weight.t()``); read again
         # at each reset, as a parameter may move into another storage (ZeRO-1 makes them views of one flat buffer)
-        self._parameters = list(parameters)
+        self._weights = list(parameters)
         self._params = self._storages()
         self._units: dict[Hashable, int] = {}
         self._seen: set[tuple[int, Hashable]] = set()
@@ -125,7 +125,8 @@ class ActivationMeter:
         def pack(saved: Tensor) -> Tensor:
             t = local(saved)  # a tensor-parallel layer saves DTensors: their shard is what memory holds
             ptr = t.untyped_storage().data_ptr() if t.numel() else 0
-            if ptr not in self._params:
+            base = t._base if t._base is not None else t  # FSDP's gathered weights: parameters of their own storage
+            if ptr not in self._params and not isinstance(base, nn.Parameter):
                 key = (t.data_ptr(), u)
                 if key not in self._seen:
                     self._seen.add(key)
@@ -147,7 +148,7 @@ class ActivationMeter:
         self.current -= self._units.pop(u, 0)
 
     def _storages(self) -> set[int]:
-        return {local(p).untyped_storage().data_ptr() for p in self._parameters if p.numel()}
+        return {local(p).untyped_storage().data_ptr() for p in self._weights if p.numel()}
 
     def reset(self) -> None:
         self._params = self._storages()
