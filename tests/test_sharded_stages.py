@@ -53,6 +53,8 @@ CASES = [
     ("FULL_SHARD", "per_microbatch", "1f1b+checkpointing", [4, 3], None),  # activation checkpointing, every layer
     ("SHARD_GRAD_OP", "per_step", "advance", [4, 3], 0.05),
     ("FULL_SHARD", "per_microbatch", "1f1b+tied", [6, 1], 0.05),  # a weight two layers of stage 0 share
+    ("FULL_SHARD", "per_microbatch", "afab", [4, 3], None),
+    ("SHARD_GRAD_OP", "per_microbatch", "zbv", [2, 2, 2, 1], 0.05),  # two stages per rank, V placement
 ]
 STEPS = 3
 
@@ -74,7 +76,7 @@ def _cases_worker(rank: int, world: int, cases: list[tuple[Any, ...]]) -> list[d
     out = []
     for level, reduce, schedule, partition, clip in cases:
         v = len(partition) // 2
-        mine = stages_of(top.stage, 2, v, "loop") if v > 1 else [top.stage]
+        mine = stages_of(top.stage, 2, v, "v" if schedule == "zbv" else "loop") if v > 1 else [top.stage]
         bounds = [sum(partition[:j]) for j in range(len(partition) + 1)]
         layers = _mlp(tied=schedule.endswith("+tied"))
         own = [layer for j in mine for layer in layers[bounds[j] : bounds[j + 1]]]
@@ -135,7 +137,8 @@ def _one_device(clip: float | None, tied: bool = False) -> list[list[torch.Tenso
 
 
 def test_zero2_and_zero3_on_two_groups_of_two_stages_equal_one_device_under_each_schedule() -> None:
-    """1f1b, zbh1 (the deferred W) and interleaved (two stages per rank), per micro-batch and once per step, with
+    """1f1b, afab, advance, zbh1 (the deferred W), interleaved and zbv (two stages per rank), activation
+    checkpointing and a weight shared within a rank, per micro-batch and once per step, with
     and without clipping: the weights of one device; each rank holds 1/D of its stage's weights, gradients and Adam
     state (counted here from the unsharded layers: FSDP cuts dim 0 as ``torch.chunk`` does)."""
     from tests.helpers.distributed import run_distributed
@@ -154,7 +157,7 @@ def test_zero2_and_zero3_on_two_groups_of_two_stages_equal_one_device_under_each
                     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, w=what, i=i: f"{w} {i}: {m}")
             from lightning_avgpipe.schedules.chunks import stages_of
 
-            mine = stages_of(stage, 2, v, "loop") if v > 1 else [stage]
+            mine = stages_of(stage, 2, v, "v" if schedule == "zbv" else "loop") if v > 1 else [stage]
             bounds = [sum(partition[:j]) for j in range(len(partition) + 1)]
             model = _mlp(tied)
             held = {id(p): p for j in mine for m in model[bounds[j] : bounds[j + 1]] for p in m.parameters()}
