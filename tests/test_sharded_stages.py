@@ -55,6 +55,7 @@ CASES = [
     ("FULL_SHARD", "per_microbatch", "1f1b+tied", [6, 1], 0.05),  # a weight two layers of stage 0 share
     ("FULL_SHARD", "per_microbatch", "afab", [4, 3], None),
     ("SHARD_GRAD_OP", "per_microbatch", "zbv", [2, 2, 2, 1], 0.05),  # two stages per rank, V placement
+    ("FULL_SHARD", "per_microbatch", "1f1b+N2", [4, 3], 0.05),  # N = 2 pipelines in each group
 ]
 STEPS = 3
 
@@ -85,6 +86,7 @@ def _cases_worker(rank: int, world: int, cases: list[tuple[Any, ...]]) -> list[d
             num_microbatches=4,
             schedule=schedule.split("+")[0],  # "+checkpointing": every layer recomputed; "+tied": _mlp(tied=True)
             activation_checkpointing=schedule.endswith("+checkpointing"),
+            num_pipelines=_pipelines(schedule),
             averaging="exact",
             sharding_strategy=level,
             reduce_gradients=reduce,
@@ -93,7 +95,9 @@ def _cases_worker(rank: int, world: int, cases: list[tuple[Any, ...]]) -> list[d
         opt = pipe.optimizer(torch.optim.Adam(pipe.reference_params, lr=0.01))
         for step in range(STEPS):
             opt.zero_grad()
-            pipe.train_step([make_batch(2 * step + top.group_index)], lambda o, b, s: F.cross_entropy(o, b[1]))
+            n = _pipelines(schedule)
+            batches = [make_batch(2 * n * step + n * top.group_index + i) for i in range(n)]
+            pipe.train_step(batches, lambda o, b, s: F.cross_entropy(o, b[1]))
             if clip is not None:
                 clip_grad_norm_across([pipe.reference_params], clip, top.pipeline_group, shard_group=top.stage_group)
             opt.step()
@@ -115,8 +119,12 @@ def _indexed(own: list[torch.nn.Module], layers: list[torch.nn.Module]) -> list[
     return [(i, m) for i, m in enumerate(layers) if any(m is o for o in own) and any(True for _ in m.parameters())]
 
 
-def _one_device(clip: float | None, tied: bool = False) -> list[list[torch.Tensor]]:
-    """The MLP on one process, each step's batch the two groups' batches together, Adam (and clipping)."""
+def _pipelines(schedule: str) -> int:
+    return 2 if schedule.endswith("+N2") else 1
+
+
+def _one_device(clip: float | None, tied: bool = False, n: int = 1) -> list[list[torch.Tensor]]:
+    """The MLP on one process, each step's batch the two groups' ``n`` batches each together, Adam (and clipping)."""
     import torch.nn.functional as F
     from torch import nn
 
@@ -126,7 +134,7 @@ def _one_device(clip: float | None, tied: bool = False) -> list[list[torch.Tenso
     model = nn.Sequential(*layers)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     for step in range(STEPS):
-        parts = [make_batch(2 * step + d) for d in range(2)]
+        parts = [make_batch(2 * n * step + j) for j in range(2 * n)]
         x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
@@ -138,7 +146,7 @@ def _one_device(clip: float | None, tied: bool = False) -> list[list[torch.Tenso
 
 def test_zero2_and_zero3_on_two_groups_of_two_stages_equal_one_device_under_each_schedule() -> None:
     """1f1b, afab, advance, zbh1 (the deferred W), interleaved and zbv (two stages per rank), activation
-    checkpointing and a weight shared within a rank, per micro-batch and once per step, with
+    checkpointing, a weight shared within a rank and N = 2 pipelines per group, per micro-batch and once per step, with
     and without clipping: the weights of one device; each rank holds 1/D of its stage's weights, gradients and Adam
     state (counted here from the unsharded layers: FSDP cuts dim 0 as ``torch.chunk`` does)."""
     from tests.helpers.distributed import run_distributed
@@ -146,7 +154,7 @@ def test_zero2_and_zero3_on_two_groups_of_two_stages_equal_one_device_under_each
     got = run_distributed(_cases_worker, 4, CASES, timeout=500)
     for c, (level, reduce, schedule, partition, clip) in enumerate(CASES):
         tied = schedule.endswith("+tied")
-        want = _one_device(clip, tied)
+        want = _one_device(clip, tied, _pipelines(schedule))
         v = len(partition) // 2
         for rank, results in enumerate(got):
             r, stage, group = results[c], rank % 2, rank // 2
