@@ -26,7 +26,7 @@ A model built in ``configure_model`` (on the meta device) is sharded there, at t
 (:func:`shard_on_meta`): the replay of its build (``runtime/build/materialize.py``) hands each weight's whole value to
 a function that keeps this rank's shard, so setup holds the rank's shard and one whole tensor, not its whole stage.
 Under tensor parallelism (T > 1) that shard is the rank's dim-0 chunk of its tensor shard (what FSDP2 shards of a
-DTensor), 1/(D x T) of a split weight. A model built whole is sharded here, at the pipeline's build.
+DTensor), 1/(D x T) of a split weight. A model built whole (in ``__init__``) is sharded by :class:`StageSharding`.
 
 A weight two layers of one rank use (a tied embedding and head on the same rank) stays out of FSDP, whole on every
 rank of the group; its gradient is averaged over the group after the step, as ``averaging="exact"`` averages every
