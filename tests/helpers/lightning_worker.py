@@ -260,6 +260,23 @@ def training_loader(cfg: dict[str, Any], bs: int, rec: Any, trainer_kwargs: dict
     return train_loader
 
 
+def record_made() -> list[int]:
+    """The bytes each replay of a meta-device build on this rank made real and kept (``Materialized.kept_bytes``,
+    what the setup line says for rank 0), recorded as the replay returns them."""
+    from lightning_avgpipe.plugin.split import stages
+
+    made: list[int] = []
+    replay = stages.materialize
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        report = replay(*args, **kwargs)
+        made.append(report.kept_bytes)
+        return report
+
+    stages.materialize = counted  # type: ignore[assignment]
+    return made
+
+
 def count_full_tensor_in_saves(trainer: pl.Trainer) -> dict[str, int]:
     """Count the ``DTensor.full_tensor`` calls made inside ``trainer.save_checkpoint`` (every save: ModelCheckpoint's
     and the final one), and the saves."""
@@ -299,6 +316,7 @@ def main(cfg: dict[str, Any]) -> None:
     if cfg.get("example_input"):  # lets partition="balanced" profile the layers
         model.example_input_array = torch.zeros(2, 8)
     rec = Recorder()
+    made = record_made()
     trainer_kwargs = dict(
         accelerator="cpu",
         devices=cfg["devices"],
@@ -373,6 +391,7 @@ def main(cfg: dict[str, Any]) -> None:
     }
     if in_saves is not None:
         result["full_tensor_in_saves"] = in_saves
+    result["made"] = made  # a model built without memory: the bytes this rank's replay of its build made real
     scales = [c for c in trainer.callbacks if isinstance(c, ScaleRecorder)]  # type: ignore[attr-defined]
     if scales:
         result["scales"] = scales[0].scales

@@ -101,9 +101,10 @@ def cut_module(
     if deferred:  # this rank's stages (and what lies outside every layer) made real, with one process's values
         owned = own_layers(module, layers, sizes, mine)  # split over the tensor group first: shards only
         shards = tensor.apply(owned, plan, topology, module, on_meta=True)
-        if config.fsdp and topology.num_groups > 1 and config.tensor_parallel_size == 1:
-            # ZeRO-2/3: sharded on the meta device, only this rank's shard made real (T > 1: sharded after, whole)
-            shards, ties = fsdp.shard_on_meta(owned, topology, config, inputs.device, ties)
+        if config.fsdp and topology.num_groups > 1:
+            # ZeRO-2/3: sharded on the meta device, only this rank's shard made real (T > 1: over the mesh's data
+            # dimension, on top of the tensor shards: each rank keeps its (data, tensor) piece of each weight)
+            shards, ties = fsdp.shard_on_meta(owned, topology, config, inputs.device, ties, shards)
         materialize_own(module, layers, sizes, mine, inputs.records, inputs.device, forward_note, shards)
     # a model built whole comes back whole into rank 0's module after a run (plugin/split/whole.py)
     whole_after_run = not deferred and config.tensor_parallel_size == 1 and topology.num_stages > 1

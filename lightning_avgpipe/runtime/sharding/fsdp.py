@@ -25,7 +25,8 @@ torch's own pipeline schedules do the same (``PipelineStage.perform_reduce_grad`
 A model built in ``configure_model`` (on the meta device) is sharded there, at the cut, before any of it is real
 (:func:`shard_on_meta`): the replay of its build (``runtime/build/materialize.py``) hands each weight's whole value to
 a function that keeps this rank's shard, so setup holds the rank's shard and one whole tensor, not its whole stage.
-Under tensor parallelism (T > 1) the stage is still sharded here, once its tensor shards are real.
+Under tensor parallelism (T > 1) that shard is the rank's dim-0 chunk of its tensor shard (what FSDP2 shards of a
+DTensor), 1/(D x T) of a split weight. A model built whole (in ``__init__``) is sharded by :class:`StageSharding`.
 
 A weight two layers of one rank use (a tied embedding and head on the same rank) stays out of FSDP, whole on every
 rank of the group; its gradient is averaged over the group after the step, as ``averaging="exact"`` averages every
@@ -44,6 +45,7 @@ from torch import Tensor, nn
 
 from lightning_avgpipe.elastic import average_gradients
 from lightning_avgpipe.runtime.build.materialize import Shard
+from lightning_avgpipe.shards import is_dtensor
 
 
 def data_mesh(topology: Any, device: torch.device) -> Any:
@@ -206,15 +208,25 @@ def shard_stage(
 
 
 def shard_on_meta(
-    named_layers: Mapping[str, nn.Module], topology: Any, config: Any, device: torch.device, ties: Any
+    named_layers: Mapping[str, nn.Module],
+    topology: Any,
+    config: Any,
+    device: torch.device,
+    ties: Any,
+    split: Sequence[Shard] = (),
 ) -> tuple[list[Shard], list[Any]]:
     """On this rank's layers (by their names in the model) still on the meta device (a model built without memory),
     the ``fully_shard`` that :class:`StageSharding` would apply (same mesh, ``reshard_after_forward`` and ignored
     weights; it then only adds the roots), before anything is made real. Returns, for each parameter sharded, its
-    name, its meta tensor of the build and the function that, given its whole value, puts this rank's dim-0 chunk
-    into the FSDP parameter (``runtime/build/materialize.py`` frees the whole after: no rank makes its whole stage
-    real); and ``ties`` (``TiedWeights``, collected before) over the FSDP parameters. Tensor parallelism (T > 1) is
-    not handled here: there the stage is sharded as before, after its tensor shards are made real whole."""
+    name, its meta tensor of the build and the function that, given its whole value, puts this rank's shard into the
+    FSDP parameter (``runtime/build/materialize.py`` frees the whole after: no rank makes its whole stage real); and
+    ``ties`` (``TiedWeights``, collected before) over the FSDP parameters.
+
+    Under tensor parallelism (T > 1) the layers come split over the tensor group on the meta device (their split
+    weights meta DTensors; ``split``: the shards that would make them real, ``split_on_meta``). FSDP2 shards a
+    DTensor's local tensor, on the ``data`` dimension of the job's mesh, so a weight's function keeps its (data,
+    tensor) piece: the tensor shard cut as ``split`` cuts it, then that shard's dim-0 chunk (:func:`_place_chunk`),
+    1/(D x T) of the weight; ``split``'s own entries are returned only for the weights FSDP leaves out (ignored)."""
     from torch.distributed.fsdp import fully_shard
 
     layers = list(named_layers.values())
@@ -227,6 +239,7 @@ def shard_on_meta(
         for mn, m in layer.named_modules():
             for n, p in m.named_parameters(recurse=False):
                 before.setdefault((id(m), n), (".".join(filter(None, (prefix, mn, n))), p))
+    by_name = {shard[0]: shard for shard in split}  # a tensor-split weight's name -> its build's tensor, by shapes
     shards: list[Shard] = []
     for layer in layers:
         if not any(True for _ in layer.parameters()):
@@ -236,26 +249,52 @@ def shard_on_meta(
         for group in state._fsdp_param_groups:
             for param in group.fsdp_params:
                 info = param._module_info
-                name, original = before[(id(info.module), info.param_name)]
-                shards.append((name, original, _place_chunk(param, mesh)))
+                name, held = before[(id(info.module), info.param_name)]
+                if not is_dtensor(held):  # whole on its tensor group (or T = 1): the build's own
+                    shards.append((name, held, _place_chunk(param, mesh)))
+                    continue
+                if name not in by_name:
+                    raise ValueError(
+                        f"AvgPipe: {name} is a DTensor on the meta device that tensor parallelism did not split "
+                        "(no shard of it to make real); FULL_SHARD/SHARD_GRAD_OP of a model built in "
+                        "configure_model needs its weights plain tensors until the strategy splits them."
+                    )
+                original = by_name.pop(name)[1]
+                shards.append((name, original, _place_chunk(param, mesh, _tensor_shard_of(held))))
+    shards += by_name.values()  # split weights FSDP left out (ignored): their tensor shard alone, as before
     return shards, [replace(t, params=renamed(t.params, where)) for t in ties]
 
 
-def _place_chunk(fsdp_param: Any, mesh: Any) -> Callable[[Tensor], Tensor]:
+def _tensor_shard_of(split: Tensor) -> Callable[[Tensor], Tensor]:
+    """The function giving this rank's tensor-parallel shard of a whole value, as ``split`` (a meta DTensor) cuts it."""
+    from lightning_avgpipe.runtime.sharding.tensor_parallel import local_shard
+
+    return lambda whole: local_shard(whole, split)
+
+
+def _place_chunk(
+    fsdp_param: Any, mesh: Any, tensor_shard: Callable[[Tensor], Tensor] | None = None
+) -> Callable[[Tensor], Tensor]:
     """For one FSDP parameter sharded on the meta device: the function that, given the parameter's whole value,
     makes the parameter (the same object) a real DTensor of this rank's dim-0 chunk of it, as ``fully_shard`` cuts
-    it (padded by FSDP as it pads its own), and returns the local storage it keeps."""
+    it (padded by FSDP as it pads its own), and returns the local storage it keeps. With ``tensor_shard`` (the
+    weight is a tensor-parallel DTensor), the chunk is of this rank's tensor shard of the whole, which is what
+    FSDP2 chunks of a DTensor (``_init_sharding_spec_tp``: its local tensor; the placement on ``data`` is a
+    ``_StridedShard`` where the tensor split is on dim 0 too, which only describes where the chunk sits in the
+    whole)."""
     from torch.distributed.tensor import DTensor
 
     def place(whole: Tensor) -> Tensor:
         param = fsdp_param.sharded_param
         rank, size = mesh.get_local_rank(), mesh.size()
-        chunks = torch.chunk(whole.detach(), size, dim=0)
+        source = whole.detach() if tensor_shard is None else tensor_shard(whole)
+        chunks = torch.chunk(source, size, dim=0)
         local = (
             chunks[rank].clone(memory_format=torch.contiguous_format)
             if rank < len(chunks)
-            else whole.new_empty((0, *whole.shape[1:]))
+            else source.new_empty((0, *source.shape[1:]))
         )
+        del chunks, source  # a tensor shard cut as a copy (split on dim 1: a row-wise weight) freed now
         value = DTensor.from_local(
             local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
         )

@@ -182,12 +182,12 @@ def place_shard(module: nn.Module, name: str, split: Any) -> Callable[[Tensor], 
     ``module.<name>``): the function that, given the parameter's whole value, sets ``module.<name>`` to a real
     DTensor of this rank's shard of it (cut as the plan cut the meta one) and returns that shard, the whole left to
     be freed."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor
 
     mesh, placements = split.device_mesh, tuple(split.placements)
 
     def place(whole: Tensor) -> Tensor:
-        local = distribute_tensor(whole.detach(), mesh, placements, src_data_rank=None).to_local()
+        local = local_shard(whole, split)
         if local.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr():
             local = local.clone()  # a view of the whole (a row shard): its own storage, so the whole can be freed
         value = DTensor.from_local(local, mesh, placements, run_check=False, shape=split.shape, stride=split.stride())
@@ -195,6 +195,16 @@ def place_shard(module: nn.Module, name: str, split: Any) -> Callable[[Tensor], 
         return local
 
     return place
+
+
+def local_shard(whole: Tensor, split: Any) -> Tensor:
+    """This rank's tensor-parallel shard of ``whole``, cut as ``split`` (a DTensor of its shape, on the meta device
+    or not) is placed on its mesh: what :func:`place_shard` keeps and what FSDP, on top, shards further
+    (``runtime/sharding/fsdp.py`` ``shard_on_meta``). Each rank cuts its own copy (``src_data_rank=None``: no
+    transfer); the result may be a view of ``whole``."""
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(whole.detach(), split.device_mesh, tuple(split.placements), src_data_rank=None).to_local()
 
 
 def whole_outputs(stage_fn: Callable[[Any], Any], group: Any, where: str) -> Callable[[Any], Any]:
