@@ -7,13 +7,14 @@ nothing of the strategy: the strategy makes one in ``setup`` and calls it from i
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from lightning_avgpipe import microbatch
@@ -182,6 +183,13 @@ def announce_sharding(pipeline: StagePipeline, optimizer: Any) -> None:
             f"{mine / max(whole, 1):.1%} of its stage's weights, gradients and optimizer state; weights {how} in "
             f"a step, gradients reduce-scattered {reduced}."
         )
+        if pipeline.device.type == "cpu" and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+            rank_zero_warn(
+                "AvgPipe: on CPU, glibc's heap keeps the buffers FSDP frees each micro-batch, so a rank's resident "
+                "memory can exceed the unsharded run's. Set MALLOC_MMAP_THRESHOLD_=1048576 in the environment of "
+                "every process for a peak near what its tensors hold; it costs step time "
+                "(docs/parallelism.md#sharded-stages)."
+            )
         return
     if not isinstance(optimizer, ShardedOptimizer):
         return
