@@ -35,6 +35,9 @@ from lightning_avgpipe.runtime.deferred import is_conv1d
 HEAD_COUNTS = ("n_head", "num_heads", "num_attention_heads", "n_heads")
 KV_HEAD_COUNTS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "n_kv_head", "n_query_groups")
 WIDTHS = ("embed_dim", "n_embd", "split_size", "all_head_size", "inner_dim", "hidden_size", "d_model")
+# torch >= 2.13 names them *_single and deprecates the older names
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 TRIAL_SHAPE = (2, 5)  # (batch, sequence) of the random input an attention is tried on
 _LAYER_WIDTHS = ("nf", "in_features", "out_features")  # a split layer's own widths, put back with it
 
@@ -78,6 +81,99 @@ class _ReduceFromGroup(torch.autograd.Function):
         return g, None
 
 
+def _along(x: Tensor, dim: int, group: Any, gather: bool) -> Tensor:
+    """``x``'s shards along ``dim`` put together over the group (``gather``), or ``x`` summed over the group and
+    this rank's shard of the sum along ``dim`` kept: the collectives of sequence parallelism, on ``dim`` moved to 0."""
+    T = dist.get_world_size(group)
+    front = x.movedim(dim, 0).contiguous()
+    if gather:
+        out = front.new_empty((front.shape[0] * T, *front.shape[1:]))
+        _ALL_GATHER(out, front, group=group)
+    else:
+        if front.shape[0] % T:
+            raise ValueError(_uneven(x, dim, T))
+        out = front.new_empty((front.shape[0] // T, *front.shape[1:]))
+        _REDUCE_SCATTER(out, front, group=group)
+    return out.movedim(0, dim).contiguous()
+
+
+def _uneven(x: Tensor, dim: int, T: int) -> str:
+    return (
+        f"sequence_parallel=True cuts dimension {dim} of the activations (the sequence) over the {T} shards of the "
+        f"tensor group, but it is {x.shape[dim]} long (shape {tuple(x.shape)}): make the sequence length a multiple "
+        f"of tensor_parallel_size={T}, or set sequence_parallel=False."
+    )
+
+
+def shard_of(x: Tensor, dim: int, group: Any) -> Tensor:
+    """This rank's part of ``x`` (whole on every rank) along ``dim``: equal parts, in rank order."""
+    T = dist.get_world_size(group)
+    if x.shape[dim] % T:
+        raise ValueError(_uneven(x, dim, T))
+    return x.chunk(T, dim=dim)[dist.get_rank(group)].contiguous()
+
+
+class EnterSequence(torch.autograd.Function):
+    """Whole (alike on every shard) to this shard's part of the sequence; the backward gathers the parts."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: Any, dim: int) -> Tensor:
+        ctx.group, ctx.dim = group, dim
+        return shard_of(x, dim, group)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None]:
+        return _along(g, ctx.dim, ctx.group, gather=True), None, None
+
+
+class LeaveSequence(torch.autograd.Function):
+    """The sequence's parts gathered whole (what follows computes alike on every shard); the backward keeps this
+    shard's part of the gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: Any, dim: int) -> Tensor:
+        ctx.group, ctx.dim = group, dim
+        return _along(x, dim, group, gather=True)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None]:
+        return shard_of(g, ctx.dim, ctx.group), None, None
+
+
+class GatherSequence(torch.autograd.Function):
+    """The sequence gathered whole for a split region (column-wise layers, attention by heads): the backward sums the
+    shards' partial gradients and keeps this shard's part (a reduce-scatter), where 1D tensor parallelism all-reduces.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: Any, dim: int) -> Tensor:
+        ctx.group, ctx.dim = group, dim
+        return _along(x, dim, group, gather=True)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None]:
+        return _along(g, ctx.dim, ctx.group, gather=False), None, None
+
+
+class ScatterSequence(torch.autograd.Function):
+    """A row-wise layer's partial outputs summed over the group, this shard's part of the sequence kept (a
+    reduce-scatter, where 1D all-reduces); the backward gathers the gradient's parts."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: Any, dim: int) -> Tensor:
+        ctx.group, ctx.dim = group, dim
+        return _along(x, dim, group, gather=False)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None]:
+        return _along(g, ctx.dim, ctx.group, gather=True), None, None
+
+
+SPLIT = "avgpipe_split"  # on a layer split here: "column" or "row"
+SEQUENCE = "avgpipe_sequence_dim"  # on a split layer: the sequence dimension its input or output is cut along
+GATHERED = "avgpipe_input_gathered"  # on a column-wise layer inside an attention that gathers its input itself
+
+
 def _matmul(x: Tensor, w: Tensor, b: Tensor | None, transposed: bool) -> Tensor:
     if not transposed:
         return F.linear(x, w, b)
@@ -89,14 +185,27 @@ def _matmul(x: Tensor, w: Tensor, b: Tensor | None, transposed: bool) -> Tensor:
 def _column_forward(transposed: bool, self: nn.Module, x: Tensor) -> Tensor:
     w, b = self.weight, self.bias  # DTensors
     bias = b.to_local() if b is not None else None  # type: ignore[union-attr,operator]
-    return _matmul(_CopyToGroup.apply(x, w.device_mesh.get_group()), w.to_local(), bias, transposed)  # type: ignore[union-attr,operator]
+    group = w.device_mesh.get_group()  # type: ignore[union-attr,operator]
+    dim = getattr(self, SEQUENCE, None)
+    if getattr(self, GATHERED, False):  # the attention around it gathered the sequence
+        pass
+    elif dim is not None:  # sequence parallelism: this shard's part of the sequence in, the whole one used
+        x = GatherSequence.apply(x, group, dim)
+    else:
+        x = _CopyToGroup.apply(x, group)
+    return _matmul(x, w.to_local(), bias, transposed)  # type: ignore[union-attr,operator]
 
 
 def _row_forward(transposed: bool, self: nn.Module, x: Tensor) -> Tensor:
     w, b = self.weight, self.bias  # DTensors
+    group = w.device_mesh.get_group()  # type: ignore[union-attr,operator]
     y = _matmul(x, w.to_local(), None, transposed)  # type: ignore[union-attr,operator]
-    y = _ReduceFromGroup.apply(y, w.device_mesh.get_group())  # type: ignore[union-attr,operator]
-    return y if b is None else y + b.to_local()  # type: ignore[union-attr,operator]
+    dim = getattr(self, SEQUENCE, None)
+    if dim is None:
+        y = _ReduceFromGroup.apply(y, group)
+        return y if b is None else y + b.to_local()  # type: ignore[union-attr,operator]
+    y = ScatterSequence.apply(y, group, dim)  # this shard's part of the sequence: the bias's gradient is a part
+    return y if b is None else y + _CopyToGroup.apply(b.to_local(), group)  # type: ignore[union-attr,operator]
 
 
 def split_column(m: nn.Module, mesh: Any, chunks: int = 1) -> None:
@@ -117,6 +226,7 @@ def split_column(m: nn.Module, mesh: Any, chunks: int = 1) -> None:
     else:
         m.out_features //= T
     m.forward = types.MethodType(functools.partial(_column_forward, transposed), m)  # type: ignore[method-assign]
+    setattr(m, SPLIT, "column")
 
 
 def split_row(m: nn.Module, mesh: Any) -> None:
@@ -130,6 +240,7 @@ def split_row(m: nn.Module, mesh: Any) -> None:
     if not transposed:
         m.in_features //= mesh.size()
     m.forward = types.MethodType(functools.partial(_row_forward, transposed), m)  # type: ignore[method-assign]
+    setattr(m, SPLIT, "row")
 
 
 def _distribute(m: nn.Module, name: str, distribute_tensor: Any, mesh: Any, placement: Any) -> None:
@@ -267,6 +378,7 @@ def _trial(module: nn.Module, mesh: Any, columns: list[str], proj: str, chunks: 
         for layer, params, kept in saved:
             layer._parameters.update(params)
             vars(layer).pop("forward", None)
+            vars(layer).pop(SPLIT, None)
             vars(layer).update(kept)  # nf, in_features, out_features as they were
         for a, v in attrs.items():
             setattr(module, a, v)

@@ -121,13 +121,21 @@ def check_plan(plan: Plan, module_names: Sequence[str]) -> None:
 
 
 def parallelize_stage(
-    named_layers: Mapping[str, nn.Module], plan: Plan, mesh: Any, left: list[str] | None = None, local: bool = False
+    named_layers: Mapping[str, nn.Module],
+    plan: Plan,
+    mesh: Any,
+    left: list[str] | None = None,
+    local: bool = False,
+    sequence: bool = False,
 ) -> list[str]:
     """Apply the entries of ``plan`` that name modules of this stage's layers (keyed by their names in the unsplit
     model) on ``mesh``; returns the names of the modules split, and adds to ``left`` each attention left whole, with
     why. torch's ``ColwiseParallel``/``RowwiseParallel`` on a Hugging Face ``Conv1D`` split it as its own layout
     needs. With ``local`` (a stage still on the meta device, split by shapes alone, :func:`place_shard`), every shard
-    cuts its own copy (``src_data_rank=None``: no transfer); else shard 0's values are scattered."""
+    cuts its own copy (``src_data_rank=None``: no transfer); else shard 0's values are scattered. With ``sequence``
+    (sequence parallelism, ``runtime/sharding/sequence_parallel.py``) torch's column- and row-wise styles become
+    :class:`~.head_parallel.Column` and :class:`~.head_parallel.Row`, the same cut on local tensors, which that
+    module can make gather and scatter the sequence."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     done = []
@@ -139,7 +147,7 @@ def parallelize_stage(
                 continue
             if isinstance(style, Heads):
                 style = Heads()  # one per module: it says why it left this one whole
-            elif is_conv1d(module) and type(style) in (ColwiseParallel, RowwiseParallel):
+            elif (sequence or is_conv1d(module)) and type(style) in (ColwiseParallel, RowwiseParallel):
                 style = Column() if type(style) is ColwiseParallel else Row()
             if local and getattr(style, "src_data_rank", None) is not None:
                 style = copy.copy(style)

@@ -1,0 +1,154 @@
+"""Sequence parallelism inside one stage (runtime/sharding/sequence_parallel.py; issue 45, part 1): blocks split by
+the default plan and made to run on each shard's part of the sequence give the unsplit blocks' outputs and
+gradients, at T = 2, and save less for the backward than 1D tensor parallelism does."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests.helpers.harness import run_distributed
+
+WIDTH, SEQ = 16, 8
+
+
+class LlamaAttention(nn.Module):
+    """Separate q, k, v and o, 4 query heads over 2 key/value heads, widths read from its attributes."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_key_value_heads, self.head_dim = 4, 2, width // 4
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(width, n * width // 4, bias=False) for n in (4, 2, 2))
+        self.o_proj = nn.Linear(width, width, bias=False)
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, None]:
+        B, L, _ = hidden_states.shape
+        q = self.q_proj(hidden_states).view(B, L, self.num_heads, self.head_dim).transpose(1, 2)
+        k, v = (
+            p(hidden_states).view(B, L, self.num_key_value_heads, self.head_dim).transpose(1, 2)
+            for p in (self.k_proj, self.v_proj)
+        )
+        rep = self.num_heads // self.num_key_value_heads
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, L, -1)
+        return self.o_proj(y), None
+
+
+class LlamaBlock(nn.Module):
+    """RMSNorm, grouped-query attention passed its input by keyword, and an MLP pair."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.input_layernorm, self.post_attention_layernorm = nn.RMSNorm(width), nn.RMSNorm(width)
+        self.self_attn = LlamaAttention(width)
+        self.up, self.down = nn.Linear(width, 3 * width), nn.Linear(3 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(hidden_states=self.input_layernorm(x))[0]
+        return x + self.down(F.silu(self.up(self.post_attention_layernorm(x))))
+
+
+class WholeAttentionBlock(nn.Module):
+    """nanoGPT's own attention, which reads its widths from its input and is left whole: it gathers every token."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        from tests.helpers.blocks import CausalSelfAttention
+
+        self.ln = nn.LayerNorm(width)
+        self.attn = CausalSelfAttention(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.attn(self.ln(x))
+
+
+def _model() -> nn.Sequential:
+    from tests.helpers.blocks import Block, GPT2Block
+
+    torch.manual_seed(0)
+    blocks = [GPT2Block(WIDTH), LlamaBlock(WIDTH), WholeAttentionBlock(WIDTH), Block(WIDTH)]
+    for b in blocks:  # LayerNorm's and RMSNorm's weights away from 1, biases away from 0
+        for m in b.modules():
+            if isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
+                with torch.no_grad():
+                    m.weight.uniform_(0.5, 1.5)
+                    if getattr(m, "bias", None) is not None:
+                        m.bias.uniform_(-0.5, 0.5)
+    return nn.Sequential(*blocks)
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    from lightning_avgpipe.shards import full
+
+    return {n: full(p.grad).detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _worker(rank: int, world: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_avgpipe.runtime.sharding import sequence_parallel as sp
+    from lightning_avgpipe.runtime.sharding.tensor_parallel import default_plan, parallelize_stage
+
+    mesh = init_device_mesh("cpu", (world,))
+    group = mesh.get_group()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, SEQ, WIDTH, generator=g)
+    target = torch.randn(2, SEQ, WIDTH, generator=g)
+
+    whole = _model()
+    split_1d, split_sp = copy.deepcopy(whole), copy.deepcopy(whole)
+    named = {f"{i}": b for i, b in enumerate(split_1d)}
+    left: list[str] = []
+    parallelize_stage(named, default_plan(named), mesh, left)
+    named = {f"{i}": b for i, b in enumerate(split_sp)}
+    parallelize_stage(named, default_plan(named), mesh, sequence=True)
+    changed = [sp.sequence_layer(b, group) for b in split_sp]
+
+    out: dict[str, Any] = {"left": left, "summed": [c.summed for c in changed], "whole": [c.whole for c in changed]}
+    runs = {}
+    for name, model, sequence in (("whole", whole, False), ("1d", split_1d, False), ("sp", split_sp, True)):
+        inp = x.clone().requires_grad_(True)
+
+        def forward(model: nn.Module = model, inp: torch.Tensor = inp, sequence: bool = sequence) -> torch.Tensor:
+            h = sp.enter(inp, group) if sequence else inp
+            h = model(h)
+            return sp.leave(h, group) if sequence else h
+
+        saved = sp.activation_bytes_saved(forward)
+        y = forward()
+        (y * target).sum().backward()
+        runs[name] = {"y": y.detach(), "x_grad": inp.grad, "grads": _grads(model), "saved": saved}
+    out["runs"] = runs
+    return out
+
+
+def test_blocks_on_a_shard_of_the_sequence_equal_the_unsplit_blocks() -> None:
+    """GPT-2's block (Conv1D, fused qkv), a Llama-like block (RMSNorm, grouped-query attention called by keyword, an
+    MLP pair), a block whose attention stays whole, and a residual MLP: outputs, input gradients and every weight's
+    gradient (the shards' put together) equal the unsplit model's on both shards, and each shard saves less for the
+    backward than under 1D tensor parallelism."""
+    results = run_distributed(_worker, 2, timeout=120)
+    for rank, out in enumerate(results):
+        runs = out["runs"]
+        want = runs["whole"]
+        for name in ("1d", "sp"):
+            got = runs[name]
+            torch.testing.assert_close(got["y"], want["y"], rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n} y: {m}")
+            torch.testing.assert_close(got["x_grad"], want["x_grad"], rtol=1e-4, atol=1e-5)
+            assert got["grads"].keys() == want["grads"].keys()
+            for k, v in want["grads"].items():
+                torch.testing.assert_close(
+                    got["grads"][k],
+                    v,
+                    rtol=1e-4,
+                    atol=1e-5,
+                    msg=lambda m, k=k, n=name, r=rank: f"rank {r} {n} {k}: {m}",
+                )
+        assert out["whole"] == [[], [], ["attn"], []], out["whole"]
+        assert "ln1.weight" in out["summed"][0] and "input_layernorm.weight" in out["summed"][1]
+        assert "attn.c_attn.bias" not in out["summed"][2]  # the whole attention sees every token alike
+        assert runs["sp"]["saved"] < runs["1d"]["saved"], (runs["sp"]["saved"], runs["1d"]["saved"])
