@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--check", action="store_true", help="train 3 steps and compare with one process")
+    p.add_argument("--sequence-parallel", action="store_true", help="norms and residuals on half the sequence each")
     args = p.parse_args(argv)
     steps = 3 if args.check else args.steps
     lightning_avgpipe.share_cpu_threads(4)
@@ -81,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     data, vocab = text_batches(32, 16 * steps)
     model = GPT(args.model, vocab, sgd=args.check)
     initial = copy.deepcopy(model)
-    strategy = lightning_avgpipe.AvgPipeStrategy(num_microbatches=args.microbatches, tensor_parallel_size=2)
+    strategy = lightning_avgpipe.AvgPipeStrategy(
+        num_microbatches=args.microbatches, tensor_parallel_size=2, sequence_parallel=args.sequence_parallel
+    )
     trainer = L.Trainer(
         accelerator="cpu",
         devices=4,

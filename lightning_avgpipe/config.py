@@ -124,6 +124,7 @@ class PipelineConfig:
     shard_optimizer_state: bool = False
     sharding_strategy: str = "NO_SHARD"
     reduce_gradients: str = "per_microbatch"
+    sequence_parallel: bool = False
 
     @property
     def synchronous_reference(self) -> bool:
@@ -218,6 +219,13 @@ class PipelineConfig:
         self._check_sharding()
 
     def _check_sharding(self) -> None:
+        if not isinstance(self.sequence_parallel, bool):
+            raise ValueError(f"sequence_parallel={self.sequence_parallel!r} must be True or False.")
+        if self.sequence_parallel and self.tensor_parallel_size == 1:
+            raise ValueError(
+                "sequence_parallel=True cuts the sequence over the tensor_parallel_size shards of a stage, but "
+                "tensor_parallel_size=1: set tensor_parallel_size > 1, or sequence_parallel=False."
+            )
         if not isinstance(self.shard_optimizer_state, bool):
             raise ValueError(f"shard_optimizer_state={self.shard_optimizer_state!r} must be True or False.")
         level = level_of(self.sharding_strategy)

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests.helpers.blocks import Block, GPT2Block
 from tests.helpers.harness import run_distributed
 
 WIDTH, SEQ = 16, 8
@@ -39,17 +40,17 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaBlock(nn.Module):
-    """RMSNorm, grouped-query attention passed its input by keyword, and an MLP pair."""
+    """RMSNorm, grouped-query attention passed its input by keyword, and an MLP pair in a module of its own."""
 
     def __init__(self, width: int) -> None:
         super().__init__()
         self.input_layernorm, self.post_attention_layernorm = nn.RMSNorm(width), nn.RMSNorm(width)
         self.self_attn = LlamaAttention(width)
-        self.up, self.down = nn.Linear(width, 3 * width), nn.Linear(3 * width, width)
+        self.mlp = nn.Sequential(nn.Linear(width, 3 * width), nn.SiLU(), nn.Linear(3 * width, width))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(hidden_states=self.input_layernorm(x))[0]
-        return x + self.down(F.silu(self.up(self.post_attention_layernorm(x))))
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class WholeAttentionBlock(nn.Module):
@@ -67,10 +68,9 @@ class WholeAttentionBlock(nn.Module):
 
 
 def _model() -> nn.Sequential:
-    from tests.helpers.blocks import Block, GPT2Block
-
     torch.manual_seed(0)
-    blocks = [GPT2Block(WIDTH), LlamaBlock(WIDTH), WholeAttentionBlock(WIDTH), Block(WIDTH)]
+    # Block's MLP pair are its own children: the block is one region, run as under 1D between the others
+    blocks = [GPT2Block(WIDTH), Block(WIDTH), LlamaBlock(WIDTH), WholeAttentionBlock(WIDTH)]
     for b in blocks:  # LayerNorm's and RMSNorm's weights away from 1, biases away from 0
         for m in b.modules():
             if isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
@@ -106,31 +106,35 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     parallelize_stage(named, default_plan(named), mesh, left)
     named = {f"{i}": b for i, b in enumerate(split_sp)}
     parallelize_stage(named, default_plan(named), mesh, sequence=True)
-    changed = [sp.sequence_layer(b, group) for b in split_sp]
-
-    out: dict[str, Any] = {"left": left, "summed": [c.summed for c in changed], "whole": [c.whole for c in changed]}
+    stage = sp.sequence_stage([list(split_sp)], group)
+    changed = [stage.layers.get(i) for i in range(len(split_sp))]
+    out: dict[str, Any] = {
+        "left": left,
+        "summed": [c.summed if c else None for c in changed],
+        "gathered": [c.gathered if c else None for c in changed],
+    }
     runs = {}
     for name, model, sequence in (("whole", whole, False), ("1d", split_1d, False), ("sp", split_sp, True)):
         inp = x.clone().requires_grad_(True)
 
-        def forward(model: nn.Module = model, inp: torch.Tensor = inp, sequence: bool = sequence) -> torch.Tensor:
-            h = sp.enter(inp, group) if sequence else inp
-            h = model(h)
-            return sp.leave(h, group) if sequence else h
+        def forward(model: nn.Module = model, inp: torch.Tensor = inp) -> torch.Tensor:
+            return model(inp)  # each run of sequence-parallel layers enters and leaves the shard itself
 
         saved = sp.activation_bytes_saved(forward)
         y = forward()
         (y * target).sum().backward()
+        if sequence:  # the weights that saw one shard of the sequence
+            stage.sum_grads(list(model))
         runs[name] = {"y": y.detach(), "x_grad": inp.grad, "grads": _grads(model), "saved": saved}
     out["runs"] = runs
     return out
 
 
 def test_blocks_on_a_shard_of_the_sequence_equal_the_unsplit_blocks() -> None:
-    """GPT-2's block (Conv1D, fused qkv), a Llama-like block (RMSNorm, grouped-query attention called by keyword, an
-    MLP pair), a block whose attention stays whole, and a residual MLP: outputs, input gradients and every weight's
-    gradient (the shards' put together) equal the unsplit model's on both shards, and each shard saves less for the
-    backward than under 1D tensor parallelism."""
+    """GPT-2's block (Conv1D, fused qkv), a residual MLP run as under 1D between the others, a Llama-like block
+    (RMSNorm, grouped-query attention called by keyword) and a block whose attention stays whole: outputs, input
+    gradients and every weight's gradient (the shards' put together, the shard-run ones summed) equal the unsplit
+    model's on both shards, and each shard saves less for the backward than under 1D tensor parallelism."""
     results = run_distributed(_worker, 2, timeout=120)
     for rank, out in enumerate(results):
         runs = out["runs"]
@@ -148,7 +152,9 @@ def test_blocks_on_a_shard_of_the_sequence_equal_the_unsplit_blocks() -> None:
                     atol=1e-5,
                     msg=lambda m, k=k, n=name, r=rank: f"rank {r} {n} {k}: {m}",
                 )
-        assert out["whole"] == [[], [], ["attn"], []], out["whole"]
-        assert "ln1.weight" in out["summed"][0] and "input_layernorm.weight" in out["summed"][1]
-        assert "attn.c_attn.bias" not in out["summed"][2]  # the whole attention sees every token alike
+        # attentions get the whole sequence; the MLPs gather and scatter it (their trial passed); Block is 1D
+        assert out["gathered"] == [["attn"], None, ["self_attn"], ["attn"]], out["gathered"]
+        assert out["summed"][0] == ["ln1.weight", "ln1.bias", "ln2.weight", "ln2.bias"], out["summed"]
+        assert out["summed"][2] == ["input_layernorm.weight", "post_attention_layernorm.weight"], out["summed"]
+        assert out["summed"][3] == ["ln.weight", "ln.bias"], out["summed"]  # not the whole attention's weights
         assert runs["sp"]["saved"] < runs["1d"]["saved"], (runs["sp"]["saved"], runs["1d"]["saved"])

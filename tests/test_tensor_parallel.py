@@ -35,6 +35,9 @@ ATTENTION = [
     ("attention-torch", 1, False),
     ("attention-meta", 1, False),  # built without memory: the attention tried on a stand-in copy, split by shapes
     ("mlp-meta", 2, False),
+    ("attention-sp", 1, False),  # sequence parallelism: each stage's blocks on a shard of the sequence
+    ("attention-sp", 2, True),
+    ("attention-sp", 1, False, "zbh1"),
 ]
 
 
@@ -141,7 +144,7 @@ def _worker(rank: int, world: int, stages: int, tp: int, configs: list[tuple[Any
     start = sum(sizes[: top.stage])
     out = []
     for kind, n, ac, *schedule in [c if isinstance(c[0], str) else ("mlp", *c) for c in configs]:
-        model = kind.removesuffix("-torch").removesuffix("-meta")
+        model = kind.removesuffix("-torch").removesuffix("-meta").removesuffix("-sp")
         if kind.endswith("-meta"):  # built without memory: split by shapes, then only this rank's shards made real
             with torch.device("meta"), InitRecord() as record:
                 layers = make_model(kind=model)
@@ -167,7 +170,7 @@ def _worker(rank: int, world: int, stages: int, tp: int, configs: list[tuple[Any
             largest = max(sum(t.numel() * t.element_size() for t in m.parameters()) for m in layers)  # a layer's
             made = [made.kept_bytes, sum(t.numel() * t.element_size() for t in held), made.peak_other_bytes, largest]
         else:
-            split = parallelize_stage(own, plan, top.tensor_mesh, left)
+            split = parallelize_stage(own, plan, top.tensor_mesh, left, sequence=kind.endswith("-sp"))
         sharding = schedule[1] if len(schedule) > 1 else None  # ZeRO-2/3 over the data dimension: exact
         cfg = PipelineConfig(
             num_stages=stages,
@@ -177,6 +180,8 @@ def _worker(rank: int, world: int, stages: int, tp: int, configs: list[tuple[Any
             schedule=schedule[0] if schedule else "1f1b",
             sharding_strategy=sharding or "NO_SHARD",
             averaging="exact" if sharding else "elastic",
+            tensor_parallel_size=tp,
+            sequence_parallel=kind.endswith("-sp"),  # the blocks on a shard of the sequence between split matmuls
         )
         pipe = StagePipeline(list(own.values()), top, cfg)
         opt = pipe.optimizer(torch.optim.SGD(pipe.reference_params, lr=0.1, momentum=0.9))
@@ -197,6 +202,7 @@ def _worker(rank: int, world: int, stages: int, tp: int, configs: list[tuple[Any
         out[-1]["left"] = left
         out[-1]["talks"] = talks
         out[-1]["made"] = made
+        out[-1]["sequence"] = sorted(pipe.sequence.layers) if pipe.sequence is not None else None
         meshes = {tuple(p.device_mesh.mesh_dim_names or ()) for p in pipe.reference_params if is_dtensor(p)}
         out[-1]["fsdp"] = sorted(meshes)
     return out
@@ -205,7 +211,8 @@ def _worker(rank: int, world: int, stages: int, tp: int, configs: list[tuple[Any
 def _check(results: list[list[dict[str, Any]]], configs: list[tuple[Any, ...]], groups: int) -> None:
     for c, config in enumerate(configs):
         kind, n = config[:2] if isinstance(config[0], str) else ("mlp", config[0])
-        kind = kind.removesuffix("-meta")  # built on the meta device: the same values, the same training
+        kind = kind.removesuffix("-meta").removesuffix("-sp")  # built on the meta device, sequence parallelism:
+        # the same values, the same training
         exact = len(config) + isinstance(config[0], int) > 4  # a sharding_strategy: one model over the D groups
         want_losses, want = (reference_exact if exact else reference)(n * groups, kind.removesuffix("-torch"))
         if exact and config[-1] != "NO_SHARD":  # each weight a 2D DTensor over (data, tensor)
@@ -236,9 +243,17 @@ def _check(results: list[list[dict[str, Any]]], configs: list[tuple[Any, ...]], 
 @pytest.mark.slow
 def test_two_stages_of_two_shards_match_one_process() -> None:
     """T = 2, S = 2 (4 ranks): N = 1 and N = 2, activation checkpointing on and off, 1F1B and ZB-H1 (the backward
-    split), equal the unsplit model."""
+    split), with and without sequence parallelism, equal the unsplit model."""
     results = run_distributed(_worker, 4, 2, 2, CONFIGS + ATTENTION, timeout=300, what="T=2 S=2")
     _check(results, CONFIGS + ATTENTION, groups=1)
+    # sequence parallelism: GPT-2's block (layer 2, on stage 0); the blocks with their attention inline (1, 3, 4)
+    # are one region each, run as under 1D
+    sp = [c for c, config in enumerate(CONFIGS + ATTENTION) if str(config[0]).endswith("-sp")]
+    plain = len(CONFIGS)  # ("attention", 1, False): 1D, the same model
+    for rank, r in enumerate(results):  # ranks 0-1 hold stage 0 (T innermost)
+        assert all(r[c]["sequence"] == ([2] if rank < 2 else []) for c in sp), [r[c]["sequence"] for c in sp]
+        if rank < 2:  # GPT-2's block's norms and residual on half the tokens
+            assert r[sp[0]]["peak"] < r[plain]["peak"], (r[sp[0]]["peak"], r[plain]["peak"])
     # checkpointing kept only the checkpointed layers' inputs: the stash is smaller on every rank (N = 1 runs)
     for rank_results in results:
         assert rank_results[2]["peak"] < rank_results[0]["peak"]

@@ -123,6 +123,10 @@ class AvgPipeStrategy(CheckpointHooks, TunerSurface):
             ``config.base_model_tp_plan`` where the module holds one, else attention by whole heads (tried on the
             shards first, left whole with a warning where that changes its output) and MLP pairs (a widening
             Linear or Conv1D, then the one reading it back) column- then row-wise; the rest stays whole.
+        sequence_parallel: with ``tensor_parallel_size > 1``, the layers the plan splits hold 1/T of the sequence
+            between their split matmuls (norms, residual stream: Megatron's sequence parallelism), the all-reduce
+            becoming a reduce-scatter and an all-gather (docs/parallelism.md#sequence-parallelism). ``False``
+            (default): 1D, activations there whole on every shard.
         shard_optimizer_state: ``True`` is ``sharding_strategy="SHARD_OPTIM"`` (ZeRO-1, docs/parallelism.md).
         sharding_strategy: how the D groups share each stage, by FSDP's names: ``"NO_SHARD"``; ``"SHARD_OPTIM"``
             (ZeRO-1: optimizer state; under elastic averaging the reference, docs/parallelism.md#sharded-reference);
@@ -177,6 +181,7 @@ class AvgPipeStrategy(CheckpointHooks, TunerSurface):
         activation_checkpointing: bool | str | list[Any] = False,
         tensor_parallel_size: int = 1,
         tensor_parallel_plan: dict[str, Any] | None = None,
+        sequence_parallel: bool = False,
         shard_optimizer_state: bool = False,
         sharding_strategy: str = "NO_SHARD",
         reduce_gradients: str = "per_microbatch",
@@ -350,7 +355,13 @@ class AvgPipeStrategy(CheckpointHooks, TunerSurface):
         """Stage ``s`` of the N replicas (copies of the module's own layers) and the step that trains them."""
         assert self._split is not None
         if not self._split.tensor_split:
-            tensor.apply(self._split.names(), self.tensor_parallel_plan, self.topology, self.lightning_module)
+            tensor.apply(
+                self._split.names(),
+                self.tensor_parallel_plan,
+                self.topology,
+                self.lightning_module,
+                sequence=self.config.sequence_parallel,
+            )
         pipeline = StagePipeline(
             self._split.owned,
             self.topology,

@@ -42,6 +42,7 @@ from lightning_avgpipe.runtime.rank_stages import ChunkLayout
 from lightning_avgpipe.runtime.recompute import layer_mask, stage_function
 from lightning_avgpipe.runtime.request import StepRequest
 from lightning_avgpipe.runtime.sharding.fsdp import StageSharding, shard_stage
+from lightning_avgpipe.runtime.sharding.sequence_parallel import SequenceStage, sequence_stage
 from lightning_avgpipe.runtime.sharding.tensor_parallel import whole_outputs
 from lightning_avgpipe.runtime.streams import RandomStreams
 from lightning_avgpipe.runtime.sync.gradient_probe import GradientProbe
@@ -108,6 +109,13 @@ class StagePipeline:
         layout = ChunkLayout.of(config, topology, len(self.layers), chunks)
         # ZeRO-2/3: each layer sharded over the stage group (runtime/sharding/fsdp.py), before anything holds a weight
         chunk_layers = list(layout.functions(self.layers, lambda stage, start, ls: ls).values())
+        # sequence parallelism (runtime/sharding/sequence_parallel.py): layers on a shard of the sequence, before the
+        # replicas copy them
+        sequence = (
+            sequence_stage(chunk_layers, topology.tensor_group)
+            if config.sequence_parallel and topology.tensor_parallel_size > 1
+            else None
+        )
         sharding, ties = shard_stage(chunk_layers, topology, config, splits_backward(config.schedule), device, ties)
         self.sharding = sharding  # the stage functions made next run through its roots
         stage_fns = layout.functions(self.layers, self._stage_function)
@@ -135,6 +143,7 @@ class StagePipeline:
             streams=None,
             bounds_link_timeout=True,
             sharding=sharding,
+            sequence=sequence,
         )
         self._defer_weight_grads()
 
@@ -155,11 +164,12 @@ class StagePipeline:
         streams: RandomStreams | None,
         bounds_link_timeout: bool,
         sharding: StageSharding | None,
+        sequence: SequenceStage | None,
     ) -> None:
         """Every part a pipeline holds, set here alone: :meth:`__init__` and :meth:`alone` both pass them all."""
         self.layers, self.topology, self.device, self.backend = layers, topology, device, backend
         self.processes, self.chunks, self.recompute, self.executor = processes, chunks, recompute, executor
-        self.ties, self.replicas, self.sharding = ties, replicas, sharding
+        self.ties, self.replicas, self.sharding, self.sequence = ties, replicas, sharding, sequence
         self._bounds_link_timeout = bounds_link_timeout  # the first step may be slow; later ones are bounded
         # each layer's random draws from a stream of its own (runtime/streams.py): set by the caller; None: the
         # process's generator
@@ -286,6 +296,7 @@ class StagePipeline:
             streams=self.streams,
             bounds_link_timeout=False,
             sharding=self.sharding,
+            sequence=self.sequence,
         )
         return other
 
@@ -461,6 +472,8 @@ def _reduce(pipe: StagePipeline, replicas: int, before: Any, probe: GradientProb
     D groups without FSDP the groups' mean, one batch of D x N x B. Returns the probe's norms."""
     if pipe.sharding is not None:
         pipe.sharding.finish()
+    if pipe.sequence is not None:  # the weights that saw one shard of the sequence: summed over the tensor group
+        pipe.sequence.sum_grads(pipe.replicas.copies)
     if pipe.ties:
         pipe.replicas.tied.sum(replicas, before, pipe.device)
     top = pipe.topology

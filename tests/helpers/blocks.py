@@ -72,16 +72,26 @@ class GPT2Attention(nn.Module):
         return self.c_proj(y.reshape(*y.shape[:-2], -1)), None
 
 
+class GPT2MLP(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.c_fc, self.c_proj = Conv1D(4 * width, width), Conv1D(width, 4 * width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(F.gelu(self.c_fc(x)))
+
+
 class GPT2Block(nn.Module):
+    """Hugging Face GPT-2's block: LayerNorms, the attention (fused qkv, Conv1D) and the MLP as modules."""
+
     def __init__(self, width: int) -> None:
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.attn = GPT2Attention(width)
-        self.mlp = nn.ModuleDict({"c_fc": Conv1D(4 * width, width), "c_proj": Conv1D(width, 4 * width)})
+        self.attn, self.mlp = GPT2Attention(width), GPT2MLP(width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))[0]
-        return x + self.mlp["c_proj"](F.gelu(self.mlp["c_fc"](self.ln2(x))))
+        return x + self.mlp(self.ln2(x))
 
 
 class GQABlock(nn.Module):

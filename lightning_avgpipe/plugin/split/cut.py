@@ -100,7 +100,7 @@ def cut_module(
     shards: list[Shard] = []
     if deferred:  # this rank's stages (and what lies outside every layer) made real, with one process's values
         owned = own_layers(module, layers, sizes, mine)  # split over the tensor group first: shards only
-        shards = tensor.apply(owned, plan, topology, module, on_meta=True)
+        shards = tensor.apply(owned, plan, topology, module, on_meta=True, sequence=config.sequence_parallel)
         if config.fsdp and topology.num_groups > 1:
             # ZeRO-2/3: sharded on the meta device, only this rank's shard made real (T > 1: over the mesh's data
             # dimension, on top of the tensor shards: each rank keeps its (data, tensor) piece of each weight)

@@ -116,12 +116,14 @@ def apply(
     topology: Topology,
     root: nn.Module | None = None,
     on_meta: bool = False,
+    sequence: bool = False,
 ) -> list[Shard]:
     """With T > 1, split this stage's layers (``owned``: name in the model -> layer) across its tensor group by
     ``plan`` (checked beforehand, :func:`check_model`); without one, by the plan of a Hugging Face model that
     ``root`` (the LightningModule) holds, else by the default plan; and say what was split. ``on_meta``: the layers
     are still on the meta device (built without memory), split by shapes; returns what ``materialize`` needs to make
-    only this rank's shards real (``split_on_meta``)."""
+    only this rank's shards real (``split_on_meta``). ``sequence``: for sequence parallelism, torch's column- and
+    row-wise styles as this package's (``parallelize_stage``)."""
     shards: list[Shard] = []
     if topology.tensor_parallel_size == 1:
         return shards
@@ -129,9 +131,9 @@ def apply(
         plan = choose_plan(owned, root)
     left: list[str] = []
     if on_meta:
-        split, shards = split_on_meta(owned, plan, topology.tensor_mesh, left)
+        split, shards = split_on_meta(owned, plan, topology.tensor_mesh, left, sequence)
     else:
-        split = parallelize_stage(owned, plan, topology.tensor_mesh, left)
+        split = parallelize_stage(owned, plan, topology.tensor_mesh, left, sequence=sequence)
     found = Counter(type(m).__name__ for layer in owned.values() for m in layer.modules() if not list(m.children()))
     every = collectives.gather(topology, (split, dict(found), left))  # every stage's, on the pipeline's first rank
     if every is None:

@@ -119,6 +119,12 @@ class EnterSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, group: Any, dim: int) -> Tensor:
         ctx.group, ctx.dim = group, dim
+        if x.dim() < 3:
+            raise ValueError(
+                f"sequence_parallel=True cuts dimension {dim} of a layer's activations (batch, sequence, hidden) over "
+                f"the tensor group, but this one has shape {tuple(x.shape)}: set sequence_parallel=False for a "
+                "model without a sequence."
+            )
         return shard_of(x, dim, group)
 
     @staticmethod
@@ -169,9 +175,9 @@ class ScatterSequence(torch.autograd.Function):
         return _along(g, ctx.dim, ctx.group, gather=True), None, None
 
 
-SPLIT = "avgpipe_split"  # on a layer split here: "column" or "row"
+SPLIT = "avgpipe_split"  # on a layer split here: "column" or "row"; on an attention split by heads: "heads"
+IN_FEATURES = "avgpipe_in_features"  # on a column-wise layer: the width of its input (whole on every shard)
 SEQUENCE = "avgpipe_sequence_dim"  # on a split layer: the sequence dimension its input or output is cut along
-GATHERED = "avgpipe_input_gathered"  # on a column-wise layer inside an attention that gathers its input itself
 
 
 def _matmul(x: Tensor, w: Tensor, b: Tensor | None, transposed: bool) -> Tensor:
@@ -187,9 +193,7 @@ def _column_forward(transposed: bool, self: nn.Module, x: Tensor) -> Tensor:
     bias = b.to_local() if b is not None else None  # type: ignore[union-attr,operator]
     group = w.device_mesh.get_group()  # type: ignore[union-attr,operator]
     dim = getattr(self, SEQUENCE, None)
-    if getattr(self, GATHERED, False):  # the attention around it gathered the sequence
-        pass
-    elif dim is not None:  # sequence parallelism: this shard's part of the sequence in, the whole one used
+    if dim is not None:  # sequence parallelism: this shard's part of the sequence in, the whole one used
         x = GatherSequence.apply(x, group, dim)
     else:
         x = _CopyToGroup.apply(x, group)
@@ -215,6 +219,7 @@ def split_column(m: nn.Module, mesh: Any, chunks: int = 1) -> None:
     from torch.distributed.tensor.placement_types import _StridedShard
 
     transposed = is_conv1d(m)
+    setattr(m, IN_FEATURES, widths(m)[0])
     out_dim = 1 if transposed else 0
     place = (lambda d: _StridedShard(d, split_factor=chunks)) if chunks > 1 else Shard
     _distribute(m, "weight", distribute_tensor, mesh, place(out_dim))
@@ -336,6 +341,7 @@ def _split(module: nn.Module, mesh: Any, columns: list[str], proj: str, chunks: 
     for n in columns:
         split_column(getattr(module, n), mesh, chunks)
     split_row(getattr(module, proj), mesh)
+    setattr(module, SPLIT, "heads")
     for a, v in attrs.items():
         if a in HEAD_COUNTS or a in KV_HEAD_COUNTS or v in sizes:
             setattr(module, a, v // T)
@@ -382,6 +388,7 @@ def _trial(module: nn.Module, mesh: Any, columns: list[str], proj: str, chunks: 
             vars(layer).update(kept)  # nf, in_features, out_features as they were
         for a, v in attrs.items():
             setattr(module, a, v)
+        vars(module).pop(SPLIT, None)
     return agreed, why
 
 

@@ -4,14 +4,14 @@ Under 1D tensor parallelism every activation outside the split matmuls is whole 
 the dropouts, the residual stream. With sequence parallelism a layer holds only its shard's 1/T of the sequence
 there. A split region gathers the sequence where it starts and scatters it where it ends:
 
-- the input of a column-wise layer, or of an attention split by heads, is all-gathered along the sequence
-  (:class:`~.head_parallel.GatherSequence`; its backward reduce-scatters, where 1D all-reduces);
-- the output of a row-wise layer is reduce-scattered (:class:`~.head_parallel.ScatterSequence`; its backward
-  all-gathers), where 1D all-reduces;
-- an attention left whole (it mixes the tokens, so it needs them all) gathers its input whole and keeps its shard of
-  the output;
+- the input of a column-wise layer is all-gathered along the sequence (:class:`~.head_parallel.GatherSequence`;
+  its backward reduce-scatters, where 1D all-reduces), and the output of a row-wise layer reduce-scattered
+  (:class:`~.head_parallel.ScatterSequence`; its backward all-gathers), where 1D all-reduces;
+- an attention (split by heads or left whole) gets the whole sequence and runs as under 1D, its output cut back to
+  the shard: whatever it computes around its projections (a block with its attention inline adds the residual
+  inside) sees every token. Megatron's reduce-scatter at the output projection would save one all-reduce's half;
 - a weight that acts on the shard (a norm's, a row-wise layer's bias) gets a gradient from the shard's tokens only,
-  so its gradient is summed over the group as it is made.
+  so its gradient is summed over the group after the backward (:func:`sum_grads`).
 
 A layer made so (:func:`sequence_layer`) takes and returns its shard of the sequence; :class:`~.head_parallel.
 EnterSequence` and :class:`~.head_parallel.LeaveSequence` cut a whole tensor into the shard and put it back where a
@@ -20,7 +20,7 @@ run of such layers starts and ends. Lightning-free.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,13 +30,13 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from lightning_avgpipe.runtime.sharding.head_parallel import (
-    GATHERED,
+    IN_FEATURES,
     SEQUENCE,
     SPLIT,
     EnterSequence,
-    GatherSequence,
     LeaveSequence,
     find_attention,
+    shard_of,
 )
 from lightning_avgpipe.shards import local
 
@@ -48,7 +48,7 @@ class SequenceLayer:
     handles: list[Any] = field(default_factory=list)
     marked: list[tuple[nn.Module, str]] = field(default_factory=list)
     summed: list[str] = field(default_factory=list)  # the names of the weights whose gradients are summed
-    whole: list[str] = field(default_factory=list)  # the attentions left whole, gathered around
+    gathered: list[str] = field(default_factory=list)  # the attentions, run on the whole sequence
 
     def undo(self) -> None:
         for h in self.handles:
@@ -61,9 +61,12 @@ class SequenceLayer:
 
 
 def _hidden(args: tuple[Any, ...], kwargs: dict[str, Any], fn: Callable[[Tensor], Tensor]) -> Any:
-    """``(args, kwargs)`` with the hidden states (the first positional input, or ``hidden_states``) through ``fn``."""
+    """``(args, kwargs)`` with the hidden states through ``fn``: the first positional input, or the first item of
+    it where it is a tuple (a carry such as (hidden states, cos, sin)), or ``hidden_states``."""
     if args and isinstance(args[0], Tensor):
         return (fn(args[0]), *args[1:]), kwargs
+    if args and isinstance(args[0], tuple) and args[0] and isinstance(args[0][0], Tensor):
+        return ((fn(args[0][0]), *args[0][1:]), *args[1:]), kwargs
     if isinstance(kwargs.get("hidden_states"), Tensor):
         return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
     return args, kwargs
@@ -77,65 +80,171 @@ def _first_output(output: Any, fn: Callable[[Tensor], Tensor]) -> Any:
     return output
 
 
-def _sum_over(group: Any) -> Callable[[Tensor], Tensor]:
-    def summed(g: Tensor) -> Tensor:
-        g = g.contiguous().clone()
-        dist.all_reduce(g, group=group)
-        return g
-
-    return summed
-
-
-def sequence_layer(layer: nn.Module, group: Any, dim: int = 1) -> SequenceLayer:
-    """Make ``layer``, already split by the tensor-parallel plan over ``group``, take and return this shard's part
-    of the sequence (dimension ``dim`` of its activations), as the module docstring says."""
-    done = SequenceLayer()
-
-    def mark(m: nn.Module, name: str, value: Any) -> None:
-        setattr(m, name, value)
-        done.marked.append((m, name))
-
-    attentions: list[nn.Module] = []
+def _regions(layer: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The outermost modules of ``layer`` that a split region lies in: an attention (split by heads, or found and
+    left whole), or a module with a split layer among its children (an MLP, an attention split by a plan)."""
+    out: list[tuple[str, nn.Module]] = []
     for name, m in layer.named_modules():
-        if any(m is a or _inside(m, a) for a in attentions):
+        if any(m is r or _inside(m, r) for _, r in out):
             continue
-        found = find_attention(m, 1)
-        if not isinstance(found, tuple):
+        if _attention(m) or any(getattr(c, SPLIT, None) in ("column", "row") for c in m.children()):
+            while isinstance(m, (nn.ModuleDict, nn.ModuleList)):  # never called itself: its caller is the region
+                name = name.rpartition(".")[0]
+                m = layer.get_submodule(name)
+            out = [(n, r) for n, r in out if not _inside(r, m)]
+            out.append((name, m))
+    return out
+
+
+def _split_children(region: nn.Module) -> list[nn.Module]:
+    return [m for m in region.modules() if getattr(m, SPLIT, None) in ("column", "row")]
+
+
+def _agree(ok: bool, group: Any) -> bool:
+    flag = torch.tensor([1.0 if ok else 0.0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item() >= 1)
+
+
+@torch.no_grad()
+def _scatters_right(region: nn.Module, group: Any, dim: int) -> bool:
+    """Whether ``region``, its column-wise layers gathering the sequence and its row-wise ones scattering it (marked
+    so), gives the same as under 1D on a random input: not where it reads the sequence length from its input (an
+    attention reshaping by it), adds its input inside, or needs more inputs than one tensor. Collective over
+    ``group``; every shard draws the same input."""
+    splits = _split_children(region)
+    first = next((m for m in region.modules() if getattr(m, SPLIT, None) == "column"), None)
+    if first is None or any(getattr(m, SPLIT, None) == "heads" for m in region.modules()):
+        return False
+    weight = local(first.weight)  # type: ignore[arg-type]
+    width = int(getattr(first, IN_FEATURES))
+    T = dist.get_world_size(group)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 2 * T, width, generator=g).to(weight.device, weight.dtype)
+    modes = {m: m.training for m in region.modules()}
+    region.eval()  # no dropout in the trial
+    try:
+        for m in splits:
+            setattr(m, SEQUENCE, None)
+        want = region(x)
+        for m in splits:
+            setattr(m, SEQUENCE, dim)
+        got = LeaveSequence.apply(region(shard_of(x, dim, group)), group, dim)
+        ok = isinstance(want, Tensor) and got.shape == want.shape and bool(torch.allclose(got, want, 1e-4, 1e-5))
+    except Exception:  # every shard runs the same code on the same input: they fail alike
+        ok = False
+    finally:
+        for m, mode in modes.items():
+            m.train(mode)
+    return _agree(ok, group)
+
+
+def sequence_layer(layer: nn.Module, group: Any, dim: int = 1) -> SequenceLayer | None:
+    """Make ``layer``, already split by the tensor-parallel plan over ``group``, take and return this shard's part
+    of the sequence (dimension ``dim`` of its activations), as the module docstring says; ``None`` (nothing changed)
+    where no split region lies in it (an embedding, a final norm or head: left as under 1D). Each region (an
+    attention, an MLP) gathers the sequence at its split layers and scatters it after, where a trial on a random input
+    shows that gives what 1D does (:func:`_scatters_right`); any other gets the whole sequence, runs as under 1D and
+    is cut back to the shard after. The weights whose gradients come from the shard's tokens only are named in
+    ``summed`` (:func:`sum_grads` sums them)."""
+    regions = _regions(layer)
+    if not regions or any(r is layer for _, r in regions):
+        return None  # nothing split, or the layer is one region (its attention inline): it runs as under 1D
+    done = SequenceLayer()
+    for name, region in regions:
+        if _scatters_right(region, group, dim):
+            done.marked += [(m, SEQUENCE) for m in _split_children(region)]
             continue
-        attentions.append(m)
-        columns, proj, _ = found
-        if all(getattr(getattr(m, c), SPLIT, None) == "column" for c in columns):  # split by heads
-            done.handles.append(
-                m.register_forward_pre_hook(
-                    lambda _m, a, k: _hidden(a, k, lambda x: GatherSequence.apply(x, group, dim)), with_kwargs=True
-                )
+        for m in _split_children(region):
+            vars(m).pop(SEQUENCE, None)
+        done.gathered.append(name)
+        done.handles.append(
+            region.register_forward_pre_hook(
+                lambda _m, a, k: _hidden(a, k, lambda x: LeaveSequence.apply(x, group, dim)), with_kwargs=True
             )
-            for c in columns:
-                mark(getattr(m, c), GATHERED, True)
-            mark(getattr(m, proj), SEQUENCE, dim)
-        else:  # left whole: it needs every token
-            done.whole.append(name)
-            done.handles.append(
-                m.register_forward_pre_hook(
-                    lambda _m, a, k: _hidden(a, k, lambda x: LeaveSequence.apply(x, group, dim)), with_kwargs=True
-                )
+        )
+        done.handles.append(
+            region.register_forward_hook(
+                lambda _m, _a, out: _first_output(out, lambda y: EnterSequence.apply(y, group, dim))
             )
-            done.handles.append(
-                m.register_forward_hook(
-                    lambda _m, _a, out: _first_output(out, lambda y: EnterSequence.apply(y, group, dim))
-                )
-            )
-    for m in layer.modules():
-        if getattr(m, SPLIT, None) in ("column", "row") and not any(_inside(m, a) for a in attentions):
-            mark(m, SEQUENCE, dim)
+        )
+    inner = [r for _, r in regions]
     for name, p in layer.named_parameters():
         owner = layer.get_submodule(name.rpartition(".")[0]) if "." in name else layer
-        if is_traceable_wrapper_subclass(p) or any(owner is a or _inside(owner, a) for a in attentions):
+        if is_traceable_wrapper_subclass(p) or any(owner is r or _inside(owner, r) for r in inner):
             continue  # a shard (its own group sums it), or a weight used on the whole sequence alike on every shard
         if p.requires_grad:
-            done.handles.append(p.register_hook(_sum_over(group)))
             done.summed.append(name)
     return done
+
+
+def sum_grads(params: Sequence[nn.Parameter], group: Any) -> None:
+    """Sum the gradients of ``params`` (weights that saw only this shard's tokens) over the tensor group, in one
+    flat buffer (a collective: every shard calls it with the same parameters)."""
+    grads = [local(p.grad) for p in params if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+@dataclass
+class SequenceStage:
+    """The layers of one rank's stages that run on a shard of the sequence (:func:`sequence_stage`), by their index
+    among its layers, and the hooks that enter and leave each run of them."""
+
+    layers: dict[int, SequenceLayer]
+    count: int  # the rank's layers
+    group: Any
+    handles: list[Any] = field(default_factory=list)
+
+    def sum_grads(self, copies: Sequence[nn.Module]) -> None:
+        """Sum the shard-run weights' gradients over the tensor group, in every copy of the stage's layers
+        (``copies``: the layers, then each replica's, each in the same order)."""
+        params = [
+            copies[k * self.count + i].get_parameter(name)
+            for k in range(len(copies) // self.count)
+            for i, done in self.layers.items()
+            for name in done.summed
+        ]
+        sum_grads(params, self.group)
+
+
+def sequence_stage(chunks: Sequence[Sequence[nn.Module]], group: Any, dim: int = 1) -> SequenceStage:
+    """Each layer of this rank's stages (``chunks``: each stage's layers, in the rank's order) made to run on a shard
+    of the sequence where :func:`sequence_layer` can, and each run of consecutive such layers within a stage entered
+    before its first layer and left after its last: a stage takes and returns whole tensors, as under 1D."""
+    out = SequenceStage({}, sum(len(c) for c in chunks), group)
+    start = 0
+    for layers in chunks:
+        flags = []
+        for i, layer in enumerate(layers):
+            done = sequence_layer(layer, group, dim)
+            if done is not None:
+                out.layers[start + i] = done
+            flags.append(done is not None)
+        for i, layer in enumerate(layers):
+            if flags[i] and (i == 0 or not flags[i - 1]):
+                out.handles.append(
+                    layer.register_forward_pre_hook(
+                        lambda _m, a, k: _hidden(a, k, lambda x: enter(x, group, dim)), with_kwargs=True
+                    )
+                )
+            if flags[i] and (i == len(layers) - 1 or not flags[i + 1]):
+                out.handles.append(
+                    layer.register_forward_hook(lambda _m, _a, y: _first_output(y, lambda t: leave(t, group, dim)))
+                )
+        start += len(layers)
+    return out
+
+
+def _attention(m: nn.Module) -> bool:
+    """Whether ``m`` is an attention: split by heads, or one that :func:`find_attention` finds (left whole)."""
+    return getattr(m, SPLIT, None) == "heads" or isinstance(find_attention(m, 1), tuple)
 
 
 def _inside(m: nn.Module, outer: nn.Module) -> bool:

@@ -162,7 +162,11 @@ def parallelize_stage(
 
 
 def split_on_meta(
-    named_layers: Mapping[str, nn.Module], plan: Plan, mesh: Any, left: list[str] | None = None
+    named_layers: Mapping[str, nn.Module],
+    plan: Plan,
+    mesh: Any,
+    left: list[str] | None = None,
+    sequence: bool = False,
 ) -> tuple[list[str], list[Shard]]:
     """:func:`parallelize_stage` on layers still on the meta device (built without memory), by shapes. Returns the
     modules split and, for each parameter split, its name, its meta tensor of the build and the function that puts
@@ -174,7 +178,7 @@ def split_on_meta(
         for mn, m in layer.named_modules()
         for n, p in m.named_parameters(recurse=False)
     }
-    done = parallelize_stage(named_layers, plan, mesh, left, local=True)
+    done = parallelize_stage(named_layers, plan, mesh, left, local=True, sequence=sequence)
     shards: list[Shard] = []
     for layer in named_layers.values():
         for m in layer.modules():
