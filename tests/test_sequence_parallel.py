@@ -46,10 +46,12 @@ class LlamaBlock(nn.Module):
         super().__init__()
         self.input_layernorm, self.post_attention_layernorm = nn.RMSNorm(width), nn.RMSNorm(width)
         self.self_attn = LlamaAttention(width)
-        self.mlp = nn.Sequential(nn.Linear(width, 3 * width), nn.SiLU(), nn.Linear(3 * width, width))
+        # dropout after the row-wise layer (on the shard) and on the residual stream: the unsplit model's masks
+        self.mlp = nn.Sequential(nn.Linear(width, 3 * width), nn.SiLU(), nn.Linear(3 * width, width), nn.Dropout(0.2))
+        self.drop = nn.Dropout(0.3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(hidden_states=self.input_layernorm(x))[0]
+        x = x + self.drop(self.self_attn(hidden_states=self.input_layernorm(x))[0])
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -118,6 +120,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
         inp = x.clone().requires_grad_(True)
 
         def forward(model: nn.Module = model, inp: torch.Tensor = inp) -> torch.Tensor:
+            torch.manual_seed(7)  # the dropout masks: the same draws in every run
             return model(inp)  # each run of sequence-parallel layers enters and leaves the shard itself
 
         saved = sp.activation_bytes_saved(forward)
@@ -132,7 +135,8 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
 
 def test_blocks_on_a_shard_of_the_sequence_equal_the_unsplit_blocks() -> None:
     """GPT-2's block (Conv1D, fused qkv), a residual MLP run as under 1D between the others, a Llama-like block
-    (RMSNorm, grouped-query attention called by keyword) and a block whose attention stays whole: outputs, input
+    (RMSNorm, grouped-query attention called by keyword, dropout on the shard drawing the unsplit model's masks) and
+    a block whose attention stays whole: outputs, input
     gradients and every weight's gradient (the shards' put together, the shard-run ones summed) equal the unsplit
     model's on both shards, and each shard saves less for the backward than under 1D tensor parallelism."""
     results = run_distributed(_worker, 2, timeout=120)

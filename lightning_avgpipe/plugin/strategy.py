@@ -40,6 +40,7 @@ from lightning_avgpipe.plugin.steps.hooks import (
     PipelineSteps,
     announce_averaging,
     announce_checkpointing,
+    announce_sequence,
     announce_sharding,
 )
 from lightning_avgpipe.plugin.steps.precision import for_pipeline
@@ -380,6 +381,7 @@ class AvgPipeStrategy(CheckpointHooks, TunerSurface):
         self._steps = PipelineSteps(self._lightning(), self._controller, self.bridge, self._param_names)
         announce_averaging(pipeline)
         announce_checkpointing(pipeline, list(self._split.names()))
+        announce_sequence(pipeline)
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:

@@ -25,6 +25,7 @@ from lightning_avgpipe.plugin.steps.gradients import GradStash, discarded_by_zer
 from lightning_avgpipe.plugin.steps.memory import report_after_first_step
 from lightning_avgpipe.plugin.steps.precision import loss_scale_of
 from lightning_avgpipe.plugin.steps.results import StepResults
+from lightning_avgpipe.runtime.comms import collectives
 from lightning_avgpipe.runtime.controller import StepController, StepReport
 from lightning_avgpipe.runtime.pipeline import StagePipeline
 from lightning_avgpipe.runtime.request import StepRequest
@@ -165,6 +166,27 @@ def announce_averaging(pipeline: StagePipeline) -> None:
             f"AvgPipe: {cfg.num_pipelines} parallel pipelines x {groups} groups, elastic alpha "
             f"{elastic.alpha:g}{outer}, reference update {update}{sharded}."
         )
+
+
+def announce_sequence(pipeline: StagePipeline) -> None:
+    """Say which layers of each stage run on a shard of the sequence (``sequence_parallel=True``), and in them which
+    parts get the whole sequence (collective over the pipeline: every rank calls it at setup; rank 0 prints)."""
+    sequence = pipeline.sequence
+    if sequence is None:
+        return
+    mine = [(i, done.gathered) for i, done in sorted(sequence.layers.items())]
+    every = collectives.gather(pipeline.topology, (mine, sequence.count))
+    if every is None or pipeline.topology.rank != 0:
+        return
+    T = pipeline.topology.tensor_parallel_size
+    parts = []
+    for s, (layers, count) in enumerate(every):
+        names = ", ".join(f"{i}" + (f" ({' and '.join(g)} whole)" if g else "") for i, g in layers) or "none"
+        parts.append(f"stage {s}: {names} of its {count}")
+    rank_zero_info(
+        f"AvgPipe: sequence_parallel=True: layers on 1/{T} of the sequence (by index in the stage; an attention or "
+        "other part the trial does not pass gets the whole sequence): " + "; ".join(parts) + "."
+    )
 
 
 def announce_sharding(pipeline: StagePipeline, optimizer: Any) -> None:

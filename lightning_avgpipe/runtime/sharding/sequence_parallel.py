@@ -20,12 +20,15 @@ run of such layers starts and ends. Lightning-free.
 
 from __future__ import annotations
 
+import functools
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
@@ -219,6 +222,12 @@ def sequence_stage(chunks: Sequence[Sequence[nn.Module]], group: Any, dim: int =
     of the sequence where :func:`sequence_layer` can, and each run of consecutive such layers within a stage entered
     before its first layer and left after its last: a stage takes and returns whole tensors, as under 1D."""
     out = SequenceStage({}, sum(len(c) for c in chunks), group)
+    length: list[int] = [0]  # the whole sequence's length, as the run being entered has it
+
+    def entering(x: Tensor) -> Tensor:
+        length[0] = int(x.shape[dim]) if x.dim() > dim else 0
+        return enter(x, group, dim)
+
     start = 0
     for layers in chunks:
         flags = []
@@ -226,13 +235,14 @@ def sequence_stage(chunks: Sequence[Sequence[nn.Module]], group: Any, dim: int =
             done = sequence_layer(layer, group, dim)
             if done is not None:
                 out.layers[start + i] = done
+                for m in layer.modules():
+                    if type(m) is nn.Dropout:  # its masks: the unsplit model's, each shard drawing the whole one
+                        m.forward = types.MethodType(functools.partial(_dropout, length, group, dim), m)  # type: ignore[method-assign]
             flags.append(done is not None)
         for i, layer in enumerate(layers):
             if flags[i] and (i == 0 or not flags[i - 1]):
                 out.handles.append(
-                    layer.register_forward_pre_hook(
-                        lambda _m, a, k: _hidden(a, k, lambda x: enter(x, group, dim)), with_kwargs=True
-                    )
+                    layer.register_forward_pre_hook(lambda _m, a, k: _hidden(a, k, entering), with_kwargs=True)
                 )
             if flags[i] and (i == len(layers) - 1 or not flags[i + 1]):
                 out.handles.append(
@@ -240,6 +250,19 @@ def sequence_stage(chunks: Sequence[Sequence[nn.Module]], group: Any, dim: int =
                 )
         start += len(layers)
     return out
+
+
+def _dropout(length: list[int], group: Any, dim: int, self: nn.Dropout, x: Tensor) -> Tensor:
+    """``nn.Dropout`` on a layer that may hold a shard of the sequence: where ``x`` is the shard (its length 1/T of
+    the whole), the whole mask is drawn, as the unsplit model draws it (``bernoulli_`` on the same generator, as
+    ``F.dropout`` does), and this shard's part of it kept; elsewhere (the whole sequence) ``F.dropout`` itself."""
+    T = dist.get_world_size(group)
+    if not self.training or self.p == 0 or x.dim() <= dim or x.shape[dim] * T != length[0]:
+        return F.dropout(x, self.p, self.training, self.inplace)
+    shape = list(x.shape)
+    shape[dim] *= T
+    mask = x.new_empty(shape).bernoulli_(1 - self.p)
+    return x * (shard_of(mask, dim, group) * (1 / (1 - self.p)))
 
 
 def _attention(m: nn.Module) -> bool:
