@@ -121,10 +121,10 @@ class PipelineConfig:
     timeout: float = 1800.0
     activation_checkpointing: Any = False
     tensor_parallel_size: int = 1
+    sequence_parallel: bool = False
     shard_optimizer_state: bool = False
     sharding_strategy: str = "NO_SHARD"
     reduce_gradients: str = "per_microbatch"
-    sequence_parallel: bool = False
 
     @property
     def synchronous_reference(self) -> bool:

@@ -84,12 +84,14 @@ def test_the_strategy_passes_each_argument_into_its_config(name: str) -> None:
         "timeout": 60.0,
         "activation_checkpointing": True,
         "tensor_parallel_size": 2,
+        "sequence_parallel": True,
         "shard_optimizer_state": True,
         "sharding_strategy": "SHARD_OPTIM",
         "reduce_gradients": "per_step",
     }
     assert set(values) == set(arguments.config_defaults())
-    needs = {"schedule_costs": {"schedule": "zbv"}}  # an argument only some schedules take
+    # an argument only some schedules take; sequence parallelism needs tensor parallelism
+    needs = {"schedule_costs": {"schedule": "zbv"}, "sequence_parallel": {"tensor_parallel_size": 2}}
     value = values[name]
     strategy = AvgPipeStrategy(**{name: value}, **needs.get(name, {}))
     got = getattr(strategy.config, name)

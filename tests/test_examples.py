@@ -57,6 +57,13 @@ def test_a_hugging_face_llama_split_by_its_own_tensor_parallel_plan(tmp_path: Pa
     pytest.importorskip("transformers")
     out = run_command([sys.executable, str(ROOT / "examples" / "hf_llama_tp.py"), "--check"], tmp_path)
     assert "check: OK" in out, out[-3000:]
+    # sequence parallelism: every block on half the sequence (the attention gathers it), the same training
+    (tmp_path / "sp").mkdir()
+    sp = run_command(
+        [sys.executable, str(ROOT / "examples" / "hf_llama_tp.py"), "--check", "--sequence-parallel"], tmp_path / "sp"
+    )
+    assert "check: OK" in sp, sp[-3000:]
+    assert "stage 0: 1 (layer.self_attn whole), 2 (layer.self_attn whole) of its 3" in " ".join(sp.split()), sp[-3000:]
     assert "tensor parallelism follows the Hugging Face model's config.base_model_tp_plan" in out
     split = out.split("splits, per stage, ")[1].split("\n")[0]
     for stage, block in ((0, 1), (1, 3)):
@@ -65,14 +72,21 @@ def test_a_hugging_face_llama_split_by_its_own_tensor_parallel_plan(tmp_path: Pa
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("model", ["char", "gpt2"])
+@pytest.mark.parametrize("model", ["char", "gpt2", "gpt2-sequence-parallel"])
 def test_a_gpt_split_by_heads_with_the_default_plan(tmp_path: Path, model: str) -> None:
     """``examples/gpt_tp.py --check``: over 2 stages x 2 shards with no plan given, the char GPT's nanoGPT-style blocks
     (fused ``qkv``, ``proj``, MLP) and Hugging Face GPT-2's (Conv1D ``c_attn``, ``c_proj``, ``c_fc``) are split by
-    heads and MLP pairs on both stages, and train as one process with accumulation does."""
+    heads and MLP pairs on both stages, and train as one process with accumulation does; GPT-2's also with
+    sequence parallelism, every block on half the sequence (its attention on the whole)."""
+    sequence = model.endswith("-sequence-parallel")
+    model = model.removesuffix("-sequence-parallel")
     if model == "gpt2":
         pytest.importorskip("transformers")
-    out = run_command([sys.executable, str(ROOT / "examples" / "gpt_tp.py"), "--model", model, "--check"], tmp_path)
+    command = [sys.executable, str(ROOT / "examples" / "gpt_tp.py"), "--model", model, "--check"]
+    out = run_command(command + (["--sequence-parallel"] if sequence else []), tmp_path)
+    if sequence:
+        said = "stage 0: 1 (block.attn whole), 2 (block.attn whole) of its 3; stage 1: 0 (block.attn whole)"
+        assert said in " ".join(out.split()), out[-3000:]
     assert "check: OK" in out, out[-3000:]
     assert float(re.search(r"accumulation\| = ([0-9.e+-]+)", out).group(1)) < 1e-5  # type: ignore[union-attr]
     split = out.split("splits, per stage, ")[1].split("\n")[0]

@@ -162,3 +162,17 @@ def test_blocks_on_a_shard_of_the_sequence_equal_the_unsplit_blocks() -> None:
         assert out["summed"][2] == ["input_layernorm.weight", "post_attention_layernorm.weight"], out["summed"]
         assert out["summed"][3] == ["ln.weight", "ln.bias"], out["summed"]  # not the whole attention's weights
         assert runs["sp"]["saved"] < runs["1d"]["saved"], (runs["sp"]["saved"], runs["1d"]["saved"])
+
+
+def test_sequence_parallelism_without_tensor_parallelism_or_a_sequence_is_refused_with_the_fix() -> None:
+    import pytest
+
+    from lightning_avgpipe.config import PipelineConfig
+    from lightning_avgpipe.runtime.sharding.sequence_parallel import enter
+
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=1: set tensor_parallel_size > 1, or sequence_paral"):
+        PipelineConfig(sequence_parallel=True)
+    with pytest.raises(ValueError, match=r"sequence_parallel='yes' must be True or False"):
+        PipelineConfig(sequence_parallel="yes", tensor_parallel_size=2)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"has shape \(4, 8\): set sequence_parallel=False for a model without"):
+        enter(torch.zeros(4, 8), None)
