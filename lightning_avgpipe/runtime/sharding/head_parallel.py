@@ -146,21 +146,6 @@ class LeaveSequence(torch.autograd.Function):
         return shard_of(g, ctx.dim, ctx.group), None, None
 
 
-class GatherSequence(torch.autograd.Function):
-    """The sequence gathered whole for a split region (column-wise layers, attention by heads): the backward sums the
-    shards' partial gradients and keeps this shard's part (a reduce-scatter), where 1D tensor parallelism all-reduces.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: Any, dim: int) -> Tensor:
-        ctx.group, ctx.dim = group, dim
-        return _along(x, dim, group, gather=True)
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None]:
-        return _along(g, ctx.dim, ctx.group, gather=False), None, None
-
-
 class ScatterSequence(torch.autograd.Function):
     """A row-wise layer's partial outputs summed over the group, this shard's part of the sequence kept (a
     reduce-scatter, where 1D all-reduces); the backward gathers the gradient's parts."""
@@ -188,16 +173,38 @@ def _matmul(x: Tensor, w: Tensor, b: Tensor | None, transposed: bool) -> Tensor:
     return y.view(*x.shape[:-1], w.shape[1])
 
 
+class _GatheredMatmul(torch.autograd.Function):
+    """A column-wise layer under sequence parallelism: the sequence gathered from the shards, multiplied, and only
+    this shard's part of the input saved; the backward gathers it again for the weight's gradient and reduce-scatters
+    the input's (Megatron's: what the layer keeps for its backward is 1/T of the sequence, not all of it)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, w: Tensor, b: Tensor | None, group: Any, dim: int, transposed: bool) -> Tensor:
+        ctx.group, ctx.dim, ctx.transposed, ctx.bias = group, dim, transposed, b is not None
+        ctx.save_for_backward(x, w)
+        return _matmul(_along(x, dim, group, gather=True), w, b, transposed)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
+        x, w = ctx.saved_tensors
+        whole = _along(x, ctx.dim, ctx.group, gather=True)
+        flat_x, flat_g = whole.reshape(-1, whole.shape[-1]), g.reshape(-1, g.shape[-1])
+        if ctx.transposed:  # Conv1D: y = x @ w, w (in, out)
+            grad_x, grad_w = g @ w.t(), flat_x.t() @ flat_g
+        else:  # Linear: y = x @ w.T, w (out, in)
+            grad_x, grad_w = g @ w, flat_g.t() @ flat_x
+        grad_b = flat_g.sum(0) if ctx.bias else None
+        return _along(grad_x, ctx.dim, ctx.group, gather=False), grad_w, grad_b, None, None, None
+
+
 def _column_forward(transposed: bool, self: nn.Module, x: Tensor) -> Tensor:
     w, b = self.weight, self.bias  # DTensors
     bias = b.to_local() if b is not None else None  # type: ignore[union-attr,operator]
     group = w.device_mesh.get_group()  # type: ignore[union-attr,operator]
     dim = getattr(self, SEQUENCE, None)
     if dim is not None:  # sequence parallelism: this shard's part of the sequence in, the whole one used
-        x = GatherSequence.apply(x, group, dim)
-    else:
-        x = _CopyToGroup.apply(x, group)
-    return _matmul(x, w.to_local(), bias, transposed)  # type: ignore[union-attr,operator]
+        return _GatheredMatmul.apply(x, w.to_local(), bias, group, dim, transposed)  # type: ignore[union-attr,operator,no-any-return]
+    return _matmul(_CopyToGroup.apply(x, group), w.to_local(), bias, transposed)  # type: ignore[union-attr,operator]
 
 
 def _row_forward(transposed: bool, self: nn.Module, x: Tensor) -> Tensor:

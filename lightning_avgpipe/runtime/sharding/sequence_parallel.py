@@ -4,8 +4,9 @@ Under 1D tensor parallelism every activation outside the split matmuls is whole 
 the dropouts, the residual stream. With sequence parallelism a layer holds only its shard's 1/T of the sequence
 there. A split region gathers the sequence where it starts and scatters it where it ends:
 
-- the input of a column-wise layer is all-gathered along the sequence (:class:`~.head_parallel.GatherSequence`;
-  its backward reduce-scatters, where 1D all-reduces), and the output of a row-wise layer reduce-scattered
+- the input of a column-wise layer is all-gathered along the sequence, only the shard's part saved for the backward
+  (``head_parallel._GatheredMatmul``; its backward gathers it again and reduce-scatters the input's gradient, where
+  1D all-reduces), and the output of a row-wise layer reduce-scattered
   (:class:`~.head_parallel.ScatterSequence`; its backward all-gathers), where 1D all-reduces;
 - an attention (split by heads or left whole) gets the whole sequence and runs as under 1D, its output cut back to
   the shard: whatever it computes around its projections (a block with its attention inline adds the residual
