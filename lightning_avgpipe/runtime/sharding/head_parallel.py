@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor.parallel import ParallelStyle
+from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_avgpipe.runtime.deferred import is_conv1d
 
@@ -139,11 +140,49 @@ class LeaveSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, group: Any, dim: int) -> Tensor:
         ctx.group, ctx.dim = group, dim
-        return _along(x, dim, group, gather=True)
+        whole = _along(x, dim, group, gather=True)
+        _GATHERED[whole] = (x.detach(), group, dim)  # a column-wise layer reading it saves the part instead
+        return whole
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None]:
         return shard_of(g, ctx.dim, ctx.group), None, None
+
+
+# a tensor LeaveSequence gathered -> (this shard's part of it, the group, the dimension), while the whole one lives
+_GATHERED: Any = WeakIdKeyDictionary()
+
+
+class _PartSavedMatmul(torch.autograd.Function):
+    """A column-wise layer under 1D whose input was gathered from the shards of the sequence (an attention under
+    sequence parallelism): as 1D computes it, but saving this shard's part of the input, gathered again in the
+    backward for the weight's gradient; the input's gradient summed over the group, as 1D does."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: Tensor, part: Tensor, w: Tensor, b: Tensor | None, group: Any, dim: int, transposed: bool
+    ) -> Tensor:
+        ctx.group, ctx.dim, ctx.transposed, ctx.bias = group, dim, transposed, b is not None
+        ctx.save_for_backward(part, w)
+        return _matmul(x, w, b, transposed)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
+        part, w = ctx.saved_tensors
+        grad_x, grad_w, grad_b = _matmul_grads(_along(part, ctx.dim, ctx.group, gather=True), w, g, ctx)
+        grad_x = grad_x.contiguous()
+        dist.all_reduce(grad_x, group=ctx.group)
+        return grad_x, None, grad_w, grad_b, None, None, None
+
+
+def _matmul_grads(x: Tensor, w: Tensor, g: Tensor, ctx: Any) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The gradients of ``_matmul(x, w, b, ctx.transposed)`` given the output's ``g``: input, weight, bias."""
+    flat_x, flat_g = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
+    if ctx.transposed:  # Conv1D: y = x @ w, w (in, out)
+        grad_x, grad_w = g @ w.t(), flat_x.t() @ flat_g
+    else:  # Linear: y = x @ w.T, w (out, in)
+        grad_x, grad_w = g @ w, flat_g.t() @ flat_x
+    return grad_x, grad_w, flat_g.sum(0) if ctx.bias else None
 
 
 class ScatterSequence(torch.autograd.Function):
@@ -187,13 +226,7 @@ class _GatheredMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
         x, w = ctx.saved_tensors
-        whole = _along(x, ctx.dim, ctx.group, gather=True)
-        flat_x, flat_g = whole.reshape(-1, whole.shape[-1]), g.reshape(-1, g.shape[-1])
-        if ctx.transposed:  # Conv1D: y = x @ w, w (in, out)
-            grad_x, grad_w = g @ w.t(), flat_x.t() @ flat_g
-        else:  # Linear: y = x @ w.T, w (out, in)
-            grad_x, grad_w = g @ w, flat_g.t() @ flat_x
-        grad_b = flat_g.sum(0) if ctx.bias else None
+        grad_x, grad_w, grad_b = _matmul_grads(_along(x, ctx.dim, ctx.group, gather=True), w, g, ctx)
         return _along(grad_x, ctx.dim, ctx.group, gather=False), grad_w, grad_b, None, None, None
 
 
@@ -204,6 +237,10 @@ def _column_forward(transposed: bool, self: nn.Module, x: Tensor) -> Tensor:
     dim = getattr(self, SEQUENCE, None)
     if dim is not None:  # sequence parallelism: this shard's part of the sequence in, the whole one used
         return _GatheredMatmul.apply(x, w.to_local(), bias, group, dim, transposed)  # type: ignore[union-attr,operator,no-any-return]
+    gathered = _GATHERED.get(x)
+    if gathered is not None:  # gathered from the sequence's shards for this region: save the part
+        part, group, dim = gathered
+        return _PartSavedMatmul.apply(x, part, w.to_local(), bias, group, dim, transposed)  # type: ignore[union-attr,operator,no-any-return]
     return _matmul(_CopyToGroup.apply(x, group), w.to_local(), bias, transposed)  # type: ignore[union-attr,operator]
 
 
