@@ -262,8 +262,11 @@ def test_two_stages_of_two_shards_match_one_process() -> None:
 @pytest.mark.slow
 def test_two_groups_of_two_stages_of_two_shards_match_one_process() -> None:
     """D = 2, S = 2, T = 2 (8 ranks, a tiny model): the data dimension averages each (stage, shard) over D; under
-    FULL_SHARD and SHARD_GRAD_OP FSDP shards each tensor shard over it (2D weights), as one device trains."""
+    FULL_SHARD and SHARD_GRAD_OP FSDP shards each tensor shard over it (2D weights), also for attention split by heads
+    and with sequence parallelism, as one device trains."""
     configs = [(1, True), (2, False), (1, False, "1f1b", "FULL_SHARD"), (1, True, "zbh1", "SHARD_GRAD_OP")]
+    # attention split by heads (a fused qkv's strided shards stay whole over D), and with sequence parallelism
+    configs += [("attention", 1, False, "1f1b", "FULL_SHARD"), ("attention-sp", 1, False, "1f1b", "FULL_SHARD")]
     results = run_distributed(_worker, 8, 2, 2, configs, timeout=300, what="D=2 S=2 T=2")
     _check(results, configs, groups=2)
 

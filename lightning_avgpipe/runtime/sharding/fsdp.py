@@ -73,12 +73,16 @@ class _ChunkRoot(nn.Module):
 
 
 def shared_within(chunks: Sequence[Sequence[nn.Module]]) -> list[nn.Parameter]:
-    """Parameters that more than one of the rank's layers reach (a tie held by one rank), in first-seen order."""
+    """Parameters FSDP leaves whole over the stage group, in first-seen order: those more than one of the rank's
+    layers reach (a tie held by one rank), and tensor shards that are strided (a fused qkv split by heads keeps the
+    same heads of q, k and v: ``_StridedShard``), which FSDP2 would shard into a nested strided placement whose
+    ``full_tensor()`` torch 2.13 puts together wrong (so would every checkpoint)."""
     seen: dict[int, int] = {}
     out: dict[int, nn.Parameter] = {}
     for i, layer in enumerate(m for chunk in chunks for m in chunk):
         for p in layer.parameters():
-            if seen.setdefault(id(p), i) != i:
+            strided = any(type(pl).__name__ == "_StridedShard" for pl in getattr(p, "placements", ()))
+            if seen.setdefault(id(p), i) != i or strided:
                 out[id(p)] = p
     return list(out.values())
 

@@ -31,7 +31,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from lightning_avgpipe.runtime.sharding.head_parallel import (
     IN_FEATURES,
@@ -175,9 +174,9 @@ def sequence_layer(layer: nn.Module, group: Any, dim: int = 1) -> SequenceLayer 
     inner = [r for _, r in regions]
     for name, p in layer.named_parameters():
         owner = layer.get_submodule(name.rpartition(".")[0]) if "." in name else layer
-        if is_traceable_wrapper_subclass(p) or any(owner is r or _inside(owner, r) for r in inner):
-            continue  # a shard (its own group sums it), or a weight used on the whole sequence alike on every shard
-        if p.requires_grad:
+        if getattr(owner, SPLIT, None) or any(owner is r or _inside(owner, r) for r in inner):
+            continue  # a split layer's (a row-wise bias sums itself), or used on the whole sequence alike everywhere
+        if p.requires_grad:  # a plain weight, or FSDP's shard of one over the data dimension
             done.summed.append(name)
     return done
 
