@@ -72,6 +72,13 @@ class _ChunkRoot(nn.Module):
         return self.fn(*args, **kwargs)
 
 
+def _strided_tensor_shard(p: Tensor) -> bool:
+    """Whether ``p`` is a tensor-parallel shard (a DTensor on a one-dimensional mesh, not yet FSDP's: FSDP's own
+    placement over data may be strided too) with a strided placement."""
+    placements = getattr(p, "placements", ())
+    return len(placements) == 1 and type(placements[0]).__name__ == "_StridedShard"
+
+
 def shared_within(chunks: Sequence[Sequence[nn.Module]]) -> list[nn.Parameter]:
     """Parameters FSDP leaves whole over the stage group, in first-seen order: those more than one of the rank's
     layers reach (a tie held by one rank), and tensor shards that are strided (a fused qkv split by heads keeps the
@@ -81,7 +88,7 @@ def shared_within(chunks: Sequence[Sequence[nn.Module]]) -> list[nn.Parameter]:
     out: dict[int, nn.Parameter] = {}
     for i, layer in enumerate(m for chunk in chunks for m in chunk):
         for p in layer.parameters():
-            strided = any(type(pl).__name__ == "_StridedShard" for pl in getattr(p, "placements", ()))
+            strided = _strided_tensor_shard(p)
             if seen.setdefault(id(p), i) != i or strided:
                 out[id(p)] = p
     return list(out.values())
