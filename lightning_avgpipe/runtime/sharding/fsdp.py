@@ -75,7 +75,7 @@ class _ChunkRoot(nn.Module):
 def _strided_tensor_shard(p: Tensor) -> bool:
     """Whether ``p`` is a tensor-parallel shard (a DTensor on a one-dimensional mesh, not yet FSDP's: FSDP's own
     placement over data may be strided too) with a strided placement."""
-    placements = getattr(p, "placements", ())
+    placements: Sequence[Any] = getattr(p, "placements", ())
     return len(placements) == 1 and type(placements[0]).__name__ == "_StridedShard"
 
 
