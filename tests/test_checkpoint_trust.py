@@ -188,7 +188,7 @@ def test_no_global_outside_the_list_is_looked_up_on_resume_or_consolidate(saved:
 
     refused_by_both_loads(0, "torch.distributed.checkpoint.metadata", "os.system")  # the whole avgpipe.pt
     # Both loads read avgpipe.pt whole before .metadata, and only its checksums (dropped) decide what comes next:
-    # the forger keeps its layout alone, which reads in a tenth of the time of the whole (Lightning's skeleton)
+    # the forger keeps its layout alone, read in a seventh of the time of the whole (Lightning's skeleton)
     meta = torch.load(crafted / sharded.META, weights_only=True)
     torch.save({sharded.SHARDED: meta[sharded.SHARDED]}, crafted / sharded.META)
     allowed = refused = 0

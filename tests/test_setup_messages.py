@@ -139,8 +139,8 @@ def test_an_error_inside_configure_model_is_said_in_short_with_its_traceback_in_
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_a_rank_holding_the_whole_model_is_warned_and_one_building_on_the_meta_device_is_not(tmp_path: Path) -> None:
-    """Two fits in one launch of 2 ranks, each rank's output split where rank 0 says the next fit starts: the model
-    built in ``configure_model`` (on the meta device) first, then the one built whole in ``__init__``."""
+    """Two fits in one launch of 2 ranks, the output split where rank 0 says each fit starts: first the model built in
+    ``configure_model`` (on the meta device), not warned; then the one built whole in ``__init__``, warned once."""
     code, out = _run(tmp_path, "configure_model", "init")
     assert code == 0, out[-3000:]
     starts = [FIT + where for where in ("configure_model", "init")]
