@@ -114,7 +114,7 @@ def _slurm(rank: int) -> dict[str, str]:
 @pytest.mark.timeout(300)
 def test_slurm_variables_for_two_nodes(tmp_path: Path, plain: dict[str, torch.Tensor]) -> None:
     args = ["-m", "tests.helpers.lightning_worker", json.dumps(_cfg(tmp_path))]
-    results = launch_ranks(args, 4, timeout=240, env=_slurm)
+    results = launch_ranks(args, 4, timeout=240, env=_slurm, preload=True)  # ranks forked with Lightning imported
     failed = [f"rank {r} exited {code}:\n{out[-3000:]}" for r, (code, out) in enumerate(results) if code != 0]
     assert not failed, "\n".join(failed)
     _check(tmp_path, plain, "SLURMEnvironment")

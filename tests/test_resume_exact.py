@@ -36,7 +36,8 @@ def killed_and_resumed(tmp_path: Path, resumable: bool) -> tuple[dict[str, Any],
         "fault": {"rank": 1, "step": 5, "kind": "kill"},
         **extra,
     }
-    codes = [code for code, _ in launch_ranks(["-m", "tests.helpers.lightning_worker", json.dumps(cfg)], 2)]
+    args = ["-m", "tests.helpers.lightning_worker", json.dumps(cfg)]
+    codes = [code for code, _ in launch_ranks(args, 2, preload=True)]  # forked ranks, as run_lightning's
     assert codes[1] == -9 and codes[0] != 0, codes
     saved = sorted((crashed / "every").glob("*.ckpt"))
     assert [p.name for p in saved] == ["epoch=1-step=3.ckpt"], saved  # mid-epoch: one batch of the epoch's two

@@ -21,7 +21,8 @@ from lightning_avgpipe.runtime.failures import console
 ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = """\
-import sys
+import os, sys
+FIT = {fit!r}
 sys.path.insert(0, {root!r})
 import lightning.pytorch as pl, torch
 import torch.nn.functional as F
@@ -64,18 +65,25 @@ class Net(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 if __name__ == "__main__":
-    torch.manual_seed(0)
-    data = TensorDataset(torch.randn(24, 8), torch.randint(0, 4, (24,)))
-    logger = pl.loggers.CSVLogger({logs!r}) if {csv!r} else False
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=AvgPipeStrategy(num_microbatches=2, partition=[3, 3]),
-                         max_steps=1, logger=logger, enable_progress_bar=False, enable_model_summary=False,
-                         enable_checkpointing=False, default_root_dir={root_dir!r})
-    trainer.fit(Net({where!r}), DataLoader(data, batch_size=12))
+    wheres = {wheres!r}
+    for where in wheres:  # one fit each, in the same two processes (a second Trainer reuses Lightning's ranks)
+        if len(wheres) > 1 and os.environ.get("LOCAL_RANK", "0") == "0":  # rank 0, on stderr with the warnings
+            print(f"{{FIT}}{{where}}", file=sys.stderr, flush=True)
+        torch.manual_seed(0)
+        data = TensorDataset(torch.randn(24, 8), torch.randint(0, 4, (24,)))
+        logger = pl.loggers.CSVLogger({logs!r}) if {csv!r} else False
+        trainer = pl.Trainer(accelerator="cpu", devices=2,
+                             strategy=AvgPipeStrategy(num_microbatches=2, partition=[3, 3]), max_steps=1,
+                             logger=logger, enable_progress_bar=False, enable_model_summary=False,
+                             enable_checkpointing=False, default_root_dir={root_dir!r})
+        trainer.fit(Net(where), DataLoader(data, batch_size=12))
 """
+FIT = "== AvgPipe test: fit "  # the line the script prints (rank 0, stderr) before each of its fits
 
 
-def _run(tmp_path: Path, where: str, csv: bool = False) -> tuple[int, str]:
-    """The script above as a user runs it (2 ranks by Lightning's launcher), from ``tmp_path``: (exit code, output)."""
+def _run(tmp_path: Path, *wheres: str, csv: bool = False) -> tuple[int, str]:
+    """The script above as a user runs it (2 ranks by Lightning's launcher), from ``tmp_path``, one fit per model in
+    ``wheres``: (exit code, output)."""
     script = tmp_path / "train.py"
     script.write_text(
         SCRIPT.format(
@@ -84,7 +92,8 @@ def _run(tmp_path: Path, where: str, csv: bool = False) -> tuple[int, str]:
             logs=str(tmp_path / "logs"),
             csv=csv,
             root_dir=str(tmp_path / "root"),
-            where=where,
+            wheres=list(wheres),
+            fit=FIT,
         )
     )
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")}
@@ -106,7 +115,7 @@ def test_an_error_inside_configure_model_is_said_in_short_with_its_traceback_in_
     (Lightning's banner included), the user's message on the first line of the error and nowhere a traceback or the
     teardown's "Cannot copy out of meta tensor"; each rank's traceback in a file under the log directory (the
     logger's version folder, else default_root_dir), which the message names."""
-    code, out = _run(tmp_path, "bad_path", csv)
+    code, out = _run(tmp_path, "bad_path", csv=csv)
     lines = out.splitlines()
     assert code == 1 and len(lines) <= 15, out
     assert "Cannot copy out of meta tensor" not in out and "Traceback" not in out, out
@@ -129,23 +138,29 @@ def test_an_error_inside_configure_model_is_said_in_short_with_its_traceback_in_
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("where", ["init", "configure_model"])
-def test_a_rank_holding_the_whole_model_is_warned_and_one_building_on_the_meta_device_is_not(
-    tmp_path: Path, where: str
-) -> None:
-    code, out = _run(tmp_path, where)
+def test_a_rank_holding_the_whole_model_is_warned_and_one_building_on_the_meta_device_is_not(tmp_path: Path) -> None:
+    """Two fits in one launch of 2 ranks, the output split where rank 0 says each fit starts: first the model built in
+    ``configure_model`` (on the meta device), not warned; then the one built whole in ``__init__``, warned once."""
+    code, out = _run(tmp_path, "configure_model", "init")
     assert code == 0, out[-3000:]
-    warned = [line for line in out.splitlines() if "the whole model (" in line]
-    if where == "init":
-        assert len(warned) == 1, out  # rank 0 says it for every rank, once
-        assert re.search(
-            r"AvgPipe: every rank holds the whole model \(9\.9 KiB\) and runs only its own stages of it "
-            r"\(rank 0: 5\.\d KiB, rank 1: 4\.6 KiB\): build the model in configure_model\(\), and load weights "
-            r"with lightning_avgpipe\.load_pretrained \(docs/guide\.md#a-model-larger-than-one-device\)",
-            warned[0],
-        ), warned[0]
-    else:
-        assert not warned and "runs only its own stages" not in out, out
+    starts = [FIT + where for where in ("configure_model", "init")]
+    assert all(out.count(start) == 1 for start in starts), out[-3000:]
+    _, meta, whole = out.replace(starts[1], starts[0]).split(starts[0])  # before, the first fit's, the second's
+    for where, said in (("init", whole), ("configure_model", meta)):
+        warned = [line for line in said.splitlines() if "the whole model (" in line]
+        if where == "init":
+            assert len(warned) == 1, said  # rank 0 says it for every rank, once
+            assert re.search(
+                r"AvgPipe: every rank holds the whole model \(9\.9 KiB\) and runs only its own stages of it "
+                r"\(rank 0: 5\.\d KiB, rank 1: 4\.6 KiB\): build the model in configure_model\(\), and load weights "
+                r"with lightning_avgpipe\.load_pretrained \(docs/guide\.md#a-model-larger-than-one-device\)",
+                warned[0],
+            ), warned[0]
+        else:
+            assert not warned and "runs only its own stages" not in said, said
+    # in the whole output (stdout too, either rank) the init fit's warning is the only one
+    assert sum("the whole model (" in line for line in out.splitlines()) == 1, out[-3000:]
+    assert out.count("runs only its own stages") == 1, out[-3000:]
 
 
 def _model() -> nn.Sequential:
