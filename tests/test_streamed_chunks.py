@@ -116,6 +116,8 @@ def _worker(rank: int, world: int, out: str) -> dict[str, Any]:
     finally:
         torch.distributed.isend = isend
         DTensor.full_tensor = full_tensor  # type: ignore[method-assign]
+    # as Trainer.save_checkpoint's barrier does: rank 0 serves the store rank 1's last wait may still read
+    torch.distributed.barrier()
     slots = (
         sorted(k for k, v in checkpoint["state_dict"].items() if isinstance(v, torchfile.Slot))
         if checkpoint is not None

@@ -109,13 +109,8 @@ class StagePipeline:
         layout = ChunkLayout.of(config, topology, len(self.layers), chunks)
         # ZeRO-2/3: each layer sharded over the stage group (runtime/sharding/fsdp.py), before anything holds a weight
         chunk_layers = list(layout.functions(self.layers, lambda stage, start, ls: ls).values())
-        # sequence parallelism (runtime/sharding/sequence_parallel.py): layers on a shard of the sequence, before the
-        # replicas copy them
-        sequence = (
-            sequence_stage(chunk_layers, topology.tensor_group)
-            if config.sequence_parallel and topology.tensor_parallel_size > 1
-            else None
-        )
+        # sequence parallelism (needs T > 1; runtime/sharding/sequence_parallel.py), before the replicas copy layers
+        sequence = sequence_stage(chunk_layers, topology.tensor_group) if config.sequence_parallel else None
         sharding, ties = shard_stage(chunk_layers, topology, config, splits_backward(config.schedule), device, ties)
         self.sharding = sharding  # the stage functions made next run through its roots
         stage_fns = layout.functions(self.layers, self._stage_function)
