@@ -429,19 +429,31 @@ def average_gradients(
     """``averaging="exact"`` with D groups: every group's gradient becomes the mean over the D groups (all-reduces
     over ``group``, the D ranks that hold this stage), as data parallelism does: one flat buffer per bucket of at most
     ``bucket_bytes`` of gradients (a larger gradient alone), not a flat copy of all of them at the step's peak."""
-    grads = [local(p.grad) for p in params if p.grad is not None]  # a tensor-parallel shard: its local part
     check_group(group, num_groups)
-    if num_groups <= 1 or not grads:
-        return
+    if num_groups > 1:
+        _reduce_in_buckets(params, group, num_groups, device, bucket_bytes)
+
+
+def sum_gradients(params: Sequence[nn.Parameter], group: Any, bucket_bytes: int = 32 << 20) -> None:
+    """Every rank's gradient becomes the sum over ``group`` (in buckets, as :func:`average_gradients`): weights that
+    saw only this rank's share of the tokens (sequence parallelism's norms, runtime/sharding/sequence_parallel.py)."""
+    _reduce_in_buckets(params, group, 1, None, bucket_bytes)
+
+
+def _reduce_in_buckets(
+    params: Sequence[nn.Parameter], group: Any, divisor: int, device: torch.device | None, bucket_bytes: int
+) -> None:
+    grads = [local(p.grad) for p in params if p.grad is not None]  # a tensor-parallel shard: its local part
     bucket: list[Tensor] = []
     size = 0
     for g in grads:
         if bucket and (size + g.numel() * g.element_size() > bucket_bytes or g.dtype != bucket[0].dtype):
-            _average_bucket(bucket, group, num_groups, device)
+            _average_bucket(bucket, group, divisor, device)
             bucket, size = [], 0
         bucket.append(g)
         size += g.numel() * g.element_size()
-    _average_bucket(bucket, group, num_groups, device)
+    if bucket:
+        _average_bucket(bucket, group, divisor, device)
 
 
 def _average_bucket(grads: Sequence[Tensor], group: Any, num_groups: int, device: torch.device | None) -> None:
@@ -449,7 +461,8 @@ def _average_bucket(grads: Sequence[Tensor], group: Any, num_groups: int, device
     if device is not None:
         flat = flat.to(device)
     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-    flat /= num_groups
+    if num_groups > 1:
+        flat /= num_groups
     offset = 0
     for g in grads:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))

@@ -13,20 +13,14 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_avgpipe.runtime.deferred import WeightGradQueue
+from tests.helpers import blocks
 
 
-class Conv1D(nn.Module):
-    """Hugging Face's Conv1D as transformers writes it: weight (in, out), forward ``x @ weight + bias``."""
+class Conv1D(blocks.Conv1D):
+    """Hugging Face's Conv1D as transformers writes it (``tests/helpers/blocks.py``), its weights drawn small."""
 
     def __init__(self, nf: int, nx: int) -> None:
-        super().__init__()
-        self.nf = nf
-        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.1)
-        self.bias = nn.Parameter(torch.randn(nf) * 0.1)
-
-    def forward(self, x: Tensor) -> Tensor:
-        size_out = x.size()[:-1] + (self.nf,)
-        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(size_out)
+        super().__init__(nf, nx, scale=0.1)
 
 
 class Block(nn.Module):

@@ -24,10 +24,10 @@ class Block(nn.Module):
 class Conv1D(nn.Module):
     """Hugging Face's ``Conv1D`` (transformers.pytorch_utils), as GPT-2 uses it: a Linear with its weight (in, out)."""
 
-    def __init__(self, nf: int, nx: int) -> None:
+    def __init__(self, nf: int, nx: int, scale: float = 0.3) -> None:
         super().__init__()
         self.nf = nf
-        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.3)
+        self.weight = nn.Parameter(torch.randn(nx, nf) * scale)
         self.bias = nn.Parameter(torch.randn(nf) * 0.1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -32,13 +32,11 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_avgpipe.runtime.deferred import is_conv1d
+from lightning_avgpipe.runtime.sharding.zero import ALL_GATHER, REDUCE_SCATTER
 
 HEAD_COUNTS = ("n_head", "num_heads", "num_attention_heads", "n_heads")
 KV_HEAD_COUNTS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "n_kv_head", "n_query_groups")
 WIDTHS = ("embed_dim", "n_embd", "split_size", "all_head_size", "inner_dim", "hidden_size", "d_model")
-# torch >= 2.13 names them *_single and deprecates the older names
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 TRIAL_SHAPE = (2, 5)  # (batch, sequence) of the random input an attention is tried on
 _LAYER_WIDTHS = ("nf", "in_features", "out_features")  # a split layer's own widths, put back with it
 
@@ -89,12 +87,12 @@ def _along(x: Tensor, dim: int, group: Any, gather: bool) -> Tensor:
     front = x.movedim(dim, 0).contiguous()
     if gather:
         out = front.new_empty((front.shape[0] * T, *front.shape[1:]))
-        _ALL_GATHER(out, front, group=group)
+        ALL_GATHER(out, front, group=group)
     else:
         if front.shape[0] % T:
             raise ValueError(_uneven(x, dim, T))
         out = front.new_empty((front.shape[0] // T, *front.shape[1:]))
-        _REDUCE_SCATTER(out, front, group=group)
+        REDUCE_SCATTER(out, front, group=group)
     return out.movedim(0, dim).contiguous()
 
 

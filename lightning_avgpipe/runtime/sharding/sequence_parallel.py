@@ -12,7 +12,7 @@ there. A split region gathers the sequence where it starts and scatters it where
   the shard: whatever it computes around its projections (a block with its attention inline adds the residual
   inside) sees every token. Megatron's reduce-scatter at the output projection would save one all-reduce's half;
 - a weight that acts on the shard (a norm's, a row-wise layer's bias) gets a gradient from the shard's tokens only,
-  so its gradient is summed over the group after the backward (:func:`sum_grads`).
+  so its gradient is summed over the group after the backward (:meth:`SequenceStage.sum_grads`).
 
 A layer made so (:func:`sequence_layer`) takes and returns its shard of the sequence; :class:`~.head_parallel.
 EnterSequence` and :class:`~.head_parallel.LeaveSequence` cut a whole tensor into the shard and put it back where a
@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_avgpipe.elastic import sum_gradients
 from lightning_avgpipe.runtime.sharding.head_parallel import (
     IN_FEATURES,
     SEQUENCE,
@@ -46,21 +47,11 @@ from lightning_avgpipe.shards import local
 
 @dataclass
 class SequenceLayer:
-    """What :func:`sequence_layer` changed on one layer, so :meth:`undo` can put it back."""
+    """What :func:`sequence_layer` made of one layer: the weights whose gradients come from the shard's tokens only,
+    and the regions that get the whole sequence."""
 
-    handles: list[Any] = field(default_factory=list)
-    marked: list[tuple[nn.Module, str]] = field(default_factory=list)
     summed: list[str] = field(default_factory=list)  # the names of the weights whose gradients are summed
     gathered: list[str] = field(default_factory=list)  # the attentions, run on the whole sequence
-
-    def undo(self) -> None:
-        for h in self.handles:
-            h.remove()
-        for m, name in self.marked:
-            if hasattr(m, name):
-                delattr(m, name)
-        self.handles.clear()
-        self.marked.clear()
 
 
 def _hidden(args: tuple[Any, ...], kwargs: dict[str, Any], fn: Callable[[Tensor], Tensor]) -> Any:
@@ -149,27 +140,22 @@ def sequence_layer(layer: nn.Module, group: Any, dim: int = 1) -> SequenceLayer 
     attention, an MLP) gathers the sequence at its split layers and scatters it after, where a trial on a random input
     shows that gives what 1D does (:func:`_scatters_right`); any other gets the whole sequence, runs as under 1D and
     is cut back to the shard after. The weights whose gradients come from the shard's tokens only are named in
-    ``summed`` (:func:`sum_grads` sums them)."""
+    ``summed`` (:meth:`SequenceStage.sum_grads` sums them)."""
     regions = _regions(layer)
     if not regions or any(r is layer for _, r in regions):
         return None  # nothing split, or the layer is one region (its attention inline): it runs as under 1D
     done = SequenceLayer()
     for name, region in regions:
-        if _scatters_right(region, group, dim):
-            done.marked += [(m, SEQUENCE) for m in _split_children(region)]
+        if _scatters_right(region, group, dim):  # its split layers keep their marks
             continue
         for m in _split_children(region):
             vars(m).pop(SEQUENCE, None)
         done.gathered.append(name)
-        done.handles.append(
-            region.register_forward_pre_hook(
-                lambda _m, a, k: _hidden(a, k, lambda x: LeaveSequence.apply(x, group, dim)), with_kwargs=True
-            )
+        region.register_forward_pre_hook(
+            lambda _m, a, k: _hidden(a, k, lambda x: LeaveSequence.apply(x, group, dim)), with_kwargs=True
         )
-        done.handles.append(
-            region.register_forward_hook(
-                lambda _m, _a, out: _first_output(out, lambda y: EnterSequence.apply(y, group, dim))
-            )
+        region.register_forward_hook(
+            lambda _m, _a, out: _first_output(out, lambda y: EnterSequence.apply(y, group, dim))
         )
     inner = [r for _, r in regions]
     for name, p in layer.named_parameters():
@@ -181,29 +167,14 @@ def sequence_layer(layer: nn.Module, group: Any, dim: int = 1) -> SequenceLayer 
     return done
 
 
-def sum_grads(params: Sequence[nn.Parameter], group: Any) -> None:
-    """Sum the gradients of ``params`` (weights that saw only this shard's tokens) over the tensor group, in one
-    flat buffer (a collective: every shard calls it with the same parameters)."""
-    grads = [local(p.grad) for p in params if p.grad is not None]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
 @dataclass
 class SequenceStage:
     """The layers of one rank's stages that run on a shard of the sequence (:func:`sequence_stage`), by their index
-    among its layers, and the hooks that enter and leave each run of them."""
+    among its layers."""
 
     layers: dict[int, SequenceLayer]
     count: int  # the rank's layers
     group: Any
-    handles: list[Any] = field(default_factory=list)
 
     def sum_grads(self, copies: Sequence[nn.Module]) -> None:
         """Sum the shard-run weights' gradients over the tensor group, in every copy of the stage's layers
@@ -214,7 +185,7 @@ class SequenceStage:
             for i, done in self.layers.items()
             for name in done.summed
         ]
-        sum_grads(params, self.group)
+        sum_gradients(params, self.group)
 
 
 def sequence_stage(chunks: Sequence[Sequence[nn.Module]], group: Any, dim: int = 1) -> SequenceStage:
@@ -241,13 +212,9 @@ def sequence_stage(chunks: Sequence[Sequence[nn.Module]], group: Any, dim: int =
             flags.append(done is not None)
         for i, layer in enumerate(layers):
             if flags[i] and (i == 0 or not flags[i - 1]):
-                out.handles.append(
-                    layer.register_forward_pre_hook(lambda _m, a, k: _hidden(a, k, entering), with_kwargs=True)
-                )
+                layer.register_forward_pre_hook(lambda _m, a, k: _hidden(a, k, entering), with_kwargs=True)
             if flags[i] and (i == len(layers) - 1 or not flags[i + 1]):
-                out.handles.append(
-                    layer.register_forward_hook(lambda _m, _a, y: _first_output(y, lambda t: leave(t, group, dim)))
-                )
+                layer.register_forward_hook(lambda _m, _a, y: _first_output(y, lambda t: leave(t, group, dim)))
         start += len(layers)
     return out
 
