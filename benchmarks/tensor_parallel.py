@@ -86,6 +86,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
     from lightning_avgpipe.runtime.sharding import sequence_parallel as sp
     from lightning_avgpipe.runtime.sharding.head_parallel import Column, Row
     from lightning_avgpipe.runtime.sharding.tensor_parallel import default_plan, parallelize_stage
+    from lightning_avgpipe.runtime.trace import saved_bytes
     from lightning_avgpipe.shards import local
 
     mesh = init_device_mesh("cpu", (world,))
@@ -106,7 +107,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
         parallelize_stage(named, plan, mesh, sequence=sequence)
         stage = sp.sequence_stage([list(model)], group) if sequence else None
         weights = sum(local(p).numel() * local(p).element_size() for p in model.parameters())
-        saved = sp.activation_bytes_saved(lambda m=model: m(x))
+        saved = saved_bytes(lambda m=model: m(x), list(model.parameters()))
         times, traffic = [], []
         for _ in range(cfg["steps"]):
             start, before = time.perf_counter(), sent[0]

@@ -94,6 +94,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
 
     from lightning_avgpipe.runtime.sharding import sequence_parallel as sp
     from lightning_avgpipe.runtime.sharding.tensor_parallel import default_plan, parallelize_stage
+    from lightning_avgpipe.runtime.trace import saved_bytes
 
     mesh = init_device_mesh("cpu", (world,))
     group = mesh.get_group()
@@ -123,7 +124,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
             torch.manual_seed(7)  # the dropout masks: the same draws in every run
             return model(inp)  # each run of sequence-parallel layers enters and leaves the shard itself
 
-        saved = sp.activation_bytes_saved(forward)
+        saved = saved_bytes(forward, list(model.parameters()))
         y = forward()
         (y * target).sum().backward()
         if sequence:  # the weights that saw one shard of the sequence

@@ -157,6 +157,15 @@ class ActivationMeter:
         self.current = self.peak = 0
 
 
+def saved_bytes(fn: Callable[[], Any], parameters: Sequence[Tensor]) -> int:
+    """Bytes autograd saves for the backward while ``fn`` runs, ``parameters`` excluded (:class:`ActivationMeter`
+    over one unit): a forward's activation memory."""
+    meter = ActivationMeter(parameters)
+    with meter.unit(0):
+        fn()
+    return meter.peak
+
+
 def spans_from_simulation(sim: Any) -> list[list[Span]]:
     """The simulator's timeline (:class:`~lightning_avgpipe.schedules.Simulation`) as spans, to draw or compare."""
     return [[Span(e.action.kind.value, e.action.unit, e.start, e.end) for e in stage] for stage in sim.events]

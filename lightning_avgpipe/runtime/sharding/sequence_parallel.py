@@ -249,24 +249,3 @@ def enter(x: Tensor, group: Any, dim: int = 1) -> Tensor:
 def leave(x: Tensor, group: Any, dim: int = 1) -> Tensor:
     """This shard's part of the sequence gathered whole."""
     return LeaveSequence.apply(x, group, dim)  # type: ignore[no-any-return]
-
-
-def activation_bytes_saved(fn: Callable[[], Tensor]) -> int:
-    """Bytes autograd saves for the backward while ``fn`` runs (each storage once): a layer's activation memory."""
-    seen: set[int] = set()
-    total = 0
-
-    def pack(saved: Tensor) -> Tensor:
-        nonlocal total
-        t = local(saved)  # a DTensor's local shard is what memory holds
-        base = t._base if t._base is not None else t
-        if not isinstance(base, nn.Parameter) and t.numel():
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in seen:
-                seen.add(ptr)
-                total += t.untyped_storage().nbytes()
-        return saved
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return total
