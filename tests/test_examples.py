@@ -63,7 +63,11 @@ def test_a_hugging_face_llama_split_by_its_own_tensor_parallel_plan(tmp_path: Pa
         [sys.executable, str(ROOT / "examples" / "hf_llama_tp.py"), "--check", "--sequence-parallel"], tmp_path / "sp"
     )
     assert "check: OK" in sp, sp[-3000:]
-    assert "stage 0: 1 (layer.self_attn whole), 2 (layer.self_attn whole) of its 3" in " ".join(sp.split()), sp[-3000:]
+    # the cut falls between two such blocks: each shard sends its part of the sequence to its counterpart
+    said = (
+        "stage 0: 1 (layer.self_attn whole), 2 (layer.self_attn whole) of its 3, its output sent as each shard's part;"
+    )
+    assert said in " ".join(sp.split()), sp[-3000:]
     assert "tensor parallelism follows the Hugging Face model's config.base_model_tp_plan" in out
     split = out.split("splits, per stage, ")[1].split("\n")[0]
     for stage, block in ((0, 1), (1, 3)):
@@ -85,7 +89,8 @@ def test_a_gpt_split_by_heads_with_the_default_plan(tmp_path: Path, model: str) 
     command = [sys.executable, str(ROOT / "examples" / "gpt_tp.py"), "--model", model, "--check"]
     out = run_command(command + (["--sequence-parallel"] if sequence else []), tmp_path)
     if sequence:
-        said = "stage 0: 1 (block.attn whole), 2 (block.attn whole) of its 3; stage 1: 0 (block.attn whole)"
+        said = "stage 0: 1 (block.attn whole), 2 (block.attn whole) of its 3, its output sent as each shard's part; "
+        said += "stage 1: 0 (block.attn whole)"
         assert said in " ".join(out.split()), out[-3000:]
     assert "check: OK" in out, out[-3000:]
     assert float(re.search(r"accumulation\| = ([0-9.e+-]+)", out).group(1)) < 1e-5  # type: ignore[union-attr]

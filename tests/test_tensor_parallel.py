@@ -38,6 +38,9 @@ ATTENTION = [
     ("attention-sp", 1, False),  # sequence parallelism: each stage's blocks on a shard of the sequence
     ("attention-sp", 2, True),
     ("attention-sp", 1, False, "zbh1"),
+    # GPT-2's blocks on both sides of the cut: the boundary carries each shard's part of the sequence
+    ("gpt2-sp", 1, False),
+    ("gpt2-sp", 2, True, "zbh1"),
 ]
 
 
@@ -67,6 +70,8 @@ def make_model(seed: int = 0, width: int = 8, inputs: int = 6, classes: int = 4,
     if kind == "attention":  # blocks 1-4: nanoGPT-style, GPT-2 (Conv1D), grouped-query, nanoGPT's own attention
         blocks = [NanoBlock(width), GPT2Block(width), GQABlock(width), CausalSelfAttention(width)]
         return [Tokens(inputs, width), *blocks, Pool(width, classes)]
+    if kind == "gpt2":
+        return [Tokens(inputs, width), *(GPT2Block(width) for _ in range(4)), Pool(width, classes)]
     return [nn.Linear(inputs, width), Block(width), Block(width), Block(width), Block(width), nn.Linear(width, classes)]
 
 
@@ -74,6 +79,7 @@ def make_model(seed: int = 0, width: int = 8, inputs: int = 6, classes: int = 4,
 SPLIT = {
     "mlp": {f"{i}.{fc}" for i in range(1, 5) for fc in ("fc1", "fc2")},
     "attention": {"1", "1.fc1", "1.fc2", "2.attn", "2.mlp.c_fc", "2.mlp.c_proj", "3"},
+    "gpt2": {f"{i}.{m}" for i in range(1, 5) for m in ("attn", "mlp.c_fc", "mlp.c_proj")},
 }
 
 
@@ -201,6 +207,7 @@ def _worker(rank: int, world: int, stages: int, tp: int, configs: list[tuple[Any
         out.append({"losses": losses, "state": state, "split": split, "shard": top.tensor_rank, "peak": peak})
         out[-1]["left"] = left
         out[-1]["talks"] = talks
+        out[-1]["carry"] = (getattr(link, "split_in", False), getattr(link, "split_out", False))
         out[-1]["made"] = made
         out[-1]["sequence"] = sorted(pipe.sequence.layers) if pipe.sequence is not None else None
         meshes = {tuple(p.device_mesh.mesh_dim_names or ()) for p in pipe.reference_params if is_dtensor(p)}
@@ -248,12 +255,19 @@ def test_two_stages_of_two_shards_match_one_process() -> None:
     _check(results, CONFIGS + ATTENTION, groups=1)
     # sequence parallelism: GPT-2's block (layer 2, on stage 0); the blocks with their attention inline (1, 3, 4)
     # are one region each, run as under 1D
-    sp = [c for c, config in enumerate(CONFIGS + ATTENTION) if str(config[0]).endswith("-sp")]
+    sp = [c for c, config in enumerate(CONFIGS + ATTENTION) if config[0] == "attention-sp"]
     plain = len(CONFIGS)  # ("attention", 1, False): 1D, the same model
     for rank, r in enumerate(results):  # ranks 0-1 hold stage 0 (T innermost)
         assert all(r[c]["sequence"] == ([2] if rank < 2 else []) for c in sp), [r[c]["sequence"] for c in sp]
         if rank < 2:  # GPT-2's block's norms and residual on half the tokens
             assert r[sp[0]]["peak"] < r[plain]["peak"], (r[sp[0]]["peak"], r[plain]["peak"])
+    # GPT-2's blocks on both sides of the cut: every shard sends its part to its counterpart, none broadcasts
+    gpt2 = [c for c, config in enumerate(CONFIGS + ATTENTION) if config[0] == "gpt2-sp"]
+    for rank, r in enumerate(results):
+        assert all(r[c]["sequence"] == ([1, 2] if rank < 2 else [0, 1]) for c in gpt2), [r[c]["sequence"] for c in gpt2]
+        assert all(r[c]["carry"] == ((False, True) if rank < 2 else (True, False)) for c in gpt2), rank
+        assert all(r[c]["talks"] for c in gpt2), rank
+        assert all(r[c]["carry"] == (False, False) for c in sp), rank  # GPT-2's block, then one run as 1D
     # checkpointing kept only the checkpointed layers' inputs: the stash is smaller on every rank (N = 1 runs)
     for rank_results in results:
         assert rank_results[2]["peak"] < rank_results[0]["peak"]

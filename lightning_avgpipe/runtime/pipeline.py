@@ -107,16 +107,16 @@ class StagePipeline:
         self.streams: RandomStreams | None = None
         self.recompute = layer_mask(self.layers, config.activation_checkpointing)  # checkpointed layers
         layout = ChunkLayout.of(config, topology, len(self.layers), chunks)
-        # ZeRO-2/3: each layer sharded over the stage group (runtime/sharding/fsdp.py), before anything holds a weight
-        chunk_layers = list(layout.functions(self.layers, lambda stage, start, ls: ls).values())
+        chunked = list(layout.functions(self.layers, lambda stage, start, ls: ls).values())
         # sequence parallelism (needs T > 1; runtime/sharding/sequence_parallel.py), before the replicas copy layers
-        sequence = sequence_stage(chunk_layers, topology.tensor_group) if config.sequence_parallel else None
-        sharding, ties = shard_stage(chunk_layers, topology, config, splits_backward(config.schedule), device, ties)
-        self.sharding = sharding  # the stage functions made next run through its roots
+        self.sequence = sequence_stage(chunked, topology.tensor_group) if config.sequence_parallel else None
+        carry = self.sequence.carry(topology, device) if self.sequence else (False, False)  # boundaries on shards
+        # ZeRO-2/3 (runtime/sharding/fsdp.py): layers sharded over the stage group, the stage functions on its roots
+        self.sharding, ties = shard_stage(chunked, topology, config, splits_backward(config.schedule), device, ties)
         stage_fns = layout.functions(self.layers, self._stage_function)
         coalesce = batched_p2p(config, backend)
         if layout.v == 1:
-            link = link or collectives.stage_link(topology, device)
+            link = link or collectives.stage_link(topology, device, carry)
             fn = stage_fns[topology.stage]
             executor = StageExecutor(topology.stage, topology.num_stages, fn, link, coalesce=coalesce)
         else:
@@ -137,8 +137,8 @@ class StagePipeline:
             ),
             streams=None,
             bounds_link_timeout=True,
-            sharding=sharding,
-            sequence=sequence,
+            sharding=self.sharding,
+            sequence=self.sequence,
         )
         self._defer_weight_grads()
 
@@ -214,7 +214,7 @@ class StagePipeline:
             layers, mask, lambda i: self.streams.seed_of(stage, i) if self.streams is not None else None
         )
         top = self.topology
-        if top.tensor_parallel_size > 1:
+        if top.tensor_parallel_size > 1 and not (self.sequence and self.sequence.carried[0][1]):  # whole output
             fn = whole_outputs(fn, top.tensor_group, f"stage {top.stage} (rank {top.rank})")
         return fn if self.sharding is None else self.sharding.wrap(layers, fn)
 

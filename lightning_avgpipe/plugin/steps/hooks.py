@@ -175,14 +175,16 @@ def announce_sequence(pipeline: StagePipeline) -> None:
     if sequence is None:
         return
     mine = [(i, done.gathered) for i, done in sorted(sequence.layers.items())]
-    every = collectives.gather(pipeline.topology, (mine, sequence.count))
+    every = collectives.gather(pipeline.topology, (mine, sequence.count, sequence.carried[0][1]))
     if every is None or pipeline.topology.rank != 0:
         return
     T = pipeline.topology.tensor_parallel_size
     parts = []
-    for s, (layers, count) in enumerate(every):
+    for s, (layers, count, carried) in enumerate(every):
         names = ", ".join(f"{i}" + (f" ({' and '.join(g)} whole)" if g else "") for i, g in layers) or "none"
-        parts.append(f"stage {s}: {names} of its {count}")
+        parts.append(
+            f"stage {s}: {names} of its {count}" + (", its output sent as each shard's part" if carried else "")
+        )
     rank_zero_info(
         f"AvgPipe: sequence_parallel=True: layers on 1/{T} of the sequence (by index in the stage; an attention or "
         "other part the trial does not pass gets the whole sequence): " + "; ".join(parts) + "."

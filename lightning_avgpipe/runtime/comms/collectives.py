@@ -19,9 +19,10 @@ from lightning_avgpipe.runtime.failures.report import PeerFailureError, first_fa
 from lightning_avgpipe.runtime.sharding.tensor_parallel import TensorParallelLink
 
 
-def stage_link(topology: Topology, device: torch.device) -> Link | None:
+def stage_link(topology: Topology, device: torch.device, carry: tuple[bool, bool] = (False, False)) -> Link | None:
     """The transfers to the neighbouring stages over the default process group (``None`` with one stage). Under
-    tensor parallelism shard 0 of each stage carries them for its tensor group
+    tensor parallelism shard 0 of each stage carries them for its tensor group, or each shard its own part to its
+    counterpart in a direction that ``carry`` marks (the input's, the output's; sequence parallelism)
     (``runtime/sharding/tensor_parallel.py``)."""
     stage, S, T = topology.stage, topology.num_stages, topology.tensor_parallel_size
     if S == 1:
@@ -29,18 +30,18 @@ def stage_link(topology: Topology, device: torch.device) -> Link | None:
     name = f"stage {stage} (rank {topology.rank})"
     leader = topology.rank_of(topology.group_index, stage, 0)
     inner = None
-    if topology.rank == leader:
-        g = topology.group_index
+    if topology.rank == leader or any(carry):
+        g, t = topology.group_index, topology.tensor_rank
         inner = Link(
-            topology.rank_of(g, stage - 1) if stage > 0 else None,
-            topology.rank_of(g, stage + 1) if stage < S - 1 else None,
+            topology.rank_of(g, stage - 1, t) if stage > 0 else None,
+            topology.rank_of(g, stage + 1, t) if stage < S - 1 else None,
             device,
             name=name,
             stage=stage,
         )
     if T == 1:
         return inner
-    return TensorParallelLink(inner, topology.tensor_group, leader, device, name, stage)
+    return TensorParallelLink(inner, topology.tensor_group, leader, device, name, stage, carry)
 
 
 def _lost_results(topology: Topology, src: int, err: RuntimeError) -> PeerFailureError:

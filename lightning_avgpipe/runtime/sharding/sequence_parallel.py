@@ -175,6 +175,29 @@ class SequenceStage:
     layers: dict[int, SequenceLayer]
     count: int  # the rank's layers
     group: Any
+    # per stage of the rank: whether its first and its last layer run on a shard (what its boundaries may carry)
+    ends: list[tuple[bool, bool]] = field(default_factory=list)
+    # per stage of the rank: whether its input and its output cross their boundaries as this shard's part of the
+    # sequence (:meth:`carry`), read by the hooks as each stage runs
+    carried: list[list[bool]] = field(default_factory=list)
+
+    def carry(self, topology: Any, device: torch.device) -> tuple[bool, bool]:
+        """Whether this rank's stage takes its input and sends its output as this shard's part of the sequence:
+        where the layers on both sides of a boundary run on a shard, each shard sends its part to its counterpart in
+        the next stage (``tensor_parallel.TensorParallelLink``), with no gather and no broadcast; the stage then
+        neither enters the shard at its first layer nor leaves it after its last. Collective over the pipeline's
+        stages (``topology``'s ``pipeline_group``); never with one stage, or several stages per rank (each boundary
+        whole there)."""
+        stage, stages, group = topology.stage, topology.num_stages, topology.pipeline_group
+        if stages == 1 or len(self.ends) != 1:
+            return False, False
+        mine = torch.tensor([int(self.ends[0][0]), int(self.ends[0][1])], device=device)
+        seen = [torch.empty_like(mine) for _ in range(stages)]
+        dist.all_gather(seen, mine, group=group)
+        into = stage > 0 and bool(seen[stage - 1][1]) and bool(seen[stage][0])
+        out = stage < stages - 1 and bool(seen[stage][1]) and bool(seen[stage + 1][0])
+        self.carried[0][:] = [into, out]
+        return into, out
 
     def sum_grads(self, copies: Sequence[nn.Module]) -> None:
         """Sum the shard-run weights' gradients over the tensor group, in every copy of the stage's layers
@@ -194,13 +217,20 @@ def sequence_stage(chunks: Sequence[Sequence[nn.Module]], group: Any, dim: int =
     before its first layer and left after its last: a stage takes and returns whole tensors, as under 1D."""
     out = SequenceStage({}, sum(len(c) for c in chunks), group)
     length: list[int] = [0]  # the whole sequence's length, as the run being entered has it
+    T = dist.get_world_size(group)
 
-    def entering(x: Tensor) -> Tensor:
-        length[0] = int(x.shape[dim]) if x.dim() > dim else 0
-        return enter(x, group, dim)
+    def entering(x: Tensor, carried: bool) -> Tensor:
+        """A run's input cut to the shard; a stage's input that crossed its boundary as the shard, kept."""
+        length[0] = (int(x.shape[dim]) * (T if carried else 1)) if x.dim() > dim else 0
+        return x if carried else enter(x, group, dim)
+
+    def leaving(y: Any, carried: bool) -> Any:
+        return y if carried else _first_output(y, lambda t: leave(t, group, dim))
 
     start = 0
     for layers in chunks:
+        carried = [False, False]  # set by carry() once the neighbouring stages are known
+        out.carried.append(carried)
         flags = []
         for i, layer in enumerate(layers):
             done = sequence_layer(layer, group, dim)
@@ -210,11 +240,16 @@ def sequence_stage(chunks: Sequence[Sequence[nn.Module]], group: Any, dim: int =
                     if type(m) is nn.Dropout:  # its masks: the unsplit model's, each shard drawing the whole one
                         m.forward = types.MethodType(functools.partial(_dropout, length, group, dim), m)  # type: ignore[method-assign]
             flags.append(done is not None)
+        out.ends.append((bool(flags) and flags[0], bool(flags) and flags[-1]))
+        last = len(layers) - 1
         for i, layer in enumerate(layers):
             if flags[i] and (i == 0 or not flags[i - 1]):
-                layer.register_forward_pre_hook(lambda _m, a, k: _hidden(a, k, entering), with_kwargs=True)
-            if flags[i] and (i == len(layers) - 1 or not flags[i + 1]):
-                layer.register_forward_hook(lambda _m, _a, y: _first_output(y, lambda t: leave(t, group, dim)))
+                layer.register_forward_pre_hook(
+                    lambda _m, a, k, c=carried, e=i == 0: _hidden(a, k, lambda x: entering(x, e and c[0])),
+                    with_kwargs=True,
+                )
+            if flags[i] and (i == last or not flags[i + 1]):
+                layer.register_forward_hook(lambda _m, _a, y, c=carried, e=i == last: leaving(y, e and c[1]))
         start += len(layers)
     return out
 

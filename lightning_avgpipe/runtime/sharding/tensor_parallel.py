@@ -9,7 +9,8 @@ pair, the pair's output whole on every shard).
 
 A stage's input and output are whole on every shard of its tensor group, so one copy crosses each boundary: shard 0
 of a stage sends to shard 0 of the next and broadcasts what it receives to its group (:class:`TensorParallelLink`);
-gradients travel back the same way.
+gradients travel back the same way. Under sequence parallelism a boundary between two layers that run on a shard of
+the sequence carries each shard's part instead, from every shard to its counterpart.
 """
 
 from __future__ import annotations
@@ -261,19 +262,33 @@ def _leaves(value: Any) -> list[Tensor]:
 
 
 class TensorParallelLink(Link):
-    """One stage shard's transfers: shard 0 talks to the neighbouring stages' shard 0 through ``inner`` and
-    broadcasts what arrives to the tensor group; the other shards send nothing and receive the broadcast.
+    """One stage shard's transfers. A direction that carries whole tensors: shard 0 talks to the neighbouring
+    stage's shard 0 through ``inner`` and broadcasts what arrives to the tensor group; the other shards send nothing
+    and receive the broadcast. A direction that carries this shard's part of the sequence (``carry``: the input's,
+    the output's; sequence parallelism, ``sequence_parallel.SequenceStage.carry``): every shard talks to its
+    counterpart through its own ``inner``, with no broadcast.
 
     Every shard of a stage runs the same plan, so the broadcasts happen in the same order on all of them.
     """
 
-    def __init__(self, inner: Link | None, group: Any, src: int, device: torch.device, name: str, stage: int) -> None:
-        self.inner = inner  # shard 0 only
+    def __init__(
+        self,
+        inner: Link | None,
+        group: Any,
+        src: int,
+        device: torch.device,
+        name: str,
+        stage: int,
+        carry: tuple[bool, bool] = (False, False),
+    ) -> None:
+        self.inner = inner  # shard 0's, and every shard's where a direction carries the shard's part
         super().__init__(
             inner.prev_rank if inner else None, inner.next_rank if inner else None, device, name=name, stage=stage
         )
         self.tensor_group = group
         self.src = src
+        self.leads = dist.get_rank() == src  # shard 0: whole tensors cross through it
+        self.split_in, self.split_out = carry
         self._keys: dict[int, Hashable] = {}
         self._grad_like: dict[int, list[Tensor]] = {}
         self._meta: dict[Hashable, OutputMeta] = {}
@@ -302,24 +317,31 @@ class TensorParallelLink(Link):
         work = dist.broadcast(tensor, src=self.src, group=self.tensor_group, async_op=True)
         self._wait(work, what, self.src, 0)
 
+    def _talks(self, split: bool) -> Link | None:
+        """The link this shard sends and receives through in a direction (``split``: it carries the shard's part)."""
+        return self.inner if split or self.leads else None
+
     # -- forward direction ---------------------------------------------------------------------------------------
     def send_activations(self, key: Hashable, value: Any) -> None:
-        if self.inner is not None:
-            self.inner.send_activations(key, value)
+        if (inner := self._talks(self.split_out)) is not None:
+            inner.send_activations(key, value)
 
     def post_activations(self, unit: int, key: Hashable) -> None:
         self._keys[unit] = key
-        if self.inner is not None:
-            self.inner.post_activations(unit, key)
+        if (inner := self._talks(self.split_in)) is not None:
+            inner.post_activations(unit, key)
 
     def wait_activations(self, unit: int, training: bool) -> Any:
         key = self._keys.pop(unit)
-        got = self.inner.wait_activations(unit, training=False) if self.inner is not None else None
+        if self.split_in:  # this shard's part, from its counterpart
+            return self.inner.wait_activations(unit, training)  # type: ignore[union-attr]
+        inner = self._talks(False)
+        got = inner.wait_activations(unit, training=False) if inner is not None else None
         meta = self._meta.get(key)
         if meta is None:  # the first unit of a signature: shard 0 tells the others what arrives
             buf = (  # the header shard 0 received (the sender's requires-grad flags)
-                self.inner.received_meta(key).encode(self.device)
-                if self.inner is not None
+                inner.received_meta(key).encode(self.device)
+                if inner is not None
                 else torch.empty(META_LEN, dtype=torch.int64, device=self.device)
             )
             self._broadcast(buf, f"the activation header of unit {unit}")
@@ -338,13 +360,16 @@ class TensorParallelLink(Link):
     # -- backward direction --------------------------------------------------------------------------------------
     def post_grads(self, unit: int, like: Sequence[Tensor]) -> None:
         self._grad_like[unit] = list(like)
-        if self.inner is not None:
-            self.inner.post_grads(unit, like)
+        if (inner := self._talks(self.split_out)) is not None:
+            inner.post_grads(unit, like)
 
     def wait_grads(self, unit: int) -> list[Tensor]:
         like = self._grad_like.pop(unit)
-        if self.inner is not None:
-            grads = self.inner.wait_grads(unit)
+        inner = self._talks(self.split_out)
+        if inner is not None:
+            grads = inner.wait_grads(unit)
+            if self.split_out:  # this shard's part, from its counterpart
+                return grads
         else:
             grads = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in like]
         for g in grads:
@@ -352,10 +377,10 @@ class TensorParallelLink(Link):
         return grads
 
     def send_grads(self, grads: Sequence[Tensor]) -> None:
-        if self.inner is not None:
-            self.inner.send_grads(grads)
+        if (inner := self._talks(self.split_in)) is not None:
+            inner.send_grads(grads)
 
-    # -- the rest is shard 0's ---------------------------------------------------------------------------------
+    # -- the rest is the inner link's, where this shard has one -----------------------------------------------------
     def begin_batch(self) -> None:
         if self.inner is not None:
             self.inner.begin_batch()
