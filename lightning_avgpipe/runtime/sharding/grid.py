@@ -91,6 +91,9 @@ class Grid:
         groups = [mesh.get_group(n) for n in DIMS]
         return cls(mesh, q, d, k, i, j, groups[2], groups[1], groups[0], whole.get_group(), layer)
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Grid:
+        return self  # its groups are the job's: a copy of a converted layer (a replica) shares them
+
     @property
     def parts(self) -> int:
         """How many parts the sequence is cut into (``d * q``)."""
