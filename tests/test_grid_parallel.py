@@ -159,7 +159,7 @@ def _worker(rank: int, world: int, kind: str, q: int, depth: int, width: int, se
     from lightning_avgpipe.runtime.sharding import grid as grid_module
     from lightning_avgpipe.runtime.sharding.grid_stage import grid_stage
 
-    mesh = grid_module.grid_mesh(init_device_mesh("cpu", (world,)), q, depth)
+    mesh = grid_module.grid_mesh(init_device_mesh("cpu", (world,), mesh_dim_names=("tensor",)), q, depth)
     g = torch.Generator().manual_seed(1)
     x, target = torch.randn(2, seq, width, generator=g), torch.randn(2, seq, width, generator=g)
     whole = _model("small" if kind == "broken" else kind, width)

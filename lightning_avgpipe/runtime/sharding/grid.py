@@ -38,6 +38,7 @@ from torch import Tensor, nn
 
 from lightning_avgpipe.runtime.deferred import is_conv1d
 from lightning_avgpipe.runtime.sharding.head_parallel import widths
+from lightning_avgpipe.runtime.sharding.zero import ALL_GATHER
 
 DIMS = ("depth", "row", "col")  # the grid mesh's dimensions: depth k, grid row i, grid column j
 BROADCAST = dist.broadcast  # SUMMA's collectives (a test replaces them to show the comparison is real)
@@ -48,12 +49,17 @@ _FLAT: dict[int, Any] = {}  # id(mesh) -> (the grid's flat mesh, one depth layer
 
 def grid_mesh(tensor_mesh: Any, q: int, depth: int = 1) -> Any:
     """The ``(depth, q, q)`` grid (dimensions named ``depth``, ``row``, ``col``) over the ranks of ``tensor_mesh``, a
-    1D ``DeviceMesh`` of ``depth * q * q`` ranks (the tensor dimension of the job's mesh); collective: every rank of
+    1D ``DeviceMesh`` of ``depth * q * q`` ranks with a dimension name (the tensor dimension of the job's mesh); collective: every rank of
     the job calls it, each with its own tensor mesh. ``depth=1`` is 2D."""
     if q < 1 or depth < 1 or tensor_mesh.ndim != 1 or tensor_mesh.size() != depth * q * q:
         raise ValueError(
             f"grid_mesh(q={q}, depth={depth}) needs a 1D tensor mesh of depth * q * q = {depth * q * q} ranks, but it "
             f"has shape {tuple(tensor_mesh.shape)}: make tensor_parallel_size = depth * q * q, or pick q and depth so."
+        )
+    if not tensor_mesh.mesh_dim_names:
+        raise ValueError(
+            "grid_mesh's tensor_mesh has no dimension name: make it with init_device_mesh(..., mesh_dim_names=...), "
+            "as the job's mesh names its tensor dimension."
         )
     return tensor_mesh._unflatten(0, (depth, q, q), DIMS)
 
@@ -114,8 +120,9 @@ class Grid:
     def assemble(self, x: Tensor, dim: int) -> Tensor:
         """Every rank's block of ``x`` put together whole (an all-gather over the grid)."""
         x = x.contiguous()
-        out = x.new_empty((self.parts * self.q, *x.shape))
-        dist.all_gather_into_tensor(out, x, group=self.whole)
+        out = x.new_empty((self.parts * self.q * x.shape[0], *x.shape[1:]))
+        ALL_GATHER(out, x, group=self.whole)
+        out = out.view(self.parts * self.q, *x.shape)
         rows = [torch.cat(list(out[p * self.q : (p + 1) * self.q]), -1) for p in range(self.parts)]
         return torch.cat(rows, dim)
 
@@ -213,10 +220,11 @@ class Summa(torch.autograd.Function):
         return grad_x.view(x.shape), grad_a, None
 
 
-def summa_forward(grid: Grid, self: nn.Module, x: Tensor) -> Tensor:
-    """A Linear's or Conv1D's forward on the grid (``self.weight``, ``self.bias``: their blocks as DTensors)."""
+def summa_forward(grid: Grid, transposed: bool, self: nn.Module, x: Tensor) -> Tensor:
+    """A Linear's or (``transposed``) a Conv1D's forward on the grid (``self.weight``, ``self.bias``: their blocks
+    as DTensors)."""
     w = self.weight.to_local()  # type: ignore[operator]
-    a = w if is_conv1d(self) else w.t()
+    a = w if transposed else w.t()
     if x.shape[-1] != a.shape[0]:
         raise ValueError(
             f"a layer on the grid takes its block of {a.shape[0]} input features, but got shape {tuple(x.shape)}: its "
@@ -242,7 +250,7 @@ def split_summa(m: nn.Module, grid: Grid) -> None:
         m.nf = outputs // grid.q
     else:
         m.in_features, m.out_features = inputs // grid.q, outputs // grid.q
-    m.forward = types.MethodType(functools.partial(summa_forward, grid), m)  # type: ignore[method-assign]
+    m.forward = types.MethodType(functools.partial(summa_forward, grid, transposed), m)  # type: ignore[method-assign]
     setattr(m, GRID, "summa")
 
 

@@ -102,7 +102,7 @@ class _BlockSavedMatmul(torch.autograd.Function):
         return grad_x, None, grad_w, flat_g.sum(0) if ctx.bias else None, None
 
 
-def _heads_column_forward(inner: Callable[[Tensor], Tensor], self: nn.Module, x: Tensor) -> Tensor:
+def _heads_column_forward(inner: Callable[[Tensor], Tensor], transposed: bool, self: nn.Module, x: Tensor) -> Tensor:
     held = _WHOLE.get(x)
     if held is None:  # not the gathered input itself (the attention changed it first): head parallelism's own
         return inner(x)
@@ -110,7 +110,7 @@ def _heads_column_forward(inner: Callable[[Tensor], Tensor], self: nn.Module, x:
     w, b = self.weight, self.bias
     bias = b.to_local() if b is not None else None  # type: ignore[operator]
     group = w.device_mesh.get_group()  # type: ignore[union-attr,operator]
-    return _BlockSavedMatmul.apply(x, block, w.to_local(), bias, (grid, dim, is_conv1d(self), group))  # type: ignore[operator,no-any-return]
+    return _BlockSavedMatmul.apply(x, block, w.to_local(), bias, (grid, dim, transposed, group))  # type: ignore[operator,no-any-return]
 
 
 def _hidden(args: tuple[Any, ...], kwargs: dict[str, Any], fn: Callable[[Tensor], Tensor]) -> Any:
@@ -203,12 +203,13 @@ def _convert(layer: nn.Module, grid: Grid, plan: _Plan, dim: int, length: list[i
         done.column_summed += [_join(name, n) for n, p in m.named_parameters(recurse=False) if p.requires_grad]
     regions = [layer.get_submodule(n) for n in plan.attentions]
     for name, region in zip(plan.attentions, regions, strict=True):
+        conv1d = {m for m in region.modules() if is_conv1d(m)}  # by shape: not once split
         style = Heads()
         parallelize_module(region, grid.layer, style)
         done.attentions[name] = style.left or "heads"
         for m in region.modules():
             if getattr(m, SPLIT, None) == "column":
-                m.forward = types.MethodType(functools.partial(_heads_column_forward, m.forward), m)  # type: ignore[method-assign]
+                m.forward = types.MethodType(functools.partial(_heads_column_forward, m.forward, m in conv1d), m)  # type: ignore[method-assign]
         region.register_forward_pre_hook(
             lambda _m, a, k: _hidden(a, k, lambda x: GatherForAttention.apply(x, grid, dim)), with_kwargs=True
         )
