@@ -44,13 +44,13 @@ DIMS = ("depth", "row", "col")  # the grid mesh's dimensions: depth k, grid row 
 BROADCAST = dist.broadcast  # SUMMA's collectives (a test replaces them to show the comparison is real)
 REDUCE = dist.reduce
 GRID = "avgpipe_grid"  # on a converted module: "summa" or "norm"
-_FLAT: dict[int, Any] = {}  # id(mesh) -> (the grid's flat mesh, one depth layer's flat mesh)
+_FLAT: dict[int, Any] = {}  # id(mesh) -> (mesh, the grid's flat mesh, one depth layer's flat mesh)
 
 
 def grid_mesh(tensor_mesh: Any, q: int, depth: int = 1) -> Any:
     """The ``(depth, q, q)`` grid (dimensions named ``depth``, ``row``, ``col``) over the ranks of ``tensor_mesh``, a
-    1D ``DeviceMesh`` of ``depth * q * q`` ranks with a dimension name (the tensor dimension of the job's mesh); collective: every rank of
-    the job calls it, each with its own tensor mesh. ``depth=1`` is 2D."""
+    named 1D ``DeviceMesh`` of ``depth * q * q`` ranks (the tensor dimension of the job's mesh); collective: every
+    rank of the job calls it, each with its own tensor mesh. ``depth=1`` is 2D."""
     if q < 1 or depth < 1 or tensor_mesh.ndim != 1 or tensor_mesh.size() != depth * q * q:
         raise ValueError(
             f"grid_mesh(q={q}, depth={depth}) needs a 1D tensor mesh of depth * q * q = {depth * q * q} ranks, but it "
@@ -89,9 +89,9 @@ class Grid:
             raise ValueError(
                 f"mesh has dimensions {mesh.mesh_dim_names}, not {DIMS}: make it with grid_mesh(tensor_mesh, q, depth)"
             )
-        if id(mesh) not in _FLAT:
-            _FLAT[id(mesh)] = (mesh._flatten("avgpipe_grid"), mesh["row", "col"]._flatten("avgpipe_grid_layer"))
-        whole, layer = _FLAT[id(mesh)]
+        if id(mesh) not in _FLAT or _FLAT[id(mesh)][0] is not mesh:
+            _FLAT[id(mesh)] = (mesh, mesh._flatten("avgpipe_grid"), mesh["row", "col"]._flatten("avgpipe_grid_layer"))
+        _, whole, layer = _FLAT[id(mesh)]
         d, q, _ = mesh.shape
         k, i, j = mesh.get_coordinate()
         groups = [mesh.get_group(n) for n in DIMS]
@@ -223,7 +223,9 @@ class Summa(torch.autograd.Function):
 def summa_forward(grid: Grid, transposed: bool, self: nn.Module, x: Tensor) -> Tensor:
     """A Linear's or (``transposed``) a Conv1D's forward on the grid (``self.weight``, ``self.bias``: their blocks
     as DTensors)."""
-    w = self.weight.to_local()  # type: ignore[operator]
+    weight: Any = self.weight  # DTensors
+    bias: Any = self.bias
+    w = weight.to_local()
     a = w if transposed else w.t()
     if x.shape[-1] != a.shape[0]:
         raise ValueError(
@@ -231,7 +233,7 @@ def summa_forward(grid: Grid, transposed: bool, self: nn.Module, x: Tensor) -> T
             "input must be the rank's block (grid_stage enters it), not the whole activation."
         )
     y = Summa.apply(x, a, grid)
-    return y if self.bias is None else y + self.bias.to_local()  # type: ignore[operator]
+    return y if bias is None else y + bias.to_local()
 
 
 def split_summa(m: nn.Module, grid: Grid) -> None:
@@ -247,9 +249,9 @@ def split_summa(m: nn.Module, grid: Grid) -> None:
     if getattr(m, "bias", None) is not None:
         _distribute(m, "bias", grid, (Replicate(), Replicate(), Shard(0)))
     if transposed:
-        m.nf = outputs // grid.q
+        m.nf = outputs // grid.q  # type: ignore[assignment]
     else:
-        m.in_features, m.out_features = inputs // grid.q, outputs // grid.q
+        m.in_features, m.out_features = inputs // grid.q, outputs // grid.q  # type: ignore[assignment]
     m.forward = types.MethodType(functools.partial(summa_forward, grid, transposed), m)  # type: ignore[method-assign]
     setattr(m, GRID, "summa")
 

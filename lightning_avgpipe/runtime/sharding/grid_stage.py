@@ -107,10 +107,11 @@ def _heads_column_forward(inner: Callable[[Tensor], Tensor], transposed: bool, s
     if held is None:  # not the gathered input itself (the attention changed it first): head parallelism's own
         return inner(x)
     block, grid, dim = held
-    w, b = self.weight, self.bias
-    bias = b.to_local() if b is not None else None  # type: ignore[operator]
-    group = w.device_mesh.get_group()  # type: ignore[union-attr,operator]
-    return _BlockSavedMatmul.apply(x, block, w.to_local(), bias, (grid, dim, transposed, group))  # type: ignore[operator,no-any-return]
+    w: Any = self.weight  # DTensors on the depth layer's flat mesh
+    b: Any = self.bias
+    bias = b.to_local() if b is not None else None
+    group = w.device_mesh.get_group()
+    return _BlockSavedMatmul.apply(x, block, w.to_local(), bias, (grid, dim, transposed, group))  # type: ignore[no-any-return]
 
 
 def _hidden(args: tuple[Any, ...], kwargs: dict[str, Any], fn: Callable[[Tensor], Tensor]) -> Any:
