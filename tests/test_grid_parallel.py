@@ -245,3 +245,29 @@ def test_the_comparison_fails_without_summas_broadcasts_or_the_gradient_sums() -
         wrong = [k for k, v in want["grads"].items() if not torch.allclose(no_sums["grads"][k], v, **TOL)]
         assert "0.input_layernorm.weight" in wrong and "1.norm.bias" in wrong and "1.fc1.bias" in wrong, wrong
         assert "1.fc1.weight" not in wrong, wrong  # SUMMA reduces its weight's gradient inside the backward
+
+
+def test_a_grid_that_does_not_fit_is_refused_with_the_fix() -> None:
+    """A tensor mesh of the wrong size or without a name, and activations that do not cut into the grid's blocks,
+    raise errors that name the values and the fix (no process group needed: the checks come first)."""
+    import pytest
+
+    from lightning_avgpipe.runtime.sharding.grid import Grid, grid_mesh
+
+    class Mesh:  # a 1D DeviceMesh's shape, as grid_mesh reads it
+        ndim, shape, mesh_dim_names = 1, (6,), ("tensor",)
+
+        def size(self) -> int:
+            return 6
+
+    with pytest.raises(ValueError, match=r"q=2, depth=1\) needs a 1D tensor mesh of depth \* q \* q = 4 ranks, but it"):
+        grid_mesh(Mesh(), 2)
+    Mesh.shape, Mesh.mesh_dim_names, Mesh.size = (4,), None, lambda self: 4  # type: ignore[assignment,method-assign]
+    with pytest.raises(ValueError, match=r"has no dimension name: make it with init_device_mesh\(\.\.\., mesh_dim"):
+        grid_mesh(Mesh(), 2)
+    grid = Grid(None, 2, 2, 1, 0, 1, None, None, None, None, None)
+    uneven = r"into 4 parts and the last \(the hidden one\) into 2, but they have shape \(2, 6, 8\): make the seq"
+    with pytest.raises(ValueError, match=uneven):
+        grid.block(torch.zeros(2, 6, 8), 1)
+    block = grid.block(torch.arange(2 * 8 * 4.0).view(2, 8, 4), 1)  # sequence part k q + i = 2, hidden part 1
+    assert block.tolist() == torch.arange(2 * 8 * 4.0).view(2, 8, 4)[:, 4:6, 2:].tolist()
