@@ -152,7 +152,7 @@ class _Plan:
     width: int  # the hidden width the layer takes (its trial's input)
 
 
-def _plan(layer: nn.Module, q: int) -> _Plan | str | None:
+def _plan(layer: nn.Module) -> _Plan | str | None:
     """What converting ``layer`` would do, why it cannot be, or None where nothing in it is for the grid."""
     if isinstance(find_attention(layer, 1), tuple):
         return "its attention is inline (the layer itself is the attention): it runs whole"
@@ -231,7 +231,7 @@ def grid_layer(layer: nn.Module, grid: Grid, dim: int = 1, length: list[int] | N
     Collective over the grid; every rank draws the same input. ``length``: a one-item list holding the whole
     sequence's length while the layer runs (its dropouts' masks need it; :func:`grid_stage` keeps it)."""
     try:
-        plan = _plan(layer, grid.q)
+        plan = _plan(layer)
     except Exception as e:  # every rank runs the same code on the same layer: they fail alike
         plan = f"it could not be planned ({type(e).__name__}: {str(e)[:120]})"
     if not isinstance(plan, _Plan):
