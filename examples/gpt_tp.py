@@ -3,6 +3,7 @@ whole heads (q, k and v of the fused projection column-wise, the output projecti
 
     python examples/gpt_tp.py                         # the char GPT's nanoGPT-style blocks, 30 steps, loss printed
     python examples/gpt_tp.py --model gpt2 --check    # Hugging Face GPT-2 (Conv1D layers); compare with one process
+    python examples/gpt_tp.py --check --tensor-parallel-mode 2d   # 2 stages x a 2 x 2 grid (8 processes, SUMMA)
 
 ``--model char`` is ``examples/char_gpt.py``'s model (``qkv``, ``proj`` and an MLP in each block); ``--model gpt2``
 needs ``pip install transformers`` (a small random config, untied, nothing downloaded) and reuses
@@ -75,6 +76,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--check", action="store_true", help="train 3 steps and compare with one process")
     p.add_argument("--sequence-parallel", action="store_true", help="norms and residuals on half the sequence each")
+    p.add_argument(
+        "--tensor-parallel-mode",
+        choices=["1d", "2d", "2.5d"],
+        default="1d",
+        help="2d: each stage on a 2 x 2 grid (8 processes); 2.5d: one stage on 2 x 2 x 2 (8 processes)",
+    )
     args = p.parse_args(argv)
     steps = 3 if args.check else args.steps
     lightning_avgpipe.share_cpu_threads(4)
@@ -82,12 +89,18 @@ def main(argv: list[str] | None = None) -> int:
     data, vocab = text_batches(32, 16 * steps)
     model = GPT(args.model, vocab, sgd=args.check)
     initial = copy.deepcopy(model)
+    mode = args.tensor_parallel_mode
+    T, devices = {"1d": (2, 4), "2d": (4, 8), "2.5d": (8, 8)}[mode]
     strategy = lightning_avgpipe.AvgPipeStrategy(
-        num_microbatches=args.microbatches, tensor_parallel_size=2, sequence_parallel=args.sequence_parallel
+        num_microbatches=args.microbatches,
+        tensor_parallel_size=T,
+        sequence_parallel=args.sequence_parallel,
+        tensor_parallel_mode=mode,
+        tensor_parallel_depth=2 if mode == "2.5d" else 1,
     )
     trainer = L.Trainer(
         accelerator="cpu",
-        devices=4,
+        devices=devices,
         strategy=strategy,
         max_steps=steps,
         logger=False,

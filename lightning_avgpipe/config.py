@@ -122,9 +122,20 @@ class PipelineConfig:
     activation_checkpointing: Any = False
     tensor_parallel_size: int = 1
     sequence_parallel: bool = False
+    tensor_parallel_mode: str = "1d"
+    tensor_parallel_depth: int = 1
     shard_optimizer_state: bool = False
     sharding_strategy: str = "NO_SHARD"
     reduce_gradients: str = "per_microbatch"
+
+    @property
+    def grid(self) -> tuple[int, int] | None:
+        """``(d, q)``: the d x q x q grid of a stage's tensor group under ``tensor_parallel_mode`` ``"2d"`` (d = 1) or
+        ``"2.5d"``; None under ``"1d"``."""
+        if self.tensor_parallel_mode == "1d":
+            return None
+        d = self.tensor_parallel_depth
+        return d, round((self.tensor_parallel_size // d) ** 0.5)
 
     @property
     def synchronous_reference(self) -> bool:
@@ -218,6 +229,34 @@ class PipelineConfig:
             check_alpha(self.elastic_alpha)
         self._check_sharding()
 
+    def _check_grid(self) -> None:
+        """``tensor_parallel_mode`` and ``tensor_parallel_depth`` against ``tensor_parallel_size``."""
+        mode, d, T = self.tensor_parallel_mode, self.tensor_parallel_depth, self.tensor_parallel_size
+        if mode not in ("1d", "2d", "2.5d"):
+            raise ValueError(
+                f"tensor_parallel_mode={mode!r} is not one of ['1d', '2d', '2.5d']: '1d' splits each layer's weights "
+                "over T ranks (Megatron's), '2d' weights and activations over a q x q grid (T = q x q), '2.5d' over "
+                "d copies of that grid (T = d x q x q, tensor_parallel_depth=d)."
+            )
+        if not is_int(d, 1) or (mode == "2.5d") != (d > 1):
+            raise ValueError(
+                f"tensor_parallel_depth={d!r} with tensor_parallel_mode={mode!r}: the depth d is an int >= 2 under "
+                "'2.5d' (T = d x q x q) and 1 otherwise; set tensor_parallel_mode='2.5d' with a depth of 2 or more, "
+                "or tensor_parallel_depth=1."
+            )
+        q = round((T // d) ** 0.5) if T % d == 0 else 0
+        if mode != "1d" and (q < 2 or d * q * q != T):
+            raise ValueError(
+                f"tensor_parallel_mode={mode!r} needs tensor_parallel_size = {'d x ' if d > 1 else ''}q x q with q >= 2"
+                f" (d = tensor_parallel_depth = {d}), but tensor_parallel_size={T}: use {d * 4} or {d * 9} ranks per "
+                "stage, or tensor_parallel_mode='1d'."
+            )
+        if mode != "1d" and self.sequence_parallel:
+            raise ValueError(
+                f"sequence_parallel=True with tensor_parallel_mode={mode!r}: the grid splits the sequence already "
+                "(each grid row holds a part of it); set sequence_parallel=False."
+            )
+
     def _check_sharding(self) -> None:
         if not isinstance(self.sequence_parallel, bool):
             raise ValueError(f"sequence_parallel={self.sequence_parallel!r} must be True or False.")
@@ -226,9 +265,16 @@ class PipelineConfig:
                 "sequence_parallel=True cuts the sequence over the tensor_parallel_size shards of a stage, but "
                 "tensor_parallel_size=1: set tensor_parallel_size > 1, or sequence_parallel=False."
             )
+        self._check_grid()
         if not isinstance(self.shard_optimizer_state, bool):
             raise ValueError(f"shard_optimizer_state={self.shard_optimizer_state!r} must be True or False.")
         level = level_of(self.sharding_strategy)
+        if self.grid is not None and level in ("SHARD_GRAD_OP", "FULL_SHARD"):
+            raise ValueError(
+                f"sharding_strategy={self.sharding_strategy!r} with tensor_parallel_mode="
+                f"{self.tensor_parallel_mode!r}: FSDP over the grid's 3D weights is not supported; use 'NO_SHARD' or "
+                "'SHARD_OPTIM', or tensor_parallel_mode='1d'."
+            )
         if self.shard_optimizer_state and level not in ("NO_SHARD", "SHARD_OPTIM"):
             raise ValueError(
                 f"shard_optimizer_state=True with sharding_strategy={self.sharding_strategy!r}: "

@@ -85,6 +85,8 @@ def test_the_strategy_passes_each_argument_into_its_config(name: str) -> None:
         "activation_checkpointing": True,
         "tensor_parallel_size": 2,
         "sequence_parallel": True,
+        "tensor_parallel_mode": "2d",
+        "tensor_parallel_depth": 2,
         "shard_optimizer_state": True,
         "sharding_strategy": "SHARD_OPTIM",
         "reduce_gradients": "per_step",
@@ -92,6 +94,8 @@ def test_the_strategy_passes_each_argument_into_its_config(name: str) -> None:
     assert set(values) == set(arguments.config_defaults())
     # an argument only some schedules take; sequence parallelism needs tensor parallelism
     needs = {"schedule_costs": {"schedule": "zbv"}, "sequence_parallel": {"tensor_parallel_size": 2}}
+    needs["tensor_parallel_mode"] = {"tensor_parallel_size": 4}  # the grid: q x q ranks, or d x q x q
+    needs["tensor_parallel_depth"] = {"tensor_parallel_size": 8, "tensor_parallel_mode": "2.5d"}
     value = values[name]
     strategy = AvgPipeStrategy(**{name: value}, **needs.get(name, {}))
     got = getattr(strategy.config, name)

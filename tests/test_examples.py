@@ -102,6 +102,21 @@ def test_a_gpt_split_by_heads_with_the_default_plan(tmp_path: Path, model: str) 
 
 
 @pytest.mark.timeout(300)
+def test_a_hugging_face_gpt2_on_two_stages_of_a_two_by_two_grid(tmp_path: Path) -> None:
+    """``examples/gpt_tp.py --model gpt2 --check --tensor-parallel-mode 2d`` (8 processes): through the strategy, each
+    stage's GPT-2 blocks on a 2 x 2 grid (SUMMA, norms over the grid row, attention split by heads over the 4 ranks),
+    the embedding left whole and said why, train as one process with accumulation does."""
+    pytest.importorskip("transformers")
+    command = [sys.executable, str(ROOT / "examples" / "gpt_tp.py"), "--model", "gpt2", "--check"]
+    out = " ".join(run_command([*command, "--tensor-parallel-mode", "2d"], tmp_path).split())
+    assert "check: OK" in out, out[-3000:]
+    assert float(re.search(r"accumulation\| = ([0-9.e+-]+)", out).group(1)) < 1e-5  # type: ignore[union-attr]
+    said = "stage 0: 1 (block.attn by heads), 2 (block.attn by heads) of its 3; its layer 0 whole: its weight "
+    said += "'wte.weight' is an Embedding's, which the grid cannot cut | stage 1: 0 (block.attn by heads), 1 "
+    assert "tensor_parallel_mode='2d': layers on 1 x 2 x 2 blocks" in out and said in out, out[-3000:]
+
+
+@pytest.mark.timeout(300)
 def test_a_hugging_face_llama_with_a_lora_adapter_is_whole_after_fit_and_saves_every_tensor(tmp_path: Path) -> None:
     """``examples/peft_lora.py --check``: a PEFT LoRA adapter on a Llama over 2 stages; after
     ``fit`` the launching process's module is the whole trained model, so ``save_pretrained`` writes all 16 LoRA

@@ -222,7 +222,7 @@ def test_blocks_on_a_2_5d_grid_equal_the_unsplit_blocks_around_layers_left_whole
     for rank, out in enumerate(results):
         assert out["layers"] == [0, 1, 4], out["layers"]
         assert out["left"] == {
-            2: "its weight 'gain' belongs to a Gain, which the grid cannot cut",
+            2: "its weight 'gain' is a Gain's, which the grid cannot cut",
             3: "converting it changed its output",
         }, out["left"]
         assert out["attentions"][1]["attn"].startswith("its forward failed split"), out["attentions"]

@@ -19,7 +19,7 @@ from torch import nn
 from lightning_avgpipe import microbatch
 from lightning_avgpipe.runtime.comms.topology import Topology
 from lightning_avgpipe.runtime.sharding.tensor_parallel import check_plan, default_plan
-from tests.helpers.blocks import Block, CausalSelfAttention, GPT2Block, GQABlock, NanoBlock
+from tests.helpers.blocks import Block, CausalSelfAttention, GPT2Attention, GPT2Block, GQABlock, NanoBlock
 from tests.helpers.distributed import run_distributed
 
 STEPS = 3
@@ -70,8 +70,11 @@ def make_model(seed: int = 0, width: int = 8, inputs: int = 6, classes: int = 4,
     if kind == "attention":  # blocks 1-4: nanoGPT-style, GPT-2 (Conv1D), grouped-query, nanoGPT's own attention
         blocks = [NanoBlock(width), GPT2Block(width), GQABlock(width), CausalSelfAttention(width)]
         return [Tokens(inputs, width), *blocks, Pool(width, classes)]
-    if kind == "gpt2":
-        return [Tokens(inputs, width), *(GPT2Block(width) for _ in range(4)), Pool(width, classes)]
+    if kind == "gpt2":  # 4 heads: split over T = 2, and over a 2 x 2 grid's 4 ranks
+        blocks = [GPT2Block(width) for _ in range(4)]
+        for b in blocks:
+            b.attn = GPT2Attention(width, heads=4)
+        return [Tokens(inputs, width), *blocks, Pool(width, classes)]
     return [nn.Linear(inputs, width), Block(width), Block(width), Block(width), Block(width), nn.Linear(width, classes)]
 
 
@@ -135,7 +138,9 @@ def reference_exact(replicas: int, kind: str = "mlp") -> tuple[list[float], dict
     return losses, {f"{i}.{k}": v for i, layer in enumerate(layers) for k, v in layer.state_dict().items()}
 
 
-def _worker(rank: int, world: int, stages: int, tp: int, configs: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
+def _worker(
+    rank: int, world: int, stages: int, tp: int, configs: list[tuple[Any, ...]], grid: tuple[int, int] | None = None
+) -> list[dict[str, Any]]:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     from lightning_avgpipe.config import PipelineConfig
@@ -145,12 +150,12 @@ def _worker(rank: int, world: int, stages: int, tp: int, configs: list[tuple[Any
     from lightning_avgpipe.runtime.sharding.tensor_parallel import parallelize_stage, split_on_meta
     from lightning_avgpipe.shards import full, is_dtensor
 
-    top = Topology.build(rank, world, stages, tensor_parallel_size=tp)
+    top = Topology.build(rank, world, stages, tensor_parallel_size=tp, grid=grid)
     sizes = [3, 3] if stages == 2 else [6]
     start = sum(sizes[: top.stage])
     out = []
     for kind, n, ac, *schedule in [c if isinstance(c[0], str) else ("mlp", *c) for c in configs]:
-        model = kind.removesuffix("-torch").removesuffix("-meta").removesuffix("-sp")
+        model = kind.removesuffix("-torch").removesuffix("-meta").removesuffix("-sp").split("-2")[0]
         if kind.endswith("-meta"):  # built without memory: split by shapes, then only this rank's shards made real
             with torch.device("meta"), InitRecord() as record:
                 layers = make_model(kind=model)
@@ -175,8 +180,10 @@ def _worker(rank: int, world: int, stages: int, tp: int, configs: list[tuple[Any
             assert not any(t.is_meta for t in held)
             largest = max(sum(t.numel() * t.element_size() for t in m.parameters()) for m in layers)  # a layer's
             made = [made.kept_bytes, sum(t.numel() * t.element_size() for t in held), made.peak_other_bytes, largest]
-        else:
+        elif grid is None:
             split = parallelize_stage(own, plan, top.tensor_mesh, left, sequence=kind.endswith("-sp"))
+        else:  # the grid converts the whole layers as the pipeline is made
+            split = []
         sharding = schedule[1] if len(schedule) > 1 else None  # ZeRO-2/3 over the data dimension: exact
         cfg = PipelineConfig(
             num_stages=stages,
@@ -188,6 +195,8 @@ def _worker(rank: int, world: int, stages: int, tp: int, configs: list[tuple[Any
             averaging="exact" if sharding else "elastic",
             tensor_parallel_size=tp,
             sequence_parallel=kind.endswith("-sp"),  # the blocks on a shard of the sequence between split matmuls
+            tensor_parallel_mode="1d" if grid is None else "2d" if grid[0] == 1 else "2.5d",
+            tensor_parallel_depth=1 if grid is None else grid[0],
         )
         pipe = StagePipeline(list(own.values()), top, cfg)
         opt = pipe.optimizer(torch.optim.SGD(pipe.reference_params, lr=0.1, momentum=0.9))
@@ -210,6 +219,8 @@ def _worker(rank: int, world: int, stages: int, tp: int, configs: list[tuple[Any
         out[-1]["carry"] = (getattr(link, "split_in", False), getattr(link, "split_out", False))
         out[-1]["made"] = made
         out[-1]["sequence"] = sorted(pipe.sequence.layers) if pipe.sequence is not None else None
+        if grid is not None:  # the layers on the grid, by their names in the model
+            out[-1]["split"] = [str(start + i) for i in sorted(pipe.sequence.layers)]  # type: ignore[union-attr]
         meshes = {tuple(p.device_mesh.mesh_dim_names or ()) for p in pipe.reference_params if is_dtensor(p)}
         out[-1]["fsdp"] = sorted(meshes)
     return out
@@ -218,7 +229,7 @@ def _worker(rank: int, world: int, stages: int, tp: int, configs: list[tuple[Any
 def _check(results: list[list[dict[str, Any]]], configs: list[tuple[Any, ...]], groups: int) -> None:
     for c, config in enumerate(configs):
         kind, n = config[:2] if isinstance(config[0], str) else ("mlp", config[0])
-        kind = kind.removesuffix("-meta").removesuffix("-sp")  # built on the meta device, sequence parallelism:
+        kind = kind.removesuffix("-meta").removesuffix("-sp").split("-2")[0]  # the meta device, sequence and grid:
         # the same values, the same training
         exact = len(config) + isinstance(config[0], int) > 4  # a sharding_strategy: one model over the D groups
         want_losses, want = (reference_exact if exact else reference)(n * groups, kind.removesuffix("-torch"))
@@ -232,7 +243,9 @@ def _check(results: list[list[dict[str, Any]]], configs: list[tuple[Any, ...]], 
                 )
             if got["losses"][0] is not None and groups == 1:  # the last stage's loss: its group's N replicas
                 torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want_losses))
-        assert {name for r in results for name in r[c]["split"]} == SPLIT[kind.removesuffix("-torch")]
+        grid = "-2" in str(config[0])  # every block converted (its layers split on the grid)
+        want_split = {"1", "2", "3", "4"} if grid else SPLIT[kind.removesuffix("-torch")]
+        assert {name for r in results for name in r[c]["split"]} == want_split, config
         if kind.startswith(
             "attention"
         ):  # nanoGPT's own attention (block 4, stage 1): tried, found wrong split, left whole
@@ -283,6 +296,18 @@ def test_two_groups_of_two_stages_of_two_shards_match_one_process() -> None:
     configs += [("attention", 1, False, "1f1b", "FULL_SHARD"), ("attention-sp", 1, False, "1f1b", "FULL_SHARD")]
     results = run_distributed(_worker, 8, 2, 2, configs, timeout=300, what="D=2 S=2 T=2")
     _check(results, configs, groups=2)
+
+
+@pytest.mark.slow
+def test_two_stages_on_a_two_by_two_grid_match_one_process() -> None:
+    """2D tensor parallelism, S = 2 x q = 2 (8 ranks): GPT-2's blocks (Conv1D, fused qkv, 4 heads) on 2 x 2 blocks
+    of weights and activations (SUMMA; the attention gathered and split by heads over the 4 ranks), N = 1 and 2,
+    checkpointing and the backward split (zbh1), equal the unsplit model."""
+    configs = [("gpt2-2d", 1, False), ("gpt2-2d", 2, True), ("gpt2-2d", 1, False, "zbh1")]
+    results = run_distributed(_worker, 8, 2, 4, configs, (1, 2), timeout=300, what="S=2 q=2")
+    _check(results, configs, groups=1)
+    for rank, r in enumerate(results):  # stage 0: Tokens, blocks 1-2; stage 1: blocks 3-4, Pool
+        assert all(r[c]["sequence"] == ([1, 2] if rank < 4 else [0, 1]) for c in range(len(configs))), rank
 
 
 def test_rank_layout_keeps_shards_of_a_stage_together() -> None:

@@ -128,6 +128,10 @@ class AvgPipeStrategy(CheckpointHooks, TunerSurface):
             between their split matmuls (norms, residual stream: Megatron's sequence parallelism), the all-reduce
             becoming a reduce-scatter and an all-gather (docs/parallelism.md#sequence-parallelism). ``False``
             (default): 1D, activations there whole on every shard.
+        tensor_parallel_mode: ``"1d"`` (default, Megatron's); ``"2d"``: a stage's T = q x q ranks a grid, weights
+            and activations in q x q blocks (SUMMA); ``"2.5d"``: d such grids, tokens over d
+            (docs/parallelism.md#2d-and-25d).
+        tensor_parallel_depth: d under ``"2.5d"`` (T = d x q x q), 1 otherwise.
         shard_optimizer_state: ``True`` is ``sharding_strategy="SHARD_OPTIM"`` (ZeRO-1, docs/parallelism.md).
         sharding_strategy: how the D groups share each stage, by FSDP's names: ``"NO_SHARD"``; ``"SHARD_OPTIM"``
             (ZeRO-1: optimizer state; under elastic averaging the reference, docs/parallelism.md#sharded-reference);
@@ -183,6 +187,8 @@ class AvgPipeStrategy(CheckpointHooks, TunerSurface):
         tensor_parallel_size: int = 1,
         tensor_parallel_plan: dict[str, Any] | None = None,
         sequence_parallel: bool = False,
+        tensor_parallel_mode: str = "1d",
+        tensor_parallel_depth: int = 1,
         shard_optimizer_state: bool = False,
         sharding_strategy: str = "NO_SHARD",
         reduce_gradients: str = "per_microbatch",
@@ -205,21 +211,17 @@ class AvgPipeStrategy(CheckpointHooks, TunerSurface):
         )
         # the pipeline's arguments (PipelineConfig's fields, by the same names), checked there; the rest are ours
         self.config = PipelineConfig(**{k: v for k, v in locals().items() if k in CONFIG_FIELDS})
-        self.tensor_parallel_plan = tensor.check_tensor_parallel_args(tensor_parallel_size, tensor_parallel_plan, None)
+        self.tensor_parallel_plan = tensor.check_tensor_parallel_args(
+            tensor_parallel_size, tensor_parallel_plan, None, tensor_parallel_mode
+        )
         # The k the user asked for, kept across fits (a tuner's reconfigure replaces "auto" with a number).
         self.user_advance_forwards: int | str = advance_forwards
         self.check_forward = bool(check_forward)
         self.trusted_checkpoints = bool(trusted_checkpoints)
-        parts = "a folder every rank writes its part of"
-        self.save_distributed_checkpoint = check_flag(
-            "save_distributed_checkpoint", save_distributed_checkpoint, parts, "one file"
-        )
-        self.seed_layers = check_flag(
-            "seed_layers",
-            seed_layers,
-            "each layer's random draws seeded by step, micro-batch and layer: the same for every layout",
-            "each process's own generator",
-        )
+        parts, flag = "a folder every rank writes its part of", save_distributed_checkpoint
+        self.save_distributed_checkpoint = check_flag("save_distributed_checkpoint", flag, parts, "one file")
+        seeded = "each layer's random draws seeded by step, micro-batch and layer: the same for every layout"
+        self.seed_layers = check_flag("seed_layers", seed_layers, seeded, "each process's own generator")
         self._topology: Topology | None = None
         self._topology_of: Any = None  # the default process group the topology's groups were made in
         self._controller: StepController | None = None  # the stage's step and what steers it
@@ -297,9 +299,8 @@ class AvgPipeStrategy(CheckpointHooks, TunerSurface):
             stages = self.config.num_stages or max(1, self.world_size // T)  # every device a stage's shard (D = 1)
             tensor.check_tensor_parallel_args(T, None, len(self.parallel_devices or []) or None)
             with guarded("making the process groups (setup_environment)"):
-                self._topology = Topology.build(
-                    self.global_rank, self.world_size, stages, self.config.timeout, T, self.root_device.type
-                )
+                where = (self.config.timeout, T, self.root_device.type, self.config.grid)
+                self._topology = Topology.build(self.global_rank, self.world_size, stages, *where)
         self.start_watchdog(f"rank {self.global_rank} (stage {self.topology.stage})", grace=self.config.p2p_timeout)
 
     # -- setup ---------------------------------------------------------------------------------------------------
@@ -355,7 +356,7 @@ class AvgPipeStrategy(CheckpointHooks, TunerSurface):
     def _make_pipeline(self) -> None:
         """Stage ``s`` of the N replicas (copies of the module's own layers) and the step that trains them."""
         assert self._split is not None
-        if not self._split.tensor_split:
+        if not self._split.tensor_split and self.config.grid is None:  # the grid converts whole layers itself
             tensor.apply(
                 self._split.names(),
                 self.tensor_parallel_plan,

@@ -42,8 +42,7 @@ from lightning_avgpipe.runtime.rank_stages import ChunkLayout
 from lightning_avgpipe.runtime.recompute import layer_mask, stage_function
 from lightning_avgpipe.runtime.request import StepRequest
 from lightning_avgpipe.runtime.sharding.fsdp import StageSharding, shard_stage
-from lightning_avgpipe.runtime.sharding.sequence_parallel import SequenceStage, sequence_stage
-from lightning_avgpipe.runtime.sharding.tensor_parallel import whole_outputs
+from lightning_avgpipe.runtime.sharding.tensor_parallel import ActivationStage, activation_stage, whole_outputs
 from lightning_avgpipe.runtime.streams import RandomStreams
 from lightning_avgpipe.runtime.sync.gradient_probe import GradientProbe
 from lightning_avgpipe.runtime.sync.stage_replicas import StageReplicas
@@ -108,8 +107,8 @@ class StagePipeline:
         self.recompute = layer_mask(self.layers, config.activation_checkpointing)  # checkpointed layers
         layout = ChunkLayout.of(config, topology, len(self.layers), chunks)
         chunked = list(layout.functions(self.layers, lambda stage, start, ls: ls).values())
-        # sequence parallelism (needs T > 1; runtime/sharding/sequence_parallel.py), before the replicas copy layers
-        self.sequence = sequence_stage(chunked, topology.tensor_group) if config.sequence_parallel else None
+        # sequence parallelism or the 2D/2.5D grid (T > 1; runtime/sharding/), before the replicas copy the layers
+        self.sequence = activation_stage(chunked, config, topology.tensor_group, topology.grid_mesh)
         carry = self.sequence.carry(topology, device) if self.sequence else (False, False)  # boundaries on shards
         # ZeRO-2/3 (runtime/sharding/fsdp.py): layers sharded over the stage group, the stage functions on its roots
         self.sharding, ties = shard_stage(chunked, topology, config, splits_backward(config.schedule), device, ties)
@@ -159,7 +158,7 @@ class StagePipeline:
         streams: RandomStreams | None,
         bounds_link_timeout: bool,
         sharding: StageSharding | None,
-        sequence: SequenceStage | None,
+        sequence: ActivationStage | None,
     ) -> None:
         """Every part a pipeline holds, set here alone: :meth:`__init__` and :meth:`alone` both pass them all."""
         self.layers, self.topology, self.device, self.backend = layers, topology, device, backend

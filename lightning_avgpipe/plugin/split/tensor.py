@@ -37,9 +37,12 @@ __all__ = [
 STYLE_NAMES = ("colwise", "rowwise", "heads")
 
 
-def check_tensor_parallel_args(size: int, plan: Any, devices_per_node: int | None) -> dict[str, Any] | None:
+def check_tensor_parallel_args(
+    size: int, plan: Any, devices_per_node: int | None, mode: str = "1d"
+) -> dict[str, Any] | None:
     """``tensor_parallel_plan`` as a dict of ``ParallelStyle``s (names ``"colwise"``/``"rowwise"`` become them), and
-    ``tensor_parallel_size`` checked against the devices of a node (tensor parallelism stays inside one)."""
+    ``tensor_parallel_size`` checked against the devices of a node (tensor parallelism stays inside one); a plan is
+    1D's (``mode``: ``tensor_parallel_mode``)."""
     if size > 1 and not tensor_parallel_available():
         import torch
 
@@ -64,6 +67,12 @@ def check_tensor_parallel_args(size: int, plan: Any, devices_per_node: int | Non
     if size == 1:
         raise ValueError(
             "tensor_parallel_plan is given but tensor_parallel_size=1; set tensor_parallel_size=2 (or more)."
+        )
+    if mode != "1d":
+        raise ValueError(
+            f"tensor_parallel_plan is given with tensor_parallel_mode={mode!r}: a plan says how 1D splits each layer, "
+            "and the grid converts layers by their type (Linear, Conv1D, norms, attention by heads). Drop the plan, "
+            "or set tensor_parallel_mode='1d'."
         )
     from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 

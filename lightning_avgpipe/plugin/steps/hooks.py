@@ -29,6 +29,7 @@ from lightning_avgpipe.runtime.comms import collectives
 from lightning_avgpipe.runtime.controller import StepController, StepReport
 from lightning_avgpipe.runtime.pipeline import StagePipeline
 from lightning_avgpipe.runtime.request import StepRequest
+from lightning_avgpipe.runtime.sharding.grid_stage import GridStage
 from lightning_avgpipe.runtime.sharding.zero import ShardedOptimizer
 from lightning_avgpipe.shards import local
 
@@ -169,22 +170,46 @@ def announce_averaging(pipeline: StagePipeline) -> None:
 
 
 def announce_sequence(pipeline: StagePipeline) -> None:
-    """Say which layers of each stage run on a shard of the sequence (``sequence_parallel=True``), and in them which
-    parts get the whole sequence (collective over the pipeline: every rank calls it at setup; rank 0 prints)."""
-    sequence = pipeline.sequence
-    if sequence is None:
+    """Say which layers of each stage run on a shard of the sequence (``sequence_parallel=True``) or on blocks of
+    the grid (``tensor_parallel_mode`` ``"2d"``/``"2.5d"``), and in them which parts get the whole sequence; and,
+    for the grid, which layers run whole and why (collective over the pipeline: every rank calls it at setup; rank 0
+    prints)."""
+    split = pipeline.sequence
+    if split is None:
         return
-    mine = [(i, done.gathered) for i, done in sorted(sequence.layers.items())]
-    every = collectives.gather(pipeline.topology, (mine, sequence.count, sequence.carried[0][1]))
+    if isinstance(split, GridStage):
+        layers = [
+            (i, [f"{n} {'by heads' if how == 'heads' else 'whole'}" for n, how in done.attentions.items()])
+            for i, done in sorted(split.layers.items())
+        ]
+        mine: Any = (layers, split.count, False, sorted(split.left.items()))
+    else:
+        mine = (
+            [(i, [f"{g} whole" for g in done.gathered]) for i, done in sorted(split.layers.items())],
+            split.count,
+            split.carried[0][1],
+            [],
+        )
+    every = collectives.gather(pipeline.topology, mine)
     if every is None or pipeline.topology.rank != 0:
         return
     T = pipeline.topology.tensor_parallel_size
     parts = []
-    for s, (layers, count, carried) in enumerate(every):
-        names = ", ".join(f"{i}" + (f" ({' and '.join(g)} whole)" if g else "") for i, g in layers) or "none"
+    for s, (layers, count, carried, left) in enumerate(every):
+        names = ", ".join(f"{i}" + (f" ({' and '.join(g)})" if g else "") for i, g in layers) or "none"
         parts.append(
-            f"stage {s}: {names} of its {count}" + (", its output sent as each shard's part" if carried else "")
+            f"stage {s}: {names} of its {count}"
+            + (", its output sent as each shard's part" if carried else "")
+            + "".join(f"; its layer {i} whole: {why}" for i, why in left)
         )
+    if isinstance(split, GridStage):
+        d, q = split.grid.d, split.grid.q
+        rank_zero_info(
+            f"AvgPipe: tensor_parallel_mode={pipeline.config.tensor_parallel_mode!r}: layers on {d} x {q} x {q} "
+            f"blocks, 1/{T} of their activations and 1/{q * q} of their weights (by index in the stage; an attention "
+            "gets its input whole, split by heads): " + " | ".join(parts) + "."
+        )
+        return
     rank_zero_info(
         f"AvgPipe: sequence_parallel=True: layers on 1/{T} of the sequence (by index in the stage; an attention or "
         "other part the trial does not pass gets the whole sequence): " + "; ".join(parts) + "."

@@ -56,6 +56,8 @@ class Topology:
     tensor_mesh: Any = field(default=None, compare=False)
     # under tensor parallelism, the job mesh's data dimension (the stage group's ranks), for FSDP's 2D weights
     data_mesh: Any = field(default=None, compare=False)
+    # under 2D and 2.5D tensor parallelism, the tensor group as a d x q x q mesh (dimensions depth, row, col)
+    grid_mesh: Any = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         T = self.tensor_parallel_size
@@ -128,13 +130,16 @@ class Topology:
         timeout: float = 1800.0,
         tensor_parallel_size: int = 1,
         device_type: str = "cpu",
+        grid: tuple[int, int] | None = None,
     ) -> Topology:
         """Make the pipeline and stage groups of a job whose default process group is up (collective).
 
         Every rank must create every group, in the same order, so each rank calls this with the same arguments.
         With ``tensor_parallel_size > 1`` the groups are the dimensions of a ``D x S x T`` device mesh
         (``init_device_mesh`` with the dimensions named ``data``, ``pipe`` and ``tensor``, their groups given
-        ``timeout`` through the backend's options).
+        ``timeout`` through the backend's options). With ``grid`` (``(d, q)``, ``d x q x q = tensor_parallel_size``:
+        2D and 2.5D tensor parallelism) each tensor group is also a mesh of dimensions ``depth``, ``row`` and ``col``,
+        its ranks in that order (``runtime/sharding/grid.py``).
         """
         probe = cls(rank, world_size, num_stages, tensor_parallel_size=tensor_parallel_size)  # checks the shape first
         if tensor_parallel_size > 1:
@@ -144,6 +149,14 @@ class Topology:
             names = ("data", "pipe", "tensor")
             override = _with_timeout(names, timeout)
             mesh = init_device_mesh(device_type, shape, mesh_dim_names=names, backend_override=override)
+            grid_mesh = None
+            if grid is not None:
+                d, q = grid
+                dims = ("stage", "depth", "row", "col")  # (group, stage) outermost, as the job mesh's ranks run
+                over = _with_timeout(dims, timeout)
+                shape4 = (shape[0] * num_stages, d, q, q)
+                whole = init_device_mesh(device_type, shape4, mesh_dim_names=dims, backend_override=over)
+                grid_mesh = whole["depth", "row", "col"]
             return cls(
                 rank,
                 world_size,
@@ -154,6 +167,7 @@ class Topology:
                 tensor_group=mesh.get_group("tensor"),
                 tensor_mesh=mesh["tensor"],
                 data_mesh=mesh["data"],
+                grid_mesh=grid_mesh,
             )
         pipeline_group = stage_group = None
         if world_size > 1:

@@ -108,7 +108,13 @@ class Grid:
     def block(self, x: Tensor, dim: int) -> Tensor:
         """This rank's block of ``x`` (whole, alike on every rank): sequence part ``k * q + i`` along ``dim``, hidden
         part ``j`` along the last dimension."""
-        if x.dim() < 2 or x.shape[dim] % self.parts or x.shape[-1] % self.q:
+        if x.dim() < 3:
+            raise ValueError(
+                f"tensor_parallel_mode='{'2.5d' if self.d > 1 else '2d'}' cuts a layer's activations (batch, "
+                f"sequence, hidden) into blocks over the sequence and the hidden dimension, but this one has shape "
+                f"{tuple(x.shape)}: use tensor_parallel_mode='1d' for a model without a sequence."
+            )
+        if x.shape[dim] % self.parts or x.shape[-1] % self.q or dim % x.dim() == x.dim() - 1:
             raise ValueError(
                 f"the grid (depth={self.d}, q={self.q}) cuts dimension {dim} of the activations (the sequence) into "
                 f"{self.parts} parts and the last (the hidden one) into {self.q}, but they have shape "

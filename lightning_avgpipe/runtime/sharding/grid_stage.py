@@ -178,7 +178,8 @@ def _plan(layer: nn.Module) -> _Plan | str | None:
         owner = name.rpartition(".")[0]
         if owner not in known and not any(_inside(layer.get_submodule(owner), a) for _, a in attentions):
             what = type(layer.get_submodule(owner)).__name__
-            return f"its weight {name!r} belongs to a {what}, which the grid cannot cut"
+            article = "an" if what[:1].lower() in "aeiou" else "a"
+            return f"its weight {name!r} is {article} {what}'s, which the grid cannot cut"
     if not summa and not norms and not attentions:
         return None
     return _Plan(summa, norms, [n for n, _ in attentions], width)
@@ -277,6 +278,13 @@ class GridStage:
     count: int  # the rank's layers
     grid: Grid
     left: dict[int, str] = field(default_factory=dict)
+    # as ``SequenceStage.carried``: a stage boundary carries whole tensors under the grid (shard 0 sends them)
+    carried: list[list[bool]] = field(default_factory=lambda: [[False, False]])
+
+    def carry(self, topology: Any, device: torch.device) -> tuple[bool, bool]:
+        """Whether the stage's boundaries carry this rank's block: never (``SequenceStage.carry``'s counterpart; a
+        run of converted layers gathers its output whole at a stage's end)."""
+        return False, False
 
     def sum_grads(self, copies: Sequence[nn.Module]) -> None:
         """After the backward: sum the gradients of the weights that saw only this rank's tokens, over the grid

@@ -28,9 +28,12 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from lightning_avgpipe.runtime.build.materialize import Shard
 from lightning_avgpipe.runtime.comms.p2p import META_LEN, Link, OutputMeta, StageOutputError
 from lightning_avgpipe.runtime.deferred import is_conv1d
+from lightning_avgpipe.runtime.sharding.grid_stage import GridStage, grid_stage
 from lightning_avgpipe.runtime.sharding.head_parallel import Column, Heads, Row, find_attention, linear_like, widths
+from lightning_avgpipe.runtime.sharding.sequence_parallel import SequenceStage, sequence_stage
 
 Plan = Mapping[str, Any]  # module name pattern in the unsplit model -> a ParallelStyle
+ActivationStage = SequenceStage | GridStage  # how a stage's layers split their activations (activation_stage)
 
 
 def default_plan(named_layers: Mapping[str, nn.Module]) -> dict[str, Any]:
@@ -160,6 +163,20 @@ def parallelize_stage(
             else:
                 done.append(full)
     return done
+
+
+def activation_stage(
+    chunks: Sequence[Sequence[nn.Module]], config: Any, tensor_group: Any, grid_mesh: Any
+) -> ActivationStage | None:
+    """How this rank's stages (``chunks``: each stage's layers) split their activations, set up before the replicas
+    copy the layers: a shard of the sequence under ``config.sequence_parallel`` (the layers split by the plan
+    already, ``sequence_parallel.py``); blocks of the d x q x q grid under ``config.grid`` (2D, 2.5D: the layers
+    whole, converted here, ``grid_stage.py``); None under 1D. Collective over the tensor group."""
+    if config.sequence_parallel:
+        return sequence_stage(chunks, tensor_group)
+    if config.grid is not None:
+        return grid_stage(chunks, grid_mesh)
+    return None
 
 
 def split_on_meta(
