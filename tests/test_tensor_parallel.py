@@ -147,7 +147,7 @@ def _worker(
     from lightning_avgpipe.runtime.build.init_record import InitRecord
     from lightning_avgpipe.runtime.build.materialize import materialize
     from lightning_avgpipe.runtime.pipeline import StagePipeline
-    from lightning_avgpipe.runtime.sharding.tensor_parallel import parallelize_stage, split_on_meta
+    from lightning_avgpipe.runtime.sharding.tensor_parallel import grid_on_meta, parallelize_stage, split_on_meta
     from lightning_avgpipe.shards import full, is_dtensor
 
     top = Topology.build(rank, world, stages, tensor_parallel_size=tp, grid=grid)
@@ -171,7 +171,10 @@ def _worker(
         left: list[str] = []
         made = None
         if kind.endswith("-meta"):
-            split, shards = split_on_meta(own, plan, top.tensor_mesh, left)
+            if grid is None:
+                split, shards = split_on_meta(own, plan, top.tensor_mesh, left)
+            else:  # each layer converted on the grid by shapes (the pipeline takes it up), blocks made real
+                split, shards = [], grid_on_meta(own, top.grid_mesh)
             mine = {id(t) for m in own.values() for t in [*m.parameters(), *m.buffers()]}
             made = materialize(
                 nn.ModuleList(layers), lambda t, mine=mine: id(t) in mine, record, torch.device("cpu"), shards
@@ -179,7 +182,9 @@ def _worker(
             held = [t.to_local() if is_dtensor(t) else t for m in own.values() for t in [*m.parameters(), *m.buffers()]]
             assert not any(t.is_meta for t in held)
             largest = max(sum(t.numel() * t.element_size() for t in m.parameters()) for m in layers)  # a layer's
+            whole = sum(p.numel() * p.element_size() for m in own.values() for p in m.parameters())  # unsplit
             made = [made.kept_bytes, sum(t.numel() * t.element_size() for t in held), made.peak_other_bytes, largest]
+            made.append(whole)
         elif grid is None:
             split = parallelize_stage(own, plan, top.tensor_mesh, left, sequence=kind.endswith("-sp"))
         else:  # the grid converts the whole layers as the pipeline is made
@@ -255,7 +260,7 @@ def _check(results: list[list[dict[str, Any]]], configs: list[tuple[Any, ...]], 
     for c, config in enumerate(configs):  # built without memory: each rank made real only its shards of its stage
         for r in results:
             if r[c]["made"] is not None:
-                kept, held, peak_other, largest = r[c]["made"]
+                kept, held, peak_other, largest, _ = r[c]["made"]
                 assert kept == held, (config, r[c]["shard"], kept, held)
                 assert peak_other <= largest, (config, peak_other, largest)
 
@@ -302,12 +307,16 @@ def test_two_groups_of_two_stages_of_two_shards_match_one_process() -> None:
 def test_two_stages_on_a_two_by_two_grid_match_one_process() -> None:
     """2D tensor parallelism, S = 2 x q = 2 (8 ranks): GPT-2's blocks (Conv1D, fused qkv, 4 heads) on 2 x 2 blocks
     of weights and activations (SUMMA; the attention gathered and split by heads over the 4 ranks), N = 1 and 2,
-    checkpointing and the backward split (zbh1), equal the unsplit model."""
-    configs = [("gpt2-2d", 1, False), ("gpt2-2d", 2, True), ("gpt2-2d", 1, False, "zbh1")]
+    checkpointing, the backward split (zbh1) and a build on the meta device that makes only each rank's blocks
+    real, equal the unsplit model."""
+    # built without memory: each rank makes real only its blocks of its stage
+    configs = [("gpt2-2d", 1, False), ("gpt2-2d", 2, True), ("gpt2-2d", 1, False, "zbh1"), ("gpt2-2d-meta", 1, False)]
     results = run_distributed(_worker, 8, 2, 4, configs, (1, 2), timeout=300, what="S=2 q=2")
     _check(results, configs, groups=1)
     for rank, r in enumerate(results):  # stage 0: Tokens, blocks 1-2; stage 1: blocks 3-4, Pool
         assert all(r[c]["sequence"] == ([1, 2] if rank < 4 else [0, 1]) for c in range(len(configs))), rank
+        kept, _, _, _, whole = r[-1]["made"]  # the blocks' quarter, Tokens (stage 0) and Pool (stage 1) whole
+        assert kept < (0.45 if rank < 4 else 0.4) * whole, (rank, kept, whole)
 
 
 def test_rank_layout_keeps_shards_of_a_stage_together() -> None:

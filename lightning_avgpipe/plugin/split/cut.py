@@ -38,6 +38,7 @@ from lightning_avgpipe.runtime.comms.topology import Topology
 from lightning_avgpipe.runtime.failures.report import guarded
 from lightning_avgpipe.runtime.recompute import check_matches
 from lightning_avgpipe.runtime.sharding import fsdp
+from lightning_avgpipe.runtime.sharding.tensor_parallel import grid_on_meta
 from lightning_avgpipe.runtime.sync.ties import TiedWeights, tie_groups
 from lightning_avgpipe.schedules.chunks import stages_of
 from lightning_avgpipe.schedules.generate import placed_by, schedule_layout
@@ -100,8 +101,10 @@ def cut_module(
     shards: list[Shard] = []
     if deferred:  # this rank's stages (and what lies outside every layer) made real, with one process's values
         owned = own_layers(module, layers, sizes, mine)  # split over the tensor group first: shards only
-        if config.grid is None:  # the grid (2D, 2.5D) converts whole layers as the pipeline is made
+        if config.grid is None:
             shards = tensor.apply(owned, plan, topology, module, on_meta=True, sequence=config.sequence_parallel)
+        else:  # the grid (2D, 2.5D): each layer converted by shapes, only this rank's blocks made real
+            shards = grid_on_meta(owned, topology.grid_mesh)
         if config.fsdp and topology.num_groups > 1:
             # ZeRO-2/3: sharded on the meta device, only this rank's shard made real (T > 1: over the mesh's data
             # dimension, on top of the tensor shards: each rank keeps its (data, tensor) piece of each weight)
@@ -110,7 +113,7 @@ def cut_module(
     # a model built whole comes back whole into rank 0's module after a run (plugin/split/whole.py)
     whole_after_run = not deferred and config.tensor_parallel_size == 1 and topology.num_stages > 1
     split = split_module(module, layers, sizes, mine, inputs.guard, whole_after_run and first)
-    split.tensor_split = deferred and config.tensor_parallel_size > 1 and config.grid is None
+    split.tensor_split = deferred and config.tensor_parallel_size > 1
     placed = f" ({v} per rank, {layout.placement} placement)" if v > 1 else ""
     rank_zero_info(
         f"AvgPipe: {stages} stages{placed}, layers per stage {sizes}, schedule={config.schedule}, "

@@ -51,7 +51,14 @@ from lightning_avgpipe.runtime.sharding.grid import (
     split_norm,
     split_summa,
 )
-from lightning_avgpipe.runtime.sharding.head_parallel import SPLIT, Heads, find_attention, linear_like, widths
+from lightning_avgpipe.runtime.sharding.head_parallel import (
+    SPLIT,
+    Heads,
+    find_attention,
+    linear_like,
+    stand_in,
+    widths,
+)
 
 # a whole tensor gathered for an attention -> (this rank's block of it, the grid, the sequence dimension)
 _WHOLE: Any = WeakIdKeyDictionary()
@@ -142,6 +149,11 @@ class GridLayer:
     column_summed: list[str] = field(default_factory=list)  # over the grid column and depth: norms, SUMMA biases
     depth_summed: list[str] = field(default_factory=list)  # over depth only: SUMMA weights
     attentions: dict[str, str] = field(default_factory=dict)
+    # the whole sequence's length while the layer runs, which its dropouts read (grid_stage sets it per run)
+    length: list[int] = field(default_factory=lambda: [0])
+
+
+CONVERTED = "avgpipe_grid_layer"  # on a layer converted on the meta device: its GridLayer, or why it runs whole
 
 
 @dataclass
@@ -192,7 +204,7 @@ def _inside(m: nn.Module, outer: nn.Module) -> bool:
 def _convert(layer: nn.Module, grid: Grid, plan: _Plan, dim: int, length: list[int]) -> GridLayer:
     from torch.distributed.tensor.parallel import parallelize_module
 
-    done = GridLayer()
+    done = GridLayer(length=length)
     for name in plan.summa:
         m = layer.get_submodule(name)
         split_summa(m, grid)
@@ -238,6 +250,9 @@ def grid_layer(layer: nn.Module, grid: Grid, dim: int = 1, length: list[int] | N
     if not isinstance(plan, _Plan):
         return plan
     p = next(iter(layer.parameters()))
+    if p.is_meta:  # built without memory: tried on a real copy with stand-in values, then cut by shapes
+        tried = grid_layer(stand_in(layer, grid.mesh.device_type), grid, dim)
+        return _convert(layer, grid, plan, dim, length or [0]) if isinstance(tried, GridLayer) else tried
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 2 * grid.parts, plan.width, generator=g).to(p.device, p.dtype)
     backup = copy.deepcopy(layer)
@@ -309,21 +324,22 @@ def grid_stage(chunks: Sequence[Sequence[nn.Module]], mesh: Any, dim: int = 1) -
     """Convert each layer of this rank's stages (``chunks``: each stage's whole, unsplit layers, in the rank's order)
     to the grid ``mesh`` (:func:`~.grid.grid_mesh`) where :func:`grid_layer` can, and enter this rank's block before
     the first layer of each run of converted layers within a stage and gather it whole after its last: a stage takes
-    and returns whole tensors, alike on every rank of the grid. ``dim``: the activations' sequence dimension.
+    and returns whole tensors, alike on every rank of the grid. ``dim``: the activations' sequence dimension. A layer
+    converted on the meta device already (``CONVERTED``, ``tensor_parallel.grid_on_meta``) is taken as it is.
     Collective over the grid. After each backward, :meth:`GridStage.sum_grads` must run."""
     grid = Grid.of(mesh)
     out = GridStage({}, sum(len(c) for c in chunks), grid)
-    length = [0]  # the whole sequence's length, as the run being entered has it
 
-    def entering(x: Tensor) -> Tensor:
-        length[0] = int(x.shape[dim]) if x.dim() > dim else 0
+    def entering(x: Tensor, cells: list[list[int]]) -> Tensor:
+        for cell in cells:  # the whole sequence's length, for the run's dropouts
+            cell[0] = int(x.shape[dim]) if x.dim() > dim else 0
         return EnterBlock.apply(x, grid, dim)  # type: ignore[no-any-return]
 
     start = 0
     for layers in chunks:
         flags = []
         for i, layer in enumerate(layers):
-            done = grid_layer(layer, grid, dim, length)
+            done = vars(layer).pop(CONVERTED, None) or grid_layer(layer, grid, dim)
             if isinstance(done, GridLayer):
                 out.layers[start + i] = done
             elif done is not None:
@@ -331,7 +347,11 @@ def grid_stage(chunks: Sequence[Sequence[nn.Module]], mesh: Any, dim: int = 1) -
             flags.append(isinstance(done, GridLayer))
         for i, layer in enumerate(layers):
             if flags[i] and (i == 0 or not flags[i - 1]):
-                layer.register_forward_pre_hook(lambda _m, a, k: _hidden(a, k, entering), with_kwargs=True)
+                end = next((e for e in range(i, len(layers)) if not flags[e]), len(layers))
+                cells = [out.layers[start + e].length for e in range(i, end)]
+                layer.register_forward_pre_hook(
+                    lambda _m, a, k, c=cells: _hidden(a, k, lambda x: entering(x, c)), with_kwargs=True
+                )
             if flags[i] and (i == len(layers) - 1 or not flags[i + 1]):
                 layer.register_forward_hook(lambda _m, _a, y: _first(y, lambda t: LeaveBlock.apply(t, grid, dim)))
         start += len(layers)

@@ -358,7 +358,7 @@ class Heads(ParallelStyle):
             return module
         p = next(iter(module.parameters()))
         # built without memory: tried on a real copy of this one module with stand-in values, then split by shapes
-        ok, why = _trial(_stand_in(module, mesh.device_type) if p.is_meta else module, mesh, *found)
+        ok, why = _trial(stand_in(module, mesh.device_type) if p.is_meta else module, mesh, *found)
         if ok and p.is_meta:
             _split(module, mesh, *found)
         if not ok:
@@ -434,7 +434,7 @@ def _trial(module: nn.Module, mesh: Any, columns: list[str], proj: str, chunks: 
     return agreed, why
 
 
-def _stand_in(module: nn.Module, device: str) -> nn.Module:
+def stand_in(module: nn.Module, device: str) -> nn.Module:
     """A real copy of a meta ``module`` for the trial: floating tensors drawn from a generator of its own (the
     model's generator untouched), others ones (a causal mask that masks nothing: the outputs stay finite)."""
     real = copy.deepcopy(module).to_empty(device=device)

@@ -28,7 +28,8 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from lightning_avgpipe.runtime.build.materialize import Shard
 from lightning_avgpipe.runtime.comms.p2p import META_LEN, Link, OutputMeta, StageOutputError
 from lightning_avgpipe.runtime.deferred import is_conv1d
-from lightning_avgpipe.runtime.sharding.grid_stage import GridStage, grid_stage
+from lightning_avgpipe.runtime.sharding.grid import Grid
+from lightning_avgpipe.runtime.sharding.grid_stage import CONVERTED, GridStage, grid_layer, grid_stage
 from lightning_avgpipe.runtime.sharding.head_parallel import Column, Heads, Row, find_attention, linear_like, widths
 from lightning_avgpipe.runtime.sharding.sequence_parallel import SequenceStage, sequence_stage
 
@@ -190,13 +191,37 @@ def split_on_meta(
     modules split and, for each parameter split, its name, its meta tensor of the build and the function that puts
     this rank's shard of its whole value in place (:func:`place_shard`): ``runtime/build/materialize.py`` hands it the
     value and frees the whole, so no rank makes a whole stage real."""
-    before = {
+    before = _parameters(named_layers)
+    done = parallelize_stage(named_layers, plan, mesh, left, local=True, sequence=sequence)
+    return done, _cut_since(named_layers, before)
+
+
+def grid_on_meta(named_layers: Mapping[str, nn.Module], mesh: Any) -> list[Shard]:
+    """The grid's conversion (``grid_stage.grid_layer``, 2D and 2.5D) of this stage's layers while they are still on
+    the meta device, each tried on a real copy with stand-in values and cut by shapes; what it made of each layer is
+    left on it for ``grid_stage`` (``CONVERTED``). Returns, for each parameter cut, what ``materialize`` needs to make
+    only this rank's block of it real (:func:`place_shard`), as :func:`split_on_meta` does for 1D. Collective over the
+    grid."""
+    grid = Grid.of(mesh)
+    before = _parameters(named_layers)
+    for layer in named_layers.values():
+        setattr(layer, CONVERTED, grid_layer(layer, grid))
+    return _cut_since(named_layers, before)
+
+
+def _parameters(named_layers: Mapping[str, nn.Module]) -> dict[tuple[int, str], tuple[str, Tensor]]:
+    """(id(module), parameter name) -> (its name in the model, the parameter), for every parameter of the layers."""
+    return {
         (id(m), n): (".".join(filter(None, (name, mn, n))), p)
         for name, layer in named_layers.items()
         for mn, m in layer.named_modules()
         for n, p in m.named_parameters(recurse=False)
     }
-    done = parallelize_stage(named_layers, plan, mesh, left, local=True, sequence=sequence)
+
+
+def _cut_since(named_layers: Mapping[str, nn.Module], before: dict[tuple[int, str], tuple[str, Tensor]]) -> list[Shard]:
+    """For each parameter of the layers that became a DTensor since ``before`` (:func:`_parameters`): its name, its
+    meta tensor of the build and the function that puts this rank's shard of its whole value in place."""
     shards: list[Shard] = []
     for layer in named_layers.values():
         for m in layer.modules():
@@ -204,7 +229,7 @@ def split_on_meta(
                 name, original = before.get((id(m), n), ("", p))
                 if p is not original and is_traceable_wrapper_subclass(p):
                     shards.append((name, original, place_shard(m, n, p)))
-    return done, shards
+    return shards
 
 
 def place_shard(module: nn.Module, name: str, split: Any) -> Callable[[Tensor], Tensor]:
