@@ -3,6 +3,7 @@
 
     python examples/hf_llama_tp.py                    # 30 steps on the standard library's docstrings, loss printed
     python examples/hf_llama_tp.py --check            # 3 steps, then compare with one process (exits 1 if apart)
+    python examples/hf_llama_tp.py --check --grid     # 2D: 2 stages x a 2 x 2 grid (8 processes)
 
 Needs ``pip install transformers`` (a small random config built here, nothing downloaded). The module keeps the model
 (``self.llm``) and ``configure_pipeline()`` returns wrappers: the embedding also makes the rotary cache, which every
@@ -111,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--check", action="store_true", help="train 3 steps and compare with one process")
     p.add_argument("--sequence-parallel", action="store_true", help="norms and residuals on half the sequence each")
+    p.add_argument("--grid", action="store_true", help="2D: each stage on a 2 x 2 grid (8 processes, SUMMA)")
     args = p.parse_args(argv)
     steps = 3 if args.check else args.steps
     lightning_avgpipe.share_cpu_threads(4)
@@ -122,11 +124,14 @@ def main(argv: list[str] | None = None) -> int:
         ids = data.tensors[0][:2]
         apart = (initial.llm(ids).logits - initial.layers(ids)).abs().max().item()
     strategy = lightning_avgpipe.AvgPipeStrategy(
-        num_microbatches=args.microbatches, tensor_parallel_size=2, sequence_parallel=args.sequence_parallel
+        num_microbatches=args.microbatches,
+        tensor_parallel_size=4 if args.grid else 2,
+        sequence_parallel=args.sequence_parallel,
+        tensor_parallel_mode="2d" if args.grid else "1d",
     )
     trainer = L.Trainer(
         accelerator="cpu",
-        devices=4,
+        devices=8 if args.grid else 4,
         strategy=strategy,
         max_steps=steps,
         logger=False,

@@ -239,10 +239,14 @@ def _join(prefix: str, name: str) -> str:
 
 
 def grid_layer(layer: nn.Module, grid: Grid, dim: int = 1, length: list[int] | None = None) -> GridLayer | str | None:
-    """Convert ``layer`` (whole) to take and return this rank's block where a trial on a random input shows it
-    gives what it gave whole; else leave it as it was and return why (a string). None: nothing in it for the grid.
-    Collective over the grid; every rank draws the same input. ``length``: a one-item list holding the whole
-    sequence's length while the layer runs (its dropouts' masks need it; :func:`grid_stage` keeps it)."""
+    """Convert ``layer`` (whole) to take and return this rank's block where a trial on a copy of it shows it gives
+    what it gave whole; else leave it untouched and return why (a string). None: nothing in it for the grid. The trial
+    calls the copy on a random input of its hidden states; a layer that takes more (a carry of hidden states, cos and
+    sin) is tried by parts: each module holding its Linear layers (an MLP) alone, its attention by its own trial, its
+    norms by type, and what lies between them (residual adds) taken to act on each element. A layer on the meta
+    device is tried on a real copy with stand-in values and cut by shapes. Collective over the grid; every rank draws
+    the same input. ``length``: a one-item list holding the whole sequence's length while the layer runs (its
+    dropouts' masks need it; :func:`grid_stage` keeps it)."""
     try:
         plan = _plan(layer)
     except Exception as e:  # every rank runs the same code on the same layer: they fail alike
@@ -250,34 +254,63 @@ def grid_layer(layer: nn.Module, grid: Grid, dim: int = 1, length: list[int] | N
     if not isinstance(plan, _Plan):
         return plan
     p = next(iter(layer.parameters()))
-    if p.is_meta:  # built without memory: tried on a real copy with stand-in values, then cut by shapes
-        tried = grid_layer(stand_in(layer, grid.mesh.device_type), grid, dim)
-        return _convert(layer, grid, plan, dim, length or [0]) if isinstance(tried, GridLayer) else tried
+    trial = stand_in(layer, grid.mesh.device_type) if p.is_meta else copy.deepcopy(layer)
+    ok, why = _tried(trial, lambda m: _convert(m, grid, plan, dim, [0]), grid, plan.width, dim)
+    if not ok and why.startswith(_ALONE):
+        ok, why = _tried_by_parts(trial if p.is_meta else copy.deepcopy(layer), grid, plan, dim)
+    flag = torch.tensor([1.0 if ok else 0.0], device=torch.device(grid.mesh.device_type) if p.is_meta else p.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=grid.whole)
+    if flag.item() < 1:
+        return why if not ok else "converting it failed on another rank of the grid"
+    return _convert(layer, grid, plan, dim, length or [0])
+
+
+_ALONE = "it cannot be called on its hidden states alone"
+
+
+def _tried(
+    module: nn.Module, convert: Callable[[nn.Module], Any], grid: Grid, width: int, dim: int
+) -> tuple[bool, str]:
+    """Whether ``module`` (a copy: the trial changes it) gives on a random input whole what it gives converted by
+    ``convert`` on the rank's block, and why not."""
+    p = next(iter(module.parameters()))
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 2 * grid.parts, plan.width, generator=g).to(p.device, p.dtype)
-    backup = copy.deepcopy(layer)
-    modes = {m: m.training for m in layer.modules()}
-    layer.eval()  # no dropout in the trial
-    done: GridLayer | None = None
-    why = "converting it changed its output"
+    x = torch.randn(2, 2 * grid.parts, width, generator=g).to(p.device, p.dtype)
+    module.eval()  # no dropout in the trial
     try:
         with torch.no_grad():
-            want = _first(layer(x), lambda t: t)
-            done = _convert(layer, grid, plan, dim, length if length is not None else [0])
-            got = _first(layer(EnterBlock.apply(x, grid, dim)), lambda t: LeaveBlock.apply(t, grid, dim))
+            want = _first(module(x), lambda t: t)
+    except Exception as e:
+        return False, f"{_ALONE} ({type(e).__name__}: {str(e)[:120]})"
+    try:
+        with torch.no_grad():
+            convert(module)
+            got = _first(module(EnterBlock.apply(x, grid, dim)), lambda t: LeaveBlock.apply(t, grid, dim))
         want, got = (t[0] if isinstance(t, tuple) else t for t in (want, got))
         ok = got.shape == want.shape and bool(torch.allclose(got, want, rtol=1e-4, atol=1e-5 * max(1.0, _scale(want))))
+        return ok, "converting it changed its output"
     except Exception as e:
-        ok, why = False, f"its conversion failed ({type(e).__name__}: {str(e)[:160]})"
-    for m, mode in modes.items():
-        m.training = mode
-    flag = torch.tensor([1.0 if ok else 0.0], device=p.device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=grid.whole)
-    if flag.item() >= 1 and done is not None:
-        return done
-    vars(layer).clear()
-    vars(layer).update(vars(backup))  # its modules, weights, widths and hooks as they were
-    return why if ok is False else "converting it failed on another rank of the grid"
+        return False, f"its conversion failed ({type(e).__name__}: {str(e)[:160]})"
+
+
+def _tried_by_parts(layer: nn.Module, grid: Grid, plan: _Plan, dim: int) -> tuple[bool, str]:
+    """The trial of a layer that takes more than its hidden states (``layer``: a copy), by the modules holding its
+    Linear layers, each alone (:func:`grid_layer`)."""
+    owners = sorted({name.rpartition(".")[0] for name in plan.summa})
+    if "" in owners:
+        return False, f"{_ALONE}, and its Linear layers are its own children (no part to try alone)"
+    for owner in owners:
+        part = layer.get_submodule(owner)
+        summa = [name for name, m in part.named_modules() if linear_like(m)]
+
+        def convert(m: nn.Module, summa: list[str] = summa) -> None:
+            for name in summa:
+                split_summa(m.get_submodule(name), grid)
+
+        ok, why = _tried(part, convert, grid, widths(part.get_submodule(summa[0]))[0], dim)
+        if not ok:
+            return False, f"its part {owner!r}: {why}"
+    return True, ""
 
 
 def _scale(t: Tensor) -> float:
