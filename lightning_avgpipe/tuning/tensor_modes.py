@@ -235,7 +235,7 @@ def format_rows(rows: list[Row], size: int, b: float) -> str:
     """``whatif``'s table of :func:`compare`'s rows."""
     mib = 2.0**20
     lines = [
-        f"tensor modes at T={size}, per rank and stage (micro-batch size {b:g}; traffic: one unit's forward + backward):",
+        f"tensor modes at T={size}, per rank and stage (micro-batch size {b:g}; traffic: a unit's forward + backward):",
         f"  {'mode':<14} {'weights MiB':>12} {'activations MiB':>16} {'traffic MiB':>12} {'traffic ms':>11}",
     ]
     for r in rows:
