@@ -118,6 +118,7 @@ def test_whatif_prints_the_modes_side_by_side(tmp_path: Path, capsys: pytest.Cap
     tp = ["--tensor-parallel-size", "16", "--tensor-allreduces", "8", "--tensor-fraction", "0.8"]
     assert main([*args, *tp, "--tensor-parallel-mode", "2d"]) == 0
     out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("what-if: 4 profiled stage(s) -> S=4, D=1, T=16 (2d q=4), B=8")
     at = next(i for i, line in enumerate(out) if line.startswith("tensor modes at T=16"))
     assert "micro-batch size 4" in out[at]
     rows = {line[2:16].strip(): line[16:].split() for line in out[at + 2 : at + 6]}

@@ -327,7 +327,8 @@ def whatif_command(argv: list[str]) -> int:
     bw = "inf" if projected.bandwidth == float("inf") else f"{projected.bandwidth / 1e9:g} GB/s"
     print(
         f"what-if: {profile.num_stages} profiled stage(s) -> S={projected.num_stages}, D={projected.num_groups}, "
-        f"T={tensor.size}{', every layer checkpointed' if args.checkpoint_layers else ''}, "
+        f"T={tensor.size}{f' ({tensor.layout.label})' if tensor.mode != '1d' or tensor.sequence_parallel else ''}"
+        f"{', every layer checkpointed' if args.checkpoint_layers else ''}, "
         f"B={projected.batch_size}, latency {projected.latency_s * 1e3:g} ms, bandwidth {bw}, "
         f"overhead {projected.iteration_overhead_s * 1e3:.3f} ms/iteration"
         + (
