@@ -21,6 +21,7 @@ from lightning_avgpipe.tuning.model import PipelineProfile
 from lightning_avgpipe.tuning.recommend import format_levels, recommend
 from lightning_avgpipe.tuning.search import NoFeasibleSettingError, search
 from lightning_avgpipe.tuning.sharding import FSDP, LEVELS, REDUCE
+from lightning_avgpipe.tuning.tensor_modes import MODES, compare, format_rows
 from lightning_avgpipe.tuning.whatif import TensorParallel, project
 
 
@@ -61,6 +62,21 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="split layer pairs in the whole model: each all-reduces its output forward and backward (default 0)",
+    )
+    p.add_argument(
+        "--tensor-parallel-mode",
+        default="1d",
+        choices=MODES,
+        help="how the T ranks split a stage: '1d' (Megatron), '2d' (a q x q SUMMA grid), '2.5d' (d copies of it); "
+        "with T > 1 every mode that fits T is printed side by side (default 1d)",
+    )
+    p.add_argument("--tensor-parallel-depth", type=int, default=1, help="d of '2.5d' (T = d x q x q; default 1)")
+    p.add_argument("--sequence-parallel", action="store_true", help="1d with sequence parallelism (T > 1)")
+    p.add_argument(
+        "--attention-share",
+        type=float,
+        default=0.5,
+        help="share of a stage's saved activations that its attention keeps (2.5d splits it over q x q only)",
     )
     p.add_argument("--tensor-latency-ms", type=float, default=None, help="latency between the T ranks of a node")
     p.add_argument("--tensor-bandwidth-gbs", type=float, default=None, help="bandwidth between the T ranks, GB/s")
@@ -210,6 +226,37 @@ def _advice(args: argparse.Namespace, projected: PipelineProfile, keywords: dict
         print(advice["line"])
 
 
+def _flags(message: str) -> str:
+    """A model error in the command line's words: ``tensor_parallel_size=8`` -> ``--tensor-parallel-size 8``."""
+    message = message.replace("sequence_parallel=True", "--sequence-parallel")
+    for name in ("tensor_parallel_size", "tensor_parallel_mode", "tensor_parallel_depth", "attention_share"):
+        message = message.replace(f"{name}=", f"--{name.replace('_', '-')} ")
+    return message.replace("_", "-")
+
+
+def _modes(args: argparse.Namespace, profile: PipelineProfile, tensor: TensorParallel, b: float) -> None:
+    """Every mode that fits T side by side on the balanced stage at micro-batch size ``b`` (``tensor_modes``)."""
+    base = project(
+        profile,
+        args.stages,
+        latency_s=None if args.latency_ms is None else args.latency_ms * 1e-3,
+        bandwidth=None if args.bandwidth_gbs is None else args.bandwidth_gbs * 1e9,
+    )
+    st = base.stages[0]
+    rows = compare(
+        tensor.size,
+        st.param_bytes,
+        st.activations(b),
+        st.sent(b),
+        tensor.allreduces / args.stages,
+        base.latency_s if tensor.latency_s is None else tensor.latency_s,
+        base.bandwidth if tensor.bandwidth is None else tensor.bandwidth,
+        tensor.fraction,
+        tensor.attention,
+    )
+    print(format_rows(rows, tensor.size, b))
+
+
 def whatif_command(argv: list[str]) -> int:
     """Run the ``whatif`` command; 0 on success, 1 when no setting fits (argparse exits 2 on bad input)."""
     p = _parser()
@@ -231,6 +278,10 @@ def whatif_command(argv: list[str]) -> int:
             args.tensor_allreduces,
             None if args.tensor_latency_ms is None else args.tensor_latency_ms * 1e-3,
             None if args.tensor_bandwidth_gbs is None else args.tensor_bandwidth_gbs * 1e9,
+            args.tensor_parallel_mode,
+            args.tensor_parallel_depth,
+            args.sequence_parallel,
+            args.attention_share,
         )
         projected = project(
             profile,
@@ -242,7 +293,7 @@ def whatif_command(argv: list[str]) -> int:
             checkpointed_layers=args.checkpoint_layers,
         )
     except ValueError as e:  # names the value; the flag is its name with dashes
-        p.error(str(e).replace("tensor_parallel_size=", "--tensor-parallel-size ").replace("_", "-"))
+        p.error(_flags(str(e)))
     flat = [
         [v for part in parts for v in part] if parts is not None else None
         for parts in (args.num_microbatches, args.num_pipelines)
@@ -276,7 +327,8 @@ def whatif_command(argv: list[str]) -> int:
     bw = "inf" if projected.bandwidth == float("inf") else f"{projected.bandwidth / 1e9:g} GB/s"
     print(
         f"what-if: {profile.num_stages} profiled stage(s) -> S={projected.num_stages}, D={projected.num_groups}, "
-        f"T={tensor.size}{', every layer checkpointed' if args.checkpoint_layers else ''}, "
+        f"T={tensor.size}{f' ({tensor.layout.label})' if tensor.mode != '1d' or tensor.sequence_parallel else ''}"
+        f"{', every layer checkpointed' if args.checkpoint_layers else ''}, "
         f"B={projected.batch_size}, latency {projected.latency_s * 1e3:g} ms, bandwidth {bw}, "
         f"overhead {projected.iteration_overhead_s * 1e3:.3f} ms/iteration"
         + (
@@ -296,6 +348,8 @@ def whatif_command(argv: list[str]) -> int:
         + f": {c.samples_per_sec:.1f} samples/s, {c.step_time * 1e3:.2f} ms/iteration, "
         f"peak {max(c.peak_bytes) / 2**20:.1f} MiB" + (f", sharding={c.sharding}" if projected.num_groups > 1 else "")
     )
+    if tensor.size > 1:
+        _modes(args, profile, tensor, projected.batch_size / c.num_microbatches)
     if args.sharding == "all":
         print(format_levels(projected, c, limit))
         _advice(args, projected, keywords)

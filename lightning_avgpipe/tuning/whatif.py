@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from lightning_avgpipe.checks import is_int
 from lightning_avgpipe.tuning.model import PipelineProfile, StageProfile, interpolate
+from lightning_avgpipe.tuning.tensor_modes import Mode, check_mode
 
 
 def _keys(dicts: Iterable[dict[float, float]]) -> list[float]:
@@ -44,6 +45,9 @@ class TensorParallel:
         allreduces: split layer pairs in the whole model; each all-reduces its output (one unit's boundary-sized
             activation) once forward and once backward over the T ranks.
         latency_s, bandwidth: the link between the T ranks of a node (None: the profiled link's).
+        mode, depth, sequence_parallel: the strategy's ``tensor_parallel_mode``, ``tensor_parallel_depth`` and
+            ``sequence_parallel`` (``tensor_modes.py``: what a rank holds and moves in each).
+        attention: the attention's share of a stage's saved activations (2.5d keeps it at 1/q², the rest 1/(d q²)).
     """
 
     size: int = 1
@@ -51,6 +55,10 @@ class TensorParallel:
     allreduces: int = 0
     latency_s: float | None = None
     bandwidth: float | None = None
+    mode: str = "1d"
+    depth: int = 1
+    sequence_parallel: bool = False
+    attention: float = 0.5
 
     def __post_init__(self) -> None:
         if not is_int(self.size, 1):
@@ -59,9 +67,17 @@ class TensorParallel:
             raise ValueError(f"tensor_fraction={self.fraction!r} must be in [0, 1]: the share of the work T splits.")
         if not is_int(self.allreduces, 0):
             raise ValueError(f"tensor_allreduces={self.allreduces!r} must be an int >= 0 (split layer pairs).")
+        if not 0.0 <= self.attention <= 1.0:
+            raise ValueError(f"attention_share={self.attention!r} must be in [0, 1]: the attention's activations.")
+        check_mode(self.size, self.mode, self.depth, self.sequence_parallel)
+
+    @property
+    def layout(self) -> Mode:
+        """The mode's shares and traffic (``tensor_modes.Mode``)."""
+        return Mode(self.size, self.mode, self.depth, self.sequence_parallel, self.fraction, self.attention)
 
     def shrink(self, value: float) -> float:
-        """``value`` of one stage as one of its T ranks holds or computes it."""
+        """``value`` of one stage as one of its T ranks computes it (under 1d, also as it holds it)."""
         return value * (1.0 - self.fraction + self.fraction / self.size)
 
 
@@ -97,11 +113,12 @@ def project(
       one stage's parameter bytes, 2(D-1)/D x bytes / bandwidth + 2(D-1) x latency (the profile's measured
       all-reduce, if any, is replaced by this formula); ``predict`` adds it to the update, or only what the next
       step's pipeline does not hide when the reference update is overlapped (``sync_reference=False``).
-    * Tensor parallelism (``tensor``, T > 1): each stage's forward and backward time, weights, optimizer state and
-      saved activations shrink to (1 - f + f / T) of the balanced stage's (f: ``tensor.fraction``, the ideal split
-      of what the plan covers), and every unit pays ``tensor.allreduces / S'`` ring all-reduces of one boundary-sized
-      activation over T ranks, forward and backward, on the tensor link. The D-group all-reduce moves a rank's
-      share of the weights.
+    * Tensor parallelism (``tensor``, T > 1): each stage's forward and backward time shrink to (1 - f + f / T) of
+      the balanced stage's (f: ``tensor.fraction``, the ideal split of what the plan covers); its weights, optimizer
+      state and saved activations to the mode's share, and every unit pays the mode's traffic (``tensor_modes.py``;
+      under 1d ``tensor.allreduces / S'`` ring all-reduces of one boundary-sized activation over T ranks, forward
+      and backward), on the tensor link; 2.5d's per-step gradient sum over d joins the optimizer step. The D-group
+      all-reduce moves a rank's share of the weights.
     * Activation checkpointing of every layer (``checkpointed_layers``: the model's layer count): a unit keeps each
       layer's input, taken as one boundary-sized activation per layer (L / S' per stage), instead of what the
       layers save, and the backward runs the forward again (backward + forward time).
@@ -151,26 +168,29 @@ def project(
     if tp.size > 1:
         t_lat = latency if tp.latency_s is None else float(tp.latency_s)
         t_bw = bw if tp.bandwidth is None else float(tp.bandwidth)
-        pairs = tp.allreduces / S_new
+        pairs, mode, whole = tp.allreduces / S_new, tp.layout, stage.param_bytes
 
-        def comm(b: float) -> float:
-            return pairs * allreduce_seconds(interpolate(sent, b), tp.size, t_lat, t_bw) if sent else 0.0
+        def comm(b: float, backward: bool) -> float:
+            unit = mode.traffic(interpolate(sent, b) if sent else 0.0, whole, pairs)
+            return unit[1 if backward else 0].seconds(t_lat, t_bw)
 
-        stage.forward_s = {b: tp.shrink(v) + comm(b) for b, v in stage.forward_s.items()}
-        stage.backward_s = {b: tp.shrink(v) + comm(b) for b, v in stage.backward_s.items()}
-        stage.input_grad_s = {b: tp.shrink(v) + comm(b) for b, v in stage.input_grad_s.items()}  # I all-reduces
+        stage.forward_s = {b: tp.shrink(v) + comm(b, False) for b, v in stage.forward_s.items()}
+        stage.backward_s = {b: tp.shrink(v) + comm(b, True) for b, v in stage.backward_s.items()}
+        stage.input_grad_s = {b: tp.shrink(v) + comm(b, True) for b, v in stage.input_grad_s.items()}  # I's traffic
         stage.weight_grad_s = {b: tp.shrink(v) for b, v in stage.weight_grad_s.items()}
-        stage.activation_bytes = {b: tp.shrink(v) for b, v in stage.activation_bytes.items()}
-        stage.param_bytes = tp.shrink(stage.param_bytes)
-        stage.layer_bytes = tp.shrink(stage.layer_bytes)
-        stage.optimizer_state_bytes = tp.shrink(stage.optimizer_state_bytes)
-        stage.optimizer_step_s = tp.shrink(stage.optimizer_step_s)
-        stage.elastic_s = tp.shrink(stage.elastic_s)
-    if checkpointed_layers is not None:  # the layers' inputs are whole on every shard; the recomputed forward
+        stage.activation_bytes = {b: v * mode.activations() for b, v in stage.activation_bytes.items()}
+        held = mode.weights()
+        stage.param_bytes *= held
+        stage.layer_bytes *= held
+        stage.optimizer_state_bytes *= held
+        stage.optimizer_step_s = stage.optimizer_step_s * held + mode.step_traffic(whole).seconds(t_lat, t_bw)
+        stage.elastic_s *= held
+    if checkpointed_layers is not None:  # the layers' inputs (whole under 1d); the recomputed forward
         if not is_int(checkpointed_layers, 1):  # (its all-reduces included) runs again in the backward
             raise ValueError(f"checkpointed_layers={checkpointed_layers!r} must be the model's layer count (>= 1).")
         per_stage = checkpointed_layers / S_new
-        stage.activation_bytes = {b: per_stage * interpolate(sent, b) for b in stage.activation_bytes} if sent else {}
+        kept = per_stage * tp.layout.boundary()  # layer inputs: whole under 1d, a 1/T block under sp and the grid
+        stage.activation_bytes = {b: kept * interpolate(sent, b) for b in stage.activation_bytes} if sent else {}
         stage.backward_s = {b: v + interpolate(stage.forward_s, b) for b, v in stage.backward_s.items()}
         stage.input_grad_s = {b: v + interpolate(stage.forward_s, b) for b, v in stage.input_grad_s.items()}
     reduce = allreduce_seconds(stage.param_bytes, num_groups, latency, bw)
