@@ -104,9 +104,9 @@ class Centred(nn.Module):
         return x + self.fc(x) - x.mean(-1, keepdim=True)
 
 
-def _gpt2(width: int) -> GPT2Block:
+def _gpt2(width: int, heads: int = 4) -> GPT2Block:
     block = GPT2Block(width)
-    block.attn = GPT2Attention(width, heads=4)  # heads that divide over the q² = 4 ranks of a depth layer
+    block.attn = GPT2Attention(width, heads=heads)  # 4: heads over the q² = 4 ranks of a depth layer; 8: over all 8
     return block
 
 
@@ -118,7 +118,8 @@ def _model(kind: str, width: int) -> nn.Sequential:
     elif kind == "small":
         blocks = [LlamaBlock(width), Block(width)]
     else:  # 2.5D: converted layers around ones that run whole
-        blocks = [_gpt2(width), WholeAttentionBlock(width), Gain(width), Centred(width), LlamaBlock(width)]
+        # GPT-2's 8 heads over every rank of the grid, the Llama block's 8 (4 for keys and values) over a depth layer
+        blocks = [_gpt2(width, 8), WholeAttentionBlock(width), Gain(width), Centred(width), LlamaBlock(width)]
     for b in blocks:  # the norms' weights away from 1, biases away from 0
         for m in b.modules():
             if isinstance(m, (nn.LayerNorm, nn.RMSNorm, LlamaRMSNorm)):
@@ -171,6 +172,12 @@ def _worker(rank: int, world: int, kind: str, q: int, depth: int, width: int, se
         "left": stage.left,
         "attentions": {i: done.attentions for i, done in stage.layers.items()},
         "whole": _run(whole, x, target),
+        # how many ranks each attention's heads are split over (its output projection's mesh)
+        "spread": {
+            n: m.weight.device_mesh.size()
+            for n, m in split.named_modules()
+            if n.endswith(("c_proj", "o_proj")) and getattr(m.weight, "device_mesh", None) is not None and "attn" in n
+        },
     }
     if kind != "broken":
         out["grid"] = _run(split, x, target, stage)
@@ -227,6 +234,8 @@ def test_blocks_on_a_2_5d_grid_equal_the_unsplit_blocks_around_layers_left_whole
         }, out["left"]
         assert out["attentions"][1]["attn"].startswith("its forward failed split"), out["attentions"]
         assert out["attentions"][4] == {"self_attn": "heads"}, out["attentions"]
+        # GPT-2's 8 heads over all 8 ranks (each depth layer its own), the Llama's over a depth layer's 4
+        assert out["spread"] == {"0.attn.c_proj": 8, "4.self_attn.o_proj": 4}, out["spread"]
         want, got = out["whole"], out["grid"]
         _same(got, want, rank)
         assert got["weight_bytes"] < want["weight_bytes"], (got["weight_bytes"], want["weight_bytes"])
@@ -265,7 +274,7 @@ def test_a_grid_that_does_not_fit_is_refused_with_the_fix() -> None:
     Mesh.shape, Mesh.mesh_dim_names, Mesh.size = (4,), None, lambda self: 4  # type: ignore[assignment,method-assign]
     with pytest.raises(ValueError, match=r"has no dimension name: make it with init_device_mesh\(\.\.\., mesh_dim"):
         grid_mesh(Mesh(), 2)
-    grid = Grid(None, 2, 2, 1, 0, 1, None, None, None, None, None)
+    grid = Grid(None, 2, 2, 1, 0, 1, None, None, None, None, None, None)
     uneven = r"into 4 parts and the last \(the hidden one\) into 2, but they have shape \(2, 6, 8\): make the seq"
     with pytest.raises(ValueError, match=uneven):
         grid.block(torch.zeros(2, 6, 8), 1)

@@ -67,8 +67,9 @@ def grid_mesh(tensor_mesh: Any, q: int, depth: int = 1) -> Any:
 @dataclass(frozen=True)
 class Grid:
     """A rank's place on a grid mesh and its groups: ``row`` (the ranks ``(k, i, *)``), ``column`` (``(k, *, j)``),
-    ``depth`` (``(*, i, j)``), ``whole`` (every rank of the grid, in ``(k, i, j)`` order) and ``layer`` (a 1D mesh
-    over this depth layer's ``q²`` ranks, in ``(i, j)`` order: an attention's heads are split over it)."""
+    ``depth`` (``(*, i, j)``), ``whole`` (every rank of the grid, in ``(k, i, j)`` order), ``flat`` (a 1D mesh over
+    them: an attention's heads are split over it where they divide by ``d q²``) and ``layer`` (a 1D mesh over this
+    depth layer's ``q²`` ranks, in ``(i, j)`` order: the heads are split over it where they divide only by ``q²``)."""
 
     mesh: Any
     q: int
@@ -81,6 +82,7 @@ class Grid:
     depth: Any
     whole: Any
     layer: Any
+    flat: Any
 
     @classmethod
     def of(cls, mesh: Any) -> Grid:
@@ -95,7 +97,7 @@ class Grid:
         d, q, _ = mesh.shape
         k, i, j = mesh.get_coordinate()
         groups = [mesh.get_group(n) for n in DIMS]
-        return cls(mesh, q, d, k, i, j, groups[2], groups[1], groups[0], whole.get_group(), layer)
+        return cls(mesh, q, d, k, i, j, groups[2], groups[1], groups[0], whole.get_group(), layer, whole)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Grid:
         return self  # its groups are the job's: a copy of a converted layer (a replica) shares them

@@ -9,15 +9,15 @@ a random input whole and converted, on every rank alike, and is put back (and :a
 where the outputs differ, the conversion raises, or a weight belongs to a module the grid cannot cut.
 
 **Attention: the part that gathers.** An attention (one that :func:`~.head_parallel.find_attention` finds) gets its
-input gathered whole from the grid, runs split by heads over the ``q²`` ranks of its depth layer
-(:class:`~.head_parallel.Heads`, so its weights are 1/q² too), and its output is cut back to the rank's block. Its
-q, k, v layers save only the rank's block of the gathered input and gather it again in the backward. Every rank of
-a depth layer gets every token, so causal masks, rotary positions and grouped keys see what the unsplit model sees,
-without a K/V exchange: this is the simplest design that is exact for any attention the heads split already
-handles. Under 2.5D each depth layer computes the same whole attention (``d`` times the attention's arithmetic,
-its activations 1/q² rather than 1/(d q²)); an attention whose heads do not split runs whole on every rank. Its
-weights see every token on every rank: their gradients are complete and never summed. A dropout inside the
-attention is not the unsplit model's mask.
+input gathered whole from the grid, runs split by heads over all ``d q²`` ranks of the grid where its heads divide
+so, else over the ``q²`` ranks of its depth layer (:class:`~.head_parallel.Heads`, so its weights are 1/(d q²) or
+1/q²), and its output is cut back to the rank's block. Its q, k, v layers save only the rank's block of the gathered
+input and gather it again in the backward. Every rank gets every token, so causal masks, rotary positions and
+grouped keys see what the unsplit model sees, without a K/V exchange: this is the simplest design that is exact for
+any attention the heads split already handles. Under 2.5D with heads split over a depth layer only, each depth layer
+computes the same attention (``d`` times its arithmetic, its activations 1/q²); an attention whose heads do not
+split runs whole on every rank. Its weights see every token on every rank: their gradients are complete and never
+summed. A dropout inside the attention is not the unsplit model's mask.
 
 **Gradient sums.** SUMMA reduces its weights' gradients over the grid column inside the backward; the weights that
 act on the block (the norms', the SUMMA biases) saw only this rank's tokens, and under 2.5D every grid weight saw
@@ -219,7 +219,10 @@ def _convert(layer: nn.Module, grid: Grid, plan: _Plan, dim: int, length: list[i
     for name, region in zip(plan.attentions, regions, strict=True):
         conv1d = {m for m in region.modules() if is_conv1d(m)}  # by shape: not once split
         style = Heads()
-        parallelize_module(region, grid.layer, style)
+        # heads over every rank of the grid where they divide so (under 2.5D each depth layer then computes its own
+        # heads, not the whole attention again), else over the q² ranks of a depth layer
+        spread = isinstance(find_attention(region, grid.d * grid.q * grid.q), tuple)
+        parallelize_module(region, grid.flat if spread else grid.layer, style)
         done.attentions[name] = style.left or "heads"
         for m in region.modules():
             if getattr(m, SPLIT, None) == "column":
