@@ -349,7 +349,7 @@ def main() -> None:
             f"(c) 2.5D's activations <= 0.55x 2D's (d = {d})",
             c <= 0.55,
             f"{c:.2f}x",
-            f"formula 1/d = {1 / d:.2f}x; the attention's are 1/q² on every depth layer",
+            f"formula 1/d = {1 / d:.2f}x; an attention whose heads divide by d q² is split over every rank",
         ),
     ]
     for what, met, figure, why in checks:

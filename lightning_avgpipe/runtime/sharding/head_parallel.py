@@ -300,7 +300,10 @@ def find_attention(m: nn.Module, T: int) -> tuple[list[str], str, int] | str | N
     """``m``'s attention layers: (the column-wise names, the output projection's name, how many blocks the column
     ones fuse), a reason it cannot be split over ``T`` shards, or None where ``m`` is no attention (it needs a head
     count attribute, a fused ``qkv`` (d -> 3d) or ``q``, ``k``, ``v`` children, and a projection back to d)."""
-    heads = next((getattr(m, a) for a in HEAD_COUNTS if isinstance(getattr(m, a, None), int)), None)
+    config = getattr(m, "config", None)  # a Hugging Face attention may keep its head count in its config alone
+    heads = next(
+        (getattr(o, a) for o in (m, config) for a in HEAD_COUNTS if isinstance(getattr(o, a, None), int)), None
+    )
     if not heads:
         return None
     layers = [(n, c) for n, c in m.named_children() if linear_like(c)]
