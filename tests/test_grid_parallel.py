@@ -9,77 +9,12 @@ import copy
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from tests.helpers.blocks import Block, CausalSelfAttention, GPT2Attention, GPT2Block
+from tests.helpers.blocks import Block, GPT2Attention, GPT2Block, LlamaBlock, LlamaRMSNorm, WholeAttentionBlock
 from tests.helpers.harness import run_distributed
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}
-
-
-class LlamaRMSNorm(nn.Module):
-    """Hugging Face's: found by its name, ``weight`` and ``variance_epsilon``; float32 inside."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.weight, self.variance_epsilon = nn.Parameter(torch.ones(width)), 1e-6
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * h.to(x.dtype)
-
-
-class LlamaAttention(nn.Module):
-    """Separate q, k, v and o, grouped keys and values, widths read from its attributes, called by keyword."""
-
-    def __init__(self, width: int, heads: int, kv_heads: int) -> None:
-        super().__init__()
-        self.num_heads, self.num_key_value_heads, self.head_dim = heads, kv_heads, width // heads
-        self.q_proj = nn.Linear(width, width, bias=False)
-        self.k_proj, self.v_proj = (nn.Linear(width, kv_heads * self.head_dim, bias=False) for _ in "kv")
-        self.o_proj = nn.Linear(width, width, bias=False)
-
-    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, None]:
-        B, L, _ = hidden_states.shape
-        q = self.q_proj(hidden_states).view(B, L, self.num_heads, self.head_dim).transpose(1, 2)
-        k, v = (
-            p(hidden_states).view(B, L, self.num_key_value_heads, self.head_dim).transpose(1, 2)
-            for p in (self.k_proj, self.v_proj)
-        )
-        rep = self.num_heads // self.num_key_value_heads
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, L, -1)
-        return self.o_proj(y), None
-
-
-class LlamaBlock(nn.Module):
-    """RMSNorms (torch's and Hugging Face's), grouped-query attention, a SiLU MLP, dropout in the MLP (after its
-    second layer) and on the residual stream."""
-
-    def __init__(self, width: int, heads: int = 8, kv_heads: int = 4) -> None:
-        super().__init__()
-        self.input_layernorm, self.post_attention_layernorm = nn.RMSNorm(width), LlamaRMSNorm(width)
-        self.self_attn = LlamaAttention(width, heads, kv_heads)
-        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.SiLU(), nn.Linear(2 * width, width), nn.Dropout(0.2))
-        self.drop = nn.Dropout(0.3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.self_attn(hidden_states=self.input_layernorm(x))[0])
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class WholeAttentionBlock(nn.Module):
-    """nanoGPT's attention, which reads its widths from its input: its heads do not split, it runs whole."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.ln, self.attn = nn.LayerNorm(width), CausalSelfAttention(width)
-        self.attn.n_head = 4  # heads that divide over a depth layer's 4 ranks: the trial is what leaves it whole
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.attn(self.ln(x))
 
 
 class Gain(nn.Module):
@@ -110,16 +45,22 @@ def _gpt2(width: int, heads: int = 4) -> GPT2Block:
     return block
 
 
+def _llama(width: int) -> LlamaBlock:
+    """8 heads, 4 for keys and values; torch's RMSNorm, then Hugging Face's (found by its name); the MLP 2x wide."""
+    return LlamaBlock(width, heads=8, kv_heads=4, widen=2, second_norm=LlamaRMSNorm)
+
+
 def _model(kind: str, width: int) -> nn.Sequential:
     torch.manual_seed(0)
     blocks: list[nn.Module]
     if kind == "2d":
-        blocks = [_gpt2(width), LlamaBlock(width), Block(width)]
+        blocks = [_gpt2(width), _llama(width), Block(width)]
     elif kind == "small":
-        blocks = [LlamaBlock(width), Block(width)]
+        blocks = [_llama(width), Block(width)]
     else:  # 2.5D: converted layers around ones that run whole
         # GPT-2's 8 heads over every rank of the grid, the Llama block's 8 (4 for keys and values) over a depth layer
-        blocks = [_gpt2(width, 8), WholeAttentionBlock(width), Gain(width), Centred(width), LlamaBlock(width)]
+        # nanoGPT's attention with heads that divide over a depth layer's 4 ranks: the trial is what leaves it whole
+        blocks = [_gpt2(width, 8), WholeAttentionBlock(width, 4), Gain(width), Centred(width), _llama(width)]
     for b in blocks:  # the norms' weights away from 1, biases away from 0
         for m in b.modules():
             if isinstance(m, (nn.LayerNorm, nn.RMSNorm, LlamaRMSNorm)):

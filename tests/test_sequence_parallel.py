@@ -8,65 +8,12 @@ import copy
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from tests.helpers.blocks import Block, GPT2Block
+from tests.helpers.blocks import Block, GPT2Block, LlamaBlock, WholeAttentionBlock
 from tests.helpers.harness import run_distributed
 
 WIDTH, SEQ = 16, 8
-
-
-class LlamaAttention(nn.Module):
-    """Separate q, k, v and o, 4 query heads over 2 key/value heads, widths read from its attributes."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.num_heads, self.num_key_value_heads, self.head_dim = 4, 2, width // 4
-        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(width, n * width // 4, bias=False) for n in (4, 2, 2))
-        self.o_proj = nn.Linear(width, width, bias=False)
-
-    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, None]:
-        B, L, _ = hidden_states.shape
-        q = self.q_proj(hidden_states).view(B, L, self.num_heads, self.head_dim).transpose(1, 2)
-        k, v = (
-            p(hidden_states).view(B, L, self.num_key_value_heads, self.head_dim).transpose(1, 2)
-            for p in (self.k_proj, self.v_proj)
-        )
-        rep = self.num_heads // self.num_key_value_heads
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, L, -1)
-        return self.o_proj(y), None
-
-
-class LlamaBlock(nn.Module):
-    """RMSNorm, grouped-query attention passed its input by keyword, and an MLP pair in a module of its own."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.input_layernorm, self.post_attention_layernorm = nn.RMSNorm(width), nn.RMSNorm(width)
-        self.self_attn = LlamaAttention(width)
-        # dropout after the row-wise layer (on the shard) and on the residual stream: the unsplit model's masks
-        self.mlp = nn.Sequential(nn.Linear(width, 3 * width), nn.SiLU(), nn.Linear(3 * width, width), nn.Dropout(0.2))
-        self.drop = nn.Dropout(0.3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.self_attn(hidden_states=self.input_layernorm(x))[0])
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class WholeAttentionBlock(nn.Module):
-    """nanoGPT's own attention, which reads its widths from its input and is left whole: it gathers every token."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        from tests.helpers.blocks import CausalSelfAttention
-
-        self.ln = nn.LayerNorm(width)
-        self.attn = CausalSelfAttention(width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.attn(self.ln(x))
 
 
 def _model() -> nn.Sequential:

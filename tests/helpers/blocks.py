@@ -128,3 +128,73 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).contiguous().view(B, T, C)
         return x + self.c_proj(y)
+
+
+class LlamaAttention(nn.Module):
+    """Separate q, k, v and o, grouped keys and values, widths read from its attributes, called by keyword; it
+    returns (output, None)."""
+
+    def __init__(self, width: int, heads: int = 4, kv_heads: int = 2) -> None:
+        super().__init__()
+        self.num_heads, self.num_key_value_heads, self.head_dim = heads, kv_heads, width // heads
+        self.q_proj = nn.Linear(width, width, bias=False)
+        self.k_proj, self.v_proj = (nn.Linear(width, kv_heads * self.head_dim, bias=False) for _ in "kv")
+        self.o_proj = nn.Linear(width, width, bias=False)
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, None]:
+        B, L, _ = hidden_states.shape
+        q = self.q_proj(hidden_states).view(B, L, self.num_heads, self.head_dim).transpose(1, 2)
+        k, v = (
+            p(hidden_states).view(B, L, self.num_key_value_heads, self.head_dim).transpose(1, 2)
+            for p in (self.k_proj, self.v_proj)
+        )
+        rep = self.num_heads // self.num_key_value_heads
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, L, -1)
+        return self.o_proj(y), None
+
+
+class LlamaRMSNorm(nn.Module):
+    """Hugging Face's: found by its name, ``weight`` and ``variance_epsilon``; float32 inside."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight, self.variance_epsilon = nn.Parameter(torch.ones(width)), 1e-6
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * h.to(x.dtype)
+
+
+class LlamaBlock(nn.Module):
+    """RMSNorms (the second of ``second_norm``'s kind), grouped-query attention passed its input by keyword, an MLP
+    ``widen`` times wider in a module of its own with dropout after its second layer, and dropout on the residual
+    stream."""
+
+    def __init__(
+        self, width: int, heads: int = 4, kv_heads: int = 2, widen: int = 3, second_norm: type = nn.RMSNorm
+    ) -> None:
+        super().__init__()
+        self.input_layernorm, self.post_attention_layernorm = nn.RMSNorm(width), second_norm(width)
+        self.self_attn = LlamaAttention(width, heads, kv_heads)
+        hidden = widen * width
+        self.mlp = nn.Sequential(nn.Linear(width, hidden), nn.SiLU(), nn.Linear(hidden, width), nn.Dropout(0.2))
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.self_attn(hidden_states=self.input_layernorm(x))[0])
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class WholeAttentionBlock(nn.Module):
+    """A LayerNorm and nanoGPT's own attention (``heads`` of them), which reads its widths from its input and is left
+    whole: it gets every token."""
+
+    def __init__(self, width: int, heads: int = 2) -> None:
+        super().__init__()
+        self.ln, self.attn = nn.LayerNorm(width), CausalSelfAttention(width)
+        self.attn.n_head = heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.attn(self.ln(x))

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_avgpipe.runtime.deferred import is_conv1d
-from lightning_avgpipe.runtime.sharding.head_parallel import widths
+from lightning_avgpipe.runtime.sharding.head_parallel import summed, widths
 from lightning_avgpipe.runtime.sharding.zero import ALL_GATHER
 
 DIMS = ("depth", "row", "col")  # the grid mesh's dimensions: depth k, grid row i, grid column j
@@ -169,15 +169,11 @@ class RowSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:
         ctx.group = group
-        x = x.contiguous().clone()
-        dist.all_reduce(x, group=group)
-        return x
+        return summed(x, group)
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None]:
-        g = g.contiguous().clone()
-        dist.all_reduce(g, group=ctx.group)
-        return g, None
+        return summed(g, ctx.group), None
 
 
 def _bcast(x: Tensor, mine: bool, group: Any, src: int) -> Tensor:

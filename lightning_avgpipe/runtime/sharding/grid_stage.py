@@ -59,6 +59,7 @@ from lightning_avgpipe.runtime.sharding.head_parallel import (
     stand_in,
     widths,
 )
+from lightning_avgpipe.runtime.sharding.sequence_parallel import first_output, with_hidden
 
 # a whole tensor gathered for an attention -> (this rank's block of it, the grid, the sequence dimension)
 _WHOLE: Any = WeakIdKeyDictionary()
@@ -119,26 +120,6 @@ def _heads_column_forward(inner: Callable[[Tensor], Tensor], transposed: bool, s
     bias = b.to_local() if b is not None else None
     group = w.device_mesh.get_group()
     return _BlockSavedMatmul.apply(x, block, w.to_local(), bias, (grid, dim, transposed, group))  # type: ignore[no-any-return]
-
-
-def _hidden(args: tuple[Any, ...], kwargs: dict[str, Any], fn: Callable[[Tensor], Tensor]) -> Any:
-    """``(args, kwargs)`` with the hidden states (the first positional tensor, the first item of a first tuple, or
-    ``hidden_states``) through ``fn``."""
-    if args and isinstance(args[0], Tensor):
-        return (fn(args[0]), *args[1:]), kwargs
-    if args and isinstance(args[0], tuple) and args[0] and isinstance(args[0][0], Tensor):
-        return ((fn(args[0][0]), *args[0][1:]), *args[1:]), kwargs
-    if isinstance(kwargs.get("hidden_states"), Tensor):
-        return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
-    return args, kwargs
-
-
-def _first(output: Any, fn: Callable[[Tensor], Tensor]) -> Any:
-    if isinstance(output, Tensor):
-        return fn(output)
-    if isinstance(output, tuple) and output and isinstance(output[0], Tensor):
-        return (fn(output[0]), *output[1:])
-    return output
 
 
 @dataclass
@@ -228,9 +209,9 @@ def _convert(layer: nn.Module, grid: Grid, plan: _Plan, dim: int, length: list[i
             if getattr(m, SPLIT, None) == "column":
                 m.forward = types.MethodType(functools.partial(_heads_column_forward, m.forward, m in conv1d), m)  # type: ignore[method-assign]
         region.register_forward_pre_hook(
-            lambda _m, a, k: _hidden(a, k, lambda x: GatherForAttention.apply(x, grid, dim)), with_kwargs=True
+            lambda _m, a, k: with_hidden(a, k, lambda x: GatherForAttention.apply(x, grid, dim)), with_kwargs=True
         )
-        region.register_forward_hook(lambda _m, _a, y: _first(y, lambda t: EnterBlock.apply(t, grid, dim)))
+        region.register_forward_hook(lambda _m, _a, y: first_output(y, lambda t: EnterBlock.apply(t, grid, dim)))
     for m in layer.modules():
         if type(m) is nn.Dropout and not any(_inside(m, r) for r in regions):  # the unsplit model's masks
             m.forward = types.MethodType(functools.partial(dropout_forward, grid, length, dim), m)  # type: ignore[method-assign]
@@ -282,13 +263,13 @@ def _tried(
     module.eval()  # no dropout in the trial
     try:
         with torch.no_grad():
-            want = _first(module(x), lambda t: t)
+            want = first_output(module(x), lambda t: t)
     except Exception as e:
         return False, f"{_ALONE} ({type(e).__name__}: {str(e)[:120]})"
     try:
         with torch.no_grad():
             convert(module)
-            got = _first(module(EnterBlock.apply(x, grid, dim)), lambda t: LeaveBlock.apply(t, grid, dim))
+            got = first_output(module(EnterBlock.apply(x, grid, dim)), lambda t: LeaveBlock.apply(t, grid, dim))
         want, got = (t[0] if isinstance(t, tuple) else t for t in (want, got))
         ok = got.shape == want.shape and bool(torch.allclose(got, want, rtol=1e-4, atol=1e-5 * max(1.0, _scale(want))))
         return ok, "converting it changed its output"
@@ -386,9 +367,9 @@ def grid_stage(chunks: Sequence[Sequence[nn.Module]], mesh: Any, dim: int = 1) -
                 end = next((e for e in range(i, len(layers)) if not flags[e]), len(layers))
                 cells = [out.layers[start + e].length for e in range(i, end)]
                 layer.register_forward_pre_hook(
-                    lambda _m, a, k, c=cells: _hidden(a, k, lambda x: entering(x, c)), with_kwargs=True
+                    lambda _m, a, k, c=cells: with_hidden(a, k, lambda x: entering(x, c)), with_kwargs=True
                 )
             if flags[i] and (i == len(layers) - 1 or not flags[i + 1]):
-                layer.register_forward_hook(lambda _m, _a, y: _first(y, lambda t: LeaveBlock.apply(t, grid, dim)))
+                layer.register_forward_hook(lambda _m, _a, y: first_output(y, lambda t: LeaveBlock.apply(t, grid, dim)))
         start += len(layers)
     return out

@@ -51,6 +51,13 @@ def widths(m: nn.Module) -> tuple[int, int]:
     return (int(w.shape[0]), int(w.shape[1])) if is_conv1d(m) else (int(w.shape[1]), int(w.shape[0]))
 
 
+def summed(x: Tensor, group: Any) -> Tensor:
+    """A copy of ``x`` summed over ``group`` (an all-reduce)."""
+    x = x.contiguous().clone()
+    dist.all_reduce(x, group=group)
+    return x
+
+
 class _CopyToGroup(torch.autograd.Function):
     """Identity forward; the gradient summed over the tensor group (the input of a column-wise layer)."""
 
@@ -61,9 +68,7 @@ class _CopyToGroup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None]:
-        g = g.contiguous().clone()
-        dist.all_reduce(g, group=ctx.group)
-        return g, None
+        return summed(g, ctx.group), None
 
 
 class _ReduceFromGroup(torch.autograd.Function):
@@ -71,9 +76,7 @@ class _ReduceFromGroup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:
-        x = x.contiguous().clone()
-        dist.all_reduce(x, group=group)
-        return x
+        return summed(x, group)
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None]:

@@ -54,7 +54,7 @@ class SequenceLayer:
     gathered: list[str] = field(default_factory=list)  # the attentions, run on the whole sequence
 
 
-def _hidden(args: tuple[Any, ...], kwargs: dict[str, Any], fn: Callable[[Tensor], Tensor]) -> Any:
+def with_hidden(args: tuple[Any, ...], kwargs: dict[str, Any], fn: Callable[[Tensor], Tensor]) -> Any:
     """``(args, kwargs)`` with the hidden states through ``fn``: the first positional input, or the first item of
     it where it is a tuple (a carry such as (hidden states, cos, sin)), or ``hidden_states``."""
     if args and isinstance(args[0], Tensor):
@@ -66,7 +66,7 @@ def _hidden(args: tuple[Any, ...], kwargs: dict[str, Any], fn: Callable[[Tensor]
     return args, kwargs
 
 
-def _first_output(output: Any, fn: Callable[[Tensor], Tensor]) -> Any:
+def first_output(output: Any, fn: Callable[[Tensor], Tensor]) -> Any:
     if isinstance(output, Tensor):
         return fn(output)
     if isinstance(output, tuple) and output and isinstance(output[0], Tensor):
@@ -152,10 +152,10 @@ def sequence_layer(layer: nn.Module, group: Any, dim: int = 1) -> SequenceLayer 
             vars(m).pop(SEQUENCE, None)
         done.gathered.append(name)
         region.register_forward_pre_hook(
-            lambda _m, a, k: _hidden(a, k, lambda x: LeaveSequence.apply(x, group, dim)), with_kwargs=True
+            lambda _m, a, k: with_hidden(a, k, lambda x: LeaveSequence.apply(x, group, dim)), with_kwargs=True
         )
         region.register_forward_hook(
-            lambda _m, _a, out: _first_output(out, lambda y: EnterSequence.apply(y, group, dim))
+            lambda _m, _a, out: first_output(out, lambda y: EnterSequence.apply(y, group, dim))
         )
     inner = [r for _, r in regions]
     for name, p in layer.named_parameters():
@@ -225,7 +225,7 @@ def sequence_stage(chunks: Sequence[Sequence[nn.Module]], group: Any, dim: int =
         return x if carried else enter(x, group, dim)
 
     def leaving(y: Any, carried: bool) -> Any:
-        return y if carried else _first_output(y, lambda t: leave(t, group, dim))
+        return y if carried else first_output(y, lambda t: leave(t, group, dim))
 
     start = 0
     for layers in chunks:
@@ -245,7 +245,7 @@ def sequence_stage(chunks: Sequence[Sequence[nn.Module]], group: Any, dim: int =
         for i, layer in enumerate(layers):
             if flags[i] and (i == 0 or not flags[i - 1]):
                 layer.register_forward_pre_hook(
-                    lambda _m, a, k, c=carried, e=i == 0: _hidden(a, k, lambda x: entering(x, e and c[0])),
+                    lambda _m, a, k, c=carried, e=i == 0: with_hidden(a, k, lambda x: entering(x, e and c[0])),
                     with_kwargs=True,
                 )
             if flags[i] and (i == last or not flags[i + 1]):
