@@ -322,6 +322,28 @@ def count_full_tensor_in_saves(trainer: pl.Trainer) -> dict[str, int]:
     return counts
 
 
+def injected(cfg: dict[str, Any], out: Path) -> list[pl.Callback]:
+    """The callbacks ``cfg`` asks for that act on the run: its faults, and a folder checkpoint at a step."""
+    callbacks: list[pl.Callback] = []
+    if cfg.get("fault"):
+        callbacks.append(Fault(**cfg["fault"]))
+    if cfg.get("folder_at"):
+        callbacks.append(FolderAt(cfg["folder_at"], out / "folder"))
+    if cfg.get("setup_fault"):
+        callbacks.append(SetupFault(**cfg["setup_fault"]))
+    return callbacks
+
+
+def make_model(cfg: dict[str, Any]) -> pl.LightningModule:
+    """The LightningModule ``cfg`` names (PipeNet unless told otherwise), built with ``cfg["model"]``."""
+    late = cfg.get("late")
+    tied = LateTiedLM if late else TiedLM
+    kind = tied if cfg.get("tied") else AliasedNet if cfg.get("aliased") else LateNet if late else PipeNet
+    if cfg.get("seq"):  # activations [batch, sequence, hidden], for the 2D and 2.5D grids
+        kind = SeqNet
+    return kind(**cfg.get("model", {}))  # type: ignore[no-any-return]
+
+
 def main(cfg: dict[str, Any]) -> None:
     torch.set_num_threads(1)
     out = Path(cfg["out"])
@@ -329,12 +351,7 @@ def main(cfg: dict[str, Any]) -> None:
     atexit.register(exit_probe, out, who)
     if cfg.get("seed") is not None:  # the run's seed (seed_everything): what the layers' random streams derive from
         pl.seed_everything(cfg["seed"], verbose=False)
-    late = cfg.get("late")
-    tied = LateTiedLM if late else TiedLM
-    kind = tied if cfg.get("tied") else AliasedNet if cfg.get("aliased") else LateNet if late else PipeNet
-    if cfg.get("seq"):  # activations [batch, sequence, hidden], for the 2D and 2.5D grids
-        kind = SeqNet
-    model = kind(**cfg.get("model", {}))
+    model = make_model(cfg)
     if cfg.get("example_input"):  # lets partition="balanced" profile the layers
         model.example_input_array = torch.zeros(2, 8)
     rec = Recorder()
@@ -369,12 +386,7 @@ def main(cfg: dict[str, Any]) -> None:
     if cfg.get("tuner") is not None:
         tuner = AvgPipeTuner(**cfg["tuner"])
         trainer_kwargs["callbacks"].append(tuner)
-    if cfg.get("fault"):
-        trainer_kwargs["callbacks"].append(Fault(**cfg["fault"]))
-    if cfg.get("folder_at"):
-        trainer_kwargs["callbacks"].append(FolderAt(cfg["folder_at"], out / "folder"))
-    if cfg.get("setup_fault"):
-        trainer_kwargs["callbacks"].append(SetupFault(**cfg["setup_fault"]))
+    trainer_kwargs["callbacks"] += injected(cfg, out)
     trainer_kwargs.update(cfg.get("trainer", {}))
     if cfg.get("fp16"):  # float16 autocast with a GradScaler on CPU (precision="16-mixed" maps to bf16 there)
         from lightning.pytorch.plugins.precision import MixedPrecision

@@ -6,6 +6,7 @@ splits by heads) and a Linear MLP, and a Linear head, with cross-entropy over ev
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as L
@@ -14,7 +15,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from tests.helpers.checkpoints import assert_states_close
+from tests.helpers.lit import quiet_trainer
+
 INPUTS, WIDTH, HEADS, LENGTH, CLASSES, BLOCKS = 8, 16, 4, 8, 4, 2
+MOMENTS = ("exp_avg", "exp_avg_sq")  # Adam's state beside its step count
 
 
 class Attention(nn.Module):
@@ -23,12 +28,16 @@ class Attention(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.num_heads, self.head_dim = HEADS, WIDTH // HEADS
-        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(WIDTH, WIDTH) for _ in "qkv")
+        # no key bias: softmax ignores it, so its gradient is rounding noise that Adam would scale up to lr
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(WIDTH, WIDTH, bias=p != "k") for p in "qkv")
         self.o_proj = nn.Linear(WIDTH, WIDTH)
 
     def forward(self, x: Tensor) -> Tensor:
         B, S, _ = x.shape
-        q, k, v = (p(x).view(B, S, self.num_heads, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (
+            p(x).view(B, S, self.num_heads, self.head_dim).transpose(1, 2)
+            for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, S, -1)
         return self.o_proj(y)
 
@@ -55,7 +64,9 @@ def seq_layers(seed: int = 0) -> list[nn.Module]:
 
 def seq_dataset(n: int = 48) -> TensorDataset:
     g = torch.Generator().manual_seed(5)
-    return TensorDataset(torch.randn(n, LENGTH, INPUTS, generator=g), torch.randint(0, CLASSES, (n, LENGTH), generator=g))
+    return TensorDataset(
+        torch.randn(n, LENGTH, INPUTS, generator=g), torch.randint(0, CLASSES, (n, LENGTH), generator=g)
+    )
 
 
 def seq_loader(batch_size: int = 12) -> DataLoader:
@@ -82,3 +93,29 @@ class SeqNet(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+
+def fit_seq(root: Path, steps: int, ckpt: str | None = None, strategy: Any = None) -> tuple[L.Trainer, SeqNet]:
+    """SeqNet fitted for ``steps`` steps in one process (plain Lightning unless ``strategy``), from ``ckpt`` if given,
+    checkpointed every 4 steps (an epoch) under ``root / "every"``; the batches in the loader's order."""
+    torch.manual_seed(0)
+    model = SeqNet()
+    every = L.callbacks.ModelCheckpoint(dirpath=root / "every", every_n_train_steps=4, save_top_k=-1)
+    extra = {"strategy": strategy} if strategy is not None else {}
+    trainer = quiet_trainer(root, max_steps=steps, callbacks=[every], use_distributed_sampler=False, **extra)
+    trainer.fit(model, seq_loader(), ckpt_path=ckpt)
+    return trainer, model
+
+
+def assert_like_plain(path: Path, trainer: L.Trainer, model: SeqNet) -> None:
+    """The single-file checkpoint at ``path`` holds ``model``'s whole (unsplit) weights and ``trainer``'s Adam state,
+    under the parameters' names."""
+    saved = torch.load(path, weights_only=True)
+    assert_states_close(saved["state_dict"], model.state_dict())
+    state = saved["optimizer_states"][0]
+    assert state["param_groups"][0]["param_names"] == [n for n, _ in model.named_parameters()]
+    want = trainer.optimizers[0].state_dict()["state"]
+    assert state["state"].keys() == want.keys()
+    for i, entry in want.items():
+        assert int(state["state"][i]["step"]) == int(entry["step"])
+        assert_states_close({k: state["state"][i][k] for k in MOMENTS}, {k: entry[k] for k in MOMENTS})
