@@ -20,6 +20,7 @@ from lightning_avgpipe import AvgPipeStrategy, AvgPipeTuner
 from lightning_avgpipe.runtime.failures.shutdown import native_threads
 from lightning_avgpipe.shards import is_dtensor, local
 from tests.helpers.lit import AliasedNet, LateNet, PipeNet, dataset, loader
+from tests.helpers.seqnet import SeqNet, seq_loader
 from tests.helpers.tied import LateTiedLM, TiedLM, token_loader
 
 # a Fault's kinds in the save of the checkpoint at its step: SIGSTOP before this rank writes its part of a folder,
@@ -163,6 +164,23 @@ class Fault(pl.Callback):
             self.handle = None
 
 
+class FolderAt(pl.Callback):
+    """Save a folder checkpoint (``save_distributed_checkpoint=True`` for this save) at ``dirpath / "step=N"`` after
+    the optimizer step that makes the global step N, where ModelCheckpoint saves (beside a single file of it)."""
+
+    def __init__(self, step: int, dirpath: Path) -> None:
+        self.step, self.dirpath = step, dirpath
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            strategy: Any = trainer.strategy
+            strategy.save_distributed_checkpoint = True
+            try:
+                trainer.save_checkpoint(self.dirpath / f"step={self.step}")
+            finally:
+                strategy.save_distributed_checkpoint = False
+
+
 class ScaleRecorder(pl.Callback):
     """The loss scale after every optimizer step (``result["scales"]``)."""
 
@@ -238,6 +256,8 @@ def training_loader(cfg: dict[str, Any], bs: int, rec: Any, trainer_kwargs: dict
     train_loader = group_loader(cfg, bs) if cfg.get("group_data") else loader(bs)
     if cfg.get("tied"):
         train_loader = token_loader(bs)
+    if cfg.get("seq"):
+        train_loader = seq_loader(bs)
     if cfg.get("shuffle_default"):  # shuffle=True under Lightning's defaults, the ranks' global RNGs apart
         torch.manual_seed(1000 + int(os.environ.get("LOCAL_RANK", "0")))
         train_loader = DataLoader(dataset(), batch_size=bs, shuffle=True)
@@ -302,6 +322,28 @@ def count_full_tensor_in_saves(trainer: pl.Trainer) -> dict[str, int]:
     return counts
 
 
+def injected(cfg: dict[str, Any], out: Path) -> list[pl.Callback]:
+    """The callbacks ``cfg`` asks for that act on the run: its faults, and a folder checkpoint at a step."""
+    callbacks: list[pl.Callback] = []
+    if cfg.get("fault"):
+        callbacks.append(Fault(**cfg["fault"]))
+    if cfg.get("folder_at"):
+        callbacks.append(FolderAt(cfg["folder_at"], out / "folder"))
+    if cfg.get("setup_fault"):
+        callbacks.append(SetupFault(**cfg["setup_fault"]))
+    return callbacks
+
+
+def make_model(cfg: dict[str, Any]) -> pl.LightningModule:
+    """The LightningModule ``cfg`` names (PipeNet unless told otherwise), built with ``cfg["model"]``."""
+    late = cfg.get("late")
+    tied = LateTiedLM if late else TiedLM
+    kind = tied if cfg.get("tied") else AliasedNet if cfg.get("aliased") else LateNet if late else PipeNet
+    if cfg.get("seq"):  # activations [batch, sequence, hidden], for the 2D and 2.5D grids
+        kind = SeqNet
+    return kind(**cfg.get("model", {}))  # type: ignore[no-any-return]
+
+
 def main(cfg: dict[str, Any]) -> None:
     torch.set_num_threads(1)
     out = Path(cfg["out"])
@@ -309,10 +351,7 @@ def main(cfg: dict[str, Any]) -> None:
     atexit.register(exit_probe, out, who)
     if cfg.get("seed") is not None:  # the run's seed (seed_everything): what the layers' random streams derive from
         pl.seed_everything(cfg["seed"], verbose=False)
-    late = cfg.get("late")
-    tied = LateTiedLM if late else TiedLM
-    kind = tied if cfg.get("tied") else AliasedNet if cfg.get("aliased") else LateNet if late else PipeNet
-    model = kind(**cfg.get("model", {}))
+    model = make_model(cfg)
     if cfg.get("example_input"):  # lets partition="balanced" profile the layers
         model.example_input_array = torch.zeros(2, 8)
     rec = Recorder()
@@ -347,10 +386,7 @@ def main(cfg: dict[str, Any]) -> None:
     if cfg.get("tuner") is not None:
         tuner = AvgPipeTuner(**cfg["tuner"])
         trainer_kwargs["callbacks"].append(tuner)
-    if cfg.get("fault"):
-        trainer_kwargs["callbacks"].append(Fault(**cfg["fault"]))
-    if cfg.get("setup_fault"):
-        trainer_kwargs["callbacks"].append(SetupFault(**cfg["setup_fault"]))
+    trainer_kwargs["callbacks"] += injected(cfg, out)
     trainer_kwargs.update(cfg.get("trainer", {}))
     if cfg.get("fp16"):  # float16 autocast with a GradScaler on CPU (precision="16-mixed" maps to bf16 there)
         from lightning.pytorch.plugins.precision import MixedPrecision

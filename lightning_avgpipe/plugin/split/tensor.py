@@ -16,6 +16,7 @@ from lightning_avgpipe.runtime.comms import collectives
 from lightning_avgpipe.runtime.comms.topology import Topology
 from lightning_avgpipe.runtime.pipeline import StagePipeline
 from lightning_avgpipe.runtime.sharding import fsdp
+from lightning_avgpipe.runtime.sharding.grid import release_grids
 from lightning_avgpipe.runtime.sharding.tensor_parallel import (
     check_plan,
     default_plan,
@@ -186,7 +187,8 @@ def choose_plan(owned: Mapping[str, nn.Module], root: nn.Module | None) -> dict[
 def release(topology: Topology | None, pipeline: StagePipeline | None) -> None:
     """At exit: the process groups that the tensor-parallel (and FSDP) device meshes hold (the topology's, and every
     replica's copy of it), so they are freed with the others (``shards.release_meshes``)."""
-    meshes = [topology.tensor_mesh] if topology is not None else []
+    meshes = [topology.tensor_mesh, topology.grid_mesh] if topology is not None else []
+    meshes += release_grids()  # the 2D and 2.5D grids' meshes and their flat ones
     if pipeline is not None:
         meshes += [p.device_mesh for p in [*pipeline.replicas.params, *pipeline.reference_params] if is_dtensor(p)]  # type: ignore[attr-defined]
         if pipeline.sharding is not None:  # FSDP's mesh over the stage group, and the groups its states keep

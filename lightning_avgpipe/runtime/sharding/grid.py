@@ -44,7 +44,8 @@ DIMS = ("depth", "row", "col")  # the grid mesh's dimensions: depth k, grid row 
 BROADCAST = dist.broadcast  # SUMMA's collectives (a test replaces them to show the comparison is real)
 REDUCE = dist.reduce
 GRID = "avgpipe_grid"  # on a converted module: "summa" or "norm"
-_FLAT: dict[int, Any] = {}  # id(mesh) -> (mesh, the grid's flat mesh, one depth layer's flat mesh)
+# id(mesh) -> (mesh, the grid's flat mesh, one depth layer's flat mesh, this rank's Grid of it)
+_FLAT: dict[int, tuple[Any, Any, Any, Grid]] = {}
 
 
 def grid_mesh(tensor_mesh: Any, q: int, depth: int = 1) -> Any:
@@ -64,7 +65,17 @@ def grid_mesh(tensor_mesh: Any, q: int, depth: int = 1) -> Any:
     return tensor_mesh._unflatten(0, (depth, q, q), DIMS)
 
 
-@dataclass(frozen=True)
+def release_grids() -> list[Any]:
+    """The grid meshes :meth:`Grid.of` has seen and the flat meshes it made of them, forgotten here: at exit their
+    process groups are dropped with the others' (``shards.release_meshes``), so no gloo thread outlives them."""
+    meshes = [m for entry in _FLAT.values() for m in entry[:3]]
+    for *_, grid in _FLAT.values():  # a converted layer alive at exit holds its grid, and the grid its groups
+        grid.row = grid.column = grid.depth = grid.whole = grid.layer = grid.flat = None
+    _FLAT.clear()
+    return meshes
+
+
+@dataclass(eq=False)
 class Grid:
     """A rank's place on a grid mesh and its groups: ``row`` (the ranks ``(k, i, *)``), ``column`` (``(k, *, j)``),
     ``depth`` (``(*, i, j)``), ``whole`` (every rank of the grid, in ``(k, i, j)`` order), ``flat`` (a 1D mesh over
@@ -92,12 +103,13 @@ class Grid:
                 f"mesh has dimensions {mesh.mesh_dim_names}, not {DIMS}: make it with grid_mesh(tensor_mesh, q, depth)"
             )
         if id(mesh) not in _FLAT or _FLAT[id(mesh)][0] is not mesh:
-            _FLAT[id(mesh)] = (mesh, mesh._flatten("avgpipe_grid"), mesh["row", "col"]._flatten("avgpipe_grid_layer"))
-        _, whole, layer = _FLAT[id(mesh)]
-        d, q, _ = mesh.shape
-        k, i, j = mesh.get_coordinate()
-        groups = [mesh.get_group(n) for n in DIMS]
-        return cls(mesh, q, d, k, i, j, groups[2], groups[1], groups[0], whole.get_group(), layer, whole)
+            whole, layer = mesh._flatten("avgpipe_grid"), mesh["row", "col"]._flatten("avgpipe_grid_layer")
+            d, q, _ = mesh.shape
+            k, i, j = mesh.get_coordinate()
+            groups = [mesh.get_group(n) for n in DIMS]
+            grid = cls(mesh, q, d, k, i, j, groups[2], groups[1], groups[0], whole.get_group(), layer, whole)
+            _FLAT[id(mesh)] = (mesh, whole, layer, grid)
+        return _FLAT[id(mesh)][3]
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Grid:
         return self  # its groups are the job's: a copy of a converted layer (a replica) shares them
