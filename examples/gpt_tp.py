@@ -6,9 +6,10 @@ whole heads (q, k and v of the fused projection column-wise, the output projecti
     python examples/gpt_tp.py --check --tensor-parallel-mode 2d   # 2 stages x a 2 x 2 grid (8 processes, SUMMA)
 
 ``--model char`` is ``examples/char_gpt.py``'s model (``qkv``, ``proj`` and an MLP in each block); ``--model gpt2``
-needs ``pip install transformers`` (a small random config, untied, nothing downloaded) and reuses
-``hf_gpt2_tied.py``'s wrappers. No plan is given: the setup log lists what each stage split, and an attention whose
-code reads its widths from its input (``C // self.n_head``) is left whole with a warning instead of split wrongly.
+needs ``pip install transformers`` (a small random config, its embedding and head tied across the stages, nothing
+downloaded) and reuses ``hf_gpt2_tied.py``'s wrappers. No plan is given: the setup log lists what each stage split,
+and an attention whose code reads its widths from its input (``C // self.n_head``) is left whole with a warning
+instead of split wrongly.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def char_layers(vocab: int, block: int) -> tuple[nn.Module | None, nn.Sequential
 def gpt2_layers(vocab: int, block: int) -> tuple[nn.Module | None, nn.Sequential]:
     from hf_gpt2_tied import Block, Embed, Head, tiny_gpt2
 
-    gpt = tiny_gpt2(vocab, block, tie=False)  # tensor parallelism refuses weights tied across stages
+    gpt = tiny_gpt2(vocab, block)  # the embedding (stage 0) and the head (stage 1) tied: summed on each shard
     return gpt, nn.Sequential(Embed(gpt), *(Block(b) for b in gpt.transformer.h), Head(gpt))
 
 

@@ -105,14 +105,15 @@ def test_a_gpt_split_by_heads_with_the_default_plan(tmp_path: Path, model: str) 
 def test_a_hugging_face_gpt2_on_two_stages_of_a_two_by_two_grid(tmp_path: Path) -> None:
     """``examples/gpt_tp.py --model gpt2 --check --tensor-parallel-mode 2d`` (8 processes): through the strategy, each
     stage's GPT-2 blocks on a 2 x 2 grid (SUMMA, norms over the grid row, attention split by heads over the 4 ranks),
-    the embedding left whole and said why, train as one process with accumulation does."""
+    the tied embedding and head left whole and said why, train as one process with accumulation does."""
     pytest.importorskip("transformers")
     command = [sys.executable, str(ROOT / "examples" / "gpt_tp.py"), "--model", "gpt2", "--check"]
     out = " ".join(run_command([*command, "--tensor-parallel-mode", "2d"], tmp_path).split())
     assert "check: OK" in out, out[-3000:]
     assert float(re.search(r"accumulation\| = ([0-9.e+-]+)", out).group(1)) < 1e-5  # type: ignore[union-attr]
+    # the embedding and the head are tied across the stages: each stays whole, its gradient summed on each shard
     said = "stage 0: 1 (block.attn by heads), 2 (block.attn by heads) of its 3; its layer 0 whole: its weight "
-    said += "'wte.weight' is an Embedding's, which the grid cannot cut | stage 1: 0 (block.attn by heads), 1 "
+    said += "'wte.weight' is tied to another stage's, which holds it whole | stage 1: 0 (block.attn by heads), 1 "
     assert "tensor_parallel_mode='2d': layers on 1 x 2 x 2 blocks" in out and said in out, out[-3000:]
 
 

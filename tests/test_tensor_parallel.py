@@ -412,7 +412,7 @@ def test_strategy_arguments_for_tensor_parallelism_are_checked() -> None:
     from torch.distributed.tensor.parallel import ColwiseParallel
 
     from lightning_avgpipe import AvgPipeStrategy
-    from lightning_avgpipe.plugin.split.tensor import check_combinations, check_tensor_parallel_args
+    from lightning_avgpipe.plugin.split.tensor import check_tensor_parallel_args
 
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not divide the 3 devices of a node"):
         check_tensor_parallel_args(2, None, 3)
@@ -426,10 +426,17 @@ def test_strategy_arguments_for_tensor_parallelism_are_checked() -> None:
     assert plan is not None and [type(s).__name__ for s in plan.values()] == ["ColwiseParallel"] * 2 + ["Heads"]
     with pytest.raises(ValueError, match="tensor_parallel_size=0 must be an int >= 1"):
         AvgPipeStrategy(tensor_parallel_size=0)
-    with pytest.raises(ValueError, match="tied embedding and head"):
-        check_combinations(2, {(0, 1): []})
-    check_combinations(1, {(0, 1): []})  # T = 1: ties are fine
-    check_combinations(2, {})
+    with pytest.raises(ValueError, match=r"a plan says how 1D splits each layer.*Drop the plan, or set tensor_paral"):
+        check_tensor_parallel_args(4, {"a": "colwise"}, 4, "2d")
+    # a weight tied across stages that the plan split (a new parameter since the ties were found) is refused
+    from lightning_avgpipe.elastic import ElasticAveraging
+    from lightning_avgpipe.runtime.sync.ties import TiedGradients, TiedWeights
+
+    head = nn.Linear(4, 4)
+    elastic = ElasticAveraging([head], num_replicas=1)
+    found = nn.Parameter(torch.zeros(4, 4))  # the weight as it was when the ties were found, before the split
+    with pytest.raises(ValueError, match=r"'head.weight' is shared between stages \[0, 1\] and tensor parallelism"):
+        TiedGradients([TiedWeights((0, 1), ("head.weight",), (found,), None)], elastic, 1)
 
 
 def _zero_worker(rank: int, world: int) -> list[Any]:

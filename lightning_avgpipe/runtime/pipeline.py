@@ -108,7 +108,7 @@ class StagePipeline:
         layout = ChunkLayout.of(config, topology, len(self.layers), chunks)
         chunked = list(layout.functions(self.layers, lambda stage, start, ls: ls).values())
         # sequence parallelism or the 2D/2.5D grid (T > 1; runtime/sharding/), before the replicas copy the layers
-        self.sequence = activation_stage(chunked, config, topology.tensor_group, topology.grid_mesh)
+        self.sequence = activation_stage(chunked, config, topology.tensor_group, topology.grid_mesh, ties)
         carry = self.sequence.carry(topology, device) if self.sequence else (False, False)  # boundaries on shards
         # ZeRO-2/3 (runtime/sharding/fsdp.py): layers sharded over the stage group, the stage functions on its roots
         self.sharding, ties = shard_stage(chunked, topology, config, splits_backward(config.schedule), device, ties)

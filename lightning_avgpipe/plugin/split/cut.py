@@ -87,7 +87,7 @@ def cut_module(
     assert sizes is not None
     sizes = list(sizes)
     shared = shared_across_stages(module, layers, sizes)
-    tensor.check_model(config.tensor_parallel_size, plan, module, shared)
+    tensor.check_model(plan, module)
     with guarded("making the tied weights' groups (setup)"):
         ties = tie_groups(shared, topology, config.timeout, layout.rank_of)
     announce_shared(shared, layout.rank_of)
@@ -104,7 +104,7 @@ def cut_module(
         if config.grid is None:
             shards = tensor.apply(owned, plan, topology, module, on_meta=True, sequence=config.sequence_parallel)
         else:  # the grid (2D, 2.5D): each layer converted by shapes, only this rank's blocks made real
-            shards = grid_on_meta(owned, topology.grid_mesh)
+            shards = grid_on_meta(owned, topology.grid_mesh, ties)
         if config.fsdp and topology.num_groups > 1:
             # ZeRO-2/3: sharded on the meta device, only this rank's shard made real (T > 1: over the mesh's data
             # dimension, on top of the tensor shards: each rank keeps its (data, tensor) piece of each weight)

@@ -28,7 +28,6 @@ from lightning_avgpipe.shards import is_dtensor, release_meshes
 
 __all__ = [
     "apply",
-    "check_combinations",
     "check_model",
     "check_plan",
     "check_tensor_parallel_args",
@@ -101,21 +100,9 @@ def tensor_parallel_available() -> bool:
     return (major, minor) >= (2, 7)
 
 
-def check_combinations(tensor_parallel_size: int, ties: Any) -> None:
-    """What tensor parallelism does not support yet, refused by name (16-mixed works: one loss scale for the job,
-    an overflow on any shard skips the step everywhere)."""
-    if tensor_parallel_size == 1:
-        return
-    if ties:
-        raise ValueError(
-            "tensor_parallel_size > 1 with weights shared between stages (a tied embedding and head) is not supported; "
-            "untie them, or use tensor_parallel_size=1."
-        )
-
-
-def check_model(size: int, plan: Mapping[str, Any] | None, module: nn.Module, ties: Any) -> None:
-    """Before the split, on the whole model: the plan names its modules, and nothing unsupported is combined."""
-    check_combinations(size, ties)
+def check_model(plan: Mapping[str, Any] | None, module: nn.Module) -> None:
+    """Before the split, on the whole model: the plan names its modules. (Weights shared between stages are summed
+    per tensor shard, ``runtime/sync/ties.py``; one that the plan splits is refused when the pipeline is made.)"""
     if plan is not None:
         check_plan(plan, [n for n, _ in module.named_modules()])
 

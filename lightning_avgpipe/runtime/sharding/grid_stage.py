@@ -30,7 +30,7 @@ from __future__ import annotations
 import copy
 import functools
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -222,7 +222,9 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def grid_layer(layer: nn.Module, grid: Grid, dim: int = 1, length: list[int] | None = None) -> GridLayer | str | None:
+def grid_layer(
+    layer: nn.Module, grid: Grid, dim: int = 1, length: list[int] | None = None, whole: Collection[int] = ()
+) -> GridLayer | str | None:
     """Convert ``layer`` (whole) to take and return this rank's block where a trial on a copy of it shows it gives
     what it gave whole; else leave it untouched and return why (a string). None: nothing in it for the grid. The trial
     calls the copy on a random input of its hidden states; a layer that takes more (a carry of hidden states, cos and
@@ -230,7 +232,11 @@ def grid_layer(layer: nn.Module, grid: Grid, dim: int = 1, length: list[int] | N
     norms by type, and what lies between them (residual adds) taken to act on each element. A layer on the meta
     device is tried on a real copy with stand-in values and cut by shapes. Collective over the grid; every rank draws
     the same input. ``length``: a one-item list holding the whole sequence's length while the layer runs (its
-    dropouts' masks need it; :func:`grid_stage` keeps it)."""
+    dropouts' masks need it; :func:`grid_stage` keeps it). ``whole``: the ids of weights that must stay whole (tied
+    to another stage's): a layer holding one is left as it is."""
+    tied = next((n for n, p in layer.named_parameters() if id(p) in whole), None)
+    if tied is not None:
+        return f"its weight {tied!r} is tied to another stage's, which holds it whole"
     try:
         plan = _plan(layer)
     except Exception as e:  # every rank runs the same code on the same layer: they fail alike
@@ -337,13 +343,16 @@ class GridStage:
             sum_gradients(column + params("depth_summed"), self.grid.depth)
 
 
-def grid_stage(chunks: Sequence[Sequence[nn.Module]], mesh: Any, dim: int = 1) -> GridStage:
+def grid_stage(
+    chunks: Sequence[Sequence[nn.Module]], mesh: Any, dim: int = 1, whole: Collection[int] = ()
+) -> GridStage:
     """Convert each layer of this rank's stages (``chunks``: each stage's whole, unsplit layers, in the rank's order)
     to the grid ``mesh`` (:func:`~.grid.grid_mesh`) where :func:`grid_layer` can, and enter this rank's block before
     the first layer of each run of converted layers within a stage and gather it whole after its last: a stage takes
     and returns whole tensors, alike on every rank of the grid. ``dim``: the activations' sequence dimension. A layer
     converted on the meta device already (``CONVERTED``, ``tensor_parallel.grid_on_meta``) is taken as it is.
-    Collective over the grid. After each backward, :meth:`GridStage.sum_grads` must run."""
+    ``whole``: as :func:`grid_layer`'s. Collective over the grid. After each backward, :meth:`GridStage.sum_grads`
+    must run."""
     grid = Grid.of(mesh)
     out = GridStage({}, sum(len(c) for c in chunks), grid)
 
@@ -356,7 +365,7 @@ def grid_stage(chunks: Sequence[Sequence[nn.Module]], mesh: Any, dim: int = 1) -
     for layers in chunks:
         flags = []
         for i, layer in enumerate(layers):
-            done = vars(layer).pop(CONVERTED, None) or grid_layer(layer, grid, dim)
+            done = vars(layer).pop(CONVERTED, None) or grid_layer(layer, grid, dim, whole=whole)
             if isinstance(done, GridLayer):
                 out.layers[start + i] = done
             elif done is not None:

@@ -167,16 +167,17 @@ def parallelize_stage(
 
 
 def activation_stage(
-    chunks: Sequence[Sequence[nn.Module]], config: Any, tensor_group: Any, grid_mesh: Any
+    chunks: Sequence[Sequence[nn.Module]], config: Any, tensor_group: Any, grid_mesh: Any, ties: Sequence[Any] = ()
 ) -> ActivationStage | None:
     """How this rank's stages (``chunks``: each stage's layers) split their activations, set up before the replicas
     copy the layers: a shard of the sequence under ``config.sequence_parallel`` (the layers split by the plan
     already, ``sequence_parallel.py``); blocks of the d x q x q grid under ``config.grid`` (2D, 2.5D: the layers
-    whole, converted here, ``grid_stage.py``); None under 1D. Collective over the tensor group."""
+    whole, converted here, ``grid_stage.py``, but a layer holding a weight tied to another stage's: ``ties``, each
+    with its ``params``); None under 1D. Collective over the tensor group."""
     if config.sequence_parallel:
         return sequence_stage(chunks, tensor_group)
     if config.grid is not None:
-        return grid_stage(chunks, grid_mesh)
+        return grid_stage(chunks, grid_mesh, whole={id(p) for tie in ties for p in tie.params})
     return None
 
 
@@ -196,16 +197,16 @@ def split_on_meta(
     return done, _cut_since(named_layers, before)
 
 
-def grid_on_meta(named_layers: Mapping[str, nn.Module], mesh: Any) -> list[Shard]:
+def grid_on_meta(named_layers: Mapping[str, nn.Module], mesh: Any, ties: Sequence[Any] = ()) -> list[Shard]:
     """The grid's conversion (``grid_stage.grid_layer``, 2D and 2.5D) of this stage's layers while they are still on
     the meta device, each tried on a real copy with stand-in values and cut by shapes; what it made of each layer is
     left on it for ``grid_stage`` (``CONVERTED``). Returns, for each parameter cut, what ``materialize`` needs to make
-    only this rank's block of it real (:func:`place_shard`), as :func:`split_on_meta` does for 1D. Collective over the
-    grid."""
+    only this rank's block of it real (:func:`place_shard`), as :func:`split_on_meta` does for 1D; a layer holding a
+    weight of ``ties`` stays whole. Collective over the grid."""
     grid = Grid.of(mesh)
     before = _parameters(named_layers)
     for layer in named_layers.values():
-        setattr(layer, CONVERTED, grid_layer(layer, grid))
+        setattr(layer, CONVERTED, grid_layer(layer, grid, whole={id(p) for tie in ties for p in tie.params}))
     return _cut_since(named_layers, before)
 
 

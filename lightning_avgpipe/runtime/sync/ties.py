@@ -57,12 +57,13 @@ def tie_groups(
         stages = tuple(sorted({rank_of(s) if rank_of is not None else s for s in model_stages}))
         if len(stages) < 2:
             continue
-        for d in range(topology.num_groups):
-            ranks = [d * topology.num_stages + s for s in stages]
-            group = dist.new_group(ranks, timeout=timedelta(seconds=timeout))
-            if d == topology.group_index and topology.stage in stages:
-                names = tuple(name for name, _ in named)
-                mine.append(TiedWeights(stages, names, tuple(p for _, p in named), group))
+        for d in range(topology.num_groups):  # under tensor parallelism, one group per shard: its stages' copies
+            for t in range(topology.tensor_parallel_size):
+                ranks = [topology.rank_of(d, s, t) for s in stages]
+                group = dist.new_group(ranks, timeout=timedelta(seconds=timeout))
+                if (d, t) == (topology.group_index, topology.tensor_rank) and topology.stage in stages:
+                    names = tuple(name for name, _ in named)
+                    mine.append(TiedWeights(stages, names, tuple(p for _, p in named), group))
     return mine
 
 
@@ -74,6 +75,14 @@ class TiedGradients:
         self.elastic = elastic
         self.stage = stage
         position = {id(p): i for i, p in enumerate(elastic.reference_params)}
+        for tie in self.ties:
+            for name, p in zip(tie.names, tie.params):
+                if id(p) not in position:  # replaced since the ties were found: split by tensor parallelism
+                    raise ValueError(
+                        f"{name!r} is shared between stages {list(tie.stages)} and tensor parallelism split it on "
+                        f"stage {stage}: a weight tied across stages must stay whole on every shard (an embedding and "
+                        "the head it is tied to). Leave it out of tensor_parallel_plan, or untie it."
+                    )
         self.index = [[position[id(p)] for p in tie.params] for tie in self.ties]
 
     def copies(self, tie: int, replicas: int) -> list[nn.Parameter]:
