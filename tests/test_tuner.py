@@ -371,7 +371,12 @@ def test_tuner_applies_its_choice_and_reports_the_table(tmp_path: Path) -> None:
         assert table["notes"]["kept_pipelines"] == 1 and "your own batch, kept" in table["notes"]["reason"]
         rows = [row for row in rows if row["num_pipelines"] == 1]
     best = max(rows, key=lambda row: row["goodput"])
-    assert table["choice"]["goodput"] >= 0.995 * best["goodput"]
+    # the best row, or the user's own setting where the best beats it by less than the profile's noise allows (the
+    # tie window: twice the timing noise, wider on a loaded machine), which the reason then says
+    window = table["notes"]["tie_window"]
+    assert table["choice"]["goodput"] >= (1 - window) * best["goodput"], (table["choice"], best, window)
+    if table["choice"]["goodput"] < 0.995 * best["goodput"]:
+        assert "was kept" in table["notes"]["reason"], table["notes"]["reason"]
     assert (out / "tuning.png").stat().st_size > 0
     profile = table["profile"]
     assert len(profile["stages"]) == 2 and profile["batch_size"] == 12
