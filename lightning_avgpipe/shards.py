@@ -16,9 +16,9 @@ import torch
 from torch import Tensor
 
 try:  # torch >= 2.4 (the supported versions); DTensor is absent only from builds without torch.distributed
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover
-    DTensor = Shard = None  # type: ignore[assignment,misc]
+    DTensor = None  # type: ignore[assignment,misc]
 
 
 def is_dtensor(t: Any) -> bool:
@@ -42,22 +42,34 @@ def set_local(param: Tensor, data: Tensor) -> None:
         param.data = data
 
 
-def _sharded_dims(t: Tensor) -> tuple[bool, bool]:
-    """Whether ``t`` is split over the tensor-parallel group (a ``Shard`` on the mesh dimension ``"tensor"``) and
-    over the stage group by FSDP (a ``Shard`` on any other dimension)."""
+FSDP_DIMS = ("data", None)  # the mesh dimensions FSDP shards over (the job mesh's, or an unnamed stage group's)
+
+
+def _sharded_dims(t: Tensor) -> tuple[int, bool]:
+    """Into how many parts ``t`` is split within the tensor-parallel group (the product of the sizes of the mesh
+    dimensions it is a ``Shard`` on, FSDP's aside: ``"tensor"`` under 1D; the grid's ``row`` and ``col``, or a flat
+    mesh of the grid's ranks, under 2D and 2.5D), and whether FSDP splits it over the stage group."""
     if not is_dtensor(t):
-        return False, False
-    names = t.device_mesh.mesh_dim_names or (None,) * len(t.placements)  # type: ignore[attr-defined]
-    split = [(name, isinstance(p, Shard)) for name, p in zip(names, t.placements)]  # type: ignore[attr-defined]
-    return any(s for n, s in split if n == "tensor"), any(s for n, s in split if n != "tensor")
+        return 1, False
+    mesh: Any = t.device_mesh  # type: ignore[attr-defined]
+    names = mesh.mesh_dim_names or (None,) * mesh.ndim
+    parts, by_fsdp = 1, False
+    for i, (name, p) in enumerate(zip(names, t.placements)):  # type: ignore[attr-defined]
+        if not (p.is_replicate() or p.is_partial()):  # a Shard, or a _StridedShard (a fused qkv split by heads)
+            if name in FSDP_DIMS:
+                by_fsdp = True
+            else:
+                parts *= mesh.size(i)
+    return parts, by_fsdp
 
 
 def norm_weight(t: Tensor, tensor_parallel_size: int, shards: int = 1) -> float:
     """The weight of ``t``'s local squared norm in a sum over the tensor-parallel group (and, ``shards`` > 1, over
-    the stage group of an FSDP-sharded stage): 1 for a tensor split over the group (each rank holds a different
-    part), 1/size for a tensor every rank of it holds whole (a plain tensor or a replicated one)."""
-    by_tensor, by_fsdp = _sharded_dims(t)
-    weight = 1.0 if by_tensor or tensor_parallel_size == 1 else 1.0 / tensor_parallel_size
+    the stage group of an FSDP-sharded stage): one over how many of the group's ranks hold the same part of it (1 for
+    a tensor split over the whole group, 1/T for one every rank holds whole, 1/d for a grid's block copied over d
+    depth layers)."""
+    parts, by_fsdp = _sharded_dims(t)
+    weight = parts / tensor_parallel_size if tensor_parallel_size > 1 else 1.0
     return weight if by_fsdp or shards == 1 else weight / shards
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -221,3 +222,44 @@ def test_a_grid_that_does_not_fit_is_refused_with_the_fix() -> None:
         grid.block(torch.zeros(2, 6, 8), 1)
     block = grid.block(torch.arange(2 * 8 * 4.0).view(2, 8, 4), 1)  # sequence part k q + i = 2, hidden part 1
     assert block.tolist() == torch.arange(2 * 8 * 4.0).view(2, 8, 4)[:, 4:6, 2:].tolist()
+
+
+def _norm_worker(rank: int, world: int) -> dict[str, float]:
+    """On 8 ranks, one tensor group: each tensor's local squared norm, weighted by ``shards.norm_weight`` and summed
+    over the group, against its whole squared norm."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from lightning_avgpipe.runtime.sharding.grid import Grid, grid_mesh
+    from lightning_avgpipe.shards import norm_weight
+
+    tensor_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tensor",))
+    grid = Grid.of(grid_mesh(tensor_mesh, 2, 2))
+    whole = torch.arange(24 * 8, dtype=torch.float32).reshape(24, 8) / 100
+    cases = {
+        "1D column": (tensor_mesh, [Shard(0)]),
+        "1D fused qkv by heads": (tensor_mesh, [_StridedShard(0, split_factor=3)]),
+        "1D row-wise bias": (tensor_mesh, [Replicate()]),
+        "grid weight": (grid.mesh, [Replicate(), Shard(1), Shard(0)]),
+        "grid bias": (grid.mesh, [Replicate(), Replicate(), Shard(0)]),
+        "heads over the whole grid": (grid.flat, [Shard(0)]),
+        "heads over a depth layer": (grid.layer, [Shard(0)]),
+    }
+    out = {}
+    for name, (mesh, placements) in cases.items():
+        t = distribute_tensor(whole, mesh, placements, src_data_rank=None)
+        total = torch.tensor([t.to_local().pow(2).sum().item() * norm_weight(t, world)])
+        dist.all_reduce(total)
+        out[name] = float(total) / float(whole.pow(2).sum())
+    return out
+
+
+def test_norms_count_every_part_of_every_split_once() -> None:
+    """Clipping's and the probes' squared norms: a 1D shard, a fused qkv's strided shard, a row-wise layer's whole
+    bias, a grid's weight and bias (copied over depth) and heads over the whole grid or one depth layer, each summed
+    over the 8 ranks of a 2 x 2 x 2 grid, give the whole tensor's squared norm (the strided shard was counted 1/T
+    before)."""
+    for rank, out in enumerate(run_distributed(_norm_worker, 8, timeout=120)):
+        assert out == pytest.approx(dict.fromkeys(out, 1.0), rel=1e-6), (rank, out)
