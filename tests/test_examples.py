@@ -51,23 +51,20 @@ def test_a_hugging_face_gpt2_with_tied_weights(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(420)
 def test_a_hugging_face_llama_split_by_its_own_tensor_parallel_plan(tmp_path: Path) -> None:
-    """``examples/hf_llama_tp.py --check``: LlamaForCausalLM (random tiny config) over 2 stages x 2 shards, with no
-    plan given: the strategy follows the model's config.base_model_tp_plan (q, k, v, o, gate, up, down of every
-    block, on both stages) and trains as one process with accumulation does."""
+    """``examples/hf_llama_tp.py --check --sequence-parallel``: LlamaForCausalLM (random tiny config) over 2 stages x
+    2 shards, with no plan given: the strategy follows the model's config.base_model_tp_plan (q, k, v, o, gate, up,
+    down of every block, on both stages), every block holds half the sequence (the attention gathers it), the cut
+    is crossed as each shard's part, and it trains as one process with accumulation does. (One launch: without
+    sequence parallelism the same plan runs on torch's own styles, which the runtime and layout tests cover.)"""
     pytest.importorskip("transformers")
-    out = run_command([sys.executable, str(ROOT / "examples" / "hf_llama_tp.py"), "--check"], tmp_path)
-    assert "check: OK" in out, out[-3000:]
-    # sequence parallelism: every block on half the sequence (the attention gathers it), the same training
-    (tmp_path / "sp").mkdir()
-    sp = run_command(
-        [sys.executable, str(ROOT / "examples" / "hf_llama_tp.py"), "--check", "--sequence-parallel"], tmp_path / "sp"
+    out = run_command(
+        [sys.executable, str(ROOT / "examples" / "hf_llama_tp.py"), "--check", "--sequence-parallel"], tmp_path
     )
-    assert "check: OK" in sp, sp[-3000:]
-    # the cut falls between two such blocks: each shard sends its part of the sequence to its counterpart
+    assert "check: OK" in out, out[-3000:]
     said = (
         "stage 0: 1 (layer.self_attn whole), 2 (layer.self_attn whole) of its 3, its output sent as each shard's part;"
     )
-    assert said in " ".join(sp.split()), sp[-3000:]
+    assert said in " ".join(out.split()), out[-3000:]
     assert "tensor parallelism follows the Hugging Face model's config.base_model_tp_plan" in out
     split = out.split("splits, per stage, ")[1].split("\n")[0]
     for stage, block in ((0, 1), (1, 3)):
