@@ -111,7 +111,8 @@ def test_a_hugging_face_gpt2_on_two_stages_of_a_two_by_two_grid(tmp_path: Path) 
     assert "check: OK" in out, out[-3000:]
     assert float(re.search(r"accumulation\| = ([0-9.e+-]+)", out).group(1)) < 1e-5  # type: ignore[union-attr]
     # the embedding and the head are tied across the stages: each stays whole, its gradient summed on each shard
-    said = "stage 0: 1 (block.attn by heads), 2 (block.attn by heads) of its 3; its layer 0 whole: its weight "
+    said = "stage 0: 1 (block.attn by heads), 2 (block.attn by heads) of its 3, its output sent as each shard's part; "
+    said += "its layer 0 whole: its weight "
     said += "'wte.weight' is tied to another stage's, which holds it whole | stage 1: 0 (block.attn by heads), 1 "
     assert "tensor_parallel_mode='2d': layers on 1 x 2 x 2 blocks" in out and said in out, out[-3000:]
 

@@ -182,7 +182,7 @@ def announce_sequence(pipeline: StagePipeline) -> None:
             (i, [f"{n} {'by heads' if how == 'heads' else 'whole'}" for n, how in done.attentions.items()])
             for i, done in sorted(split.layers.items())
         ]
-        mine: Any = (layers, split.count, False, sorted(split.left.items()))
+        mine: Any = (layers, split.count, split.carried[0][1], sorted(split.left.items()))
     else:
         mine = (
             [(i, [f"{g} whole" for g in done.gathered]) for i, done in sorted(split.layers.items())],

@@ -59,7 +59,7 @@ from lightning_avgpipe.runtime.sharding.head_parallel import (
     stand_in,
     widths,
 )
-from lightning_avgpipe.runtime.sharding.sequence_parallel import first_output, with_hidden
+from lightning_avgpipe.runtime.sharding.sequence_parallel import carry_ends, first_output, with_hidden
 
 # a whole tensor gathered for an attention -> (this rank's block of it, the grid, the sequence dimension)
 _WHOLE: Any = WeakIdKeyDictionary()
@@ -316,13 +316,16 @@ class GridStage:
     count: int  # the rank's layers
     grid: Grid
     left: dict[int, str] = field(default_factory=dict)
-    # as ``SequenceStage.carried``: a stage boundary carries whole tensors under the grid (shard 0 sends them)
-    carried: list[list[bool]] = field(default_factory=lambda: [[False, False]])
+    # per stage of the rank: whether its first and last layers are converted (what its boundaries may carry)
+    ends: list[tuple[bool, bool]] = field(default_factory=list)
+    # per stage of the rank: whether its input and output cross their boundaries as this rank's block (:meth:`carry`)
+    carried: list[list[bool]] = field(default_factory=list)
 
     def carry(self, topology: Any, device: torch.device) -> tuple[bool, bool]:
-        """Whether the stage's boundaries carry this rank's block: never (``SequenceStage.carry``'s counterpart; a
-        run of converted layers gathers its output whole at a stage's end)."""
-        return False, False
+        """Whether this rank's stage takes its input and sends its output as this rank's block: where the layers on
+        both sides of a boundary are converted, each rank sends its block to its counterpart in the next stage (the
+        same place on the next stage's grid), with no gather and no broadcast (``sequence_parallel.carry_ends``)."""
+        return carry_ends(self.ends, self.carried, topology, device)
 
     def sum_grads(self, copies: Sequence[nn.Module]) -> None:
         """After the backward: sum the gradients of the weights that saw only this rank's tokens, over the grid
@@ -356,13 +359,19 @@ def grid_stage(
     grid = Grid.of(mesh)
     out = GridStage({}, sum(len(c) for c in chunks), grid)
 
-    def entering(x: Tensor, cells: list[list[int]]) -> Tensor:
+    def entering(x: Tensor, cells: list[list[int]], carried: bool) -> Tensor:
+        """A run's input cut to the block; a stage's input that crossed its boundary as the block, kept."""
         for cell in cells:  # the whole sequence's length, for the run's dropouts
-            cell[0] = int(x.shape[dim]) if x.dim() > dim else 0
-        return EnterBlock.apply(x, grid, dim)  # type: ignore[no-any-return]
+            cell[0] = (int(x.shape[dim]) * (grid.parts if carried else 1)) if x.dim() > dim else 0
+        return x if carried else EnterBlock.apply(x, grid, dim)  # type: ignore[no-any-return]
+
+    def leaving(y: Any, carried: bool) -> Any:
+        return y if carried else first_output(y, lambda t: LeaveBlock.apply(t, grid, dim))
 
     start = 0
     for layers in chunks:
+        carried = [False, False]  # set by carry() once the neighbouring stages are known
+        out.carried.append(carried)
         flags = []
         for i, layer in enumerate(layers):
             done = vars(layer).pop(CONVERTED, None) or grid_layer(layer, grid, dim, whole=whole)
@@ -371,14 +380,19 @@ def grid_stage(
             elif done is not None:
                 out.left[start + i] = done
             flags.append(isinstance(done, GridLayer))
+        out.ends.append((bool(flags) and flags[0], bool(flags) and flags[-1]))
+        last = len(layers) - 1
         for i, layer in enumerate(layers):
             if flags[i] and (i == 0 or not flags[i - 1]):
                 end = next((e for e in range(i, len(layers)) if not flags[e]), len(layers))
                 cells = [out.layers[start + e].length for e in range(i, end)]
                 layer.register_forward_pre_hook(
-                    lambda _m, a, k, c=cells: with_hidden(a, k, lambda x: entering(x, c)), with_kwargs=True
+                    lambda _m, a, k, c=cells, r=carried, e=i == 0: with_hidden(
+                        a, k, lambda x: entering(x, c, e and r[0])
+                    ),
+                    with_kwargs=True,
                 )
-            if flags[i] and (i == len(layers) - 1 or not flags[i + 1]):
-                layer.register_forward_hook(lambda _m, _a, y: first_output(y, lambda t: LeaveBlock.apply(t, grid, dim)))
+            if flags[i] and (i == last or not flags[i + 1]):
+                layer.register_forward_hook(lambda _m, _a, y, r=carried, e=i == last: leaving(y, e and r[1]))
         start += len(layers)
     return out

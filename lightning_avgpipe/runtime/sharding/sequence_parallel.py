@@ -188,16 +188,7 @@ class SequenceStage:
         neither enters the shard at its first layer nor leaves it after its last. Collective over the pipeline's
         stages (``topology``'s ``pipeline_group``); never with one stage, or several stages per rank (each boundary
         whole there)."""
-        stage, stages, group = topology.stage, topology.num_stages, topology.pipeline_group
-        if stages == 1 or len(self.ends) != 1:
-            return False, False
-        mine = torch.tensor([int(self.ends[0][0]), int(self.ends[0][1])], device=device)
-        seen = [torch.empty_like(mine) for _ in range(stages)]
-        dist.all_gather(seen, mine, group=group)
-        into = stage > 0 and bool(seen[stage - 1][1]) and bool(seen[stage][0])
-        out = stage < stages - 1 and bool(seen[stage][1]) and bool(seen[stage + 1][0])
-        self.carried[0][:] = [into, out]
-        return into, out
+        return carry_ends(self.ends, self.carried, topology, device)
 
     def sum_grads(self, copies: Sequence[nn.Module]) -> None:
         """Sum the shard-run weights' gradients over the tensor group, in every copy of the stage's layers
@@ -209,6 +200,25 @@ class SequenceStage:
             for name in done.summed
         ]
         sum_gradients(params, self.group)
+
+
+def carry_ends(
+    ends: Sequence[tuple[bool, bool]], carried: list[list[bool]], topology: Any, device: torch.device
+) -> tuple[bool, bool]:
+    """Whether the boundaries before and after this rank's one stage carry a part of the activations (``ends``: per
+    stage of the rank, whether its first and last layers run on a part), set in ``carried[0]``: where the layers on
+    both sides of a boundary do. Collective over the pipeline's stages (``topology``'s ``pipeline_group``); never
+    with one stage, or several stages per rank."""
+    stage, stages, group = topology.stage, topology.num_stages, topology.pipeline_group
+    if stages == 1 or len(ends) != 1:
+        return False, False
+    mine = torch.tensor([int(ends[0][0]), int(ends[0][1])], device=device)
+    seen = [torch.empty_like(mine) for _ in range(stages)]
+    dist.all_gather(seen, mine, group=group)
+    into = stage > 0 and bool(seen[stage - 1][1]) and bool(seen[stage][0])
+    out = stage < stages - 1 and bool(seen[stage][1]) and bool(seen[stage + 1][0])
+    carried[0][:] = [into, out]
+    return into, out
 
 
 def sequence_stage(chunks: Sequence[Sequence[nn.Module]], group: Any, dim: int = 1) -> SequenceStage:
