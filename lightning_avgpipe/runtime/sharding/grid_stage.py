@@ -59,7 +59,7 @@ from lightning_avgpipe.runtime.sharding.head_parallel import (
     stand_in,
     widths,
 )
-from lightning_avgpipe.runtime.sharding.sequence_parallel import carry_ends, first_output, with_hidden
+from lightning_avgpipe.runtime.sharding.sequence_parallel import carry_ends, first_output, hook_runs, with_hidden
 
 # a whole tensor gathered for an attention -> (this rank's block of it, the grid, the sequence dimension)
 _WHOLE: Any = WeakIdKeyDictionary()
@@ -380,19 +380,15 @@ def grid_stage(
             elif done is not None:
                 out.left[start + i] = done
             flags.append(isinstance(done, GridLayer))
-        out.ends.append((bool(flags) and flags[0], bool(flags) and flags[-1]))
-        last = len(layers) - 1
-        for i, layer in enumerate(layers):
-            if flags[i] and (i == 0 or not flags[i - 1]):
-                end = next((e for e in range(i, len(layers)) if not flags[e]), len(layers))
-                cells = [out.layers[start + e].length for e in range(i, end)]
-                layer.register_forward_pre_hook(
-                    lambda _m, a, k, c=cells, r=carried, e=i == 0: with_hidden(
-                        a, k, lambda x: entering(x, c, e and r[0])
-                    ),
-                    with_kwargs=True,
-                )
-            if flags[i] and (i == last or not flags[i + 1]):
-                layer.register_forward_hook(lambda _m, _a, y, r=carried, e=i == last: leaving(y, e and r[1]))
+        runs = {  # each run's first layer -> the length cells of the run's layers (their dropouts read them)
+            f: [out.layers[start + e].length for e in range(f, len(layers)) if all(flags[f : e + 1])]
+            for f in range(len(layers))
+            if flags[f] and (f == 0 or not flags[f - 1])
+        }
+
+        def enter_run(x: Tensor, f: int, c: bool, cells: dict[int, list[list[int]]] = runs) -> Tensor:
+            return entering(x, cells[f], c)
+
+        out.ends.append(hook_runs(layers, flags, carried, enter_run, leaving))
         start += len(layers)
     return out

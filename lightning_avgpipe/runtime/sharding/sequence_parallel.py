@@ -250,18 +250,32 @@ def sequence_stage(chunks: Sequence[Sequence[nn.Module]], group: Any, dim: int =
                     if type(m) is nn.Dropout:  # its masks: the unsplit model's, each shard drawing the whole one
                         m.forward = types.MethodType(functools.partial(_dropout, length, group, dim), m)  # type: ignore[method-assign]
             flags.append(done is not None)
-        out.ends.append((bool(flags) and flags[0], bool(flags) and flags[-1]))
-        last = len(layers) - 1
-        for i, layer in enumerate(layers):
-            if flags[i] and (i == 0 or not flags[i - 1]):
-                layer.register_forward_pre_hook(
-                    lambda _m, a, k, c=carried, e=i == 0: with_hidden(a, k, lambda x: entering(x, e and c[0])),
-                    with_kwargs=True,
-                )
-            if flags[i] and (i == last or not flags[i + 1]):
-                layer.register_forward_hook(lambda _m, _a, y, c=carried, e=i == last: leaving(y, e and c[1]))
+        out.ends.append(hook_runs(layers, flags, carried, lambda x, _first, c: entering(x, c), leaving))
         start += len(layers)
     return out
+
+
+def hook_runs(
+    layers: Sequence[nn.Module],
+    flags: Sequence[bool],
+    carried: list[bool],
+    entering: Callable[[Tensor, int, bool], Tensor],
+    leaving: Callable[[Any, bool], Any],
+) -> tuple[bool, bool]:
+    """Hook each run of consecutive ``layers`` whose ``flags`` are set, in one stage: ``entering(x, i, c)`` on the
+    hidden states before the run's first layer ``i``, ``leaving(y, c)`` on the first output after its last; ``c``
+    is ``carried[0]`` (``carried[1]``) read as the stage runs where that layer is the stage's first (last), else
+    False. Returns whether the stage's first and last layers are flagged (what its boundaries may carry)."""
+    last = len(layers) - 1
+    for i, layer in enumerate(layers):
+        if flags[i] and (i == 0 or not flags[i - 1]):
+            layer.register_forward_pre_hook(
+                lambda _m, a, k, i=i: with_hidden(a, k, lambda x: entering(x, i, i == 0 and carried[0])),
+                with_kwargs=True,
+            )
+        if flags[i] and (i == last or not flags[i + 1]):
+            layer.register_forward_hook(lambda _m, _a, y, e=i == last: leaving(y, e and carried[1]))
+    return bool(flags) and flags[0], bool(flags) and flags[-1]
 
 
 def _dropout(length: list[int], group: Any, dim: int, self: nn.Dropout, x: Tensor) -> Tensor:
