@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from examples.gpt_args import add_model_args, add_partition_arg, check_model_args, model_sizes, partition_of
-from tests.helpers.harness import launch_ranks, run_distributed
+from tests.helpers import harness
+from tests.helpers.harness import free_port, launch_ranks, run_distributed
 
 
 def _gone(pid: int) -> bool:
@@ -111,6 +114,60 @@ def test_run_distributed_kills_every_rank_after_the_timeout(tmp_path: Path) -> N
     with pytest.raises(TimeoutError, match="did not finish within 15 s"):
         run_distributed(_sleeps, 2, str(tmp_path), timeout=15)
     assert all(_gone(int(p.read_text())) for p in tmp_path.iterdir())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the rendezvous port: below the ephemeral range, never twice, started again where it was taken
+# ---------------------------------------------------------------------------------------------------------------
+def test_free_port_is_below_the_ephemeral_range_and_never_handed_out_twice() -> None:
+    low, _ = harness._ephemeral()
+    ports = [free_port() for _ in range(200)]
+    assert len(set(ports)) == len(ports)
+    assert all(20000 <= port < low for port in ports), [port for port in ports if not 20000 <= port < low]
+
+
+_INIT = "import torch.distributed as d; d.init_process_group('gloo'); d.barrier(); print('joined', d.get_rank())"
+
+
+@pytest.fixture
+def taken_first(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """``free_port`` gives first a port that something listens on (as CI once saw), then free ones."""
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    real = harness.free_port
+    ports = iter([int(holder.getsockname()[1])])
+    seen: list[int] = []
+
+    def first_taken() -> int:
+        port = next(ports, None)
+        port = real() if port is None else port
+        seen.append(port)
+        return port
+
+    monkeypatch.setattr(harness, "free_port", first_taken)
+    yield seen
+    holder.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_launch_ranks_starts_again_on_another_port_where_the_first_was_taken(taken_first: list[int]) -> None:
+    results = launch_ranks(["-c", _INIT], 2, timeout=90, grace=3.0)
+    assert [code for code, _ in results] == [0, 0], results
+    assert [out.split()[-2:] for _, out in results] == [["joined", "0"], ["joined", "1"]]
+    assert len(taken_first) == 2 and taken_first[0] != taken_first[1]
+
+
+def _joined(rank: int, world_size: int) -> int:
+    return rank
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_run_distributed_starts_again_on_another_port_where_the_first_was_taken(taken_first: list[int]) -> None:
+    assert run_distributed(_joined, 2, timeout=90, grace=3.0) == [0, 1]
+    assert len(taken_first) == 2 and taken_first[0] != taken_first[1]
 
 
 # ---------------------------------------------------------------------------------------------------------------

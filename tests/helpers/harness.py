@@ -36,8 +36,39 @@ ROOT = Path(__file__).resolve().parents[2]  # the repository root
 _init_s: float | None = None  # in a rank of run_distributed: seconds from its start to its process group
 
 
+_given: set[int] = set()  # the ports free_port() handed out in this process, never handed out twice
+_IN_USE = "EADDRINUSE"  # in a rank's output when its rendezvous port was taken between free_port() and the bind
+
+
+def _ephemeral() -> tuple[int, int]:
+    """The kernel's range for outgoing connections' ports (gloo's many connections take theirs from it)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the rendezvous port of one group of ranks)."""
+    """A TCP port on 127.0.0.1 that was free a moment ago (the rendezvous port of one group of ranks).
+
+    Drawn below the kernel's ephemeral range, so no outgoing connection of the ranks already running (gloo opens
+    one per pair of ranks, with a port from that range) can take it before the new group's store binds it; a port
+    is handed out once per process. CI saw the kernel's own pick (``bind(0)``, in that range) taken in between.
+    """
+    low = min(_ephemeral()[0], 32768)
+    pick = random.Random()  # not the tests' seeded generator: every draw differs
+    for _ in range(200):
+        port = pick.randrange(20000, low)
+        if port in _given:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _given.add(port)
+        return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -121,14 +152,37 @@ def run_distributed(
     Raises ``RuntimeError`` with every failing rank's traceback (the ranks still running ``grace`` seconds after
     the first failure are killed), ``RuntimeError`` when a rank dies without a word, or ``TimeoutError`` when the
     ranks do not finish within ``timeout`` seconds. Every rank is killed on any failure: nothing is left hanging.
+    A start whose rendezvous port was taken before rank 0's store bound it (``EADDRINUSE``) is tried again on
+    another port, twice at most.
     """
+    for attempt in range(3):
+        try:
+            return _run_once(free_port(), fn, world_size, args, timeout, threads, seed, start_method, grace, what)
+        except RuntimeError as failed:  # the port was taken before rank 0's store bound it: nothing ran yet
+            if attempt == 2 or _IN_USE not in str(failed):
+                raise
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+def _run_once(
+    port: int,
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple[Any, ...],
+    timeout: float,
+    threads: int,
+    seed: int | None,
+    start_method: str,
+    grace: float,
+    what: str,
+) -> list[Any]:
+    """One start of :func:`run_distributed`'s ranks, on rendezvous ``port``."""
     import torch
     import torch.multiprocessing as mp
 
     preloaded = start_method == "preloaded"
     ctx = _preloaded() if preloaded else mp.get_context(start_method)
     queue = ctx.SimpleQueue()
-    port = free_port()
     env = dict(os.environ) if preloaded else None
     procs = [
         ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, threads, seed, env))
@@ -334,7 +388,9 @@ def launch_ranks(
 
     Each rank gets torchrun's variables (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``LOCAL_RANK``,
     ``NODE_RANK``, ``WORLD_SIZE``), ``OMP_NUM_THREADS=1`` and the repository on ``PYTHONPATH``, then ``env``
-    (a dict, or rank -> dict: another launcher's variables set by hand, SLURM's for example).
+    (a dict, or rank -> dict: another launcher's variables set by hand, SLURM's for example). Where the
+    rendezvous port :func:`free_port` gave was taken before rank 0's store bound it (``EADDRINUSE`` in an output;
+    nothing ran yet), the ranks are started again on another port, twice at most.
     Its stdout and stderr go to ``log_dir/rank{r}.log`` (a temporary folder by default), whose text is returned;
     the ranks in ``echo`` write to this process's console instead (their output is returned as ``""``).
 
@@ -351,7 +407,36 @@ def launch_ranks(
     process of the machine), for tests that bound when each rank stopped. The ranks in ``frozen`` (stopped by the
     test) are not waited for: once every other rank ended, they are killed (exit code -9).
     """
-    port = free_port()
+    kwargs = dict(log_dir=log_dir, echo=echo, grace=grace, preload=preload, ended=ended, frozen=frozen)
+    own_port = "MASTER_PORT" not in ((env(0) if callable(env) else env) or {})
+    for attempt in range(3):
+        last = not own_port or attempt == 2
+        try:
+            results = _launch_once(free_port(), args, world_size, timeout, env, **kwargs)  # type: ignore[arg-type]
+        except TimeoutError as timed_out:
+            if last or _IN_USE not in str(timed_out):
+                raise
+            continue
+        if last or not any(code != 0 and _IN_USE in out for code, out in results):
+            return results
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+def _launch_once(
+    port: int,
+    args: Sequence[str],
+    world_size: int,
+    timeout: float,
+    env: dict[str, str] | Callable[[int], dict[str, str]] | None,
+    *,
+    log_dir: Path | None,
+    echo: Collection[int],
+    grace: float | None,
+    preload: bool,
+    ended: list[float] | None,
+    frozen: Collection[int],
+) -> list[tuple[int, str]]:
+    """One start of :func:`launch_ranks`'s ranks, on rendezvous ``port``."""
     tmp = None if log_dir is not None else tempfile.TemporaryDirectory(prefix="ranks-")
     folder = Path(tmp.name) if tmp is not None else Path(log_dir)  # type: ignore[arg-type]
     procs: list[Any] = []
