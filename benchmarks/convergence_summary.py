@@ -95,7 +95,12 @@ def goodput_check(
     correlation of predicted goodput with 1 / measured time >= 0.8, and the method with the highest predicted
     goodput within 15% of the best measured time. Also the λ each elastic method's samples imply.
     """
-    from lightning_avgpipe.noise_scale import ELASTIC_BATCH_FACTOR, effective_batch, efficiency, elastic_factor
+    from lightning_avgpipe.algorithms.noise_scale import (
+        ELASTIC_BATCH_FACTOR,
+        effective_batch,
+        efficiency,
+        elastic_factor,
+    )
 
     b = study.batch
     b_noise = (noise or {}).get("value")

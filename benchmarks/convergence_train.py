@@ -19,8 +19,8 @@ from benchmarks.convergence_studies import METHODS, SPECS, Data, Study, data_for
 
 
 def train_run(data: Data, method: str, lr: float, seed: int, n: int) -> dict[str, Any]:
-    from lightning_avgpipe.elastic import ElasticAveraging
-    from lightning_avgpipe.optim import clone_optimizer
+    from lightning_avgpipe.algorithms.elastic import ElasticAveraging
+    from lightning_avgpipe.algorithms.optim import clone_optimizer
 
     study = data.study
     spec = SPECS[method]
@@ -115,7 +115,7 @@ def train_run(data: Data, method: str, lr: float, seed: int, n: int) -> dict[str
 def noise_scale(data: Data, model: nn.Module, batch: int, g: torch.Generator, draws: int = 16) -> dict[str, Any]:
     """B_simple at ``model``'s weights as the tuner measures it: per batch of B, the gradients of its two halves
     and of the whole (``GradientNorms``), averaged over ``draws`` batches; ``value`` is None when not positive."""
-    from lightning_avgpipe.noise_scale import GradientNorms
+    from lightning_avgpipe.algorithms.noise_scale import GradientNorms
 
     params = [p for p in model.parameters() if p.requires_grad]
 

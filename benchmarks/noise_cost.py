@@ -38,7 +38,7 @@ import torch.distributed as dist  # noqa: E402
 from benchmarks import throughput  # noqa: E402
 from benchmarks.common import make_batches  # noqa: E402
 from benchmarks.throughput_rows import WORLD, _lm_loss, _pipeline  # noqa: E402
-from lightning_avgpipe.noise_scale import NoiseScale  # noqa: E402
+from lightning_avgpipe.algorithms.noise_scale import NoiseScale  # noqa: E402
 from tests.helpers.harness import run_distributed  # noqa: E402
 
 

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from examples.char_gpt import Block, GPTConfig  # noqa: E402
-from lightning_avgpipe.replicas import BatchedReplicas, stack  # noqa: E402
+from lightning_avgpipe.algorithms.replicas import BatchedReplicas, stack  # noqa: E402
 
 
 def measure(n: int, micro: int, cfg: GPTConfig, repeats: int, model: str) -> tuple[float, float]:

@@ -43,9 +43,9 @@ def elastic_reference(
     The whole model, N replicas each on its own consecutive batch with gradient accumulation over the same
     micro-batches, one AdamW clone per replica, then the elastic update.
     """
-    from lightning_avgpipe import microbatch
-    from lightning_avgpipe.elastic import ElasticAveraging
-    from lightning_avgpipe.optim import clone_optimizer
+    from lightning_avgpipe.algorithms import microbatch
+    from lightning_avgpipe.algorithms.elastic import ElasticAveraging
+    from lightning_avgpipe.algorithms.optim import clone_optimizer
 
     elastic = ElasticAveraging(copy.deepcopy(base), n)
     user = _adamw(elastic.reference_params, args)
@@ -72,7 +72,7 @@ class ElasticProbe:
     """The elastic update alone: ``begin_step()`` + ``finish_step()`` on a private N-replica copy of this stage."""
 
     def __init__(self, layers: list[nn.Module], n: int) -> None:
-        from lightning_avgpipe.elastic import ElasticAveraging
+        from lightning_avgpipe.algorithms.elastic import ElasticAveraging
 
         self.elastic = ElasticAveraging(copy.deepcopy(layers), n)
 

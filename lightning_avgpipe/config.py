@@ -6,8 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Union
 
+from lightning_avgpipe.algorithms.elastic import check_alpha, check_outer
 from lightning_avgpipe.checks import is_int, is_number
-from lightning_avgpipe.elastic import check_alpha, check_outer
 from lightning_avgpipe.schedules import check_schedule_name
 from lightning_avgpipe.schedules.generate import check_schedule_costs, check_stages_per_rank
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_avgpipe.advance_k import AdvanceSearch, added_bytes
+from lightning_avgpipe.algorithms.advance_k import AdvanceSearch, added_bytes
 
 
 def _run(search: AdvanceSearch, time_of_k, peak: float = 0.0, unit: float = 0.0) -> list[int]:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_avgpipe.elastic import ElasticAveraging, check_alpha, default_alpha
+from lightning_avgpipe.algorithms.elastic import ElasticAveraging, check_alpha, default_alpha
 
 
 def _layers() -> list[nn.Module]:
@@ -250,7 +250,7 @@ def test_outer_and_period_validation_names_the_argument(kwargs: dict, fragment: 
 def test_groups_without_their_process_group_are_refused() -> None:
     """D > 1 with group=None would leave the D groups' updates apart without a word (a Topology made directly, not
     by Topology.build, has no groups)."""
-    from lightning_avgpipe.elastic import average_gradients
+    from lightning_avgpipe.algorithms.elastic import average_gradients
 
     with pytest.raises(ValueError, match=r"num_groups=2 pipeline groups need the stage process group.*Topology.build"):
         ElasticAveraging(_layers(), num_replicas=2, num_groups=2)

@@ -3,12 +3,13 @@ above (``config.py`` must not pull in the runtime, the runtime not the tuner, th
 
 The order, lowest first: the shared checks; schedules, micro-batches and the noise maths; elastic
 averaging, optimizers and the config; the runtime; the tuning maths; partitioning; the Lightning plugin; the command
-lines and the package's face. Every import counts, at module level or inside a function, under ``TYPE_CHECKING`` or
-not: each is a dependency a reader must follow.
+lines and the package's face. The second and third layers but the schedules and the config are the paper's
+algorithms, one room: ``algorithms/``. Every import counts, at module level or inside a function, under
+``TYPE_CHECKING`` or not: each is a dependency a reader must follow.
 
 Inside a layer, ``plugin/`` and ``runtime/`` are grouped into rooms by concept (``plugin/checkpoint/``,
 ``runtime/failures/``, ...): a room imports of its own package only what ``tests/helpers/layers.py``'s ``ROOMS`` lists
-(``runtime/failures/`` nothing of the step), and no room holds more than 12 files.
+(``runtime/failures/`` nothing of the step), and no room holds more than 12 files (``algorithms/`` included).
 
 The tests stand alone as well: what several test modules share lives in ``tests/helpers/``, and no module of
 ``tests/`` or ``benchmarks/`` imports a test module (``tests/test_*.py``), by an import statement or by a dotted name
@@ -147,12 +148,13 @@ def test_the_room_check_refuses_an_import_across(source: str, line: str) -> None
 
 def test_the_rooms_are_the_folders() -> None:
     """Every subpackage of plugin/ and runtime/ is a room of ``ROOMS`` (tuner/ included), each names what it is and
-    may import in its ``__init__.py``, and none holds more than 12 files."""
+    may import in its ``__init__.py``, and none holds more than 12 files; so does ``algorithms/``, the room at the
+    package's root (the layers rule its imports)."""
     folders = {
         str(d.relative_to(PACKAGE)) for top in ("plugin", "runtime") for d in (PACKAGE / top).iterdir() if d.is_dir()
     } - {"plugin/__pycache__", "runtime/__pycache__"}
     assert folders == set(ROOMS), (sorted(folders), sorted(ROOMS))
-    for room in ROOMS:
+    for room in (*ROOMS, "algorithms"):
         files = sorted((PACKAGE / room).glob("*.py"))
         assert len(files) <= 12, (room, len(files))
         assert "import" in ((PACKAGE / room / "__init__.py").read_text()), f"{room}/__init__.py: say what it may import"

@@ -105,7 +105,7 @@ def test_divergence_is_measured_on_the_steps_lightning_writes_logs(
 
     from lightning.pytorch.loggers import CSVLogger
 
-    from lightning_avgpipe.elastic import ElasticAveraging
+    from lightning_avgpipe.algorithms.elastic import ElasticAveraging
 
     trainer = _trainer(
         strategy=AvgPipeStrategy(num_microbatches=2, num_pipelines=2, partition=[6]),

@@ -76,7 +76,7 @@ def _average_worker(rank: int, world: int) -> list[list[torch.Tensor]]:
     """Rank d's gradients averaged over the 2 ranks, in one flat buffer and in buckets of 64 bytes."""
     import torch.distributed as dist
 
-    from lightning_avgpipe.elastic import average_gradients
+    from lightning_avgpipe.algorithms.elastic import average_gradients
 
     out = []
     for bucket_bytes in (1 << 30, 64):

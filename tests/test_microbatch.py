@@ -1,4 +1,4 @@
-"""Pure units for ``lightning_avgpipe.microbatch``: split, merge, batch_size and signature."""
+"""Pure units for ``lightning_avgpipe.algorithms.microbatch``: split, merge, batch_size and signature."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections import OrderedDict, defaultdict, namedtuple
 import pytest
 import torch
 
-from lightning_avgpipe import microbatch
+from lightning_avgpipe.algorithms import microbatch
 
 Pair = namedtuple("Pair", ["x", "y"])
 

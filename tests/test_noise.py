@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_avgpipe.algorithms.noise_scale import GradientNorms, NoiseScale, efficiency
 from lightning_avgpipe.config import PipelineConfig
-from lightning_avgpipe.noise_scale import GradientNorms, NoiseScale, efficiency
 from lightning_avgpipe.runtime.comms.topology import Topology
 from lightning_avgpipe.runtime.controller import StepController
 from lightning_avgpipe.runtime.pipeline import StagePipeline

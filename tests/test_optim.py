@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_avgpipe.elastic import ElasticAveraging
-from lightning_avgpipe.optim import ElasticOptimizer, clone_optimizer
+from lightning_avgpipe.algorithms.elastic import ElasticAveraging
+from lightning_avgpipe.algorithms.optim import ElasticOptimizer, clone_optimizer
 
 
 def _setup(n: int = 2) -> tuple[ElasticAveraging, ElasticOptimizer, torch.optim.Optimizer]:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_avgpipe.replicas import BatchedReplicas, select, stack
+from lightning_avgpipe.algorithms.replicas import BatchedReplicas, select, stack
 from tests.helpers.models import make_layers
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_avgpipe import microbatch
+from lightning_avgpipe.algorithms import microbatch
 from lightning_avgpipe.runtime.comms.topology import Topology
 from lightning_avgpipe.runtime.sharding.tensor_parallel import check_plan, default_plan
 from tests.helpers.blocks import Block, CausalSelfAttention, GPT2Attention, GPT2Block, GQABlock, NanoBlock
@@ -93,7 +93,7 @@ def batch(step: int, replica: int, replicas: int) -> tuple[torch.Tensor, torch.T
 
 def reference(replicas: int, kind: str = "mlp") -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process: ``replicas`` = N x D copies of the unsplit model, each its own SGD, tied by the elastic rule."""
-    from lightning_avgpipe.elastic import ElasticAveraging
+    from lightning_avgpipe.algorithms.elastic import ElasticAveraging
 
     layers = make_model(kind=kind)
     elastic = ElasticAveraging(layers, num_replicas=replicas)
@@ -432,7 +432,7 @@ def test_strategy_arguments_for_tensor_parallelism_are_checked() -> None:
     with pytest.raises(ValueError, match=r"a plan says how 1D splits each layer.*Drop the plan, or set tensor_paral"):
         check_tensor_parallel_args(4, {"a": "colwise"}, 4, "2d")
     # a weight tied across stages that the plan split (a new parameter since the ties were found) is refused
-    from lightning_avgpipe.elastic import ElasticAveraging
+    from lightning_avgpipe.algorithms.elastic import ElasticAveraging
     from lightning_avgpipe.runtime.sync.ties import TiedGradients, TiedWeights
 
     head = nn.Linear(4, 4)

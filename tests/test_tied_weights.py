@@ -96,7 +96,7 @@ def test_a_checkpoint_of_the_tied_model_loads_on_one_device_tied(tmp_path: Path)
 
 
 def test_replicas_keep_a_weight_two_layers_of_one_stage_share() -> None:
-    from lightning_avgpipe.elastic import ElasticAveraging
+    from lightning_avgpipe.algorithms.elastic import ElasticAveraging
 
     layers = tied_layers()
     elastic = ElasticAveraging(layers, num_replicas=3)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from lightning_avgpipe.__main__ import main
-from lightning_avgpipe.noise_scale import ELASTIC_BATCH_FACTOR
+from lightning_avgpipe.algorithms.noise_scale import ELASTIC_BATCH_FACTOR
 from lightning_avgpipe.schedules import build_plan, simulate
 from lightning_avgpipe.tuning import (
     NoFeasibleSettingError,
@@ -569,7 +569,7 @@ def test_goodput_is_samples_per_second_times_the_efficiency_at_the_noise_scale()
 def test_the_elastic_options_set_their_fitted_factor() -> None:
     """λ follows the strategy's elastic options: the paper's rule, H = 4's fit, and an outer momentum at H = 1 that
     reached no target (efficiency 0); each says what it rests on."""
-    from lightning_avgpipe.noise_scale import OUTER_BATCH_FACTOR, PERIOD_BATCH_FACTOR, elastic_factor
+    from lightning_avgpipe.algorithms.noise_scale import OUTER_BATCH_FACTOR, PERIOD_BATCH_FACTOR, elastic_factor
 
     assert elastic_factor() == (ELASTIC_BATCH_FACTOR, "the paper's rule, fitted (±0.35)")
     assert elastic_factor(period=4)[0] == PERIOD_BATCH_FACTOR and "fitted at averaging_period=4" in elastic_factor(4)[1]

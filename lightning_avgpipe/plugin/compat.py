@@ -59,8 +59,8 @@ the plugin imports them from one place:
 
 Private state of other libraries, not kept here: torchmetrics ``Metric._defaults``, ``_update_count``,
 ``_forward_cache``, ``_computed`` (``plugin/steps/bridge.py``); torch ``GradScaler._per_optimizer_states`` and
-``_scale`` (``plugin/steps/precision.py``), ``optimizer._opt_called`` (``optim.py``, what LR schedulers check),
-``torch.distributed._get_default_store`` (``runtime/failures/report.py``), a process group's
+``_scale`` (``plugin/steps/precision.py``), ``optimizer._opt_called`` (``algorithms/optim.py``, what LR schedulers
+check), ``torch.distributed._get_default_store`` (``runtime/failures/report.py``), a process group's
 ``options._timeout`` (``runtime/comms/topology.py``).
 """
 

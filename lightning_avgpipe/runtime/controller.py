@@ -29,11 +29,11 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_avgpipe import microbatch
-from lightning_avgpipe.advance_k import AdvanceSearch, added_bytes
+from lightning_avgpipe.algorithms import microbatch
+from lightning_avgpipe.algorithms.advance_k import AdvanceSearch, added_bytes
+from lightning_avgpipe.algorithms.noise_scale import NoiseScale
 from lightning_avgpipe.config import PipelineConfig
 from lightning_avgpipe.cpu import host_memory_bytes
-from lightning_avgpipe.noise_scale import NoiseScale
 from lightning_avgpipe.runtime.comms import collectives
 from lightning_avgpipe.runtime.memory import MemoryBreakdown, process_peak_bytes, stage_breakdown
 from lightning_avgpipe.runtime.pipeline import StagePipeline, StepResult

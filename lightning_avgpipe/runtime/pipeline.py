@@ -27,11 +27,11 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_avgpipe import microbatch
+from lightning_avgpipe.algorithms import microbatch
+from lightning_avgpipe.algorithms.elastic import average_gradients
+from lightning_avgpipe.algorithms.noise_scale import GradientNorms
 from lightning_avgpipe.config import PipelineConfig, check_same_placement
-from lightning_avgpipe.elastic import average_gradients
 from lightning_avgpipe.errors import check_finite
-from lightning_avgpipe.noise_scale import GradientNorms
 from lightning_avgpipe.runtime import units
 from lightning_avgpipe.runtime.comms import collectives
 from lightning_avgpipe.runtime.comms.p2p import Link

@@ -2,7 +2,8 @@
 
 Sequential (``replica_execution="sequential"``): unit ``u`` is one replica's micro-batch, ``N x M`` units
 replica-major, each run by its replica's layers. Batched (``"batched"``): unit ``m`` is micro-batch ``m`` of every
-replica, stacked and run as one ``torch.func.vmap`` call over the N replicas (``replicas.py``), ``M`` units.
+replica, stacked and run as one ``torch.func.vmap`` call over the N replicas (``algorithms/replicas.py``), ``M``
+units.
 
 A unit's loss is weighted by its share of its replica's batch (each replica's gradient is its own batch mean) and
 divided by the gradient accumulation steps.
@@ -17,10 +18,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_avgpipe import microbatch
+from lightning_avgpipe.algorithms import microbatch
+from lightning_avgpipe.algorithms.noise_scale import GradientNorms
+from lightning_avgpipe.algorithms.replicas import BatchedReplicas, select, stack
 from lightning_avgpipe.errors import loss_of
-from lightning_avgpipe.noise_scale import GradientNorms
-from lightning_avgpipe.replicas import BatchedReplicas, select, stack
 from lightning_avgpipe.runtime.trace import StepTrace
 
 # (stage output, micro-batch, its share of all the iteration's samples) -> a scalar loss, or {"loss": ...}

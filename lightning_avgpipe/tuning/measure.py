@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from lightning_avgpipe import microbatch
-from lightning_avgpipe.noise_scale import GradientNorms
+from lightning_avgpipe.algorithms import microbatch
+from lightning_avgpipe.algorithms.noise_scale import GradientNorms
 from lightning_avgpipe.runtime.pipeline import StagePipeline
 from lightning_avgpipe.runtime.trace import COMPUTE
 from lightning_avgpipe.schedules import simulate

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from lightning_avgpipe.noise_scale import effective_batch, efficiency, elastic_factor
+from lightning_avgpipe.algorithms.noise_scale import effective_batch, efficiency, elastic_factor
 from lightning_avgpipe.schedules import build_plan, simulate
 from lightning_avgpipe.schedules.generate import CHUNKED, check_stages_per_rank, reads_k, splits_backward
 from lightning_avgpipe.tuning.sharding import Sharded, check, wire_bytes
@@ -195,7 +195,8 @@ class Prediction:
     why_not: str = ""
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
     averaging: str = "elastic"  # how the N batches combine: "elastic" (the paper's rule) or "exact" (one batch)
-    efficiency: float = 1.0  # progress per sample relative to plain training at the user's batch B (noise.py)
+    # progress per sample relative to plain training at the user's batch B (algorithms/noise_scale.py)
+    efficiency: float = 1.0
     goodput: float = math.nan  # samples_per_sec x efficiency
     schedule: str = "1f1b"
     stages_per_rank: int = 1  # v: model chunks per rank (interleaved, zbv)

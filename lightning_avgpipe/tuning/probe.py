@@ -19,8 +19,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_avgpipe.algorithms.optim import clone_optimizer
 from lightning_avgpipe.config import PipelineConfig
-from lightning_avgpipe.optim import clone_optimizer
 from lightning_avgpipe.runtime.comms.topology import Topology
 from lightning_avgpipe.runtime.controller import StepController
 from lightning_avgpipe.runtime.pipeline import StagePipeline

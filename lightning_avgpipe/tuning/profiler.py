@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_avgpipe.elastic import ElasticAveraging
-from lightning_avgpipe.microbatch import detached, tensors
+from lightning_avgpipe.algorithms.elastic import ElasticAveraging
+from lightning_avgpipe.algorithms.microbatch import detached, tensors
 from lightning_avgpipe.runtime.trace import ActivationMeter, Span
 from lightning_avgpipe.shards import local
 

@@ -18,7 +18,7 @@ from typing import Any
 from torch import optim
 from torch.optim import Optimizer
 
-from lightning_avgpipe.noise_scale import effective_batch
+from lightning_avgpipe.algorithms.noise_scale import effective_batch
 from lightning_avgpipe.tuning.model import PipelineProfile, Prediction
 from lightning_avgpipe.tuning.search import TuningTable, search
 

@@ -277,9 +277,10 @@ def search(
     ``schedules``: the schedules to weigh (default: ``schedule`` alone); ``stages_per_rank``: v for those that run
     several chunks per rank (``None``: their default). Ties go to ``schedule``, the one the strategy runs.
 
-    ``objective="goodput"`` maximises samples/s x statistical efficiency (the noise scale, ``noise_scale.py``);
-    ``"throughput"`` maximises samples/s. ``averaging`` lists the ways to combine N batches to consider
-    (``"elastic"``, ``"exact"``); with N x D = 1 they are the same training and one row stands for both.
+    ``objective="goodput"`` maximises samples/s x statistical efficiency (the noise scale,
+    ``algorithms/noise_scale.py``); ``"throughput"`` maximises samples/s. ``averaging`` lists the ways to combine N
+    batches to consider (``"elastic"``, ``"exact"``); with N x D = 1 they are the same training and one row stands
+    for both.
     ``sharding``/``reduce_gradients``: how each stage is shared over D (``None``: as profiled; ``model.predict``).
 
     ``max_pipelines`` drops the candidate N above it (the tuner passes the batches an epoch has per group: an

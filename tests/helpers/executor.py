@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_avgpipe import microbatch
+from lightning_avgpipe.algorithms import microbatch
 from lightning_avgpipe.runtime import Link, StageExecutor
 from lightning_avgpipe.runtime.recompute import layer_mask, stage_function
 from lightning_avgpipe.schedules import build_plan, validate_plan

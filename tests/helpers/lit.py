@@ -12,7 +12,7 @@ import torchmetrics
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_avgpipe import microbatch
+from lightning_avgpipe.algorithms import microbatch
 from tests.helpers.models import Sleep, make_layers
 
 
@@ -288,7 +288,7 @@ def train_elastic(
     """AvgPipe on one process, as Lightning feeds the strategy: the loader's order (D = 1), replica n of N
     taking batch t*N + n, each replica's loss the mean over its micro-batches, its own optimizer, then the elastic
     rule (N = 1: plain training). Returns the per-iteration loss (mean over replicas) and the ``ElasticAveraging``."""
-    from lightning_avgpipe.elastic import ElasticAveraging
+    from lightning_avgpipe.algorithms.elastic import ElasticAveraging
 
     elastic = ElasticAveraging(layers, num_replicas=pipelines, **averaging)
     opts = [make_optimizer(elastic.replica_params(n)) for n in range(pipelines)]

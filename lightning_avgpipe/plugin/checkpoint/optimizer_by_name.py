@@ -12,8 +12,8 @@ from typing import Any
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_avgpipe.microbatch import to_cpu
-from lightning_avgpipe.optim import ElasticOptimizer, hyperparameters, source_groups
+from lightning_avgpipe.algorithms.microbatch import to_cpu
+from lightning_avgpipe.algorithms.optim import ElasticOptimizer, hyperparameters, source_groups
 from lightning_avgpipe.plugin.checkpoint import sharded
 from lightning_avgpipe.runtime.pipeline import StagePipeline
 from lightning_avgpipe.runtime.sharding.zero import ShardedOptimizer

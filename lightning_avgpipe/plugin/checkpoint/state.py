@@ -14,8 +14,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_avgpipe.microbatch import to_cpu
-from lightning_avgpipe.optim import ElasticOptimizer, hyperparameters
+from lightning_avgpipe.algorithms.microbatch import to_cpu
+from lightning_avgpipe.algorithms.optim import ElasticOptimizer, hyperparameters
 from lightning_avgpipe.plugin import compat
 from lightning_avgpipe.plugin.checkpoint import sharded
 from lightning_avgpipe.plugin.checkpoint.optimizer_by_name import (

@@ -21,7 +21,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 
-from lightning_avgpipe import microbatch
+from lightning_avgpipe.algorithms import microbatch
 from lightning_avgpipe.config import check_partition
 from lightning_avgpipe.errors import PipelineContractError
 from lightning_avgpipe.partition import partition_layers

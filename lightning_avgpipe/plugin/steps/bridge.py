@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 from torchmetrics import Metric
 
-from lightning_avgpipe.microbatch import to_cpu
+from lightning_avgpipe.algorithms.microbatch import to_cpu
 from lightning_avgpipe.plugin.contract import PipelineContractError, pipeline_inputs, same_structure
 from lightning_avgpipe.plugin.split.placeholders import Guard
 

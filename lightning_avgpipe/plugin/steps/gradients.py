@@ -20,7 +20,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_avgpipe.optim import ElasticOptimizer
+from lightning_avgpipe.algorithms.optim import ElasticOptimizer
 from lightning_avgpipe.plugin import compat
 from lightning_avgpipe.runtime.sharding.zero import ShardedOptimizer
 from lightning_avgpipe.runtime.sync.clipping import clip_grad_norm_across

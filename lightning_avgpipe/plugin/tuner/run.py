@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_avgpipe import microbatch
+from lightning_avgpipe.algorithms import microbatch
 from lightning_avgpipe.plugin import compat
 from lightning_avgpipe.plugin.steps.data import loader_generators
 from lightning_avgpipe.schedules.generate import CHUNKED, SPLIT, reads_k, splits_backward

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_avgpipe.elastic import average_gradients
+from lightning_avgpipe.algorithms.elastic import average_gradients
 from lightning_avgpipe.runtime.build.materialize import Shard
 from lightning_avgpipe.shards import is_dtensor
 

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from lightning_avgpipe.elastic import sum_gradients
+from lightning_avgpipe.algorithms.elastic import sum_gradients
 from lightning_avgpipe.runtime.deferred import is_conv1d
 from lightning_avgpipe.runtime.sharding.grid import (
     EnterBlock,

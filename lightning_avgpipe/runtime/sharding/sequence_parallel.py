@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_avgpipe.elastic import sum_gradients
+from lightning_avgpipe.algorithms.elastic import sum_gradients
 from lightning_avgpipe.runtime.sharding.head_parallel import (
     IN_FEATURES,
     SEQUENCE,

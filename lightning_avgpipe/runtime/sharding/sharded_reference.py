@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_avgpipe.elastic import ElasticAveraging, sum_sq
+from lightning_avgpipe.algorithms.elastic import ElasticAveraging, sum_sq
 from lightning_avgpipe.runtime.sharding.zero import ALL_GATHER, REDUCE_SCATTER
 from lightning_avgpipe.shards import locals_, set_local
 

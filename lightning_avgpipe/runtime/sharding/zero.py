@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_avgpipe.optim import WrappedOptimizer
+from lightning_avgpipe.algorithms.optim import WrappedOptimizer
 from lightning_avgpipe.shards import is_dtensor, like, local
 
 # torch >= 2.13 names them *_single and deprecates the older names

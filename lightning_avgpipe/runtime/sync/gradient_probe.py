@@ -1,4 +1,4 @@
-"""One step's squared gradient norms at two batch sizes, for the noise scale (``lightning_avgpipe/noise.py``).
+"""One step's squared gradient norms at two batch sizes, for the noise scale (``algorithms/noise_scale.py``).
 
 With N > 1 parallel pipelines a step already holds N gradients, each of its own batch (b_small = B) and, by their
 mean, the gradient of all N batches (b_big = N·B): no copy is needed. With one pipeline of M >= 2 micro-batches the
@@ -6,8 +6,9 @@ gradient is accumulated over the micro-batches; the probe copies it once, after 
 backwards, so that the two halves (b_small = B/2) and the whole (b_big = B) are known.
 
 Each stage measures its own slice of the parameters; one all-reduce of two numbers over the job adds the stages
-(and averages the D pipeline groups), so every rank gets the same :class:`~lightning_avgpipe.noise_scale.GradientNorms`.
-A weight shared between stages (a tied embedding) is counted once.
+(and averages the D pipeline groups), so every rank gets the same
+:class:`~lightning_avgpipe.algorithms.noise_scale.GradientNorms`. A weight shared between stages (a tied embedding)
+is counted once.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_avgpipe.noise_scale import GradientNorms
+from lightning_avgpipe.algorithms.noise_scale import GradientNorms
 from lightning_avgpipe.shards import local, norm_weight
 
 

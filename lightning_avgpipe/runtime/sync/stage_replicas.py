@@ -1,10 +1,11 @@
 """StageReplicas: a stage's N copies tied to its reference by elastic averaging, apart from the step that runs them
 (Lightning-free).
 
-It owns what the copies are and how they are kept: the averaging (``elastic.py``, or
-``runtime/sharding/sharded_reference.py`` over D groups), the optimizer each step steps (``optim.py``), their batched
-execution (``replicas.py``), the shared weights' gradients (``runtime/sync/ties.py``) and their divergence from the
-reference. The step (``runtime/pipeline.py``) runs a plan over them: replica n's stage function is ``fns[n]``.
+It owns what the copies are and how they are kept: the averaging (``algorithms/elastic.py``, or
+``runtime/sharding/sharded_reference.py`` over D groups), the optimizer each step steps (``algorithms/optim.py``),
+their batched execution (``algorithms/replicas.py``), the shared weights' gradients (``runtime/sync/ties.py``) and
+their divergence from the reference. The step (``runtime/pipeline.py``) runs a plan over them: replica n's stage
+function is ``fns[n]``.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_avgpipe.algorithms.elastic import ElasticAveraging
+from lightning_avgpipe.algorithms.optim import ElasticOptimizer, clone_optimizer
+from lightning_avgpipe.algorithms.replicas import BatchedReplicas
 from lightning_avgpipe.config import PipelineConfig
-from lightning_avgpipe.elastic import ElasticAveraging
-from lightning_avgpipe.optim import ElasticOptimizer, clone_optimizer
-from lightning_avgpipe.replicas import BatchedReplicas
 from lightning_avgpipe.runtime.comms import collectives
 from lightning_avgpipe.runtime.comms.topology import Topology
 from lightning_avgpipe.runtime.sharding.sharded_reference import ShardedReference

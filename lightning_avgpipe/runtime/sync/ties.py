@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_avgpipe.elastic import ElasticAveraging
+from lightning_avgpipe.algorithms.elastic import ElasticAveraging
 from lightning_avgpipe.runtime.comms.topology import Topology
 from lightning_avgpipe.shards import like, local
 

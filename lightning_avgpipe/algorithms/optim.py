@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_avgpipe.elastic import ElasticAveraging
+from lightning_avgpipe.algorithms.elastic import ElasticAveraging
 
 
 def clone_optimizer(optimizer: Optimizer, params: Sequence[nn.Parameter], like: Sequence[nn.Parameter]) -> Optimizer:
