@@ -307,3 +307,28 @@ def test_the_step_keeps_its_surface_small() -> None:
     (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "StagePipeline"]
     defs = [n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
     assert len(defs) <= 20, f"StagePipeline has {len(defs)} defs: {defs}"
+
+
+ALGORITHMS_MAY_IMPORT = tuple(f"lightning_avgpipe.{m}" for m in ("algorithms", "checks", "shards", "schedules"))
+
+
+def algorithm_imports(path: Path, text: str | None = None) -> list[str]:
+    """Each import in ``path`` (a module of ``algorithms/``) of the package beyond what the room's ``__init__.py``
+    says it imports: itself, ``checks.py``, ``shards.py`` and ``schedules/``."""
+    return [
+        f"{path.relative_to(ROOT)}:{line}: {target}"
+        for line, target in imports_of(path, text)
+        if not target.startswith(ALGORITHMS_MAY_IMPORT)
+    ]
+
+
+def test_the_algorithms_import_only_what_their_room_says() -> None:
+    files = sorted((PACKAGE / "algorithms").glob("*.py"))
+    assert len(files) == 7
+    wrong = [w for path in files for w in algorithm_imports(path)]
+    assert not wrong, "algorithms/ imports beyond checks.py, shards.py and schedules/:\n" + "\n".join(wrong)
+    line = "from lightning_avgpipe.config import PipelineConfig"  # below in the layers, yet not the room's
+    path = PACKAGE / "algorithms" / "elastic.py"
+    assert algorithm_imports(path, path.read_text() + "\n" + line + "\n") == [
+        f"{path.relative_to(ROOT)}:{len(path.read_text().splitlines()) + 2}: lightning_avgpipe.config.PipelineConfig"
+    ]
