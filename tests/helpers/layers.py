@@ -54,6 +54,10 @@ ROOMS: dict[str, tuple[str, ...]] = {
     "runtime/sync": ("runtime/comms", "runtime/sharding"),
 }
 
+# the room at the package's root, the paper's algorithms: what it may import of the package besides itself (by path
+# under the package; the same row opens docs/how-it-works.md#rooms; tests/test_import_layers.py holds it to this)
+ALGORITHMS: tuple[str, ...] = ("checks.py", "shards.py", "schedules")
+
 
 def room_of(path: str) -> str | None:
     """The room of a file (a path under the package, ``runtime/failures/report.py``), if it is in one."""
