@@ -1,8 +1,8 @@
 """Checkpoints of the tensor-parallel modes (issue 45, part 5): a 2D (SUMMA, q = 2) or 2.5D (d = 2, q = 2) run
 trains as plain Lightning does, its single file holds the whole, unsplit weights and Adam's state under their names,
-and plain Lightning resumes it exactly; a 1D checkpoint resumes under 2D and a 2D one under 1D; a 2D folder
-(``save_distributed_checkpoint=True``) resumes in one process. Each resumed run equals the uninterrupted
-one (weights and Adam's state)."""
+and plain Lightning resumes it exactly; a 1D checkpoint resumes under 2D and a 2D one under 1D; a folder
+(``save_distributed_checkpoint=True``) of 2D or of 2.5D resumes in one process. Each resumed run equals the
+uninterrupted one (weights and Adam's state)."""
 
 from __future__ import annotations
 
@@ -78,12 +78,19 @@ def test_a_2d_checkpoint_is_plain_lightnings_and_resumes_under_1d_and_in_one_pro
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_2_5d_file_is_plain_lightnings_and_resumes_there(tmp_path: Path) -> None:
-    """2.5D (d = 2, q = 2: 8 ranks, one stage): the file holds the whole weights, and plain Lightning resumes it."""
+def test_a_2_5d_file_and_folder_are_plain_lightnings_and_resume_there(tmp_path: Path) -> None:
+    """2.5D (d = 2, q = 2: 8 ranks, one stage): the file holds the whole weights, and plain Lightning resumes it; its
+    folder (each rank's part) resumes in one process. Both equal the uninterrupted run."""
     plain_trainer, plain = fit_seq(tmp_path / "plain", 8)
     deep = tmp_path / "deep"
     strategy = {**GRID, "tensor_parallel_size": 8, "tensor_parallel_mode": "2.5d", "tensor_parallel_depth": 2}
-    assert_split(launch(deep, strategy, 4))
+    assert_split(launch(deep, strategy, 4, folder_at=4))
     _, resumed = fit_seq(tmp_path / "resumed", 8, str(step_file(deep, 4)))
     assert_states_close(resumed.state_dict(), plain.state_dict())
     assert_like_plain(step_file(tmp_path / "resumed", 8), plain_trainer, plain)
+
+    folder = deep / "folder" / "step=4"
+    assert len(list(folder.glob("*.distcp"))) == 8
+    _, resumed = fit_seq(tmp_path / "one", 8, str(folder), AvgPipeStrategy(num_microbatches=2))
+    assert_states_close(resumed.state_dict(), plain.state_dict())
+    assert_like_plain(step_file(tmp_path / "one", 8), plain_trainer, plain)
