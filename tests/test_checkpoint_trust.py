@@ -26,6 +26,7 @@ from lightning_avgpipe.plugin.checkpoint import dcp_reader, sharded
 from lightning_avgpipe.runtime.files import checksums
 from lightning_avgpipe.runtime.files.disk_full import no_space
 from tests.helpers.checkpoints import fit_pipenet
+from tests.helpers.launch import job_env
 from tests.helpers.lit import PipeNet
 
 ADAM = {"optimizer": "adam", "lr": 0.01}
@@ -377,9 +378,7 @@ def test_a_resume_from_last_after_a_kill_between_the_renames_resumes_not_restart
         "trainer.fit(model, loader(), ckpt_path='last')\n"
         "torch.save({'step': trainer.global_step, 'weights': model.state_dict()}, root + '/result.pt')\n"
     )
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    for var in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT", "NODE_RANK"):
-        env.pop(var, None)
+    env = job_env(PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     done = subprocess.run(
         [sys.executable, "-c", script, str(tmp_path / "run")], env=env, capture_output=True, text=True, timeout=120
     )

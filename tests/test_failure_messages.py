@@ -11,6 +11,7 @@ import pytest
 
 from lightning_avgpipe.runtime.failures import report as failures
 from lightning_avgpipe.runtime.failures.report import PeerFailureError, handle_failure, shortened
+from tests.helpers.launch import job_env
 
 
 def test_a_long_message_is_cut_at_a_word_end() -> None:
@@ -119,7 +120,6 @@ def test_a_mistake_this_package_names_is_a_few_lines_and_its_traceback_goes_to_a
 def test_a_bad_partition_prints_its_message_once_in_at_most_15_lines(tmp_path: pytest.TempPathFactory) -> None:
     """A 2-rank fit with partition=[1, 2] for 6 layers, as a user runs it: at most 15 lines on the console (Lightning's
     own banner included), the message once, no traceback there; the traceback in the file it names."""
-    import os
     import re
     import subprocess
     import sys
@@ -141,8 +141,7 @@ def test_a_bad_partition_prints_its_message_once_in_at_most_15_lines(tmp_path: p
         "                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)\n"
         "    trainer.fit(PipeNet(), DataLoader(data, batch_size=12))\n"
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")}
-    env.pop("MASTER_PORT", None)  # a fresh job, whatever an earlier test of this process left in the environment
+    env = job_env()  # a fresh job, whatever an earlier test of this process left in the environment
     proc = subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, timeout=100, cwd=str(tmp_path), env=env
     )

@@ -23,17 +23,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.launch import ROOT, launch_ranks
+from tests.helpers.launch import ROOT, job_env, launch_ranks
 
 P2P_TIMEOUT = 5
 BOUND = P2P_TIMEOUT + 12  # the neighbour's timeout, a store deadline (2 s), rank 0's wait for acknowledgements (3 s)
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **extra)
-    for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", *(() if "MASTER_PORT" in extra else ("MASTER_PORT",))):
-        env.pop(var, None)
-    return env
+    return job_env(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **extra)
 
 
 def _report(case: str, who: str, took: float, text: str, pattern: str) -> None:

@@ -14,6 +14,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from tests.helpers.launch import job_env
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # Every module of these packages (found by walking them, so new modules such as runtime/pipeline.py are covered)
@@ -34,9 +36,7 @@ CORE_MODULES = [
 
 
 def _python(code: str, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT", "RANK"):
-        env.pop(var, None)
+    env = job_env(PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code), *args],
         cwd=ROOT,

@@ -16,6 +16,7 @@ from lightning_avgpipe import load_pretrained
 from lightning_avgpipe.runtime.build import pretrained
 from lightning_avgpipe.runtime.build.init_record import InitRecord
 from lightning_avgpipe.runtime.build.materialize import materialize
+from tests.helpers.launch import job_env
 
 transformers = pytest.importorskip("transformers")
 
@@ -309,7 +310,6 @@ def test_a_two_rank_fit_with_names_that_do_not_match_ends_on_every_rank(tmp_path
     as ``self.net``. Every rank builds the whole model and takes the same decision, so every rank raises the same
     error at the call and the job ends at once (no rank waits for another), with the message and its fix. (The chained
     teardown error that follows it is issue 42's item 7.)"""
-    import os
     import subprocess
     import sys
     import time
@@ -347,9 +347,7 @@ def test_a_two_rank_fit_with_names_that_do_not_match_ends_on_every_rank(tmp_path
         "                         enable_checkpointing=False)\n"
         "    trainer.fit(Net(), DataLoader(data, batch_size=4))\n"
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")}
-    env.pop("MASTER_PORT", None)
-    env["OMP_NUM_THREADS"] = "1"
+    env = job_env(OMP_NUM_THREADS="1")
     start = time.monotonic()
     proc = subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, timeout=150, cwd=str(tmp_path), env=env

@@ -17,6 +17,7 @@ from torch import nn
 
 from lightning_avgpipe.plugin.split import hints
 from lightning_avgpipe.runtime.failures import console
+from tests.helpers.launch import job_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -96,9 +97,7 @@ def _run(tmp_path: Path, *wheres: str, csv: bool = False) -> tuple[int, str]:
             fit=FIT,
         )
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")}
-    env.pop("MASTER_PORT", None)
-    env["OMP_NUM_THREADS"] = "1"
+    env = job_env(OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, timeout=150, cwd=str(tmp_path), env=env
     )

@@ -24,7 +24,7 @@ from lightning_avgpipe.tuning.model import divisors
 from lightning_avgpipe.tuning.profiler import Snapshot, fit_overhead, measure_link, unit_times
 from lightning_avgpipe.tuning.search import search
 from tests.helpers.equivalence import assert_matches, final_state, run_lightning
-from tests.helpers.launch import ROOT, launch_ranks
+from tests.helpers.launch import ROOT, job_env, launch_ranks
 from tests.helpers.tuning import profile
 
 
@@ -466,9 +466,7 @@ def test_tune_command_prints_the_table_without_training(tmp_path: Path) -> None:
         "model:\n  class_path: tests.helpers.lit.PipeNet\n"
         "data:\n  class_path: tests.test_tuner.TinyData\n"
     )
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT", "RANK"):  # left by in-process Trainers
-        env.pop(var, None)
+    env = job_env(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")  # not the variables in-process Trainers left
     proc = subprocess.run(
         [
             sys.executable,
