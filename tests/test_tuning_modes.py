@@ -35,6 +35,10 @@ def test_each_mode_holds_its_share_of_weights_and_activations() -> None:
     assert deep.q == 2 and deep.weights() == pytest.approx(0.25 + 0.75 / 4)  # 1/q²: copied over d
     assert deep.activations() == pytest.approx(0.5 / 4 + 0.5 / 16)  # the attention at 1/q², the rest 1/(d q²)
     assert (one.boundary(), sp.boundary(), grid.boundary()) == (1.0, 1 / 16, 1 / 16)
+    # heads that T = d q² divides are split over all 16 ranks, as the grid splits them; others over q² = 4
+    assert Mode(16, "2.5d", 4, heads=32).activations() == pytest.approx(0.5 / 16 + 0.5 / 16)
+    assert Mode(16, "2.5d", 4, heads=12).activations() == deep.activations()
+    assert Mode(16, "2d", heads=12).activations() == grid.activations() == 1 / 16  # q² = T: heads change nothing
 
 
 def test_traffic_per_unit_of_each_mode_on_the_toy_stage() -> None:
@@ -57,6 +61,9 @@ def test_traffic_per_unit_of_each_mode_on_the_toy_stage() -> None:
     assert f.nbytes == pytest.approx(5 * A / 8 + 4 * MIB / 2 + 15 / 16 * A + 1.5 * A + 15 / 16 * A)
     assert f.messages == 8 + 21 + 8 + 15
     assert deep.step_traffic(W) == Traffic(2 * 3 / 4 * MIB, 6)  # the MLP's 1 MiB block summed over d = 4
+    f, _ = Mode(16, "2.5d", 4, heads=16).traffic(A, W, 2)  # the attention's all-reduce over all 16 ranks, not 4
+    assert f.nbytes == pytest.approx(5 * A / 8 + 4 * MIB / 2 + 15 / 16 * A + 30 / 16 * A + 15 / 16 * A)
+    assert f.messages == 8 + 15 + 30 + 8 + 15
     assert Mode(16, "2d").step_traffic(W) == Traffic() and Mode(1).traffic(A, W, 2) == (Traffic(), Traffic())
     assert Traffic(1e9, 3).seconds(1e-3, 1e9) == pytest.approx(1.003)
 
@@ -105,6 +112,8 @@ def test_tensor_parallel_refuses_a_mode_that_does_not_fit() -> None:
         TensorParallel(4, mode="3d")
     with pytest.raises(ValueError, match="attention_share=1.5"):
         TensorParallel(4, attention=1.5)
+    with pytest.raises(ValueError, match=r"attention_heads=-2 must be an int >= 0 \(0: not known\)"):
+        TensorParallel(4, heads=-2)
 
 
 def _peak(out: str) -> float:
@@ -132,6 +141,11 @@ def test_whatif_prints_the_modes_side_by_side(tmp_path: Path, capsys: pytest.Cap
     step = 1.5 * 0.8 * st.param_bytes * 2 / 3 / 4 / MIB  # the SUMMA weights' 1/q² all-reduced over d = 4
     assert " ".join(rows["2.5d d=4 q=2"][4:]) == f"+ {step:.3f} MiB per step over d"
     assert all(len(rows[k]) == 4 for k in ("1d", "1d+sp", "2d q=4"))
+    assert main([*args, *tp, "--attention-heads", "16"]) == 0  # 16 heads: 2.5d splits them over all T
+    heads = capsys.readouterr().out.splitlines()
+    at = next(i for i, line in enumerate(heads) if line.startswith("tensor modes at T=16"))
+    deep = next(line[16:].split() for line in heads[at + 2 : at + 6] if line[2:16].strip() == "2.5d d=4 q=2")
+    assert deep[:2] == [f"{w * 0.4:.3f}", f"{act / 16:.3f}"]
     # the search ran on the 2d projection: its peak holds 1/16 of the stash where 1d holds 1/4 of it
     assert main([*args, *tp]) == 0
     peak_1d = _peak(capsys.readouterr().out)
@@ -155,6 +169,7 @@ def test_whatif_prints_the_modes_side_by_side(tmp_path: Path, capsys: pytest.Cap
         ),
         (["--sequence-parallel"], "--tensor-parallel-size 1: it cuts the sequence under '1d' with T > 1"),
         (["--tensor-parallel-size", "4", "--attention-share", "2"], "--attention-share 2.0 must be in [0, 1]"),
+        (["--tensor-parallel-size", "4", "--attention-heads", "-1"], "--attention-heads -1 must be an int >= 0"),
     ],
 )
 def test_whatif_refuses_a_mode_naming_the_flag(

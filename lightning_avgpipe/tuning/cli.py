@@ -76,7 +76,14 @@ def _parser() -> argparse.ArgumentParser:
         "--attention-share",
         type=float,
         default=0.5,
-        help="share of a stage's saved activations that its attention keeps (2.5d splits it over q x q only)",
+        help="share of a stage's saved activations that its attention keeps (2.5d splits it over q x q, or T)",
+    )
+    p.add_argument(
+        "--attention-heads",
+        type=int,
+        default=0,
+        help="the attention's heads: where T divides them, 2.5d splits the attention over all T (0, the default: "
+        "not known, over q x q)",
     )
     p.add_argument("--tensor-latency-ms", type=float, default=None, help="latency between the T ranks of a node")
     p.add_argument("--tensor-bandwidth-gbs", type=float, default=None, help="bandwidth between the T ranks, GB/s")
@@ -229,7 +236,14 @@ def _advice(args: argparse.Namespace, projected: PipelineProfile, keywords: dict
 def _flags(message: str) -> str:
     """A model error in the command line's words: ``tensor_parallel_size=8`` -> ``--tensor-parallel-size 8``."""
     message = message.replace("sequence_parallel=True", "--sequence-parallel")
-    for name in ("tensor_parallel_size", "tensor_parallel_mode", "tensor_parallel_depth", "attention_share"):
+    names = (
+        "tensor_parallel_size",
+        "tensor_parallel_mode",
+        "tensor_parallel_depth",
+        "attention_share",
+        "attention_heads",
+    )
+    for name in names:
         message = message.replace(f"{name}=", f"--{name.replace('_', '-')} ")
     return message.replace("_", "-")
 
@@ -253,6 +267,7 @@ def _modes(args: argparse.Namespace, profile: PipelineProfile, tensor: TensorPar
         base.bandwidth if tensor.bandwidth is None else tensor.bandwidth,
         tensor.fraction,
         tensor.attention,
+        tensor.heads,
     )
     print(format_rows(rows, tensor.size, b))
 
@@ -282,6 +297,7 @@ def whatif_command(argv: list[str]) -> int:
             args.tensor_parallel_depth,
             args.sequence_parallel,
             args.attention_share,
+            args.attention_heads,
         )
         projected = project(
             profile,

@@ -12,7 +12,7 @@ mode     weights        activations                         traffic per unit (fo
                                                             all-gather per attention; MLPs gather again
 2d       (1 - f + f/q²) 1/q²                                SUMMA: q broadcasts of an activation block and of
                                                             a weight block per Linear, twice that backward
-2.5d     (1 - f + f/q²) α/q² + (1 - α)/(d q²)               as 2d on blocks 1/d the size, plus per step an
+2.5d     (1 - f + f/q²) α/h + (1 - α)/(d q²)                as 2d on blocks 1/d the size, plus per step an
                                                             all-reduce of the SUMMA weights' gradients over d
 ======== ============== =================================== ===================================================
 
@@ -21,7 +21,8 @@ attention and an MLP of widening r (``WIDENING``), so an attention holds 4 / (4 
 the rest. On the grid (T = d q²) the MLP's two Linears run SUMMA: a Linear reading X broadcasts q blocks of X /
 (d q²) along the grid row and q blocks of its weights / q² along the column, forward, and twice that backward; the
 attention gets its input gathered from all T ranks (again in the backward, and its output's gradient), runs split by
-heads over q² ranks (an all-reduce of A each way) and keeps 1/q² of its activations (α: their share, ``attention``);
+heads over h ranks (an all-reduce of A each way) and keeps 1/h of its activations (α: their share, ``attention``),
+h = T where T divides its heads (``heads``, as the grid splits them), else q²;
 two LayerNorms per block all-reduce two statistics along the row each way (their latency is counted, not their
 bytes: one value a token, 1/h of an activation). A stage's input is cut into blocks and its output gathered whole
 (under sequence parallelism alike): one all-gather of A each way. Collectives are rings: an all-reduce moves
@@ -125,7 +126,8 @@ class Mode:
     depth: int = 1
     sequence_parallel: bool = False
     fraction: float = 1.0  # f: the share of the weights the plan splits
-    attention: float = 0.5  # α: the attention's share of a stage's saved activations (2.5d keeps it at 1/q²)
+    attention: float = 0.5  # α: the attention's share of a stage's saved activations (2.5d keeps it at 1/h)
+    heads: int = 0  # the attention's heads (0: not known): T splits them where it divides them, else q² does
 
     @property
     def q(self) -> int:
@@ -146,8 +148,12 @@ class Mode:
         """The share of one unit's saved activations one rank keeps."""
         if self.mode == "1d":
             return 1.0 / self.size if self.sequence_parallel else 1.0 - self.fraction + self.fraction / self.size
-        q2 = self.q**2
-        return self.attention / q2 + (1.0 - self.attention) / (self.depth * q2)
+        return self.attention / self.attention_ranks + (1.0 - self.attention) / (self.depth * self.q**2)
+
+    @property
+    def attention_ranks(self) -> int:
+        """h: the grid's ranks that split an attention by heads (all T where T divides ``heads``, else q²)."""
+        return self.size if self.heads and self.heads % self.size == 0 else self.q**2
 
     def boundary(self) -> float:
         """The share of a boundary-sized activation a rank holds between layers (a checkpointed layer's input)."""
@@ -170,8 +176,8 @@ class Mode:
         q, d = self.q, self.depth
         # the MLPs' two Linears read A and r A; each of q steps broadcasts an activation block and a weight block
         summa = blocks * Traffic((1 + WIDENING) * A / (d * q), 4 * q) + Traffic(self._summa_weights(weights) / q)
-        attn_f = all_gather(A, T) + all_reduce(A, q * q)
-        attn_b = 2 * all_gather(A, T) + all_reduce(A, q * q)
+        attn_f = all_gather(A, T) + all_reduce(A, self.attention_ranks)
+        attn_b = 2 * all_gather(A, T) + all_reduce(A, self.attention_ranks)
         norms = 4 * all_reduce(0.0, q)  # two LayerNorms, two statistics each
         return summa + blocks * (attn_f + norms) + edge, 2 * summa + blocks * (attn_b + norms) + edge
 
@@ -208,13 +214,14 @@ def compare(
     bandwidth: float,
     fraction: float = 1.0,
     attention: float = 0.5,
+    heads: int = 0,
 ) -> list[Row]:
     """Every layout of ``size`` ranks (1d, 1d+sp, 2d, 2.5d per :func:`layouts`) on one stage: ``weights`` (its
     bytes), ``activations`` (one unit's saved bytes) and ``boundary`` (A) whole, ``pairs`` its split pairs."""
-    modes = [Mode(size, fraction=fraction, attention=attention)]
-    if size > 1:
-        modes.append(Mode(size, sequence_parallel=True, fraction=fraction, attention=attention))
-    modes += [Mode(size, m, d, fraction=fraction, attention=attention) for m, d, _ in layouts(size)[1:]]
+    kinds = (
+        [("1d", 1, False)] + ([("1d", 1, True)] if size > 1 else []) + [(m, d, False) for m, d, _ in layouts(size)[1:]]
+    )
+    modes = [Mode(size, m, d, sp, fraction, attention, heads) for m, d, sp in kinds]
     rows = []
     for m in modes:
         f, b = m.traffic(boundary, weights, pairs)

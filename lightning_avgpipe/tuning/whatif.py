@@ -47,7 +47,8 @@ class TensorParallel:
         latency_s, bandwidth: the link between the T ranks of a node (None: the profiled link's).
         mode, depth, sequence_parallel: the strategy's ``tensor_parallel_mode``, ``tensor_parallel_depth`` and
             ``sequence_parallel`` (``tensor_modes.py``: what a rank holds and moves in each).
-        attention: the attention's share of a stage's saved activations (2.5d keeps it at 1/q², the rest 1/(d q²)).
+        attention: the attention's share of a stage's saved activations (2.5d keeps it at 1/h, the rest 1/(d q²)).
+        heads: the attention's heads (0: not known); h = T where T divides them (the grid splits them so), else q².
     """
 
     size: int = 1
@@ -59,6 +60,7 @@ class TensorParallel:
     depth: int = 1
     sequence_parallel: bool = False
     attention: float = 0.5
+    heads: int = 0
 
     def __post_init__(self) -> None:
         if not is_int(self.size, 1):
@@ -69,12 +71,14 @@ class TensorParallel:
             raise ValueError(f"tensor_allreduces={self.allreduces!r} must be an int >= 0 (split layer pairs).")
         if not 0.0 <= self.attention <= 1.0:
             raise ValueError(f"attention_share={self.attention!r} must be in [0, 1]: the attention's activations.")
+        if not is_int(self.heads, 0):
+            raise ValueError(f"attention_heads={self.heads!r} must be an int >= 0 (0: not known).")
         check_mode(self.size, self.mode, self.depth, self.sequence_parallel)
 
     @property
     def layout(self) -> Mode:
         """The mode's shares and traffic (``tensor_modes.Mode``)."""
-        return Mode(self.size, self.mode, self.depth, self.sequence_parallel, self.fraction, self.attention)
+        return Mode(self.size, self.mode, self.depth, self.sequence_parallel, self.fraction, self.attention, self.heads)
 
     def shrink(self, value: float) -> float:
         """``value`` of one stage as one of its T ranks computes it (under 1d, also as it holds it)."""
