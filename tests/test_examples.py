@@ -54,8 +54,8 @@ def test_a_hugging_face_llama_split_by_its_own_tensor_parallel_plan(tmp_path: Pa
     """``examples/hf_llama_tp.py --check --sequence-parallel``: LlamaForCausalLM (random tiny config) over 2 stages x
     2 shards, with no plan given: the strategy follows the model's config.base_model_tp_plan (q, k, v, o, gate, up,
     down of every block, on both stages), every block holds half the sequence (the attention gathers it), the cut
-    is crossed as each shard's part, and it trains as one process with accumulation does. (One launch: without
-    sequence parallelism the same plan runs on torch's own styles, which the runtime and layout tests cover.)"""
+    is crossed as each shard's part, and it trains as one process with accumulation does. (Without sequence
+    parallelism, and on a grid: the next test.)"""
     pytest.importorskip("transformers")
     out = run_command(
         [sys.executable, str(ROOT / "examples" / "hf_llama_tp.py"), "--check", "--sequence-parallel"], tmp_path
@@ -70,6 +70,26 @@ def test_a_hugging_face_llama_split_by_its_own_tensor_parallel_plan(tmp_path: Pa
     for stage, block in ((0, 1), (1, 3)):
         names = [f"layers.{block}.layer.{m}" for m in ("self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj")]
         assert f"stage {stage}: " in split and all(n in split for n in names), split
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("flags", [[], ["--grid"]], ids=["torch-styles", "grid"])
+def test_a_hugging_face_llama_on_torchs_styles_and_on_a_grid(tmp_path: Path, flags: list[str]) -> None:
+    """``examples/hf_llama_tp.py --check``, without sequence parallelism: the model's own plan on torch's Colwise and
+    Rowwise styles (2 stages x 2 shards), and ``--grid``: each stage on a 2 x 2 SUMMA grid (8 processes). Both train
+    as one process with accumulation does."""
+    pytest.importorskip("transformers")
+    out = run_command([sys.executable, str(ROOT / "examples" / "hf_llama_tp.py"), "--check", *flags], tmp_path)
+    assert "check: OK" in out, out[-3000:]
+    worst = float(re.search(r"one process with accumulation\| = ([0-9.e+-]+)", out).group(1))  # type: ignore[union-attr]
+    assert worst < 5e-5
+    said = " ".join(out.split())
+    crossing = "2 (layer.self_attn whole) of its 3, its output sent as each shard's part"
+    if flags:  # the grid: both blocks of stage 0 converted, their attention whole; the cut crosses as blocks
+        assert "tensor_parallel_mode='2d': layers on 1 x 2 x 2 blocks" in said and crossing in said, out[-3000:]
+    else:  # 1D on torch's styles: the plan followed, the cut sent whole
+        assert "tensor parallelism follows the Hugging Face model's config.base_model_tp_plan" in out
+        assert "layers on 1 x 2 x 2" not in said and "each shard's part" not in said, out[-3000:]
 
 
 @pytest.mark.timeout(300)
