@@ -29,10 +29,11 @@ import time
 import traceback
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository root
 
+_T = TypeVar("_T")
 _init_s: float | None = None  # in a rank of run_distributed: seconds from its start to its process group
 
 
@@ -58,7 +59,7 @@ def free_port() -> int:
     """
     low = min(_ephemeral()[0], 32768)
     pick = random.Random()  # not the tests' seeded generator: every draw differs
-    for _ in range(200):
+    for _ in range(200 if low > 20000 else 0):  # a range that starts below 20000 leaves only the kernel's pick
         port = pick.randrange(20000, low)
         if port in _given:
             continue
@@ -155,12 +156,27 @@ def run_distributed(
     A start whose rendezvous port was taken before rank 0's store bound it (``EADDRINUSE``) is tried again on
     another port, twice at most.
     """
+    return _on_a_free_port(
+        lambda port: _run_once(port, fn, world_size, args, timeout, threads, seed, start_method, grace, what)
+    )
+
+
+def _on_a_free_port(
+    start: Callable[[int], _T], taken: Callable[[_T], bool] = lambda _: False, again: bool = True
+) -> _T:
+    """``start(port)`` on a port from :func:`free_port`, started again on another one, twice at most (with
+    ``again``), where that port was taken before rank 0's store bound it: ``EADDRINUSE`` in what it raised, or
+    ``taken(result)``. Nothing ran yet then."""
     for attempt in range(3):
+        last = not again or attempt == 2
         try:
-            return _run_once(free_port(), fn, world_size, args, timeout, threads, seed, start_method, grace, what)
-        except RuntimeError as failed:  # the port was taken before rank 0's store bound it: nothing ran yet
-            if attempt == 2 or _IN_USE not in str(failed):
+            result = start(free_port())
+        except (RuntimeError, TimeoutError) as failed:
+            if last or _IN_USE not in str(failed):
                 raise
+            continue
+        if last or not taken(result):
+            return result
     raise AssertionError("unreachable: the last attempt returns or raises")
 
 
@@ -407,19 +423,11 @@ def launch_ranks(
     process of the machine), for tests that bound when each rank stopped. The ranks in ``frozen`` (stopped by the
     test) are not waited for: once every other rank ended, they are killed (exit code -9).
     """
-    kwargs = dict(log_dir=log_dir, echo=echo, grace=grace, preload=preload, ended=ended, frozen=frozen)
-    own_port = "MASTER_PORT" not in ((env(0) if callable(env) else env) or {})
-    for attempt in range(3):
-        last = not own_port or attempt == 2
-        try:
-            results = _launch_once(free_port(), args, world_size, timeout, env, **kwargs)  # type: ignore[arg-type]
-        except TimeoutError as timed_out:
-            if last or _IN_USE not in str(timed_out):
-                raise
-            continue
-        if last or not any(code != 0 and _IN_USE in out for code, out in results):
-            return results
-    raise AssertionError("unreachable: the last attempt returns or raises")
+    return _on_a_free_port(
+        lambda port: _launch_once(port, args, world_size, timeout, env, log_dir, echo, grace, preload, ended, frozen),
+        lambda results: any(code != 0 and _IN_USE in out for code, out in results),
+        again="MASTER_PORT" not in ((env(0) if callable(env) else env) or {}),  # not where the caller gave it
+    )
 
 
 def _launch_once(
@@ -428,7 +436,6 @@ def _launch_once(
     world_size: int,
     timeout: float,
     env: dict[str, str] | Callable[[int], dict[str, str]] | None,
-    *,
     log_dir: Path | None,
     echo: Collection[int],
     grace: float | None,

@@ -17,12 +17,12 @@ __all__ = ["ROOT", "job_env", "launch_ranks", "run_command"]
 LAUNCHER_VARS = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT", "RANK")
 
 
-def job_env(base: dict[str, str] | None = None, **extra: str) -> dict[str, str]:
-    """The environment of a job started as a user starts one: ``base`` (this process's by default) without the
-    launcher's variables an earlier in-process Trainer may have left, then ``extra``, and a ``MASTER_PORT`` from
-    :func:`free_port` unless ``extra`` gives one. Lightning would pick its own with ``bind(0)``, from the kernel's
-    ephemeral range, where a concurrent test's gloo connection can take it before the job's store binds it."""
-    env = {k: v for k, v in (os.environ if base is None else base).items() if k not in LAUNCHER_VARS}
+def job_env(**extra: str) -> dict[str, str]:
+    """The environment of a job started as a user starts one: this process's without the launcher's variables an
+    earlier in-process Trainer may have left, then ``extra``, and a ``MASTER_PORT`` from :func:`free_port` unless
+    ``extra`` gives one. Lightning would pick its own with ``bind(0)``, from the kernel's ephemeral range, where a
+    concurrent test's gloo connection can take it before the job's store binds it."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     env.update(extra)
     env.setdefault("MASTER_PORT", str(free_port()))
     return env

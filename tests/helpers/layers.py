@@ -37,9 +37,10 @@ def layer_of(module: str) -> int | None:
     return None
 
 
-# the rooms inside a layer: a subpackage of plugin/ or runtime/ -> what it may import of its own package besides
-# itself (a room or a module, by its path under the package; docs/how-it-works.md#rooms shows the same map). The
-# modules at a package's root (the strategy, the step core) may import any of their package's rooms.
+# the rooms inside a layer: a subpackage of plugin/ or runtime/, or algorithms/ at the package's root -> what it may
+# import of its own package besides itself (a room or a module, by its path under the package;
+# docs/how-it-works.md#rooms shows the same map). The modules at a package's root (the strategy, the step core) may
+# import any of their package's rooms.
 ROOMS: dict[str, tuple[str, ...]] = {
     "plugin/checkpoint": ("plugin/compat.py", "plugin/split", "plugin/process/base.py"),
     "plugin/split": ("plugin/compat.py", "plugin/contract.py", "plugin/checkpoint/resume.py", "plugin/steps/data.py"),
@@ -52,11 +53,8 @@ ROOMS: dict[str, tuple[str, ...]] = {
     "runtime/comms": ("runtime/failures", "runtime/sharding/tensor_parallel.py"),
     "runtime/sharding": ("runtime/comms/p2p.py", "runtime/build/materialize.py", "runtime/deferred.py"),
     "runtime/sync": ("runtime/comms", "runtime/sharding"),
+    "algorithms": ("checks.py", "shards.py", "schedules"),  # the paper's algorithms: of the package, only these
 }
-
-# the room at the package's root, the paper's algorithms: what it may import of the package besides itself (by path
-# under the package; the same row opens docs/how-it-works.md#rooms; tests/test_import_layers.py holds it to this)
-ALGORITHMS: tuple[str, ...] = ("checks.py", "shards.py", "schedules")
 
 
 def room_of(path: str) -> str | None:
@@ -67,7 +65,7 @@ def room_of(path: str) -> str | None:
 def allowed_in_room(room: str, target: str) -> bool:
     """Whether a file of ``room`` may import ``target`` (a path under the package: a module's file, or a package's
     folder): anything outside the room's package (the layers rule that), its own room, and what ``ROOMS`` lists."""
-    package = room.split("/")[0]
-    if not target.startswith(package + "/") or target.startswith(room + "/"):
+    package = room.rpartition("/")[0]  # "" for a room at the package's root: every target is in its package
+    if (package and not target.startswith(package + "/")) or target.startswith(room + "/"):
         return True
     return any(target == a or target.startswith(a.removesuffix(".py") + "/") for a in ROOMS[room])
